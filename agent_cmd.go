@@ -1,0 +1,214 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel"
+)
+
+type agentOptions struct {
+	serverHost, caCert    string
+	serverPort            int
+	agentCert, agentKey   string
+	agentID, identifiers  string
+	tokenPath             string
+	healthHost            string
+	healthPort            int
+	adminBindAddress      string
+	adminPort             int
+	enableProfiling       bool
+	dialTimeout           time.Duration
+	keepaliveTime         time.Duration
+	pingTimeout           time.Duration
+	drainTimeout          time.Duration
+	syncInterval, syncCap time.Duration
+	maxStreams            uint
+	tlsMinVersion         string
+}
+
+func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
+	o := &agentOptions{}
+	cf := newCommandFlags("konnectivity agent", stderr)
+	f := cf.FlagSet
+	f.StringVar(&o.serverHost, "proxy-server-host", "127.0.0.1", "server (or load balancer) address to dial; also the TLS server name")
+	f.IntVar(&o.serverPort, "proxy-server-port", 8091, "server agent port")
+	f.StringVar(&o.caCert, "ca-cert", "", "CA that signs the server's certificate (read again on every connect; default: system roots)")
+	f.StringVar(&o.agentCert, "agent-cert", "", "client certificate for mTLS (read again on every connect)")
+	f.StringVar(&o.agentKey, "agent-key", "", "client key for mTLS")
+	f.StringVar(&o.agentID, "agent-id", "", "agent ID (default: $PROXY_AGENT_ID, else the host name)")
+	f.StringVar(&o.identifiers, "agent-identifiers", "", "identifiers for destHost routing, e.g. host=node1&ipv4=10.0.0.5&default-route=true")
+	f.StringVar(&o.tokenPath, "service-account-token-path", "", "ServiceAccount token file sent as a bearer token (read again on every connect)")
+	f.StringVar(&o.healthHost, "health-server-host", "", "address the health server binds to (default all)")
+	f.IntVar(&o.healthPort, "health-server-port", 8093, "port of /healthz, /livez and /readyz; 0 disables it")
+	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
+	f.IntVar(&o.adminPort, "admin-server-port", 8094, "port of the admin server; 0 disables it")
+	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
+	f.DurationVar(&o.dialTimeout, "dial-timeout", 5*time.Second, "bound on dialling a destination")
+	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to the server")
+	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before reconnecting")
+	f.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long open tunnels may finish")
+	f.DurationVar(&o.syncInterval, "sync-interval", time.Second, "first reconnect delay")
+	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
+	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
+	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
+
+	cf.tolerate("probe-interval", false, "not implemented yet: HTTP/2 PING (--keepalive-time) checks liveness")
+	cf.tolerate("sync-forever", true, "not implemented yet: the agent holds one server connection")
+	cf.tolerate("alpn-proto", false, "not supported")
+	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
+	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
+	cf.tolerate("count-server-leases", true, "leases are not used: the server count comes from the handshake")
+	cf.tolerate("lease-namespace", false, "leases are not used")
+	cf.tolerate("lease-label-selector", false, "leases are not used")
+	cf.tolerate("lease-label", false, "leases are not used")
+	cf.tolerate("server-count-source", false, "leases are not used")
+	cf.tolerate("kubeconfig", false, "the agent needs no Kubernetes API access")
+	cf.tolerate("kube-api-content-type", false, "the agent needs no Kubernetes API access")
+	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
+	return o, cf
+}
+
+func runAgent(args []string, stdout, stderr io.Writer) int {
+	o, cf := newAgentFlags(stderr)
+	log, err := cf.parse(args, stderr)
+	if err != nil {
+		if errors.Is(err, flagHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "konnectivity agent: %v\n", err)
+		return 2
+	}
+	if err := o.complete(); err != nil {
+		fmt.Fprintf(stderr, "konnectivity agent: %v\n", err)
+		return 2
+	}
+	ctx, stop := signalContext(log)
+	defer stop()
+	if err := o.run(ctx, log); err != nil {
+		log.Error("agent failed", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func (o *agentOptions) complete() error {
+	if o.agentID == "" {
+		o.agentID = os.Getenv("PROXY_AGENT_ID")
+	}
+	if o.agentID == "" {
+		host, err := os.Hostname()
+		if err != nil || host == "" {
+			return fmt.Errorf("no --agent-id and no host name: %v", err)
+		}
+		o.agentID = host
+	}
+	if _, err := tunnel.ParseIdentifiers(o.identifiers); err != nil {
+		return fmt.Errorf("--agent-identifiers: %w", err)
+	}
+	if (o.agentCert == "") != (o.agentKey == "") {
+		return fmt.Errorf("--agent-cert and --agent-key go together")
+	}
+	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+		return err
+	}
+	if o.maxStreams == 0 || o.maxStreams > 1<<31 {
+		return fmt.Errorf("--max-streams=%d: out of range", o.maxStreams)
+	}
+	return nil
+}
+
+// tlsConfig reads the CA and client certificate from disk, so that each
+// new connection uses what is there now.
+func (o *agentOptions) tlsConfig() (*tls.Config, error) {
+	minTLS, _ := tlsVersion(o.tlsMinVersion)
+	cfg := &tls.Config{ServerName: o.serverHost, MinVersion: minTLS}
+	if o.caCert != "" {
+		pool, err := loadCAPool(o.caCert)
+		if err != nil {
+			return nil, fmt.Errorf("--ca-cert: %w", err)
+		}
+		cfg.RootCAs = pool
+	}
+	if o.agentCert != "" {
+		cert, err := tls.LoadX509KeyPair(o.agentCert, o.agentKey)
+		if err != nil {
+			return nil, fmt.Errorf("--agent-cert/--agent-key: %w", err)
+		}
+		cfg.Certificates = []tls.Certificate{cert}
+	}
+	return cfg, nil
+}
+
+func (o *agentOptions) token() (string, error) {
+	data, err := os.ReadFile(o.tokenPath)
+	if err != nil {
+		return "", fmt.Errorf("read %s: %w", o.tokenPath, err)
+	}
+	token := strings.TrimSpace(string(data))
+	if token == "" {
+		return "", fmt.Errorf("%s is empty", o.tokenPath)
+	}
+	return token, nil
+}
+
+func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
+	cfg := tunnel.AgentConfig{
+		ServerAddr:   net.JoinHostPort(o.serverHost, fmt.Sprint(o.serverPort)),
+		ID:           o.agentID,
+		Identifiers:  o.identifiers,
+		TLS:          o.tlsConfig,
+		DialTimeout:  o.dialTimeout,
+		KeepAlive:    o.keepaliveTime,
+		PingTimeout:  o.pingTimeout,
+		DrainTimeout: o.drainTimeout,
+		BackoffMin:   o.syncInterval,
+		BackoffMax:   o.syncCap,
+		MaxStreams:   uint32(o.maxStreams),
+		Logger:       log,
+	}
+	if o.tokenPath != "" {
+		cfg.Token = o.token
+	}
+	agent, err := tunnel.NewAgent(cfg)
+	if err != nil {
+		return err
+	}
+	ready := []check{{"server-connected", agent.Ready}}
+	var services []*httpService
+	defer func() {
+		for _, s := range services {
+			s.stop()
+		}
+	}()
+	if o.healthPort != 0 {
+		s, err := startHTTP("health", hostPort(o.healthHost, o.healthPort), healthMux(ready), log)
+		if err != nil {
+			return err
+		}
+		services = append(services, s)
+	}
+	if o.adminPort != 0 {
+		mux := healthMux(ready)
+		if o.enableProfiling {
+			addProfiling(mux)
+		}
+		s, err := startHTTP("admin", hostPort(o.adminBindAddress, o.adminPort), mux, log)
+		if err != nil {
+			return err
+		}
+		services = append(services, s)
+	}
+	log.Info("agent starting", "agent_id", o.agentID, "server", cfg.ServerAddr, "identifiers", o.identifiers)
+	err = agent.Run(ctx)
+	log.Info("stopped")
+	return err
+}

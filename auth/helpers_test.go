@@ -1,0 +1,350 @@
+package auth
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"log"
+	"math/big"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// sampleToken is checked for in every error message the tests produce.
+const sampleToken = "eyJhbGciOiJSUzI1NiJ9.c2FtcGxlLXNlY3JldC10b2tlbg.U0VDUkVULVNJR05BVFVSRS1kby1ub3QtbGVhaw"
+
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pem  []byte
+}
+
+func newTestCA(t testing.TB, cn string) *testCA {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: cn},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageCertSign,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
+}
+
+// issue returns a PEM cert and key signed by ca.
+func (ca *testCA) issue(t testing.TB, cn string, server bool, dns []string, ips []net.IP) (certPEM, keyPEM []byte) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	usage := x509.ExtKeyUsageClientAuth
+	if server {
+		usage = x509.ExtKeyUsageServerAuth
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()),
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
+		DNSNames:     dns,
+		IPAddresses:  ips,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
+}
+
+// identity is what the fake apiserver knows about a token.
+type identity struct {
+	username  string
+	audiences []string
+}
+
+type reviewRequest struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Spec       struct {
+		Token     string   `json:"token"`
+		Audiences []string `json:"audiences"`
+	} `json:"spec"`
+}
+
+// fakeAPIServer serves TokenReview over TLS like kube-apiserver would.
+type fakeAPIServer struct {
+	t        *testing.T
+	srv      *httptest.Server
+	caPEM    []byte // CA of the serving cert
+	clientCA *testCA
+	certPEM  []byte // a client cert the server accepts
+	keyPEM   []byte
+	requests atomic.Int64
+
+	mu         sync.Mutex
+	tokens     map[string]identity
+	wantBearer string // if set, the request must carry this bearer token
+	mode       string // "", "500", "hang", "garbage", "override"
+	override   func(req reviewRequest) (int, any)
+	release    chan struct{} // closed to end "hang"
+}
+
+type fakeOpts struct {
+	requireClientCert bool
+	dnsOnly           bool // serving cert without IP SAN, only kubernetes.test
+}
+
+func newFakeAPIServer(t *testing.T, o fakeOpts) *fakeAPIServer {
+	t.Helper()
+	f := &fakeAPIServer{t: t, tokens: map[string]identity{}, release: make(chan struct{})}
+	serverCA := newTestCA(t, "fake-apiserver-ca")
+	f.caPEM = serverCA.pem
+	var ips []net.IP
+	if !o.dnsOnly {
+		ips = []net.IP{net.IPv4(127, 0, 0, 1)}
+	}
+	sc, sk := serverCA.issue(t, "kube-apiserver", true, []string{"kubernetes.test"}, ips)
+	serving, err := tls.X509KeyPair(sc, sk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.clientCA = newTestCA(t, "fake-client-ca")
+	f.certPEM, f.keyPEM = f.clientCA.issue(t, "system:konnectivity-server", false, nil, nil)
+
+	f.srv = httptest.NewUnstartedServer(http.HandlerFunc(f.serve))
+	f.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // refused handshakes are expected
+	f.srv.TLS = &tls.Config{Certificates: []tls.Certificate{serving}, MinVersion: tls.VersionTLS12}
+	if o.requireClientCert {
+		pool := x509.NewCertPool()
+		pool.AddCert(f.clientCA.cert)
+		f.srv.TLS.ClientCAs = pool
+		f.srv.TLS.ClientAuth = tls.RequireAndVerifyClientCert
+	}
+	f.srv.StartTLS()
+	t.Cleanup(func() {
+		f.setMode("")
+		f.srv.Close()
+	})
+	return f
+}
+
+func (f *fakeAPIServer) url() string { return f.srv.URL }
+
+func (f *fakeAPIServer) setMode(mode string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.mode == "hang" && mode != "hang" {
+		close(f.release)
+		f.release = make(chan struct{})
+	}
+	f.mode = mode
+}
+
+func (f *fakeAPIServer) setOverride(fn func(reviewRequest) (int, any)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.override = fn
+	f.mode = "override"
+}
+
+func (f *fakeAPIServer) addToken(token string, id identity) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.tokens[token] = id
+}
+
+func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
+	f.requests.Add(1)
+	f.mu.Lock()
+	mode, release, override, wantBearer := f.mode, f.release, f.override, f.wantBearer
+	f.mu.Unlock()
+
+	if r.Method != http.MethodPost || r.URL.Path != "/apis/authentication.k8s.io/v1/tokenreviews" {
+		http.Error(w, "not found", http.StatusNotFound)
+		return
+	}
+	if r.Header.Get("Content-Type") != "application/json" {
+		http.Error(w, "bad content type", http.StatusUnsupportedMediaType)
+		return
+	}
+	if wantBearer != "" && r.Header.Get("Authorization") != "Bearer "+wantBearer {
+		http.Error(w, `{"kind":"Status","message":"Unauthorized"}`, http.StatusUnauthorized)
+		return
+	}
+	var req reviewRequest
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil || req.Kind != "TokenReview" || req.APIVersion != "authentication.k8s.io/v1" {
+		http.Error(w, "bad request", http.StatusBadRequest)
+		return
+	}
+	switch mode {
+	case "500":
+		// Echo the token, as a careless apiserver might: it must be redacted.
+		http.Error(w, "internal error reviewing "+req.Spec.Token, http.StatusInternalServerError)
+		return
+	case "hang":
+		select {
+		case <-r.Context().Done():
+		case <-release:
+		}
+		http.Error(w, "gave up", http.StatusServiceUnavailable)
+		return
+	case "garbage":
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprint(w, "{not json")
+		return
+	case "override":
+		code, body := override(req)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(code)
+		json.NewEncoder(w).Encode(body)
+		return
+	}
+	f.mu.Lock()
+	id, known := f.tokens[req.Spec.Token]
+	f.mu.Unlock()
+	status := map[string]any{"authenticated": false, "user": map[string]any{}}
+	if known {
+		auds := id.audiences
+		if len(req.Spec.Audiences) > 0 {
+			auds = nil
+			for _, a := range req.Spec.Audiences {
+				for _, b := range id.audiences {
+					if a == b {
+						auds = append(auds, a)
+					}
+				}
+			}
+		}
+		if len(auds) > 0 {
+			status = map[string]any{
+				"authenticated": true,
+				"user":          map[string]any{"username": id.username, "uid": "1234", "groups": []string{"system:serviceaccounts"}},
+				"audiences":     auds,
+			}
+		} else {
+			status["error"] = "[invalid bearer token, token audiences is invalid for the target audiences]"
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	json.NewEncoder(w).Encode(map[string]any{
+		"kind":       "TokenReview",
+		"apiVersion": "authentication.k8s.io/v1",
+		"metadata":   map[string]any{"creationTimestamp": nil},
+		"spec":       req.Spec,
+		"status":     status,
+	})
+}
+
+func b64(b []byte) string { return base64.StdEncoding.EncodeToString(b) }
+
+// kubeconfigInline is a kubeconfig for f with everything inline.
+func (f *fakeAPIServer) kubeconfigInline() string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: Config
+current-context: main
+clusters:
+- name: fake
+  cluster:
+    server: %s
+    certificate-authority-data: %s
+contexts:
+- name: main
+  context: {cluster: fake, user: server}
+users:
+- name: server
+  user:
+    client-certificate-data: %s
+    client-key-data: %s
+`, f.url(), b64(f.caPEM), b64(f.certPEM), b64(f.keyPEM))
+}
+
+func writeFile(t testing.TB, path string, data []byte) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// makeJWT returns an unsigned JWT-shaped token with the given exp (0: none).
+func makeJWT(sub string, exp int64) string {
+	claims := map[string]any{"sub": sub, "iss": "https://kubernetes.default.svc"}
+	if exp != 0 {
+		claims["exp"] = exp
+	}
+	payload, _ := json.Marshal(claims)
+	enc := base64.RawURLEncoding
+	return enc.EncodeToString([]byte(`{"alg":"RS256"}`)) + "." + enc.EncodeToString(payload) + "." + enc.EncodeToString([]byte("sig-"+sub))
+}
+
+// fakeClock is a settable clock for cache tests.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+// noToken fails the test if err's text contains any of the secrets.
+func noToken(t *testing.T, err error, secrets ...string) {
+	t.Helper()
+	if err == nil {
+		return
+	}
+	for _, s := range append(secrets, sampleToken) {
+		if s != "" && strings.Contains(err.Error(), s) {
+			t.Errorf("error leaks a token: %q", err.Error())
+		}
+	}
+}

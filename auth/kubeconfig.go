@@ -1,0 +1,596 @@
+package auth
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+const (
+	// Bounds on what we read: a kubeconfig or credential file bigger than
+	// this is a mistake, and reading it whole could exhaust memory.
+	maxKubeconfigSize     = 4 << 20
+	maxCredentialFileSize = 1 << 20
+
+	// serviceAccountDir is where the kubelet mounts the pod's ServiceAccount.
+	serviceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
+)
+
+// RESTConfig is what is needed to call the kube-apiserver: its URL, how to
+// verify it and how to authenticate to it. Build one with LoadKubeconfig,
+// ParseKubeconfig or InClusterConfig.
+type RESTConfig struct {
+	server        string // base URL, no trailing slash
+	tlsServerName string
+	insecure      bool
+	rootCAs       *x509.CertPool // nil: system roots
+	clientCert    *tls.Certificate
+	token         string
+	tokenFile     string // re-read for every request (projected tokens rotate)
+	proxy         *url.URL
+	readFile      func(path string, limit int64) ([]byte, error)
+}
+
+// Server returns the apiserver base URL, e.g. "https://10.0.0.1:6443".
+func (c *RESTConfig) Server() string { return c.server }
+
+// String describes the config without any secret.
+func (c *RESTConfig) String() string {
+	authn := "none"
+	switch {
+	case c.clientCert != nil && (c.token != "" || c.tokenFile != ""):
+		authn = "client-certificate+token"
+	case c.clientCert != nil:
+		authn = "client-certificate"
+	case c.tokenFile != "":
+		authn = "tokenFile " + c.tokenFile
+	case c.token != "":
+		authn = "token"
+	}
+	return fmt.Sprintf("RESTConfig{server=%s auth=%s insecure=%t}", c.server, authn, c.insecure)
+}
+
+// GoString keeps %#v from printing the token.
+func (c *RESTConfig) GoString() string { return c.String() }
+
+// HTTPClient returns a client that talks to Server() with the configured TLS
+// settings and credentials. It has no overall timeout; bound requests with
+// their context.
+func (c *RESTConfig) HTTPClient() *http.Client {
+	tlsCfg := &tls.Config{
+		MinVersion:         tls.VersionTLS12,
+		RootCAs:            c.rootCAs,
+		ServerName:         c.tlsServerName,
+		InsecureSkipVerify: c.insecure, // only when the kubeconfig asks for it
+	}
+	if c.clientCert != nil {
+		tlsCfg.Certificates = []tls.Certificate{*c.clientCert}
+	}
+	proxy := http.ProxyFromEnvironment
+	if c.proxy != nil {
+		proxy = http.ProxyURL(c.proxy)
+	}
+	tr := &http.Transport{
+		Proxy:               proxy,
+		DialContext:         (&net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSClientConfig:     tlsCfg,
+		TLSHandshakeTimeout: 10 * time.Second,
+		ForceAttemptHTTP2:   true, // a custom TLS config disables HTTP/2 otherwise
+		MaxIdleConnsPerHost: 4,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	var rt http.RoundTripper = tr
+	if c.token != "" || c.tokenFile != "" {
+		rt = &bearerTransport{cfg: c, next: tr}
+	}
+	return &http.Client{Transport: rt}
+}
+
+// bearerTransport adds the Authorization header, reading tokenFile anew for
+// each request so a rotated projected token is picked up.
+type bearerTransport struct {
+	cfg  *RESTConfig
+	next http.RoundTripper
+}
+
+func (b *bearerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Header.Get("Authorization") != "" {
+		return b.next.RoundTrip(req)
+	}
+	token := b.cfg.token
+	if b.cfg.tokenFile != "" {
+		data, err := b.cfg.readFile(b.cfg.tokenFile, maxCredentialFileSize)
+		if err != nil {
+			if req.Body != nil {
+				req.Body.Close() // RoundTrip must close the body, even on error
+			}
+			return nil, fmt.Errorf("read tokenFile: %w", err)
+		}
+		token = strings.TrimSpace(string(data))
+	}
+	req = req.Clone(req.Context())
+	req.Header.Set("Authorization", "Bearer "+token)
+	return b.next.RoundTrip(req)
+}
+
+// readRegularFile reads at most limit bytes of a regular file. Refusing
+// devices and FIFOs keeps a typo like /dev/zero from hanging or eating memory.
+func readRegularFile(path string, limit int64) ([]byte, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s: not a regular file", path)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(data)) > limit {
+		return nil, fmt.Errorf("%s: larger than %d bytes", path, limit)
+	}
+	return data, nil
+}
+
+// LoadKubeconfig reads the kubeconfig at path and returns the config of the
+// named context, or of current-context when context is empty. Relative file
+// names inside it are resolved against the kubeconfig's folder. With an
+// empty path and context it returns InClusterConfig(), like upstream.
+func LoadKubeconfig(path, context string) (*RESTConfig, error) {
+	if path == "" {
+		if context != "" {
+			return nil, fmt.Errorf("kubeconfig context %q given without a kubeconfig path", context)
+		}
+		return InClusterConfig()
+	}
+	data, err := readRegularFile(path, maxKubeconfigSize)
+	if err != nil {
+		return nil, fmt.Errorf("read kubeconfig: %w", err)
+	}
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
+	}
+	cfg, err := parseKubeconfig(data, filepath.Dir(abs), context, readRegularFile)
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// ParseKubeconfig is LoadKubeconfig for bytes already read; dir is the folder
+// that relative file names are resolved against.
+func ParseKubeconfig(data []byte, dir, context string) (*RESTConfig, error) {
+	cfg, err := parseKubeconfig(data, dir, context, readRegularFile)
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig: %w", err)
+	}
+	return cfg, nil
+}
+
+// InClusterConfig returns the config a pod uses to reach its apiserver:
+// KUBERNETES_SERVICE_HOST/PORT, the ServiceAccount token (re-read per
+// request, as the kubelet rotates it) and the cluster CA.
+func InClusterConfig() (*RESTConfig, error) {
+	return inClusterConfig(serviceAccountDir, os.Getenv)
+}
+
+func inClusterConfig(dir string, getenv func(string) string) (*RESTConfig, error) {
+	host, port := getenv("KUBERNETES_SERVICE_HOST"), getenv("KUBERNETES_SERVICE_PORT")
+	if host == "" || port == "" {
+		return nil, errors.New("in-cluster config: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT must be set (not running in a pod? pass --kubeconfig)")
+	}
+	cfg := &RESTConfig{
+		server:    "https://" + net.JoinHostPort(host, port),
+		tokenFile: filepath.Join(dir, "token"),
+		readFile:  readRegularFile,
+	}
+	if err := checkTokenFile(cfg.tokenFile, readRegularFile); err != nil {
+		return nil, fmt.Errorf("in-cluster config: %w", err)
+	}
+	caPEM, err := readRegularFile(filepath.Join(dir, "ca.crt"), maxCredentialFileSize)
+	if err != nil {
+		return nil, fmt.Errorf("in-cluster config: read CA: %w", err)
+	}
+	if cfg.rootCAs, err = certPool(caPEM); err != nil {
+		return nil, fmt.Errorf("in-cluster config: %s: %w", filepath.Join(dir, "ca.crt"), err)
+	}
+	return cfg, nil
+}
+
+func checkTokenFile(path string, readFile func(string, int64) ([]byte, error)) error {
+	data, err := readFile(path, maxCredentialFileSize)
+	if err != nil {
+		return fmt.Errorf("read token: %w", err)
+	}
+	if strings.TrimSpace(string(data)) == "" {
+		return fmt.Errorf("token file %s is empty", path)
+	}
+	return nil
+}
+
+func certPool(pemData []byte) (*x509.CertPool, error) {
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pemData) {
+		return nil, errors.New("no PEM certificates found")
+	}
+	return pool, nil
+}
+
+// parseKubeconfig walks the YAML node tree by hand rather than unmarshalling
+// into structs so that every error can name the offending field, and so that
+// no error ever echoes a value (which might be a token or key).
+func parseKubeconfig(data []byte, dir, context string, readFile func(string, int64) ([]byte, error)) (*RESTConfig, error) {
+	var doc yaml.Node
+	if err := yaml.Unmarshal(data, &doc); err != nil {
+		return nil, fmt.Errorf("not valid YAML: %s", yamlSyntaxError(err))
+	}
+	if doc.Kind == 0 || len(doc.Content) == 0 {
+		return nil, errors.New("empty")
+	}
+	top, err := mapping(doc.Content[0], "top level")
+	if err != nil {
+		return nil, err
+	}
+
+	name := context
+	if name == "" {
+		if name, err = str(top, "current-context"); err != nil {
+			return nil, err
+		}
+		if name == "" {
+			return nil, errors.New("current-context: not set (select a context explicitly)")
+		}
+	}
+	contexts, err := named(top, "contexts", "context")
+	if err != nil {
+		return nil, err
+	}
+	ctxNode, ok := contexts[name]
+	if !ok {
+		return nil, fmt.Errorf("context %q: not found", name)
+	}
+	where := fmt.Sprintf("context %q", name)
+	ctxFields, err := mapping(ctxNode, "context")
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", where, err)
+	}
+	clusterName, err := str(ctxFields, "cluster")
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", where, err)
+	}
+	if clusterName == "" {
+		return nil, fmt.Errorf("%s: cluster: not set", where)
+	}
+	userName, err := str(ctxFields, "user")
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", where, err)
+	}
+
+	clusters, err := named(top, "clusters", "cluster")
+	if err != nil {
+		return nil, err
+	}
+	clusterNode, ok := clusters[clusterName]
+	if !ok {
+		return nil, fmt.Errorf("%s: cluster %q: not found", where, clusterName)
+	}
+	cfg := &RESTConfig{readFile: readFile}
+	if err := parseCluster(cfg, clusterNode, dir, readFile); err != nil {
+		return nil, fmt.Errorf("%s: cluster %q: %w", where, clusterName, err)
+	}
+
+	if userName != "" { // no user: anonymous, which client-go allows too
+		users, err := named(top, "users", "user")
+		if err != nil {
+			return nil, err
+		}
+		userNode, ok := users[userName]
+		if !ok {
+			return nil, fmt.Errorf("%s: user %q: not found", where, userName)
+		}
+		if err := parseUser(cfg, userNode, dir, readFile); err != nil {
+			return nil, fmt.Errorf("%s: user %q: %w", where, userName, err)
+		}
+	}
+	return cfg, nil
+}
+
+func parseCluster(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
+	m, err := mapping(n, "cluster")
+	if err != nil {
+		return err
+	}
+	server, err := str(m, "server")
+	if err != nil {
+		return err
+	}
+	if cfg.server, err = serverURL(server); err != nil {
+		return fmt.Errorf("server: %w", err)
+	}
+	if cfg.tlsServerName, err = str(m, "tls-server-name"); err != nil {
+		return err
+	}
+	if cfg.insecure, err = boolean(m, "insecure-skip-tls-verify"); err != nil {
+		return err
+	}
+	proxyURL, err := str(m, "proxy-url")
+	if err != nil {
+		return err
+	}
+	if proxyURL != "" {
+		u, err := url.Parse(proxyURL)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return errors.New("proxy-url: must be an http:// or https:// URL")
+		}
+		cfg.proxy = u
+	}
+
+	caPEM, caField, err := dataOrFile(m, "certificate-authority", dir, readFile)
+	if err != nil {
+		return err
+	}
+	if caPEM != nil {
+		if cfg.insecure {
+			// Same rule as client-go: the two contradict each other.
+			return fmt.Errorf("insecure-skip-tls-verify: not allowed together with %s", caField)
+		}
+		if cfg.rootCAs, err = certPool(caPEM); err != nil {
+			return fmt.Errorf("%s: %w", caField, err)
+		}
+	}
+	return nil
+}
+
+func serverURL(s string) (string, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return "", errors.New("not set")
+	}
+	if !strings.Contains(s, "://") {
+		s = "https://" + s // client-go also accepts a bare host:port
+	}
+	u, err := url.Parse(s)
+	if err != nil {
+		return "", errors.New("not a valid URL")
+	}
+	if u.Scheme != "https" && u.Scheme != "http" {
+		return "", errors.New("must be an https:// or http:// URL")
+	}
+	if u.Host == "" {
+		return "", errors.New("has no host")
+	}
+	if u.User != nil || u.RawQuery != "" || u.Fragment != "" {
+		return "", errors.New("must not contain user info, a query or a fragment")
+	}
+	u.Path = strings.TrimRight(u.Path, "/")
+	u.RawPath = strings.TrimRight(u.RawPath, "/")
+	return u.String(), nil
+}
+
+func parseUser(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
+	m, err := mapping(n, "user")
+	if err != nil {
+		return err
+	}
+	// Refuse what we cannot honour rather than silently calling the apiserver
+	// as somebody else (or as nobody).
+	for _, k := range []struct{ key, why string }{
+		{"exec", "credential plugins are not supported"},
+		{"auth-provider", "auth providers are not supported"},
+		{"username", "basic authentication is not supported"},
+		{"password", "basic authentication is not supported"},
+		{"as", "impersonation is not supported"},
+		{"as-uid", "impersonation is not supported"},
+		{"as-groups", "impersonation is not supported"},
+		{"as-user-extra", "impersonation is not supported"},
+	} {
+		if v, ok := m[k.key]; ok && !isNull(v) {
+			return fmt.Errorf("%s: %s", k.key, k.why)
+		}
+	}
+
+	certPEM, certField, err := dataOrFile(m, "client-certificate", dir, readFile)
+	if err != nil {
+		return err
+	}
+	keyPEM, keyField, err := dataOrFile(m, "client-key", dir, readFile)
+	if err != nil {
+		return err
+	}
+	switch {
+	case certPEM != nil && keyPEM == nil:
+		return fmt.Errorf("client-key-data or client-key: not set (%s is set)", certField)
+	case keyPEM != nil && certPEM == nil:
+		return fmt.Errorf("client-certificate-data or client-certificate: not set (%s is set)", keyField)
+	case certPEM != nil:
+		pair, err := tls.X509KeyPair(certPEM, keyPEM)
+		if err != nil {
+			return fmt.Errorf("%s, %s: %w", certField, keyField, err)
+		}
+		cfg.clientCert = &pair
+	}
+
+	if cfg.token, err = str(m, "token"); err != nil {
+		return err
+	}
+	cfg.token = strings.TrimSpace(cfg.token)
+	tokenFile, err := str(m, "tokenFile")
+	if err != nil {
+		return err
+	}
+	if tokenFile != "" {
+		// Like client-go, a readable tokenFile wins over an inline token.
+		cfg.tokenFile = resolvePath(dir, tokenFile)
+		if err := checkTokenFile(cfg.tokenFile, readFile); err != nil {
+			return fmt.Errorf("tokenFile: %w", err)
+		}
+	}
+	return nil
+}
+
+// dataOrFile returns the PEM from "<key>-data" (base64) or, if that is
+// unset, from the file named by "<key>", and which of the two it used.
+func dataOrFile(m map[string]*yaml.Node, key, dir string, readFile func(string, int64) ([]byte, error)) ([]byte, string, error) {
+	dataKey := key + "-data"
+	b64, err := str(m, dataKey)
+	if err != nil {
+		return nil, "", err
+	}
+	if b64 = strings.TrimSpace(b64); b64 != "" {
+		data, err := base64.StdEncoding.DecodeString(b64) // ignores embedded newlines
+		if err != nil {
+			return nil, "", fmt.Errorf("%s: not valid base64", dataKey)
+		}
+		if len(data) == 0 {
+			return nil, "", fmt.Errorf("%s: empty", dataKey)
+		}
+		return data, dataKey, nil
+	}
+	file, err := str(m, key)
+	if err != nil {
+		return nil, "", err
+	}
+	if file == "" {
+		return nil, "", nil
+	}
+	data, err := readFile(resolvePath(dir, file), maxCredentialFileSize)
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: %w", key, err)
+	}
+	if len(data) == 0 {
+		return nil, "", fmt.Errorf("%s: file is empty", key)
+	}
+	return data, key, nil
+}
+
+func resolvePath(dir, p string) string {
+	if filepath.IsAbs(p) || dir == "" {
+		return p
+	}
+	return filepath.Join(dir, p)
+}
+
+// yamlSyntaxError trims yaml.v3's prefix. Syntax errors name a position,
+// never a scalar's text, so they cannot leak a secret; type errors (which
+// would quote values) cannot happen because we decode into yaml.Node.
+func yamlSyntaxError(err error) string {
+	return strings.TrimPrefix(err.Error(), "yaml: ")
+}
+
+func resolve(n *yaml.Node) *yaml.Node {
+	// yaml.v3 rejects self-referencing anchors; the bound is belt and braces.
+	for i := 0; n != nil && n.Kind == yaml.AliasNode && i < 16; i++ {
+		n = n.Alias
+	}
+	return n
+}
+
+func isNull(n *yaml.Node) bool {
+	n = resolve(n)
+	return n == nil || (n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null")
+}
+
+// mapping returns a YAML mapping's values by key; null counts as empty.
+func mapping(n *yaml.Node, what string) (map[string]*yaml.Node, error) {
+	n = resolve(n)
+	m := map[string]*yaml.Node{}
+	if isNull(n) {
+		return m, nil
+	}
+	if n.Kind != yaml.MappingNode {
+		return nil, fmt.Errorf("%s: line %d: expected a mapping", what, n.Line)
+	}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k := resolve(n.Content[i])
+		if k == nil || k.Kind != yaml.ScalarNode {
+			continue // no kubeconfig field has a non-scalar key
+		}
+		if _, dup := m[k.Value]; dup {
+			return nil, fmt.Errorf("%s: line %d: duplicate key", what, k.Line)
+		}
+		m[k.Value] = n.Content[i+1]
+	}
+	return m, nil
+}
+
+// str returns a scalar field as a string ("" if absent or null).
+func str(m map[string]*yaml.Node, key string) (string, error) {
+	n, ok := m[key]
+	if !ok || isNull(n) {
+		return "", nil
+	}
+	n = resolve(n)
+	if n.Kind != yaml.ScalarNode {
+		return "", fmt.Errorf("%s: line %d: expected a string", key, n.Line)
+	}
+	return n.Value, nil
+}
+
+func boolean(m map[string]*yaml.Node, key string) (bool, error) {
+	n, ok := m[key]
+	if !ok || isNull(n) {
+		return false, nil
+	}
+	n = resolve(n)
+	var b bool
+	if n.Kind != yaml.ScalarNode || n.Decode(&b) != nil {
+		return false, fmt.Errorf("%s: line %d: expected true or false", key, n.Line)
+	}
+	return b, nil
+}
+
+// named indexes a kubeconfig list such as clusters ([{name, cluster}]) by
+// name, returning each entry's inner field (here "cluster").
+func named(top map[string]*yaml.Node, list, inner string) (map[string]*yaml.Node, error) {
+	out := map[string]*yaml.Node{}
+	n, ok := top[list]
+	if !ok || isNull(n) {
+		return out, nil
+	}
+	n = resolve(n)
+	if n.Kind != yaml.SequenceNode {
+		return nil, fmt.Errorf("%s: line %d: expected a list", list, n.Line)
+	}
+	for i, item := range n.Content {
+		where := fmt.Sprintf("%s[%d]", list, i)
+		m, err := mapping(item, where)
+		if err != nil {
+			return nil, err
+		}
+		name, err := str(m, "name")
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
+		}
+		if name == "" {
+			return nil, fmt.Errorf("%s: name: not set", where)
+		}
+		if _, dup := out[name]; dup {
+			return nil, fmt.Errorf("%s: name %q: defined twice", where, name)
+		}
+		v, ok := m[inner]
+		if !ok {
+			v = &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!null"}
+		}
+		out[name] = v
+	}
+	return out, nil
+}

@@ -1,0 +1,440 @@
+package auth
+
+import (
+	"bytes"
+	"container/list"
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+const (
+	defaultReviewTimeout = 5 * time.Second
+	defaultCacheTTL      = 10 * time.Second
+	defaultCacheEntries  = 4096
+	maxTokenLen          = 64 << 10
+	maxReviewBody        = 1 << 20
+	tokenReviewPath      = "/apis/authentication.k8s.io/v1/tokenreviews"
+)
+
+// Error is an authentication failure with the HTTP status the server should
+// send to the agent (401, 403 or 503) or the frontend client (403).
+type Error struct {
+	Status int    // http.StatusUnauthorized, StatusForbidden or StatusServiceUnavailable
+	Reason string // human-readable, never contains the token
+	err    error  // cause, for 503s
+}
+
+func (e *Error) Error() string {
+	if e.err != nil {
+		return fmt.Sprintf("%s: %s: %v", http.StatusText(e.Status), e.Reason, e.err)
+	}
+	return fmt.Sprintf("%s: %s", http.StatusText(e.Status), e.Reason)
+}
+
+func (e *Error) Unwrap() error { return e.err }
+
+// StatusOf maps an error from this package to the HTTP status to answer
+// with: 200 for nil, the Error's status, and 503 for anything else (an
+// unexpected failure is ours, so the agent should retry).
+func StatusOf(err error) int {
+	if err == nil {
+		return http.StatusOK
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Status
+	}
+	return http.StatusServiceUnavailable
+}
+
+func unauthorized(format string, args ...any) error {
+	return &Error{Status: http.StatusUnauthorized, Reason: fmt.Sprintf(format, args...)}
+}
+
+func forbidden(format string, args ...any) error {
+	return &Error{Status: http.StatusForbidden, Reason: fmt.Sprintf(format, args...)}
+}
+
+func unavailable(reason string, err error) error {
+	return &Error{Status: http.StatusServiceUnavailable, Reason: reason, err: err}
+}
+
+// BearerToken extracts the token from exactly one "Authorization: Bearer
+// <token>" header. A missing or malformed header is a 401 Error.
+func BearerToken(h http.Header) (string, error) {
+	vals := h.Values("Authorization")
+	switch len(vals) {
+	case 0:
+		return "", unauthorized("missing Authorization header")
+	case 1:
+	default:
+		return "", unauthorized("more than one Authorization header")
+	}
+	scheme, token, ok := strings.Cut(strings.TrimSpace(vals[0]), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", unauthorized("Authorization header is not a Bearer token")
+	}
+	return strings.TrimSpace(token), nil
+}
+
+// ReviewOptions configures a TokenReviewer.
+type ReviewOptions struct {
+	// Audience the token must be issued for (--authentication-audience).
+	// Empty: do not ask for one, accept the apiserver's default audiences.
+	Audience string
+	// The agent's ServiceAccount: the token's user must be exactly
+	// system:serviceaccount:<Namespace>:<ServiceAccount>. Both required.
+	Namespace      string
+	ServiceAccount string
+	// Timeout bounds one TokenReview call. Default 5s.
+	Timeout time.Duration
+	// CacheTTL is how long a 200/401/403 outcome is reused for the same
+	// token (never past the token's exp claim). Default 10s; negative
+	// disables caching. A revoked token may thus be accepted for CacheTTL.
+	CacheTTL time.Duration
+	// Now is the clock used for the cache; default time.Now.
+	Now func() time.Time
+}
+
+// TokenReviewer authenticates agent bearer tokens with the kube-apiserver's
+// TokenReview API. It is safe for concurrent use.
+type TokenReviewer struct {
+	client     *http.Client
+	url        string
+	audience   string
+	username   string
+	timeout    time.Duration
+	ttl        time.Duration
+	now        func() time.Time
+	maxEntries int
+
+	mu       sync.Mutex
+	cache    map[[32]byte]*list.Element // of *cacheEntry
+	order    *list.List                 // insertion order, front = oldest
+	inflight map[[32]byte]*flight
+}
+
+type cacheEntry struct {
+	key     [32]byte
+	err     error // nil: accepted
+	expires time.Time
+}
+
+// flight is one TokenReview in progress; identical concurrent requests wait
+// for it instead of sending their own.
+type flight struct {
+	done chan struct{}
+	err  error
+}
+
+// NewTokenReviewer returns a reviewer that calls the apiserver described by
+// cfg.
+func NewTokenReviewer(cfg *RESTConfig, opts ReviewOptions) (*TokenReviewer, error) {
+	if cfg == nil {
+		return nil, errors.New("token reviewer: no apiserver config")
+	}
+	if opts.Namespace == "" || opts.ServiceAccount == "" {
+		return nil, errors.New("token reviewer: agent namespace and service account are required")
+	}
+	if strings.Contains(opts.Namespace, ":") || strings.Contains(opts.ServiceAccount, ":") {
+		return nil, errors.New("token reviewer: agent namespace and service account must not contain ':'")
+	}
+	r := &TokenReviewer{
+		client:     cfg.HTTPClient(),
+		url:        cfg.Server() + tokenReviewPath,
+		audience:   opts.Audience,
+		username:   "system:serviceaccount:" + opts.Namespace + ":" + opts.ServiceAccount,
+		timeout:    opts.Timeout,
+		ttl:        opts.CacheTTL,
+		now:        opts.Now,
+		maxEntries: defaultCacheEntries,
+		cache:      map[[32]byte]*list.Element{},
+		order:      list.New(),
+		inflight:   map[[32]byte]*flight{},
+	}
+	if r.timeout <= 0 {
+		r.timeout = defaultReviewTimeout
+	}
+	if r.ttl == 0 {
+		r.ttl = defaultCacheTTL
+	}
+	if r.now == nil {
+		r.now = time.Now
+	}
+	return r, nil
+}
+
+// Authenticate accepts bearerToken if the apiserver says it is a valid token
+// for the configured audience and ServiceAccount. Otherwise it returns an
+// *Error: 401 (missing, malformed or unauthenticated token), 403 (valid
+// token, wrong audience or account) or 503 (the review could not be done;
+// retry later). It waits at most Timeout (or until ctx ends).
+func (r *TokenReviewer) Authenticate(ctx context.Context, bearerToken string) error {
+	if bearerToken == "" {
+		return unauthorized("missing bearer token")
+	}
+	if !validToken(bearerToken) {
+		return unauthorized("malformed bearer token")
+	}
+	key := sha256.Sum256([]byte(bearerToken))
+
+	r.mu.Lock()
+	if err, ok := r.lookup(key); ok {
+		r.mu.Unlock()
+		return err
+	}
+	f, ok := r.inflight[key]
+	if !ok {
+		f = &flight{done: make(chan struct{})}
+		r.inflight[key] = f
+		// The review runs on its own so that a caller giving up does not
+		// fail the others waiting for it; Timeout bounds its life.
+		go r.run(context.WithoutCancel(ctx), key, bearerToken, f)
+	}
+	r.mu.Unlock()
+
+	select {
+	case <-f.done:
+		return f.err
+	case <-ctx.Done():
+		return unavailable("authentication abandoned", ctx.Err())
+	}
+}
+
+func (r *TokenReviewer) run(ctx context.Context, key [32]byte, token string, f *flight) {
+	ctx, cancel := context.WithTimeout(ctx, r.timeout)
+	defer cancel()
+	err := r.review(ctx, token)
+
+	r.mu.Lock()
+	delete(r.inflight, key)
+	if StatusOf(err) != http.StatusServiceUnavailable {
+		r.store(key, err, tokenExpiry(token))
+	}
+	f.err = err
+	r.mu.Unlock()
+	close(f.done)
+}
+
+// lookup returns a cached outcome; r.mu must be held.
+func (r *TokenReviewer) lookup(key [32]byte) (error, bool) {
+	el, ok := r.cache[key]
+	if !ok {
+		return nil, false
+	}
+	e := el.Value.(*cacheEntry)
+	if !r.now().Before(e.expires) {
+		r.order.Remove(el)
+		delete(r.cache, key)
+		return nil, false
+	}
+	return e.err, true
+}
+
+// store caches an outcome until now+TTL or the token's expiry, whichever is
+// first; r.mu must be held.
+func (r *TokenReviewer) store(key [32]byte, err error, exp time.Time) {
+	if r.ttl < 0 {
+		return
+	}
+	now := r.now()
+	expires := now.Add(r.ttl)
+	if !exp.IsZero() && exp.Before(expires) {
+		expires = exp
+	}
+	if !now.Before(expires) {
+		return
+	}
+	if el, ok := r.cache[key]; ok {
+		r.order.Remove(el)
+		delete(r.cache, key)
+	}
+	for r.order.Len() >= r.maxEntries {
+		r.evict(now)
+	}
+	r.cache[key] = r.order.PushBack(&cacheEntry{key: key, err: err, expires: expires})
+}
+
+// evict drops every expired entry, or if none has expired the oldest one.
+func (r *TokenReviewer) evict(now time.Time) {
+	removed := false
+	for el := r.order.Front(); el != nil; {
+		next := el.Next()
+		if e := el.Value.(*cacheEntry); !now.Before(e.expires) {
+			r.order.Remove(el)
+			delete(r.cache, e.key)
+			removed = true
+		}
+		el = next
+	}
+	if !removed {
+		oldest := r.order.Front()
+		r.order.Remove(oldest)
+		delete(r.cache, oldest.Value.(*cacheEntry).key)
+	}
+}
+
+func (r *TokenReviewer) cacheLen() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.order.Len()
+}
+
+type tokenReview struct {
+	APIVersion string            `json:"apiVersion"`
+	Kind       string            `json:"kind"`
+	Spec       tokenReviewSpec   `json:"spec"`
+	Status     tokenReviewStatus `json:"status"`
+}
+
+type tokenReviewSpec struct {
+	Token     string   `json:"token"`
+	Audiences []string `json:"audiences,omitempty"`
+}
+
+type tokenReviewStatus struct {
+	Authenticated bool     `json:"authenticated"`
+	User          userInfo `json:"user"`
+	Audiences     []string `json:"audiences"`
+	Error         string   `json:"error"`
+}
+
+type userInfo struct {
+	Username string `json:"username"`
+}
+
+func (r *TokenReviewer) review(ctx context.Context, token string) error {
+	req := tokenReview{
+		APIVersion: "authentication.k8s.io/v1",
+		Kind:       "TokenReview",
+		Spec:       tokenReviewSpec{Token: token},
+	}
+	if r.audience != "" {
+		req.Spec.Audiences = []string{r.audience}
+	}
+	body, err := json.Marshal(struct {
+		APIVersion string          `json:"apiVersion"`
+		Kind       string          `json:"kind"`
+		Spec       tokenReviewSpec `json:"spec"`
+	}{req.APIVersion, req.Kind, req.Spec})
+	if err != nil {
+		return unavailable("tokenreview", err)
+	}
+	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, r.url, bytes.NewReader(body))
+	if err != nil {
+		return unavailable("tokenreview", err)
+	}
+	httpReq.Header.Set("Content-Type", "application/json")
+	httpReq.Header.Set("Accept", "application/json")
+	resp, err := r.client.Do(httpReq)
+	if err != nil {
+		return unavailable("tokenreview request failed", redactErr(err, token))
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxReviewBody))
+	if err != nil {
+		return unavailable("tokenreview: read response", redactErr(err, token))
+	}
+	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusCreated {
+		// E.g. 403 when the server's own identity may not create
+		// tokenreviews: our problem, not the agent's, hence 503.
+		return unavailable("tokenreview: apiserver answered "+resp.Status, errors.New(snippet(data, token)))
+	}
+	var out tokenReview
+	if err := json.Unmarshal(data, &out); err != nil {
+		return unavailable("tokenreview: undecodable response", errors.New("invalid JSON"))
+	}
+	st := out.Status
+	if st.Error != "" {
+		return unauthorized("token rejected: %s", snippet([]byte(st.Error), token))
+	}
+	if !st.Authenticated {
+		return unauthorized("token not authenticated")
+	}
+	if r.audience != "" && !contains(st.Audiences, r.audience) {
+		return forbidden("token is not for audience %q", r.audience)
+	}
+	if st.User.Username != r.username {
+		return forbidden("token user %q is not %q", snippet([]byte(st.User.Username), token), r.username)
+	}
+	return nil
+}
+
+func contains(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// validToken accepts printable ASCII without spaces (RFC 6750 b64token and
+// then some); anything else cannot be a ServiceAccount token.
+func validToken(t string) bool {
+	if len(t) > maxTokenLen {
+		return false
+	}
+	for i := 0; i < len(t); i++ {
+		if t[i] <= ' ' || t[i] >= 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+// tokenExpiry reads the exp claim of a JWT without verifying it (the
+// apiserver did that); zero if the token is not a JWT or has no exp.
+func tokenExpiry(token string) time.Time {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return time.Time{}
+	}
+	payload, err := base64.RawURLEncoding.DecodeString(strings.TrimRight(parts[1], "="))
+	if err != nil {
+		return time.Time{}
+	}
+	var claims struct {
+		Exp json.Number `json:"exp"`
+	}
+	if json.Unmarshal(payload, &claims) != nil || claims.Exp == "" {
+		return time.Time{}
+	}
+	f, err := strconv.ParseFloat(string(claims.Exp), 64)
+	if err != nil || f <= 0 || f > 1<<40 {
+		return time.Time{}
+	}
+	return time.Unix(int64(f), 0)
+}
+
+// snippet makes apiserver-provided text safe to put in an error: bounded,
+// one line, and without the token should the apiserver echo it.
+func snippet(data []byte, token string) string {
+	s := strings.ReplaceAll(string(data), token, "[redacted]")
+	s = strings.Join(strings.Fields(s), " ")
+	return clip(s, 256)
+}
+
+func clip(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "..."
+	}
+	return s
+}
+
+func redactErr(err error, token string) error {
+	if strings.Contains(err.Error(), token) {
+		return errors.New(strings.ReplaceAll(err.Error(), token, "[redacted]"))
+	}
+	return err
+}

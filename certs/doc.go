@@ -1,0 +1,25 @@
+// Package certs mints, checks and hot-reloads the TLS material konnectivity
+// needs, replacing the separate eks-konnectivity-cert tool.
+//
+// The pieces are:
+//
+//   - [CA], [NewCA] and [LoadCA]: a signing CA, either throwaway (tests,
+//     "konnectivity demo") or loaded from PEM files in the formats common
+//     distributions write (PKCS#1 RSA, SEC1 EC as used by k3s, PKCS#8).
+//   - [CA.Issue] and [Request]: serving or client certificates with SANs.
+//   - [Ensure]: idempotent "make sure this pair exists and is what I asked
+//     for" used by "konnectivity cert" and by [Minter] inside the server.
+//   - [WriteFileAtomic]: crash-safe file replacement.
+//   - [Reloader] and [CAPoolReloader]: hot reload of a cert/key pair and a CA
+//     bundle on the TLS handshake path, so rotated files are picked up by new
+//     connections without a restart while existing connections keep working.
+//
+// File replacement order: [Ensure] writes the new key first and the new
+// certificate second, each with [WriteFileAtomic]; [Reloader] reads the
+// certificate first and the key second. A reader can therefore observe
+// (old cert, old key), (old cert, new key) or (new cert, new key), but never a
+// new certificate with the old key. The middle state is a key mismatch, which
+// the Reloader refuses (keeping the previous pair) and [Ensure] repairs by
+// minting again; the certificate rename that follows changes the file's
+// identity, so the Reloader retries on its next check.
+package certs

@@ -1,0 +1,330 @@
+package certs
+
+import (
+	"crypto/tls"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// ensureEnv is one directory with a CA file and an output pair.
+type ensureEnv struct {
+	dir, caFile, certFile, keyFile string
+	ca                             *CA
+}
+
+func newEnsureEnv(t *testing.T) *ensureEnv {
+	t.Helper()
+	dir := t.TempDir()
+	ca := newCA(t, "ensure-ca")
+	caFile, _ := writeCA(t, dir, ca)
+	return &ensureEnv{dir: dir, caFile: caFile, ca: ca,
+		certFile: filepath.Join(dir, "out", "tls.crt"), keyFile: filepath.Join(dir, "out", "tls.key")}
+}
+
+func (e *ensureEnv) opts() EnsureOptions {
+	return EnsureOptions{
+		CertFile: e.certFile, KeyFile: e.keyFile, CA: e.ca,
+		Request: Request{
+			CommonName:  "konnectivity-server",
+			DNSNames:    []string{"konnectivity.example", "localhost"},
+			IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+			Validity:    365 * 24 * time.Hour,
+		},
+		RenewBefore: 720 * time.Hour,
+	}
+}
+
+func (e *ensureEnv) ensure(t *testing.T, o EnsureOptions) Result {
+	t.Helper()
+	res, err := Ensure(o)
+	if err != nil {
+		t.Fatalf("Ensure: %v", err)
+	}
+	return res
+}
+
+// verify checks the pair on disk with openssl and Go's TLS loader.
+func (e *ensureEnv) verify(t *testing.T, o EnsureOptions) {
+	t.Helper()
+	purpose := "sslserver"
+	if o.Request.Client {
+		purpose = "sslclient"
+	}
+	opensslVerify(t, e.caFile, e.certFile, purpose)
+	if got, want := opensslSANs(t, e.certFile), wantSANs(o.Request.DNSNames, o.Request.IPAddresses); !slices.Equal(got, want) {
+		t.Fatalf("SANs per openssl %v, want %v", got, want)
+	}
+	opensslSameKey(t, e.certFile, e.keyFile)
+	if _, err := tls.LoadX509KeyPair(e.certFile, e.keyFile); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func expectMinted(t *testing.T, res Result, reason string) {
+	t.Helper()
+	if !res.Minted {
+		t.Fatalf("reused (%s), want minted because %q", res.Reason, reason)
+	}
+	mustContain(t, res.Reason, reason)
+	mustContain(t, res.String(), "minted: ")
+}
+
+func expectReused(t *testing.T, res Result) {
+	t.Helper()
+	if res.Minted {
+		t.Fatalf("minted (%s), want reuse", res.Reason)
+	}
+	mustContain(t, res.Reason, "valid until ")
+	mustContain(t, res.String(), "reused: valid until ")
+}
+
+func TestEnsureMintThenReuse(t *testing.T) {
+	e := newEnsureEnv(t)
+	o := e.opts()
+	res := e.ensure(t, o)
+	expectMinted(t, res, "no existing certificate")
+	e.verify(t, o)
+	for p, want := range map[string]os.FileMode{e.keyFile: 0o600, e.certFile: 0o644} {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != want {
+			t.Fatalf("%s mode %v, want %v", p, fi.Mode().Perm(), want)
+		}
+	}
+	before := readFile(t, e.certFile)
+
+	res = e.ensure(t, o)
+	expectReused(t, res)
+	mustContain(t, res.Reason, res.NotAfter.UTC().Format(time.RFC3339))
+
+	// SAN order and DNS case do not matter.
+	o.Request.DNSNames = []string{"LOCALHOST", "konnectivity.example"}
+	expectReused(t, e.ensure(t, o))
+	if string(readFile(t, e.certFile)) != string(before) {
+		t.Fatal("reuse rewrote the certificate")
+	}
+}
+
+func TestEnsureRemintRules(t *testing.T) {
+	cases := []struct {
+		name   string
+		mutate func(t *testing.T, e *ensureEnv, o *EnsureOptions)
+		want   string
+		real   bool // minted as of the real clock, so openssl can verify it
+	}{
+		{"SAN added", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Request.DNSNames = append(o.Request.DNSNames, "new.example")
+		}, "SANs changed (missing new.example)", true},
+		{"SAN removed", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Request.IPAddresses = nil
+		}, "SANs changed (unexpected 127.0.0.1)", true},
+		{"IP changed", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Request.IPAddresses = []net.IP{net.ParseIP("::1")}
+		}, "missing ::1; unexpected 127.0.0.1", true},
+		{"CN changed", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Request.CommonName = "other"
+		}, `CN changed (was "konnectivity-server")`, true},
+		{"CA rotated", func(t *testing.T, e *ensureEnv, o *EnsureOptions) {
+			e.ca = newCA(t, "rotated-ca")
+			e.caFile, _ = writeCA(t, e.dir, e.ca)
+			o.CA = e.ca
+		}, `not signed by the current CA "rotated-ca"`, true},
+		{"near expiry", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Now = func() time.Time { return time.Now().Add(340 * 24 * time.Hour) }
+		}, "within renew-before 720h0m0s", false},
+		{"expired", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Now = func() time.Time { return time.Now().Add(400 * 24 * time.Hour) }
+		}, "expired at", false},
+		{"key mismatch", func(t *testing.T, e *ensureEnv, _ *EnsureOptions) {
+			_, otherKey, err := e.ca.Issue(Request{CommonName: "x", Client: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			writeFile(t, e.keyFile, otherKey, 0o600)
+		}, "existing key does not match certificate", true},
+		{"usage server to client", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Request.Client = true
+		}, "usage changed (was server)", true},
+		{"key type", func(_ *testing.T, _ *ensureEnv, o *EnsureOptions) {
+			o.Request.KeyType = KeyEd25519
+		}, "key type changed (was ecdsa-p256)", true},
+		{"corrupt cert", func(t *testing.T, e *ensureEnv, _ *EnsureOptions) {
+			data := readFile(t, e.certFile)
+			writeFile(t, e.certFile, data[:len(data)/2], 0o644)
+		}, "existing certificate does not parse", true},
+		{"corrupt key", func(t *testing.T, e *ensureEnv, _ *EnsureOptions) {
+			writeFile(t, e.keyFile, []byte("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"), 0o600)
+		}, "existing key does not parse", true},
+		{"missing key", func(t *testing.T, e *ensureEnv, _ *EnsureOptions) {
+			if err := os.Remove(e.keyFile); err != nil {
+				t.Fatal(err)
+			}
+		}, "no existing key", true},
+		{"missing cert", func(t *testing.T, e *ensureEnv, _ *EnsureOptions) {
+			if err := os.Remove(e.certFile); err != nil {
+				t.Fatal(err)
+			}
+		}, "no existing certificate", true},
+		{"cert unreadable", func(t *testing.T, e *ensureEnv, _ *EnsureOptions) {
+			// A directory in place of the file is unreadable even for root;
+			// minting then fails to replace it, which Ensure reports.
+			if err := os.Remove(e.certFile); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Mkdir(e.certFile, 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}, "", false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnsureEnv(t)
+			o := e.opts()
+			expectMinted(t, e.ensure(t, o), "no existing certificate")
+			c.mutate(t, e, &o)
+			if c.name == "cert unreadable" {
+				_, err := Ensure(o)
+				if err == nil {
+					t.Fatal("Ensure succeeded with a directory as certificate path")
+				}
+				mustContain(t, err.Error(), "write certificate")
+				return
+			}
+			expectMinted(t, e.ensure(t, o), c.want)
+			if c.real {
+				e.verify(t, o)
+			}
+			// The new pair is stable under the same options.
+			expectReused(t, e.ensure(t, o))
+		})
+	}
+}
+
+func TestEnsureCappedAtCAExpiry(t *testing.T) {
+	e := newEnsureEnv(t)
+	now := time.Now()
+	e.ca = caWithDates(t, "short-ca", now.Add(-time.Hour), now.Add(10*24*time.Hour))
+	e.caFile, _ = writeCA(t, e.dir, e.ca)
+	o := e.opts()
+	o.CA = e.ca
+	res := e.ensure(t, o)
+	expectMinted(t, res, "validity capped at CA expiry")
+	e.verify(t, o)
+	// Expiring within renew-before, but minting again cannot help: reuse.
+	res = e.ensure(t, o)
+	if res.Minted {
+		t.Fatalf("minted again: %s", res.Reason)
+	}
+	mustContain(t, res.Reason, "capped at CA expiry, rotate the CA")
+}
+
+func TestEnsureBadOptions(t *testing.T) {
+	e := newEnsureEnv(t)
+	cases := map[string]func(o *EnsureOptions){
+		"no CA":           func(o *EnsureOptions) { o.CA = nil },
+		"no cert path":    func(o *EnsureOptions) { o.CertFile = "" },
+		"same paths":      func(o *EnsureOptions) { o.KeyFile = o.CertFile },
+		"short validity":  func(o *EnsureOptions) { o.Request.Validity = 720 * time.Hour },
+		"negative renew":  func(o *EnsureOptions) { o.RenewBefore = -time.Hour },
+		"no SANs":         func(o *EnsureOptions) { o.Request.DNSNames, o.Request.IPAddresses = nil, nil },
+		"bad key type":    func(o *EnsureOptions) { o.Request.KeyType = "rsa-1024" },
+		"empty CN":        func(o *EnsureOptions) { o.Request.CommonName = "" },
+		"invalid DNS SAN": func(o *EnsureOptions) { o.Request.DNSNames = []string{"bad name"} },
+	}
+	for name, mut := range cases {
+		o := e.opts()
+		mut(&o)
+		if _, err := Ensure(o); err == nil {
+			t.Errorf("%s: Ensure succeeded", name)
+		}
+	}
+	if _, err := os.Stat(e.certFile); err == nil {
+		t.Fatal("a rejected Ensure wrote a certificate")
+	}
+}
+
+// TestEnsureInterruptedWrite simulates crashes: leftover temporary files
+// from an interrupted WriteFileAtomic, and a crash between writing the new
+// key and the new certificate.
+func TestEnsureInterruptedWrite(t *testing.T) {
+	e := newEnsureEnv(t)
+	o := e.opts()
+	e.ensure(t, o)
+	out := filepath.Dir(e.certFile)
+	// What a crash before rename leaves behind: partial temp files.
+	key := readFile(t, e.keyFile)
+	writeFile(t, filepath.Join(out, ".tls.key.tmp-123456"), key[:len(key)/3], 0o600)
+	writeFile(t, filepath.Join(out, ".tls.crt.tmp-654321"), []byte("-----BEGIN CERT"), 0o600)
+	if _, err := tls.LoadX509KeyPair(e.certFile, e.keyFile); err != nil {
+		t.Fatalf("old pair no longer loads: %v", err)
+	}
+	expectReused(t, e.ensure(t, o))
+
+	// Crash after the key was replaced, before the certificate was.
+	_, newKey, err := e.ca.Issue(Request{CommonName: "x", DNSNames: []string{"x.example"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteFileAtomic(e.keyFile, newKey, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	expectMinted(t, e.ensure(t, o), "existing key does not match certificate")
+	e.verify(t, o)
+	expectReused(t, e.ensure(t, o))
+}
+
+func TestWriteFileAtomic(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "f")
+	if err := WriteFileAtomic(p, []byte("one"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteFileAtomic(p, []byte("two"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(readFile(t, p)); got != "two" {
+		t.Fatalf("content %q", got)
+	}
+	fi, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode().Perm() != 0o644 {
+		t.Fatalf("mode %v", fi.Mode().Perm())
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != 1 {
+		t.Fatalf("temporary files left behind: %v", entries)
+	}
+	if err := WriteFileAtomic(filepath.Join(dir, "missing", "f"), []byte("x"), 0o600); err == nil {
+		t.Fatal("write into a missing directory succeeded")
+	}
+	// Renaming over a directory fails; the temporary file must be removed.
+	sub := filepath.Join(dir, "sub")
+	if err := os.Mkdir(sub, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteFileAtomic(sub, []byte("x"), 0o600); err == nil {
+		t.Fatal("replacing a directory succeeded")
+	}
+	entries, err = os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, en := range entries {
+		if strings.Contains(en.Name(), ".tmp-") {
+			t.Fatalf("temporary file %s left behind after failure", en.Name())
+		}
+	}
+}

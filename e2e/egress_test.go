@@ -1,0 +1,406 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// get fetches url with client and returns the body, failing on non-200.
+func get(ctx context.Context, client *http.Client, url string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", fmt.Errorf("read body of %s: %w", url, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("GET %s: status %d body %q", url, resp.StatusCode, body)
+	}
+	return string(body), nil
+}
+
+// TestEgressRequests sends HTTP requests through kube-apiserver's own
+// HTTPConnect egress dialer → server UDS → agent → loopback backend.
+func TestEgressRequests(t *testing.T) {
+	s := startServer(t)
+	s.startAgent(t, "a1", "ipv4=127.0.0.1&default-route=true")
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	d := s.egressDialer(t)
+
+	t.Run("sequential-new-tunnel-each", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		var dials int64counter
+		client := d.httpClient(false, &dials)
+		const n = 200
+		start := time.Now()
+		for i := range n {
+			body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
+			if err != nil {
+				t.Fatalf("request %d: %v", i, err)
+			}
+			if want := fmt.Sprintf("hello b1 %d", i); body != want {
+				t.Fatalf("request %d: body %q, want %q", i, body, want)
+			}
+		}
+		if got := dials.get(); got != n {
+			t.Errorf("tunnels dialled = %d, want %d (one per request)", got, n)
+		}
+		t.Logf("%d sequential requests, one tunnel each, in %v", n, time.Since(start).Round(time.Millisecond))
+	})
+
+	t.Run("concurrent-new-tunnel-each", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		client := d.httpClient(false, nil)
+		const n, parallel = 200, 50
+		sem := make(chan struct{}, parallel)
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		start := time.Now()
+		for i := range n {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
+				if err != nil {
+					errs <- fmt.Errorf("request %d: %w", i, err)
+					return
+				}
+				if want := fmt.Sprintf("hello b1 %d", i); body != want {
+					errs <- fmt.Errorf("request %d: body %q, want %q", i, body, want)
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		var failed int
+		for err := range errs {
+			failed++
+			if failed <= 5 {
+				t.Error(err)
+			}
+		}
+		if failed > 0 {
+			t.Fatalf("%d of %d concurrent requests failed", failed, n)
+		}
+		t.Logf("%d requests, %d in parallel, in %v", n, parallel, time.Since(start).Round(time.Millisecond))
+	})
+
+	t.Run("keepalive-one-tunnel", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		var dials int64counter
+		client := d.httpClient(true, &dials)
+		defer client.CloseIdleConnections()
+		const n = 200
+		for i := range n {
+			body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
+			if err != nil {
+				t.Fatalf("request %d: %v", i, err)
+			}
+			if want := fmt.Sprintf("hello b1 %d", i); body != want {
+				t.Fatalf("request %d: body %q, want %q", i, body, want)
+			}
+		}
+		if got := dials.get(); got != 1 {
+			t.Errorf("tunnels dialled = %d, want 1 (keep-alive reuses the tunnel)", got)
+		}
+	})
+
+	t.Run("large-bodies", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		client := d.httpClient(false, nil)
+		const size = 8 << 20
+		body, err := get(ctx, client, fmt.Sprintf("http://%s/big?n=%d", backend, size))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(body) != size || sha([]byte(body)) != sha(pattern(size)) {
+			t.Fatalf("download: got %d bytes sha %s, want %d bytes sha %s",
+				len(body), sha([]byte(body)), size, sha(pattern(size)))
+		}
+		up := pattern(4 << 20)
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+backend+"/echo", bytes.NewReader(up))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("upload: %v", err)
+		}
+		defer resp.Body.Close()
+		echoed, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatalf("upload: read echo: %v", err)
+		}
+		if !bytes.Equal(echoed, up) {
+			t.Fatalf("upload: echoed %d bytes sha %s, want %d bytes sha %s", len(echoed), sha(echoed), len(up), sha(up))
+		}
+	})
+}
+
+// TestDialClosedPort: the agent's dial to a closed loopback port is
+// refused at once, and the server must report that as 502, which the
+// egress dialer surfaces as "code 502".
+func TestDialClosedPort(t *testing.T) {
+	s := startServer(t)
+	s.startAgent(t, "a1", "")
+	d := s.egressDialer(t)
+	addr := closedPort(t)
+	el, err := dialErr(t, d, addr, 10*time.Second)
+	if err == nil {
+		t.Fatalf("dial to closed port %s succeeded", addr)
+	}
+	if !strings.Contains(err.Error(), "code 502") {
+		t.Fatalf("dial to closed port %s: got error %q after %v, want one with \"code 502\"", addr, err, el)
+	}
+	t.Logf("closed port: %v after %v", err, el.Round(time.Millisecond))
+}
+
+func closedPort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
+}
+
+// TestNoAgent: with no agent connected, the server waits --agent-wait for
+// one and then answers 503; an agent that arrives during the wait is used.
+func TestNoAgent(t *testing.T) {
+	t.Run("503-after-agent-wait", func(t *testing.T) {
+		s := startServer(t, "--agent-wait=2s")
+		if got := getStatus(t, s.healthURL("/readyz")); got != http.StatusServiceUnavailable {
+			t.Errorf("/readyz with no agent = %d, want 503", got)
+		}
+		backend := startHTTPBackend(t, "127.0.0.1", "b1")
+		d := s.egressDialer(t)
+		el, err := dialErr(t, d, backend, 10*time.Second)
+		if err == nil {
+			t.Fatal("dial with no agent succeeded")
+		}
+		if !strings.Contains(err.Error(), "code 503") {
+			t.Fatalf("dial with no agent: got %q after %v, want \"code 503\"", err, el)
+		}
+		t.Logf("no agent: %v after %v", err, el.Round(time.Millisecond))
+	})
+
+	t.Run("agent-arrives-during-wait", func(t *testing.T) {
+		s := startServer(t, "--agent-wait=10s")
+		backend := startHTTPBackend(t, "127.0.0.1", "b1")
+		client := s.egressDialer(t).httpClient(false, nil)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		type result struct {
+			body string
+			err  error
+		}
+		res := make(chan result, 1)
+		go func() {
+			body, err := get(ctx, client, "http://"+backend+"/hello?i=7")
+			res <- result{body, err}
+		}()
+		// Give the dial time to reach the server's wait before the agent
+		// exists; the outcome does not depend on this delay.
+		time.Sleep(300 * time.Millisecond)
+		s.startAgent(t, "late", "")
+		r := <-res
+		if r.err != nil {
+			t.Fatalf("request started before the agent connected: %v", r.err)
+		}
+		if r.body != "hello b1 7" {
+			t.Fatalf("body %q", r.body)
+		}
+	})
+}
+
+// TestDestHostRouting checks --proxy-strategies=destHost,default.
+//
+// Both agents dial backends from the same host, so a backend cannot tell
+// which agent carried a connection. Instead we freeze one agent with
+// SIGSTOP: its TLS connection to the server stays up (the kernel keeps
+// buffering), so the server still considers it connected and routes to it,
+// but it cannot answer dials. Then:
+//   - dials to the frozen agent's identifier must fail (504 after
+//     --backend-dial-timeout): destHost picked the frozen agent, and did not
+//     fall back to the live one;
+//   - N dials to the live agent's identifier must all succeed: with random
+//     (default) routing each would have a 1/2 chance of hitting the frozen
+//     agent, so N=10 passes by chance with probability 2^-10.
+//
+// The roles are then swapped, and a destination matching no identifier
+// must still work through the default strategy.
+func TestDestHostRouting(t *testing.T) {
+	for _, ip := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		l, err := net.Listen("tcp", ip+":0")
+		if err != nil {
+			t.Skipf("cannot listen on %s (needs all of 127/8 on loopback, as on Linux): %v", ip, err)
+		}
+		l.Close()
+	}
+	s := startServer(t, "--proxy-strategies=destHost,default", "--backend-dial-timeout=2s")
+	agentA := s.startAgent(t, "agent-a", "ipv4=127.0.0.2")
+	agentB := s.startAgent(t, "agent-b", "ipv4=127.0.0.3")
+	backendA := startHTTPBackend(t, "127.0.0.2", "A")
+	backendB := startHTTPBackend(t, "127.0.0.3", "B")
+	backendOther := startHTTPBackend(t, "127.0.0.4", "other")
+	d := s.egressDialer(t)
+
+	// Sanity: everything reachable while both agents run.
+	checkReachable(t, d, backendA, "A", 3)
+	checkReachable(t, d, backendB, "B", 3)
+	checkReachable(t, d, backendOther, "other", 3)
+
+	frozen := func(t *testing.T, stop *agent, live, dead, liveName string) {
+		stop.proc.signal(t, syscall.SIGSTOP)
+		defer stop.proc.signal(t, syscall.SIGCONT)
+		checkReachable(t, d, live, liveName, 10)
+		el, err := dialErr(t, d, dead, 15*time.Second)
+		if err == nil {
+			t.Fatalf("dial to %s succeeded although its agent %s is frozen: routed elsewhere", dead, stop.id)
+		}
+		if !strings.Contains(err.Error(), "code 504") {
+			t.Errorf("dial to %s via frozen agent %s: got %q after %v, want \"code 504\" (backend dial timeout)",
+				dead, stop.id, err, el)
+		}
+		t.Logf("frozen %s: dial %s → %v after %v", stop.id, dead, err, el.Round(time.Millisecond))
+	}
+	t.Run("freeze-b", func(t *testing.T) { frozen(t, agentB, backendA, backendB, "A") })
+	t.Run("freeze-a", func(t *testing.T) { frozen(t, agentA, backendB, backendA, "B") })
+
+	// After SIGCONT both agents must serve again, and a destination no
+	// agent claims goes through the default strategy.
+	t.Run("after-resume", func(t *testing.T) {
+		checkReachable(t, d, backendA, "A", 3)
+		checkReachable(t, d, backendB, "B", 3)
+		checkReachable(t, d, backendOther, "other", 5)
+	})
+}
+
+// checkReachable makes n requests, one tunnel each, to backend (whose
+// /hello names itself name).
+func checkReachable(t *testing.T, d dialFunc, backend, name string, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	client := d.httpClient(false, nil)
+	for i := range n {
+		body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
+		if err != nil {
+			t.Fatalf("request %d to %s: %v", i, backend, err)
+		}
+		if want := fmt.Sprintf("hello %s %d", name, i); body != want {
+			t.Fatalf("request %d to %s: body %q, want %q", i, backend, body, want)
+		}
+	}
+}
+
+// TestStalledConnection: a tunnel whose client stopped reading must not
+// hold up another tunnel through the same agent (head-of-line blocking,
+// ANP #881). No timing ratio is asserted, only a generous overall bound.
+func TestStalledConnection(t *testing.T) {
+	s := startServer(t)
+	s.startAgent(t, "a1", "")
+	d := s.egressDialer(t).bounded()
+
+	var written atomic.Int64
+	hose := startTCPBackend(t, "127.0.0.1", firehoseHandler(&written))
+	echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	stalled, err := d(ctx, "tcp", hose.addr())
+	if err != nil {
+		t.Fatalf("dial firehose: %v", err)
+	}
+	defer stalled.Close()
+	if _, err := stalled.Write([]byte{'!'}); err != nil {
+		t.Fatalf("start firehose: %v", err)
+	}
+
+	// Wait until the firehose's writes plateau: every buffer between it
+	// and our unread socket is full. Unbounded buffering would never
+	// plateau, which is itself a bug.
+	var last int64 = -1
+	plateauDeadline := time.Now().Add(20 * time.Second)
+	for {
+		time.Sleep(500 * time.Millisecond)
+		cur := written.Load()
+		if cur == last && cur > 0 {
+			break
+		}
+		last = cur
+		if time.Now().After(plateauDeadline) {
+			t.Fatalf("firehose never stalled: %d bytes written into a tunnel nobody reads (unbounded buffering?)", cur)
+		}
+	}
+	t.Logf("stalled tunnel holds %d bytes in flight", last)
+
+	conn, err := d(ctx, "tcp", echo.addr())
+	if err != nil {
+		t.Fatalf("dial echo while another tunnel is stalled: %v", err)
+	}
+	defer conn.Close()
+	if err := conn.SetDeadline(time.Now().Add(10 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(conn)
+	start := time.Now()
+	const n = 200
+	for i := range n {
+		msg := fmt.Sprintf("ping %d\n", i)
+		if _, err := io.WriteString(conn, msg); err != nil {
+			t.Fatalf("echo %d write after %v: %v", i, time.Since(start), err)
+		}
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("echo %d read after %v (%d of %d done): %v", i, time.Since(start), i, n, err)
+		}
+		if line != msg {
+			t.Fatalf("echo %d: got %q want %q", i, line, msg)
+		}
+	}
+	t.Logf("%d echoes beside a stalled tunnel in %v", n, time.Since(start).Round(time.Millisecond))
+
+	// The stalled tunnel must resume and deliver the firehose's bytes
+	// intact once we read it.
+	if err := stalled.SetReadDeadline(time.Now().Add(15 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	const want = 4 << 20
+	got := make([]byte, want)
+	if _, err := io.ReadFull(stalled, got); err != nil {
+		t.Fatalf("reading the formerly stalled tunnel: %v", err)
+	}
+	chunk := pattern(32 << 10)
+	for off := 0; off < want; off += len(chunk) {
+		if !bytes.Equal(got[off:off+len(chunk)], chunk) {
+			t.Fatalf("formerly stalled tunnel: data corrupt in chunk at offset %d", off)
+		}
+	}
+}

@@ -1,0 +1,574 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	apiserverapi "k8s.io/apiserver/pkg/apis/apiserver"
+	"k8s.io/apiserver/pkg/server/egressselector"
+)
+
+// Bounds used by the harness. They are upper limits for things that normally
+// take milliseconds, not performance expectations.
+const (
+	startTimeout = 15 * time.Second // process up and ready
+	stopTimeout  = 5 * time.Second  // SIGTERM → exit, before SIGKILL
+	pollInterval = 50 * time.Millisecond
+)
+
+// konnectivityBin is the binary under test, set once by TestMain.
+var konnectivityBin string
+
+func TestMain(m *testing.M) {
+	os.Exit(runMain(m))
+}
+
+func runMain(m *testing.M) int {
+	if bin := os.Getenv("KONNECTIVITY_BIN"); bin != "" {
+		abs, err := filepath.Abs(bin)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "e2e: KONNECTIVITY_BIN %s: %v\n", bin, err)
+			return 1
+		}
+		if _, err := os.Stat(abs); err != nil {
+			fmt.Fprintf(os.Stderr, "e2e: KONNECTIVITY_BIN: %v\n", err)
+			return 1
+		}
+		konnectivityBin = abs
+		return m.Run()
+	}
+	dir, err := os.MkdirTemp("", "konnectivity-e2e-bin")
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: temp dir: %v\n", err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	konnectivityBin = filepath.Join(dir, "konnectivity")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	// Build the main module exactly as shipped: static, no local paths.
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", konnectivityBin, ".")
+	cmd.Dir = ".."
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: building konnectivity from ..: %v\n%s", err, out)
+		return 1
+	}
+	return m.Run()
+}
+
+// ---------------------------------------------------------------------------
+// Throwaway PKI
+
+type pki struct {
+	caCert, serverCert, serverKey, agentCert, agentKey string // file paths
+}
+
+func newPKI(t *testing.T, dir string) *pki {
+	t.Helper()
+	now := time.Now()
+	caKey := newKey(t)
+	caTmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "konnectivity-e2e-ca"},
+		NotBefore:             now.Add(-time.Hour),
+		NotAfter:              now.Add(24 * time.Hour),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatalf("create CA cert: %v", err)
+	}
+	ca, err := x509.ParseCertificate(caDER)
+	if err != nil {
+		t.Fatalf("parse CA cert: %v", err)
+	}
+	p := &pki{
+		caCert:     filepath.Join(dir, "ca.crt"),
+		serverCert: filepath.Join(dir, "server.crt"),
+		serverKey:  filepath.Join(dir, "server.key"),
+		agentCert:  filepath.Join(dir, "agent.crt"),
+		agentKey:   filepath.Join(dir, "agent.key"),
+	}
+	writePEM(t, p.caCert, "CERTIFICATE", caDER)
+
+	issue := func(serial int64, cn string, usage x509.ExtKeyUsage, dns []string, ips []net.IP, certPath, keyPath string) {
+		key := newKey(t)
+		tmpl := &x509.Certificate{
+			SerialNumber: big.NewInt(serial),
+			Subject:      pkix.Name{CommonName: cn},
+			NotBefore:    now.Add(-time.Hour),
+			NotAfter:     now.Add(24 * time.Hour),
+			KeyUsage:     x509.KeyUsageDigitalSignature,
+			ExtKeyUsage:  []x509.ExtKeyUsage{usage},
+			DNSNames:     dns,
+			IPAddresses:  ips,
+		}
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+		if err != nil {
+			t.Fatalf("create %s cert: %v", cn, err)
+		}
+		writePEM(t, certPath, "CERTIFICATE", der)
+		keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+		if err != nil {
+			t.Fatalf("marshal %s key: %v", cn, err)
+		}
+		writePEM(t, keyPath, "PRIVATE KEY", keyDER)
+	}
+	issue(2, "konnectivity-server", x509.ExtKeyUsageServerAuth,
+		[]string{"localhost"}, []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
+		p.serverCert, p.serverKey)
+	issue(3, "konnectivity-agent", x509.ExtKeyUsageClientAuth, nil, nil, p.agentCert, p.agentKey)
+	return p
+}
+
+func newKey(t *testing.T) *ecdsa.PrivateKey {
+	t.Helper()
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatalf("generate key: %v", err)
+	}
+	return k
+}
+
+func writePEM(t *testing.T, path, typ string, der []byte) {
+	t.Helper()
+	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+		t.Fatalf("write %s: %v", path, err)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Processes
+
+// lockedBuffer collects a process's combined output.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+type proc struct {
+	name    string
+	args    []string
+	cmd     *exec.Cmd
+	out     *lockedBuffer
+	done    chan struct{} // closed when the process has been reaped
+	waitErr error         // valid after done is closed
+}
+
+// startProc starts the binary under test; t.Cleanup stops it and, if the
+// test failed, logs its output.
+func startProc(t *testing.T, name string, args ...string) *proc {
+	t.Helper()
+	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
+	p.cmd = exec.Command(konnectivityBin, args...)
+	p.cmd.Stdout = p.out
+	p.cmd.Stderr = p.out
+	if err := p.cmd.Start(); err != nil {
+		t.Fatalf("start %s: %v", name, err)
+	}
+	go func() {
+		p.waitErr = p.cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.stop(t)
+		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
+			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, konnectivityBin,
+				strings.Join(args, " "), p.out.String(), name, p.waitErr)
+		}
+	})
+	return p
+}
+
+func (p *proc) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// stop ends the process: SIGCONT (it may have been stopped by a test),
+// SIGTERM, then SIGKILL after stopTimeout.
+func (p *proc) stop(t *testing.T) {
+	if p.exited() {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGCONT)
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	start := time.Now()
+	select {
+	case <-p.done:
+		return
+	case <-time.After(stopTimeout):
+	}
+	t.Logf("%s did not exit within %v of SIGTERM; sending SIGKILL", p.name, time.Since(start).Round(time.Millisecond))
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+func (p *proc) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		t.Fatalf("signal %v to %s: %v", sig, p.name, err)
+	}
+}
+
+// waitHTTP polls url until it returns want, failing the test after
+// startTimeout or if the process exits.
+func waitHTTP(t *testing.T, p *proc, url string, want int) {
+	t.Helper()
+	client := &http.Client{Timeout: time.Second}
+	deadline := time.Now().Add(startTimeout)
+	var last string
+	for {
+		if p.exited() {
+			t.Fatalf("%s exited while waiting for %s: %v\n%s", p.name, url, p.waitErr, p.out.String())
+		}
+		resp, err := client.Get(url)
+		if err == nil {
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+			resp.Body.Close()
+			if resp.StatusCode == want {
+				return
+			}
+			last = fmt.Sprintf("status %d body %q", resp.StatusCode, body)
+		} else {
+			last = err.Error()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %s never returned %d within %v; last: %s", p.name, url, want, startTimeout, last)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+func getStatus(t *testing.T, url string) int {
+	t.Helper()
+	client := &http.Client{Timeout: 3 * time.Second}
+	resp, err := client.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode
+}
+
+// freePort returns a port that was free on 127.0.0.1 a moment ago.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("listen for free port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// ---------------------------------------------------------------------------
+// Server and agents
+
+type server struct {
+	proc       *proc
+	args       []string
+	owner      *testing.T // the test whose cleanup stops every server process
+	dir        string
+	pki        *pki
+	sock       string
+	agentPort  int
+	healthPort int
+	adminPort  int
+}
+
+// startServer starts an http-connect server on a fresh unix socket and
+// waits until its /healthz answers. extra flags are appended (later
+// flags override earlier ones in the Go flag package).
+func startServer(t *testing.T, extra ...string) *server {
+	t.Helper()
+	// Unix socket paths are limited to ~108 bytes; t.TempDir can be long.
+	dir, err := os.MkdirTemp("", "kse2e")
+	if err != nil {
+		t.Fatalf("temp dir: %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	s := &server{
+		owner:      t,
+		dir:        dir,
+		pki:        newPKI(t, dir),
+		sock:       filepath.Join(dir, "k.sock"),
+		agentPort:  freePort(t),
+		healthPort: freePort(t),
+		adminPort:  freePort(t),
+	}
+	args := []string{
+		"server",
+		"--mode=http-connect",
+		"--uds-name=" + s.sock,
+		"--server-port=0",
+		"--agent-bind-address=127.0.0.1",
+		"--agent-port=" + strconv.Itoa(s.agentPort),
+		"--cluster-cert=" + s.pki.serverCert,
+		"--cluster-key=" + s.pki.serverKey,
+		"--cluster-ca-cert=" + s.pki.caCert,
+		"--health-bind-address=127.0.0.1",
+		"--health-port=" + strconv.Itoa(s.healthPort),
+		"--admin-bind-address=127.0.0.1",
+		"--admin-port=" + strconv.Itoa(s.adminPort),
+		"--agent-wait=2s",
+		"--backend-dial-timeout=3s",
+		"--graceful-shutdown-timeout=2s",
+	}
+	s.args = append(args, extra...)
+	s.launch(t)
+	return s
+}
+
+// launch starts the server process with s.args and waits for /healthz and
+// the frontend socket.
+func (s *server) launch(t *testing.T) {
+	t.Helper()
+	// Registered with the owner so that a restart inside a subtest
+	// outlives that subtest.
+	s.proc = startProc(s.owner, "server", s.args...)
+	waitHTTP(t, s.proc, s.healthURL("/healthz"), http.StatusOK)
+	// The socket must exist once the server reports healthy.
+	deadline := time.Now().Add(startTimeout)
+	for {
+		if _, err := os.Stat(s.sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("server healthy but %s never appeared", s.sock)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+func (s *server) healthURL(path string) string {
+	return fmt.Sprintf("http://127.0.0.1:%d%s", s.healthPort, path)
+}
+
+type agent struct {
+	proc       *proc
+	id         string
+	healthPort int
+	adminPort  int
+}
+
+// startAgent starts an agent against s and waits until the agent reports
+// ready (connected to the server) and the server reports ready.
+func (s *server) startAgent(t *testing.T, id, identifiers string, extra ...string) *agent {
+	t.Helper()
+	a := s.launchAgent(t, s.pki, id, identifiers, extra...)
+	waitHTTP(t, a.proc, a.healthURL("/readyz"), http.StatusOK)
+	waitHTTP(t, s.proc, s.healthURL("/readyz"), http.StatusOK)
+	return a
+}
+
+// launchAgent starts an agent that presents the client certificate from
+// certs (trusting s's CA) and returns without waiting for it.
+func (s *server) launchAgent(t *testing.T, certs *pki, id, identifiers string, extra ...string) *agent {
+	t.Helper()
+	a := &agent{id: id, healthPort: freePort(t), adminPort: freePort(t)}
+	args := []string{
+		"agent",
+		"--proxy-server-host=127.0.0.1",
+		"--proxy-server-port=" + strconv.Itoa(s.agentPort),
+		"--ca-cert=" + s.pki.caCert,
+		"--agent-cert=" + certs.agentCert,
+		"--agent-key=" + certs.agentKey,
+		"--agent-id=" + id,
+		"--health-server-host=127.0.0.1",
+		"--health-server-port=" + strconv.Itoa(a.healthPort),
+		"--admin-bind-address=127.0.0.1",
+		"--admin-server-port=" + strconv.Itoa(a.adminPort),
+	}
+	if identifiers != "" {
+		args = append(args, "--agent-identifiers="+identifiers)
+	}
+	a.proc = startProc(t, "agent-"+id, append(args, extra...)...)
+	return a
+}
+
+func (a *agent) healthURL(path string) string {
+	return fmt.Sprintf("http://127.0.0.1:%d%s", a.healthPort, path)
+}
+
+// ---------------------------------------------------------------------------
+// kube-apiserver's egress dialer
+
+type dialFunc func(ctx context.Context, network, addr string) (net.Conn, error)
+
+// egressDialer builds the "cluster" dialer exactly as kube-apiserver does
+// from --egress-selector-config-file: read, validate, NewEgressSelector,
+// Lookup(Cluster).
+func (s *server) egressDialer(t *testing.T) dialFunc {
+	t.Helper()
+	cfgPath := filepath.Join(s.dir, "egress-selector.yaml")
+	cfg := fmt.Sprintf(`apiVersion: apiserver.k8s.io/v1beta1
+kind: EgressSelectorConfiguration
+egressSelections:
+- name: cluster
+  connection:
+    proxyProtocol: HTTPConnect
+    transport:
+      uds:
+        udsName: %s
+- name: controlplane
+  connection:
+    proxyProtocol: Direct
+- name: etcd
+  connection:
+    proxyProtocol: Direct
+`, s.sock)
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
+		t.Fatalf("write egress config: %v", err)
+	}
+	config, err := egressselector.ReadEgressSelectorConfiguration(cfgPath)
+	if err != nil {
+		t.Fatalf("ReadEgressSelectorConfiguration: %v", err)
+	}
+	if errs := egressselector.ValidateEgressSelectorConfiguration(config); len(errs) > 0 {
+		t.Fatalf("ValidateEgressSelectorConfiguration: %v", errs.ToAggregate())
+	}
+	// Guard against a silently ignored config (Read returns the internal
+	// type; make sure our cluster selection is really HTTPConnect over UDS).
+	var found bool
+	for _, sel := range config.EgressSelections {
+		if sel.Name == "cluster" {
+			found = sel.Connection.ProxyProtocol == apiserverapi.ProtocolHTTPConnect &&
+				sel.Connection.Transport != nil && sel.Connection.Transport.UDS != nil &&
+				sel.Connection.Transport.UDS.UDSName == s.sock
+		}
+	}
+	if !found {
+		t.Fatalf("egress config did not decode to cluster/HTTPConnect/uds %s: %+v", s.sock, config)
+	}
+	sel, err := egressselector.NewEgressSelector(config)
+	if err != nil {
+		t.Fatalf("NewEgressSelector: %v", err)
+	}
+	d, err := sel.Lookup(egressselector.Cluster.AsNetworkContext())
+	if err != nil || d == nil {
+		t.Fatalf("Lookup(cluster): dialer %v, err %v", d != nil, err)
+	}
+	return dialFunc(d)
+}
+
+// bounded wraps d so that a dial returns once ctx is done. The egress
+// dialer ignores ctx while it waits for the CONNECT response (a known
+// kube-apiserver limitation), so without this a hung server would hang the
+// test. A late result is closed; the abandoned goroutine ends at the latest
+// when the server process is stopped and the socket closes.
+func (d dialFunc) bounded() dialFunc {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		type result struct {
+			c   net.Conn
+			err error
+		}
+		ch := make(chan result, 1)
+		go func() {
+			c, err := d(ctx, network, addr)
+			ch <- result{c, err}
+		}()
+		select {
+		case r := <-ch:
+			return r.c, r.err
+		case <-ctx.Done():
+			go func() {
+				if r := <-ch; r.c != nil {
+					r.c.Close()
+				}
+			}()
+			return nil, fmt.Errorf("dial %s via konnectivity: no CONNECT answer: %w", addr, ctx.Err())
+		}
+	}
+}
+
+// httpClient returns a client whose every connection is a konnectivity
+// tunnel made by d. keepAlive=false makes every request a fresh tunnel.
+func (d dialFunc) httpClient(keepAlive bool, dials *int64counter) *http.Client {
+	bd := d.bounded()
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if dials != nil {
+				dials.add(1)
+			}
+			return bd(ctx, network, addr)
+		},
+		DisableKeepAlives:   !keepAlive,
+		MaxIdleConnsPerHost: 64,
+		ForceAttemptHTTP2:   false,
+	}
+	return &http.Client{Transport: tr, Timeout: 20 * time.Second}
+}
+
+type int64counter struct {
+	mu sync.Mutex
+	n  int64
+}
+
+func (c *int64counter) add(d int64) {
+	c.mu.Lock()
+	c.n += d
+	c.mu.Unlock()
+}
+
+func (c *int64counter) get() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
+}
+
+// dialErr dials addr through d with a bound and returns the error (nil if
+// the dial unexpectedly succeeded, after closing the conn) and the time
+// taken.
+func dialErr(t *testing.T, d dialFunc, addr string, bound time.Duration) (time.Duration, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	start := time.Now()
+	c, err := d.bounded()(ctx, "tcp", addr)
+	el := time.Since(start)
+	if err == nil {
+		c.Close()
+	}
+	return el, err
+}

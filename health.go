@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
+	"time"
+)
+
+// check is one named readiness check, reported as "[+]name ok" or
+// "[-]name failed: reason" with ?verbose, as Kubernetes components do.
+type check struct {
+	name string
+	run  func() (ok bool, msg string)
+}
+
+func healthMux(ready []check) *http.ServeMux {
+	mux := http.NewServeMux()
+	alive := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		fmt.Fprintln(w, "ok")
+	}
+	mux.HandleFunc("/healthz", alive)
+	mux.HandleFunc("/livez", alive)
+	readyz := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		_, verbose := r.URL.Query()["verbose"]
+		status, body := http.StatusOK, ""
+		var failed string
+		for _, c := range ready {
+			ok, msg := c.run()
+			if ok {
+				body += fmt.Sprintf("[+]%s ok: %s\n", c.name, msg)
+			} else {
+				status = http.StatusServiceUnavailable
+				body += fmt.Sprintf("[-]%s failed: %s\n", c.name, msg)
+				failed += fmt.Sprintf("%s: %s\n", c.name, msg)
+			}
+		}
+		w.WriteHeader(status)
+		switch {
+		case verbose:
+			fmt.Fprint(w, body)
+			if status == http.StatusOK {
+				fmt.Fprintln(w, "readyz check passed")
+			}
+		case status == http.StatusOK:
+			fmt.Fprint(w, "ok\n")
+		default:
+			fmt.Fprint(w, failed)
+		}
+	}
+	mux.HandleFunc("/readyz", readyz)
+	mux.HandleFunc("/ready", readyz) // upstream's deprecated name
+	return mux
+}
+
+func addProfiling(mux *http.ServeMux) {
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+}
+
+// httpService is a small HTTP server (health or admin) with its listener.
+type httpService struct {
+	name string
+	ln   net.Listener
+	srv  *http.Server
+	done chan struct{}
+}
+
+// startHTTP listens on addr and serves h until stop. Port 0 in the flag
+// value means the service is off, so callers skip it before calling.
+func startHTTP(name, addr string, h http.Handler, log *slog.Logger) (*httpService, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("%s listener on %s: %w", name, addr, err)
+	}
+	s := &httpService{
+		name: name,
+		ln:   ln,
+		srv:  &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)},
+		done: make(chan struct{}),
+	}
+	go func() {
+		defer close(s.done)
+		if err := s.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("HTTP service stopped", "service", name, "err", err)
+		}
+	}()
+	log.Info("listening", "service", name, "addr", ln.Addr().String())
+	return s, nil
+}
+
+func (s *httpService) stop() {
+	if s == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	s.srv.Shutdown(ctx)
+	s.srv.Close()
+	<-s.done
+}
+
+func hostPort(host string, port int) string {
+	return net.JoinHostPort(host, fmt.Sprint(port))
+}

@@ -1,0 +1,106 @@
+// Command konnectivity is a small replacement for the upstream
+// apiserver-network-proxy: one static binary that is the konnectivity
+// server, the agent, the certificate minter and a self-contained demo.
+//
+// It answers to its subcommands (konnectivity server|agent|cert|version|demo)
+// and, through symlinks, to the names konnectivity-server,
+// konnectivity-agent and eks-konnectivity-cert, so existing init scripts
+// and manifests keep working.
+package main
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"strings"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+// commands maps subcommand names to their entry points. Each returns the
+// process exit code.
+var commands = map[string]func(args []string, stdout, stderr io.Writer) int{
+	"server":  runServer,
+	"agent":   runAgent,
+	"cert":    runCert,
+	"demo":    runDemo,
+	"version": runVersion,
+}
+
+// aliases are the names the binary answers to when invoked through a symlink.
+var aliases = map[string]string{
+	"konnectivity-server":   "server",
+	"proxy-server":          "server",
+	"konnectivity-agent":    "agent",
+	"proxy-agent":           "agent",
+	"eks-konnectivity-cert": "cert",
+}
+
+func main() {
+	os.Exit(dispatch(os.Args, os.Stdout, os.Stderr))
+}
+
+func dispatch(argv []string, stdout, stderr io.Writer) int {
+	name := filepath.Base(argv[0])
+	if cmd, ok := aliases[name]; ok {
+		return commands[cmd](argv[1:], stdout, stderr)
+	}
+	if len(argv) < 2 {
+		usage(stderr)
+		return 2
+	}
+	sub := argv[1]
+	switch sub {
+	case "-h", "--help", "help":
+		usage(stdout)
+		return 0
+	case "-version", "--version":
+		sub = "version"
+	}
+	run, ok := commands[sub]
+	if !ok {
+		fmt.Fprintf(stderr, "konnectivity: unknown command %q\n\n", sub)
+		usage(stderr)
+		return 2
+	}
+	return run(argv[2:], stdout, stderr)
+}
+
+func usage(w io.Writer) {
+	fmt.Fprint(w, `konnectivity: a way for kube-apiserver into the pod and node network.
+
+Usage:
+  konnectivity server [flags]   run the server (kube-apiserver frontend + agent listener)
+  konnectivity agent [flags]    run an agent (dials the server, serves its dials)
+  konnectivity cert [flags]     mint or reuse a certificate signed by a cluster CA
+  konnectivity demo             run server, agent and a backend on loopback with a throwaway CA
+  konnectivity version          print the version
+
+Invoked as konnectivity-server, konnectivity-agent or eks-konnectivity-cert it runs
+that command. "konnectivity COMMAND --help" lists a command's flags.
+`)
+}
+
+func runVersion(args []string, stdout, _ io.Writer) int {
+	fmt.Fprintln(stdout, versionString())
+	return 0
+}
+
+func versionString() string {
+	rev := ""
+	if info, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range info.Settings {
+			if s.Key == "vcs.revision" {
+				rev = s.Value
+			}
+		}
+	}
+	v := "konnectivity " + version
+	if rev != "" {
+		v += " (" + strings.TrimSpace(rev) + ")"
+	}
+	return v
+}

@@ -1,0 +1,586 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/tunnel"
+)
+
+type serverOptions struct {
+	mode                  string
+	udsName               string
+	deleteExistingUDS     bool
+	udsMode               fileMode
+	udsOwner, udsGroup    string
+	frontendAllowedUIDs   string
+	serverPort            int
+	serverBindAddress     string
+	serverCert, serverKey string
+	serverCACert          string
+	agentPort             int
+	agentBindAddress      string
+	clusterCert           string
+	clusterKey            string
+	clusterCACert         string
+	allowUnauthenticated  bool
+	kubeconfig, kubeCtx   string
+	agentNamespace        string
+	agentServiceAccount   string
+	authAudience          string
+	healthPort            int
+	healthBindAddress     string
+	adminPort             int
+	adminBindAddress      string
+	enableProfiling       bool
+	serverID              string
+	serverCount           int
+	proxyStrategies       string
+	agentWait             time.Duration
+	backendDialTimeout    time.Duration
+	headerTimeout         time.Duration
+	gracefulShutdown      time.Duration
+	keepaliveTime         time.Duration
+	pingTimeout           time.Duration
+	maxStreamsPerAgent    int
+	tlsMinVersion         string
+	readyzRequiresAgent   bool
+	tokenReviewTimeout    time.Duration
+	tokenReviewCacheTTL   time.Duration
+	mintCACert, mintCAKey string
+	mintSANs, mintCN      string
+	mintCheckInterval     time.Duration
+}
+
+func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
+	o := &serverOptions{udsMode: fileMode{0o600}}
+	cf := newCommandFlags("konnectivity server", stderr)
+	f := cf.FlagSet
+	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc or http-connect")
+	f.StringVar(&o.udsName, "uds-name", "", "Unix socket path for the kube-apiserver frontend")
+	f.BoolVar(&o.deleteExistingUDS, "delete-existing-uds-file", true, "remove a stale socket at --uds-name before listening")
+	f.Var(&o.udsMode, "uds-mode", "file mode of the frontend socket (octal)")
+	f.StringVar(&o.udsOwner, "uds-owner", "", "owner (name or UID) of the frontend socket")
+	f.StringVar(&o.udsGroup, "uds-group", "", "group (name or GID) of the frontend socket")
+	f.StringVar(&o.frontendAllowedUIDs, "frontend-allowed-uids", "", "comma list of UIDs allowed on the frontend socket (default: root and this process's UID)")
+	f.IntVar(&o.serverPort, "server-port", 8090, "TCP port of the mTLS frontend; 0 disables it (and it is off by default when --uds-name is set)")
+	f.StringVar(&o.serverBindAddress, "server-bind-address", "", "address the TCP frontend binds to (default all)")
+	f.StringVar(&o.serverCert, "server-cert", "", "TLS certificate of the TCP frontend")
+	f.StringVar(&o.serverKey, "server-key", "", "TLS key of the TCP frontend")
+	f.StringVar(&o.serverCACert, "server-ca-cert", "", "CA that signs kube-apiserver's client certificate on the TCP frontend (required with it)")
+	f.IntVar(&o.agentPort, "agent-port", 8091, "TCP port agents connect to")
+	f.StringVar(&o.agentBindAddress, "agent-bind-address", "", "address the agent listener binds to (default all)")
+	f.StringVar(&o.clusterCert, "cluster-cert", "", "TLS certificate presented to agents (required)")
+	f.StringVar(&o.clusterKey, "cluster-key", "", "TLS key presented to agents (required)")
+	f.StringVar(&o.clusterCACert, "cluster-ca-cert", "", "if set, agents may authenticate with a client certificate signed by this CA")
+	f.BoolVar(&o.allowUnauthenticated, "allow-unauthenticated-agents", false, "admit agents with neither a client certificate nor a token (insecure)")
+	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig used for TokenReview (default: in-cluster config)")
+	f.StringVar(&o.kubeCtx, "context", "", "kubeconfig context to use (default: current-context)")
+	f.StringVar(&o.agentNamespace, "agent-namespace", "", "namespace of the agents' ServiceAccount (enables token auth)")
+	f.StringVar(&o.agentServiceAccount, "agent-service-account", "", "name of the agents' ServiceAccount (enables token auth)")
+	f.StringVar(&o.authAudience, "authentication-audience", "", "audience the agents' tokens must carry (enables token auth)")
+	f.DurationVar(&o.tokenReviewTimeout, "token-review-timeout", 5*time.Second, "bound on one TokenReview call")
+	f.DurationVar(&o.tokenReviewCacheTTL, "token-review-cache-ttl", 10*time.Second, "how long a TokenReview result is reused (never past the token's expiry)")
+	f.IntVar(&o.healthPort, "health-port", 8092, "port of /healthz, /livez and /readyz; 0 disables it")
+	f.StringVar(&o.healthBindAddress, "health-bind-address", "", "address the health server binds to (default all)")
+	f.IntVar(&o.adminPort, "admin-port", 8095, "port of the admin server (pprof); 0 disables it")
+	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
+	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
+	f.StringVar(&o.serverID, "server-id", "", "ID announced to agents (default: $PROXY_SERVER_ID, else random per process)")
+	f.IntVar(&o.serverCount, "server-count", 1, "number of server replicas agents should connect to")
+	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: destHost, default, defaultRoute")
+	f.DurationVar(&o.agentWait, "agent-wait", 5*time.Second, "how long a dial waits for an agent to connect before 503")
+	f.DurationVar(&o.backendDialTimeout, "backend-dial-timeout", 10*time.Second, "bound from CONNECT to the agent's dial answer (504 after it); below kube-apiserver's 30s")
+	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head or an agent handshake")
+	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
+	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to an agent")
+	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before the agent is dropped")
+	f.IntVar(&o.maxStreamsPerAgent, "max-streams-per-agent", 10000, "open tunnels per agent before dials go elsewhere")
+	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
+	f.StringVar(&o.mintCACert, "mint-ca-cert", "", "CA certificate to mint --cluster-cert from (with --mint-ca-key): minted at start when missing or wrong, renewed before expiry")
+	f.StringVar(&o.mintCAKey, "mint-ca-key", "", "CA key for --mint-ca-cert")
+	f.StringVar(&o.mintSANs, "mint-sans", "", "comma list of DNS names and IPs agents dial, for the minted certificate")
+	f.StringVar(&o.mintCN, "mint-cn", "konnectivity-server", "common name of the minted certificate")
+	f.DurationVar(&o.mintCheckInterval, "mint-check-interval", time.Hour, "how often the minted certificate is checked for renewal")
+	f.BoolVar(&o.readyzRequiresAgent, "readyz-requires-agent", true, "/readyz fails until an agent is connected")
+
+	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
+	cf.tolerate("frontend-write-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
+	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
+	cf.tolerate("frontend-keepalive-time", false, "the HTTP CONNECT frontend has no keepalive")
+	cf.tolerate("cipher-suites", false, "Go's default TLS 1.2/1.3 suites are used")
+	cf.tolerate("kubeconfig-qps", false, "TokenReview results are cached instead")
+	cf.tolerate("kubeconfig-burst", false, "TokenReview results are cached instead")
+	cf.tolerate("kube-api-content-type", false, "TokenReview uses JSON")
+	cf.tolerate("enable-lease-controller", true, "leases are not used: agents learn the server count from the handshake")
+	cf.tolerate("lease-namespace", false, "leases are not used")
+	cf.tolerate("lease-label", false, "leases are not used")
+	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
+	return o, cf
+}
+
+func runServer(args []string, stdout, stderr io.Writer) int {
+	o, cf := newServerFlags(stderr)
+	log, err := cf.parse(args, stderr)
+	if err != nil {
+		if errors.Is(err, flagHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "konnectivity server: %v\n", err)
+		return 2
+	}
+	if err := o.complete(cf); err != nil {
+		fmt.Fprintf(stderr, "konnectivity server: %v\n", err)
+		return 2
+	}
+	ctx, stop := signalContext(log)
+	defer stop()
+	if err := o.run(ctx, log); err != nil {
+		log.Error("server failed", "err", err)
+		return 1
+	}
+	return 0
+}
+
+// complete checks flag combinations and fills derived defaults.
+func (o *serverOptions) complete(cf *commandFlags) error {
+	switch o.mode {
+	case "http-connect":
+	case "grpc":
+		return fmt.Errorf("--mode=grpc is not supported yet: use --mode=http-connect (kube-apiserver proxyProtocol: HTTPConnect)")
+	default:
+		return fmt.Errorf("--mode=%q: want grpc or http-connect", o.mode)
+	}
+	// Upstream requires --server-port=0 with --uds-name; here an unset
+	// --server-port simply means no TCP frontend when a socket is given.
+	if o.udsName != "" && !cf.wasSet("server-port") {
+		o.serverPort = 0
+	}
+	if o.udsName == "" && o.serverPort == 0 {
+		return fmt.Errorf("no frontend: set --uds-name or --server-port")
+	}
+	if o.serverPort != 0 && (o.serverCert == "" || o.serverKey == "" || o.serverCACert == "") {
+		return fmt.Errorf("the TCP frontend (--server-port=%d) needs --server-cert, --server-key and --server-ca-cert (mTLS, as upstream); use --server-port=0 to disable it", o.serverPort)
+	}
+	if o.clusterCert == "" || o.clusterKey == "" {
+		return fmt.Errorf("the agent listener needs --cluster-cert and --cluster-key")
+	}
+	if (o.mintCACert == "") != (o.mintCAKey == "") {
+		return fmt.Errorf("--mint-ca-cert and --mint-ca-key go together")
+	}
+	if o.mintCAKey != "" && o.mintSANs == "" {
+		return fmt.Errorf("--mint-ca-key needs --mint-sans (the names and addresses agents dial)")
+	}
+	if o.serverID == "" {
+		o.serverID = os.Getenv("PROXY_SERVER_ID")
+	}
+	if o.serverID == "" {
+		var b [8]byte
+		rand.Read(b[:])
+		o.serverID = hex.EncodeToString(b[:])
+	}
+	if o.serverCount < 1 {
+		return fmt.Errorf("--server-count=%d: want at least 1", o.serverCount)
+	}
+	if _, err := tunnel.ParseStrategies(o.proxyStrategies); err != nil {
+		return fmt.Errorf("--proxy-strategies: %w", err)
+	}
+	if o.tokenAuth() && (o.agentNamespace == "" || o.agentServiceAccount == "" || o.authAudience == "") {
+		return fmt.Errorf("token auth needs all of --agent-namespace, --agent-service-account and --authentication-audience")
+	}
+	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (o *serverOptions) tokenAuth() bool {
+	return o.agentNamespace != "" || o.agentServiceAccount != "" || o.authAudience != ""
+}
+
+func tlsVersion(s string) (uint16, error) {
+	switch s {
+	case "VersionTLS12", "":
+		return tls.VersionTLS12, nil
+	case "VersionTLS13":
+		return tls.VersionTLS13, nil
+	}
+	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13", s)
+}
+
+func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
+	strategies, _ := tunnel.ParseStrategies(o.proxyStrategies)
+	minTLS, _ := tlsVersion(o.tlsMinVersion)
+
+	mintCtx, stopMinting := context.WithCancel(ctx)
+	waitMinting, err := o.startMinting(mintCtx, log)
+	if err != nil {
+		stopMinting()
+		return err
+	}
+	defer func() { stopMinting(); waitMinting() }()
+	agentTLS, agentCert, err := o.agentTLSConfig(minTLS, log)
+	if err != nil {
+		return err
+	}
+	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
+	authenticate, err := o.agentAuthenticator(log)
+	if err != nil {
+		return err
+	}
+	cfg := tunnel.ServerConfig{
+		ID:                 o.serverID,
+		Count:              o.serverCount,
+		AgentTLS:           agentTLS,
+		AuthenticateAgent:  authenticate,
+		Strategies:         strategies,
+		AgentWait:          o.agentWait,
+		DialTimeout:        o.backendDialTimeout,
+		HeaderTimeout:      o.headerTimeout,
+		KeepAlive:          o.keepaliveTime,
+		PingTimeout:        o.pingTimeout,
+		MaxStreamsPerAgent: o.maxStreamsPerAgent,
+		Logger:             log,
+	}
+	if o.udsName != "" {
+		allowed := auth.DefaultAllowedUIDs()
+		if o.frontendAllowedUIDs != "" {
+			if allowed, err = auth.ParseUIDList(o.frontendAllowedUIDs); err != nil {
+				return fmt.Errorf("--frontend-allowed-uids: %w", err)
+			}
+		}
+		cfg.CheckFrontendPeer = func(c net.Conn) error {
+			if _, ok := c.(*net.UnixConn); !ok {
+				return nil // the TCP frontend is guarded by mTLS
+			}
+			if err := allowed.CheckConn(c); err != nil {
+				return &tunnel.StatusError{Code: http.StatusForbidden, Msg: err.Error()}
+			}
+			return nil
+		}
+	}
+	srv, err := tunnel.NewServer(cfg)
+	if err != nil {
+		return err
+	}
+
+	var (
+		serving  = make(chan error, 4)
+		nServing int
+		services []*httpService
+	)
+	defer func() {
+		for _, s := range services {
+			s.stop()
+		}
+	}()
+	if o.udsName != "" {
+		ln, err := listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+		if err != nil {
+			return err
+		}
+		if o.udsOwner != "" || o.udsGroup != "" {
+			if err := auth.ApplySocketOwnership(o.udsName, o.udsMode.mode, o.udsOwner, o.udsGroup); err != nil {
+				ln.Close()
+				return fmt.Errorf("frontend socket %s: %w", o.udsName, err)
+			}
+		}
+		log.Info("listening", "service", "frontend", "mode", o.mode, "uds", o.udsName, "uds_mode", o.udsMode.String())
+		nServing++
+		go func() { serving <- srv.ServeFrontend(ln) }()
+	}
+	if o.serverPort != 0 {
+		tcfg, err := o.frontendTLSConfig(minTLS, log)
+		if err != nil {
+			return err
+		}
+		ln, err := tls.Listen("tcp", hostPort(o.serverBindAddress, o.serverPort), tcfg)
+		if err != nil {
+			return fmt.Errorf("TCP frontend: %w", err)
+		}
+		log.Info("listening", "service", "frontend", "mode", o.mode, "addr", ln.Addr().String(), "tls", "mTLS")
+		nServing++
+		go func() { serving <- srv.ServeFrontend(ln) }()
+	}
+	agentLn, err := net.Listen("tcp", hostPort(o.agentBindAddress, o.agentPort))
+	if err != nil {
+		srv.Close()
+		return fmt.Errorf("agent listener: %w", err)
+	}
+	log.Info("listening", "service", "agents", "addr", agentLn.Addr().String(), "server_id", o.serverID, "server_count", o.serverCount)
+	nServing++
+	go func() { serving <- srv.ServeAgents(agentLn) }()
+
+	ready := []check{{"agents", srv.Ready}}
+	if !o.readyzRequiresAgent {
+		ready = []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
+	}
+	if o.healthPort != 0 {
+		s, err := startHTTP("health", hostPort(o.healthBindAddress, o.healthPort), healthMux(ready), log)
+		if err != nil {
+			srv.Close()
+			return err
+		}
+		services = append(services, s)
+	}
+	if o.adminPort != 0 {
+		mux := healthMux(ready)
+		if o.enableProfiling {
+			addProfiling(mux)
+		}
+		s, err := startHTTP("admin", hostPort(o.adminBindAddress, o.adminPort), mux, log)
+		if err != nil {
+			srv.Close()
+			return err
+		}
+		services = append(services, s)
+	}
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-serving:
+		nServing--
+	}
+	log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
+	sctx, cancel := context.WithTimeout(context.Background(), o.gracefulShutdown)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		log.Warn("graceful shutdown cut short; open tunnels closed", "err", err)
+	}
+	for ; nServing > 0; nServing-- {
+		<-serving
+	}
+	log.Info("stopped")
+	if runErr != nil && !errors.Is(runErr, tunnel.ErrServerClosed) {
+		return runErr
+	}
+	return nil
+}
+
+// agentTLSConfig serves --cluster-cert/--cluster-key and, with
+// --cluster-ca-cert, verifies agent client certificates. All three files are
+// watched: new handshakes use what is on disk now, open tunnels are untouched.
+func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
+	cert, err := certs.NewReloader(o.clusterCert, o.clusterKey, log.With("listener", "agents"))
+	if err != nil {
+		return nil, nil, fmt.Errorf("--cluster-cert/--cluster-key: %w", err)
+	}
+	var pool *certs.CAPoolReloader
+	if o.clusterCACert != "" {
+		if pool, err = certs.NewCAPoolReloader(o.clusterCACert, log.With("listener", "agents")); err != nil {
+			return nil, nil, fmt.Errorf("--cluster-ca-cert: %w", err)
+		}
+	}
+	cfg, err := certs.ServerConfig(cert, pool)
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg.MinVersion = minTLS
+	if pool != nil {
+		// Token agents present no certificate; a presented one must verify.
+		cfg.ClientAuth = tls.VerifyClientCertIfGiven
+	}
+	return cfg, cert, nil
+}
+
+// frontendTLSConfig is the TCP frontend's mTLS, with the same hot reload.
+func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, error) {
+	cert, err := certs.NewReloader(o.serverCert, o.serverKey, log.With("listener", "frontend"))
+	if err != nil {
+		return nil, fmt.Errorf("--server-cert/--server-key: %w", err)
+	}
+	pool, err := certs.NewCAPoolReloader(o.serverCACert, log.With("listener", "frontend"))
+	if err != nil {
+		return nil, fmt.Errorf("--server-ca-cert: %w", err)
+	}
+	cfg, err := certs.ServerConfig(cert, pool)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MinVersion = minTLS
+	cfg.NextProtos = []string{"http/1.1"}
+	return cfg, nil
+}
+
+// startMinting mints --cluster-cert/--cluster-key from --mint-ca-cert and
+// --mint-ca-key when they are missing or no longer right, and keeps them
+// renewed while the server runs; the agent listener's reloader picks up
+// each new pair.
+func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wait func(), err error) {
+	if o.mintCAKey == "" {
+		return func() {}, nil
+	}
+	ca, err := certs.LoadCA(o.mintCACert, o.mintCAKey)
+	if err != nil {
+		return nil, fmt.Errorf("--mint-ca-cert/--mint-ca-key: %w", err)
+	}
+	dns, ips, err := certs.ParseSANs(o.mintSANs)
+	if err != nil {
+		return nil, fmt.Errorf("--mint-sans: %w", err)
+	}
+	m, _, err := certs.NewMinter(certs.EnsureOptions{
+		CertFile: o.clusterCert,
+		KeyFile:  o.clusterKey,
+		CA:       ca,
+		Request:  certs.Request{CommonName: o.mintCN, DNSNames: dns, IPAddresses: ips},
+	}, log)
+	if err != nil {
+		return nil, fmt.Errorf("mint the agent-listener certificate: %w", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		m.Renew(ctx, o.mintCheckInterval)
+	}()
+	return func() { <-done }, nil
+}
+
+// agentAuthenticator decides how agents prove themselves: a client
+// certificate from --cluster-ca-cert, a ServiceAccount token checked with
+// TokenReview, either of the two when both are configured.
+func (o *serverOptions) agentAuthenticator(log *slog.Logger) (func(context.Context, tunnel.AgentCredentials) error, error) {
+	mtls := o.clusterCACert != ""
+	var reviewer *auth.TokenReviewer
+	if o.tokenAuth() {
+		var rc *auth.RESTConfig
+		var err error
+		if o.kubeconfig != "" {
+			rc, err = auth.LoadKubeconfig(o.kubeconfig, o.kubeCtx)
+		} else {
+			rc, err = auth.InClusterConfig()
+		}
+		if err != nil {
+			return nil, fmt.Errorf("token auth: %w", err)
+		}
+		reviewer, err = auth.NewTokenReviewer(rc, auth.ReviewOptions{
+			Audience:       o.authAudience,
+			Namespace:      o.agentNamespace,
+			ServiceAccount: o.agentServiceAccount,
+			Timeout:        o.tokenReviewTimeout,
+			CacheTTL:       o.tokenReviewCacheTTL,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("token auth: %w", err)
+		}
+		log.Info("agent token auth on", "apiserver", rc.Server(), "audience", o.authAudience, "service_account", o.agentNamespace+"/"+o.agentServiceAccount)
+	}
+	switch {
+	case mtls || reviewer != nil:
+		if o.allowUnauthenticated {
+			log.Warn("--allow-unauthenticated-agents is ignored: agent authentication is configured")
+		}
+	case o.allowUnauthenticated:
+		log.Warn("AGENTS ARE NOT AUTHENTICATED: any host that reaches the agent port can serve this cluster's egress (--allow-unauthenticated-agents)")
+		return nil, nil
+	default:
+		log.Error("no agent authentication configured: every agent will be refused; set --cluster-ca-cert, the token flags, or --allow-unauthenticated-agents")
+	}
+	return func(ctx context.Context, c tunnel.AgentCredentials) error {
+		if mtls && len(c.TLS.VerifiedChains) > 0 {
+			return nil
+		}
+		if reviewer != nil && c.Token != "" {
+			if err := reviewer.Authenticate(ctx, c.Token); err != nil {
+				return &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+			}
+			return nil
+		}
+		switch {
+		case mtls && reviewer != nil:
+			return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "present a client certificate or a ServiceAccount token"}
+		case mtls:
+			return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a client certificate signed by the cluster CA is required"}
+		case reviewer != nil:
+			return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a ServiceAccount bearer token is required"}
+		}
+		return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "this server has no agent authentication configured"}
+	}, nil
+}
+
+func loadCAPool(path string) (*x509.CertPool, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(data) {
+		return nil, fmt.Errorf("%s: no PEM certificate found", path)
+	}
+	return pool, nil
+}
+
+// listenUnix creates the frontend socket with its final mode from the start
+// (no window in which it is more open than asked).
+func listenUnix(path string, mode os.FileMode, deleteExisting bool) (*net.UnixListener, error) {
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("frontend socket %s: exists and is not a socket; not removing it", path)
+		}
+		if !deleteExisting {
+			return nil, fmt.Errorf("frontend socket %s: already exists (--delete-existing-uds-file=false)", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("remove stale frontend socket: %w", err)
+		}
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("frontend socket directory: %w", err)
+	}
+	old := syscall.Umask(0o777 &^ int(mode.Perm()))
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	syscall.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("frontend socket: %w", err)
+	}
+	if err := os.Chmod(path, mode.Perm()); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("frontend socket mode: %w", err)
+	}
+	return ln, nil
+}
+
+// signalContext is cancelled by the first SIGTERM or SIGINT; a second one
+// exits the process at once.
+func signalContext(log *slog.Logger) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	ch := make(chan os.Signal, 2)
+	signal.Notify(ch, syscall.SIGTERM, syscall.SIGINT)
+	done := make(chan struct{})
+	go func() {
+		select {
+		case sig := <-ch:
+			log.Info("signal received: shutting down gracefully (send again to exit at once)", "signal", sig.String())
+			cancel()
+		case <-done:
+			return
+		}
+		select {
+		case sig := <-ch:
+			log.Warn("second signal: exiting now", "signal", sig.String())
+			os.Exit(1)
+		case <-done:
+		}
+	}()
+	return ctx, func() {
+		signal.Stop(ch)
+		close(done)
+		cancel()
+	}
+}

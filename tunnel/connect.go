@@ -1,0 +1,132 @@
+package tunnel
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+)
+
+// StatusError is a failure with the HTTP status a client should see.
+type StatusError struct {
+	Code int
+	Msg  string
+}
+
+func (e *StatusError) Error() string {
+	return fmt.Sprintf("%d %s: %s", e.Code, http.StatusText(e.Code), e.Msg)
+}
+
+func statusErrorf(code int, format string, args ...any) *StatusError {
+	return &StatusError{Code: code, Msg: fmt.Sprintf(format, args...)}
+}
+
+// StatusCode returns the HTTP status carried by err, or 502 for any other error.
+func StatusCode(err error) int {
+	var se *StatusError
+	if errors.As(err, &se) {
+		return se.Code
+	}
+	return http.StatusBadGateway
+}
+
+// headLimiter caps how many bytes the request head may use. After the head is
+// parsed the cap is lifted so the bufio.Reader on top keeps serving tunnel
+// bytes that arrived behind the head.
+type headLimiter struct {
+	r         io.Reader
+	remaining int64
+	limited   bool
+}
+
+var errHeadTooLarge = errors.New("request head too large")
+
+func (l *headLimiter) Read(p []byte) (int, error) {
+	if !l.limited {
+		return l.r.Read(p)
+	}
+	if l.remaining <= 0 {
+		return 0, errHeadTooLarge
+	}
+	if int64(len(p)) > l.remaining {
+		p = p[:l.remaining]
+	}
+	n, err := l.r.Read(p)
+	l.remaining -= int64(n)
+	return n, err
+}
+
+// readConnect reads one HTTP/1.x request head from br and returns the dial
+// address of a CONNECT request. The address is the request target, never the
+// Host header (kube-apiserver sends "Host: 127.0.0.1"). Errors are
+// *StatusError: 400 for a malformed request, 405 for another method, 431 for a
+// head that is too large.
+func readConnect(br *bufio.Reader) (string, error) {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		if errors.Is(err, errHeadTooLarge) {
+			return "", statusErrorf(http.StatusRequestHeaderFieldsTooLarge, "request head too large")
+		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return "", statusErrorf(http.StatusRequestTimeout, "request head not received in time")
+		}
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return "", statusErrorf(http.StatusBadRequest, "connection closed before the request head ended")
+		}
+		return "", statusErrorf(http.StatusBadRequest, "malformed request: %s", cleanErr(err))
+	}
+	if req.Method != http.MethodConnect {
+		return "", statusErrorf(http.StatusMethodNotAllowed, "method %s not allowed: this is a CONNECT proxy", req.Method)
+	}
+	if req.ProtoMajor != 1 {
+		return "", statusErrorf(http.StatusBadRequest, "protocol %s not supported", req.Proto)
+	}
+	// For CONNECT, net/http takes the authority-form request target as
+	// req.Host and leaves URL.Host equal to it; a Host header does not change it.
+	addr := req.URL.Host
+	if addr == "" {
+		addr = req.RequestURI
+	}
+	if _, err := splitDialAddress(addr); err != nil {
+		return "", statusErrorf(http.StatusBadRequest, "%v", err)
+	}
+	if req.ContentLength > 0 || len(req.TransferEncoding) > 0 {
+		return "", statusErrorf(http.StatusBadRequest, "CONNECT request must not have a body")
+	}
+	return addr, nil
+}
+
+// cleanErr keeps client-supplied bytes out of error text beyond a short,
+// printable prefix.
+func cleanErr(err error) string {
+	s := err.Error()
+	if len(s) > 120 {
+		s = s[:120] + "..."
+	}
+	return strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f {
+			return '?'
+		}
+		return r
+	}, s)
+}
+
+// writeStatus answers a frontend request with a short text body and asks the
+// client to close.
+func writeStatus(w io.Writer, code int, msg string) error {
+	if msg == "" {
+		msg = http.StatusText(code)
+	}
+	msg = strings.TrimSpace(msg) + "\n"
+	_, err := fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
+		code, http.StatusText(code), len(msg), msg)
+	return err
+}
+
+// connectEstablished is the exact answer kube-apiserver's dialer expects: no
+// headers and no body, so nothing is buffered behind it.
+const connectEstablished = "HTTP/1.1 200 Connection Established\r\n\r\n"

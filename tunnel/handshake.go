@@ -1,0 +1,136 @@
+package tunnel
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+// The agent's Upgrade request and the server's answer. Everything the two
+// sides need to know about each other travels here, once per connection.
+const (
+	handshakePath    = "/konnectivity/v1/tunnel"
+	upgradeToken     = "konnectivity-h2"
+	hdrAgentID       = "Konnectivity-Agent-Id"
+	hdrIdentifiers   = "Konnectivity-Agent-Identifiers"
+	hdrHeldServers   = "Konnectivity-Held-Servers"
+	hdrDraining      = "Konnectivity-Agent-Draining"
+	hdrServerID      = "Konnectivity-Server-Id"
+	hdrServerCount   = "Konnectivity-Server-Count"
+	maxHandshakeHead = 16 << 10
+	maxIDLen         = 256
+)
+
+// agentHello is what an agent says about itself when it connects.
+type agentHello struct {
+	ID          string
+	Identifiers string
+	Held        []string // server IDs the agent already holds a tunnel to
+	Token       string   // bearer token, if any; never logged
+}
+
+func validID(id string) error {
+	if id == "" {
+		return fmt.Errorf("empty ID")
+	}
+	if len(id) > maxIDLen {
+		return fmt.Errorf("ID longer than %d bytes", maxIDLen)
+	}
+	for _, c := range id {
+		if c <= ' ' || c == 0x7f || c == ',' {
+			return fmt.Errorf("ID %q has a space, comma or control character", id)
+		}
+	}
+	return nil
+}
+
+func writeHello(w io.Writer, host string, h agentHello) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "GET %s HTTP/1.1\r\nHost: %s\r\nConnection: Upgrade\r\nUpgrade: %s\r\n", handshakePath, host, upgradeToken)
+	fmt.Fprintf(&b, "%s: %s\r\n", hdrAgentID, h.ID)
+	if h.Identifiers != "" {
+		fmt.Fprintf(&b, "%s: %s\r\n", hdrIdentifiers, h.Identifiers)
+	}
+	if len(h.Held) > 0 {
+		fmt.Fprintf(&b, "%s: %s\r\n", hdrHeldServers, strings.Join(h.Held, ","))
+	}
+	if h.Token != "" {
+		fmt.Fprintf(&b, "Authorization: Bearer %s\r\n", h.Token)
+	}
+	b.WriteString("\r\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// readHello parses an agent's Upgrade request. Errors are *StatusError.
+func readHello(br *bufio.Reader) (agentHello, error) {
+	var h agentHello
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		// No detail from the parser: its text quotes request bytes, which
+		// could include a bearer token.
+		return h, statusErrorf(http.StatusBadRequest, "malformed handshake request")
+	}
+	if req.Method != http.MethodGet || req.URL.Path != handshakePath {
+		return h, statusErrorf(http.StatusNotFound, "not a konnectivity agent handshake (%s %s)", req.Method, cleanErr(fmt.Errorf("%s", req.URL.Path)))
+	}
+	if !strings.EqualFold(req.Header.Get("Upgrade"), upgradeToken) {
+		return h, statusErrorf(http.StatusUpgradeRequired, "want Upgrade: %s", upgradeToken)
+	}
+	h.ID = req.Header.Get(hdrAgentID)
+	if err := validID(h.ID); err != nil {
+		return h, statusErrorf(http.StatusBadRequest, "agent %v", err)
+	}
+	h.Identifiers = req.Header.Get(hdrIdentifiers)
+	if held := req.Header.Get(hdrHeldServers); held != "" {
+		h.Held = strings.Split(held, ",")
+	}
+	if auth := req.Header.Get("Authorization"); auth != "" {
+		token, ok := strings.CutPrefix(auth, "Bearer ")
+		if !ok || strings.TrimSpace(token) == "" {
+			return h, statusErrorf(http.StatusUnauthorized, "Authorization header is not a bearer token")
+		}
+		h.Token = strings.TrimSpace(token)
+	}
+	return h, nil
+}
+
+func writeSwitching(w io.Writer, serverID string, count int) error {
+	_, err := fmt.Fprintf(w, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %s\r\n%s: %d\r\n\r\n",
+		upgradeToken, hdrServerID, serverID, hdrServerCount, count)
+	return err
+}
+
+// serverReply is what the agent learns from the server's answer.
+type serverReply struct {
+	ServerID string
+	Count    int
+}
+
+// readReply reads the server's answer. A refusal comes back as a *StatusError
+// whose message is the server's text body.
+func readReply(br *bufio.Reader) (serverReply, error) {
+	var r serverReply
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return r, fmt.Errorf("read handshake answer: %w", err)
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		resp.Body.Close()
+		r.ServerID = resp.Header.Get(hdrServerID)
+		return r, &StatusError{Code: resp.StatusCode, Msg: strings.TrimSpace(cleanErr(fmt.Errorf("%s", body)))}
+	}
+	r.ServerID = resp.Header.Get(hdrServerID)
+	if err := validID(r.ServerID); err != nil {
+		return r, fmt.Errorf("server %v", err)
+	}
+	r.Count, err = strconv.Atoi(resp.Header.Get(hdrServerCount))
+	if err != nil || r.Count < 1 {
+		r.Count = 1
+	}
+	return r, nil
+}

@@ -1,0 +1,269 @@
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spinifex/konnectivity/certs"
+)
+
+// pki is a throwaway CA with a server and an agent certificate.
+type pki struct {
+	pool       *x509.CertPool
+	serverCert tls.Certificate
+	agentCert  tls.Certificate
+	ca         *certs.CA
+}
+
+func newPKI(t testing.TB) *pki {
+	t.Helper()
+	ca, err := certs.NewCA("test CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &pki{pool: x509.NewCertPool(), ca: ca}
+	p.pool.AddCert(ca.Cert)
+	p.serverCert = p.issue(t, certs.Request{CommonName: "server", IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, Validity: time.Hour})
+	p.agentCert = p.issue(t, certs.Request{CommonName: "agent", Client: true, Validity: time.Hour})
+	return p
+}
+
+func (p *pki) issue(t testing.TB, req certs.Request) tls.Certificate {
+	t.Helper()
+	certPEM, keyPEM, err := p.ca.Issue(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func testLogger(t testing.TB) *slog.Logger {
+	if os.Getenv("TUNNEL_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.DiscardHandler)
+}
+
+// env is one server with its frontend socket and agent listener, all on
+// loopback, torn down by t.Cleanup.
+type env struct {
+	t         testing.TB
+	pki       *pki
+	srv       *Server
+	uds       string
+	agentAddr string
+	wg        sync.WaitGroup
+}
+
+func newEnv(t testing.TB, mutate func(*ServerConfig)) *env {
+	t.Helper()
+	p := newPKI(t)
+	cfg := ServerConfig{
+		ID:          "s1",
+		AgentTLS:    &tls.Config{Certificates: []tls.Certificate{p.serverCert}, ClientCAs: p.pool, ClientAuth: tls.RequireAndVerifyClientCert},
+		AgentWait:   500 * time.Millisecond,
+		DialTimeout: 3 * time.Second,
+		Logger:      testLogger(t),
+	}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	srv, err := NewServer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, err := os.MkdirTemp("", "tun")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{t: t, pki: p, srv: srv, uds: filepath.Join(dir, "s.sock")}
+	udsLn, err := net.Listen("unix", e.uds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agentLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.agentAddr = agentLn.Addr().String()
+	e.wg.Add(2)
+	go func() { defer e.wg.Done(); srv.ServeFrontend(udsLn) }()
+	go func() { defer e.wg.Done(); srv.ServeAgents(agentLn) }()
+	t.Cleanup(func() {
+		srv.Close()
+		e.wg.Wait()
+		os.RemoveAll(dir)
+	})
+	return e
+}
+
+// testAgent is an in-process agent and the means to stop it.
+type testAgent struct {
+	*Agent
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func (a *testAgent) stop() {
+	a.cancel()
+	<-a.done
+}
+
+func (e *env) startAgent(id, identifiers string, mutate func(*AgentConfig)) *testAgent {
+	e.t.Helper()
+	cfg := AgentConfig{
+		ServerAddr:   e.agentAddr,
+		ID:           id,
+		Identifiers:  identifiers,
+		DrainTimeout: 2 * time.Second,
+		BackoffMin:   20 * time.Millisecond,
+		BackoffMax:   100 * time.Millisecond,
+		Logger:       testLogger(e.t),
+		TLS: func() (*tls.Config, error) {
+			return &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{e.pki.agentCert}}, nil
+		},
+	}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	a, err := NewAgent(cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ta := &testAgent{Agent: a, cancel: cancel, done: make(chan struct{})}
+	go func() { defer close(ta.done); a.Run(ctx) }()
+	e.t.Cleanup(ta.stop)
+	return ta
+}
+
+// waitAgents waits until the server has n agents.
+func (e *env) waitAgents(n int) {
+	e.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for e.srv.AgentCount() != n {
+		if time.Now().After(deadline) {
+			e.t.Fatalf("server has %d agents, want %d", e.srv.AgentCount(), n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// connect sends a CONNECT the way kube-apiserver does and returns the
+// connection, the reader positioned after the answer, and its status.
+func (e *env) connect(addr string) (net.Conn, *bufio.Reader, *http.Response) {
+	e.t.Helper()
+	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	conn.SetDeadline(time.Now().Add(20 * time.Second))
+	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", addr)
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		conn.Close()
+		e.t.Fatalf("read CONNECT answer: %v", err)
+	}
+	return conn, br, resp
+}
+
+// echoServer echoes every connection until it is closed.
+func echoServer(t testing.TB) string {
+	t.Helper()
+	return serveTCP(t, func(c net.Conn) { io.Copy(c, c); c.(*net.TCPConn).CloseWrite() })
+}
+
+// serveTCP runs handle for each connection on a loopback listener.
+func serveTCP(t testing.TB, handle func(net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	conns := map[net.Conn]bool{}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns[c] = true
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				handle(c)
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	return ln.Addr().String()
+}
+
+// checkNoLeaks fails the test if goroutines started during it are still
+// running once everything has been closed.
+func checkNoLeaks(t *testing.T) {
+	t.Helper()
+	base := runtime.NumGoroutine()
+	t.Cleanup(func() {
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			n := runtime.NumGoroutine()
+			if n <= base {
+				return
+			}
+			if time.Now().After(deadline) {
+				buf := make([]byte, 1<<20)
+				buf = buf[:runtime.Stack(buf, true)]
+				t.Errorf("goroutines: %d at start, %d after cleanup\n%s", base, n, onlyOurs(string(buf)))
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+}
+
+func onlyOurs(stacks string) string {
+	var keep []string
+	for _, g := range strings.Split(stacks, "\n\n") {
+		if strings.Contains(g, "konnectivity") || strings.Contains(g, "http2") {
+			keep = append(keep, g)
+		}
+	}
+	return strings.Join(keep, "\n\n")
+}
+
+func bufioReader(r io.Reader) *bufio.Reader { return bufio.NewReader(r) }

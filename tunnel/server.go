@@ -1,0 +1,607 @@
+//lint:file-ignore SA1019 x/net/http2's Server.ServeConn and Transport.NewClientConn are the only APIs that run HTTP/2 on a connection we already hold with the roles flipped; net/http's replacements dial or accept their own connections.
+
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// AgentCredentials is what an agent presented when it connected.
+type AgentCredentials struct {
+	AgentID string
+	Token   string // bearer token, empty if none; never log it
+	TLS     tls.ConnectionState
+}
+
+// ServerConfig configures a Server. Zero durations take the defaults below.
+type ServerConfig struct {
+	ID    string // announced to agents; required
+	Count int    // how many server replicas agents should reach
+
+	// AgentTLS is used for the agent listener. It should verify client
+	// certificates if mTLS is wanted (VerifyClientCertIfGiven lets token
+	// agents in too). Nil means plain TCP, for tests only.
+	AgentTLS *tls.Config
+	// AuthenticateAgent decides whether an agent may connect. It runs after
+	// cheap checks (duplicate server, malformed hello); a *StatusError sets
+	// the status the agent sees. Nil admits every agent.
+	AuthenticateAgent func(ctx context.Context, c AgentCredentials) error
+	// CheckFrontendPeer may refuse a frontend connection (403) before its
+	// request is read, for example by the peer's Unix credentials.
+	CheckFrontendPeer func(net.Conn) error
+
+	Strategies         []Strategy
+	AgentWait          time.Duration // how long a dial waits for an agent to appear (default 5s)
+	DialTimeout        time.Duration // bound from CONNECT to the agent's answer (default 10s)
+	HeaderTimeout      time.Duration // bound on reading a request head or handshake (default 10s)
+	KeepAlive          time.Duration // idle time before an HTTP/2 PING (default 30s)
+	PingTimeout        time.Duration // how long a PING may go unanswered (default 15s)
+	MaxStreamsPerAgent int           // open tunnels per agent before it is skipped (default 10000)
+
+	Logger *slog.Logger
+}
+
+func (c *ServerConfig) setDefaults() {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&c.AgentWait, 5*time.Second)
+	def(&c.DialTimeout, 10*time.Second)
+	def(&c.HeaderTimeout, 10*time.Second)
+	def(&c.KeepAlive, 30*time.Second)
+	def(&c.PingTimeout, 15*time.Second)
+	if c.MaxStreamsPerAgent <= 0 {
+		c.MaxStreamsPerAgent = 10000
+	}
+	if c.Count < 1 {
+		c.Count = 1
+	}
+	if len(c.Strategies) == 0 {
+		c.Strategies = []Strategy{StrategyDefault}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// Server accepts agents on one side and CONNECT requests on the other, and
+// joins each request to an HTTP/2 stream on an agent's connection.
+type Server struct {
+	cfg       ServerConfig
+	log       *slog.Logger
+	transport *http2.Transport
+	agents    *registry
+
+	// baseCtx is cancelled by Close, ending every tunnel and handshake.
+	baseCtx   context.Context
+	cancelAll context.CancelFunc
+
+	mu        sync.Mutex
+	listeners map[*net.Listener]struct{}
+	frontends map[net.Conn]struct{}
+	shutting  bool
+	wg        sync.WaitGroup // every goroutine the server starts
+
+	Stats ServerStats
+}
+
+// ServerStats are counters an operator reads through metrics and status.
+type ServerStats struct {
+	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
+	BytesToAgent, BytesFromAgent                      atomic.Int64
+}
+
+// NewServer checks cfg and returns a Server that is not yet serving.
+func NewServer(cfg ServerConfig) (*Server, error) {
+	cfg.setDefaults()
+	if err := validID(cfg.ID); err != nil {
+		return nil, fmt.Errorf("server %w", err)
+	}
+	t1 := &http.Transport{HTTP2: &http.HTTP2Config{
+		// The connection window must exceed the sum of stream windows that
+		// stalled readers can hold, or one stalled tunnel would stall all.
+		MaxReceiveBufferPerConnection: 1 << 30,
+		MaxReceiveBufferPerStream:     streamWindow,
+		MaxReadFrameSize:              maxFrameSize,
+	}}
+	t2, err := http2.ConfigureTransports(t1)
+	if err != nil {
+		return nil, fmt.Errorf("configure HTTP/2 transport: %w", err)
+	}
+	t2.ReadIdleTimeout = cfg.KeepAlive
+	t2.PingTimeout = cfg.PingTimeout
+	t2.WriteByteTimeout = cfg.KeepAlive + cfg.PingTimeout
+	t2.MaxReadFrameSize = maxFrameSize
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Server{
+		cfg:       cfg,
+		log:       cfg.Logger,
+		transport: t2,
+		agents:    newRegistry(),
+		baseCtx:   ctx,
+		cancelAll: cancel,
+		listeners: make(map[*net.Listener]struct{}),
+		frontends: make(map[net.Conn]struct{}),
+	}, nil
+}
+
+// Window and frame sizes on both HTTP/2 ends. A stream window bounds what one
+// stalled tunnel can hold in memory; 1 MiB keeps loopback and LAN streams at
+// full speed (window/RTT).
+const (
+	streamWindow = 1 << 20
+	maxFrameSize = 256 << 10
+)
+
+// ErrServerClosed is returned by the Serve methods after Shutdown or Close.
+var ErrServerClosed = errors.New("server closed")
+
+func (s *Server) track(ln *net.Listener, add bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if add {
+		if s.shutting {
+			return false
+		}
+		s.listeners[ln] = struct{}{}
+	} else {
+		delete(s.listeners, ln)
+	}
+	return true
+}
+
+// goroutine starts f as a goroutine the server owns and waits for on Close.
+func (s *Server) goroutine(f func()) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		f()
+	}()
+}
+
+// serve runs an accept loop until ln is closed by Shutdown or Close.
+func (s *Server) serve(ln net.Listener, handle func(net.Conn)) error {
+	if !s.track(&ln, true) {
+		ln.Close()
+		return ErrServerClosed
+	}
+	defer s.track(&ln, false)
+	var tempDelay time.Duration
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if s.isShutting() {
+				return ErrServerClosed
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || isTemporaryAccept(err) {
+				// Out of file descriptors or similar: back off, keep serving.
+				tempDelay = min(max(2*tempDelay, 5*time.Millisecond), time.Second)
+				s.log.Warn("accept failed; retrying", "addr", ln.Addr().String(), "err", err, "delay", tempDelay)
+				select {
+				case <-time.After(tempDelay):
+				case <-s.baseCtx.Done():
+					return ErrServerClosed
+				}
+				continue
+			}
+			return fmt.Errorf("accept on %s: %w", ln.Addr(), err)
+		}
+		tempDelay = 0
+		s.goroutine(func() { handle(c) })
+	}
+}
+
+func (s *Server) isShutting() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.shutting
+}
+
+// ServeFrontend accepts HTTP CONNECT connections (kube-apiserver's
+// HTTPConnect egress protocol) on ln until Shutdown or Close.
+func (s *Server) ServeFrontend(ln net.Listener) error {
+	return s.serve(ln, s.serveFrontendConn)
+}
+
+// ServeAgents accepts agent connections on ln until Shutdown or Close.
+func (s *Server) ServeAgents(ln net.Listener) error {
+	return s.serve(ln, s.serveAgentConn)
+}
+
+// AgentCount is the number of connected agents.
+func (s *Server) AgentCount() int { return s.agents.len() }
+
+// Ready reports whether at least one agent is connected.
+func (s *Server) Ready() (bool, string) {
+	n := s.agents.len()
+	if n == 0 {
+		return false, "no agent connected"
+	}
+	return true, fmt.Sprintf("%d agent(s) connected", n)
+}
+
+func (s *Server) trackFrontend(c net.Conn, add bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if add {
+		if s.shutting {
+			return false
+		}
+		s.frontends[c] = struct{}{}
+		return true
+	}
+	delete(s.frontends, c)
+	return true
+}
+
+// Shutdown stops accepting, sends GOAWAY to every agent and waits for open
+// tunnels to finish until ctx ends; then it closes what is left.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.shutting = true
+	for ln := range s.listeners {
+		(*ln).Close()
+	}
+	s.mu.Unlock()
+
+	var wg sync.WaitGroup
+	for _, a := range s.agents.snapshot() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Shutdown sends GOAWAY and returns when the agent's streams end.
+			if err := a.cc.Shutdown(ctx); err != nil {
+				a.cc.Close()
+			}
+		}()
+	}
+	drained := make(chan struct{})
+	go func() { wg.Wait(); close(drained) }()
+	var err error
+	select {
+	case <-drained:
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	s.Close()
+	<-drained
+	return err
+}
+
+// Close ends every listener, agent connection and tunnel at once, and waits
+// for the server's goroutines to return.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	s.shutting = true
+	for ln := range s.listeners {
+		(*ln).Close()
+	}
+	for c := range s.frontends {
+		c.Close()
+	}
+	s.mu.Unlock()
+	s.cancelAll()
+	for _, a := range s.agents.snapshot() {
+		a.cc.Close()
+	}
+	s.wg.Wait()
+	return nil
+}
+
+// serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then
+// HTTP/2 with this server as the client, until the connection ends.
+func (s *Server) serveAgentConn(raw net.Conn) {
+	remote := raw.RemoteAddr().String()
+	conn := raw
+	var tlsState tls.ConnectionState
+	deadline := time.Now().Add(s.cfg.HeaderTimeout)
+	raw.SetDeadline(deadline)
+	if s.cfg.AgentTLS != nil {
+		tc := tls.Server(raw, s.cfg.AgentTLS)
+		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		err := tc.HandshakeContext(ctx)
+		cancel()
+		if err != nil {
+			s.Stats.AgentsRefused.Add(1)
+			s.log.Info("agent TLS handshake failed", "remote", remote, "err", err)
+			raw.Close()
+			return
+		}
+		tlsState = tc.ConnectionState()
+		conn = tc
+	}
+	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
+	br := bufio.NewReaderSize(lim, 4096)
+	hello, err := readHello(br)
+	if err == nil {
+		err = s.admit(hello, tlsState)
+	}
+	if err != nil {
+		code := StatusCode(err)
+		if code != http.StatusConflict {
+			s.Stats.AgentsRefused.Add(1)
+			s.log.Info("agent refused", "agent", hello.ID, "remote", remote, "status", code, "reason", errMsg(err))
+		}
+		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		writeStatus(conn, code, errMsg(err))
+		conn.Close()
+		return
+	}
+	ids, _ := ParseIdentifiers(hello.Identifiers) // checked in admit
+	if err := writeSwitching(conn, s.cfg.ID, s.cfg.Count); err != nil {
+		conn.Close()
+		return
+	}
+	lim.limited = false
+	conn.SetDeadline(time.Time{})
+
+	wc := newWatchedConn(&bufferedConn{Conn: conn, r: br})
+	cc, err := s.transport.NewClientConn(wc)
+	if err != nil {
+		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
+		wc.Close()
+		return
+	}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc}
+	if old := s.agents.add(a); old != nil {
+		// The same agent reconnected; its old connection may be half-dead.
+		// Let its tunnels finish, but route new dials to the new one.
+		old.draining.Store(true)
+		s.goroutine(func() {
+			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
+			defer cancel()
+			if err := old.cc.Shutdown(ctx); err != nil {
+				old.cc.Close()
+			}
+		})
+	}
+	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "agents", s.agents.len())
+	select {
+	case <-wc.done:
+	case <-s.baseCtx.Done():
+		cc.Close()
+		<-wc.done
+	}
+	s.agents.remove(a)
+	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+}
+
+// admit runs the cheap checks first and authentication last, so a duplicate
+// connection costs no token review.
+func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) error {
+	if slices.Contains(h.Held, s.cfg.ID) {
+		return statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
+	}
+	if s.isShutting() {
+		return statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
+	}
+	if _, err := ParseIdentifiers(h.Identifiers); err != nil {
+		return statusErrorf(http.StatusBadRequest, "%v", err)
+	}
+	if s.cfg.AuthenticateAgent == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
+	defer cancel()
+	return s.cfg.AuthenticateAgent(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState})
+}
+
+func errMsg(err error) string {
+	var se *StatusError
+	if errors.As(err, &se) {
+		return se.Msg
+	}
+	return err.Error()
+}
+
+// serveFrontendConn answers one CONNECT request and, on success, carries the
+// connection's bytes to and from an agent stream until both sides are done.
+func (s *Server) serveFrontendConn(conn net.Conn) {
+	if !s.trackFrontend(conn, true) {
+		conn.Close()
+		return
+	}
+	s.Stats.FrontendOpen.Add(1)
+	defer func() {
+		s.Stats.FrontendOpen.Add(-1)
+		s.trackFrontend(conn, false)
+		conn.Close()
+	}()
+	if s.cfg.CheckFrontendPeer != nil {
+		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
+			s.log.Warn("frontend peer refused", "err", err)
+			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+			writeStatus(conn, http.StatusForbidden, errMsg(err))
+			return
+		}
+	}
+	conn.SetDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
+	br := bufio.NewReaderSize(lim, 4096)
+	addr, err := readConnect(br)
+	if err != nil {
+		s.Stats.DialsFailed.Add(1)
+		s.log.Debug("bad CONNECT request", "err", err)
+		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		writeStatus(conn, StatusCode(err), errMsg(err))
+		return
+	}
+	lim.limited = false
+	conn.SetDeadline(time.Time{})
+
+	up := newUpload(conn, br, s.goroutine)
+	st, err := s.open(addr, up)
+	if err != nil {
+		s.Stats.DialsFailed.Add(1)
+		s.log.Debug("dial failed", "addr", addr, "err", err)
+		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		writeStatus(conn, StatusCode(err), errMsg(err))
+		return
+	}
+	s.Stats.DialsOK.Add(1)
+	defer st.close()
+	if _, err := io.WriteString(conn, connectEstablished); err != nil {
+		return
+	}
+	up.start()
+	n, err := copyStream(conn, st.body, nil)
+	s.Stats.BytesFromAgent.Add(n)
+	if err != nil {
+		// The agent reset the stream or the client went away: abort both.
+		return
+	}
+	// The destination finished sending. Pass the half-close on and wait for
+	// the client to finish sending too (or for the agent to stop reading).
+	closeWrite(conn)
+	select {
+	case <-up.done:
+	case <-s.baseCtx.Done():
+	}
+}
+
+// maxConnectHead bounds a CONNECT request head; kube-apiserver's is ~50 bytes.
+const maxConnectHead = 16 << 10
+
+// stream is one open tunnel through an agent.
+type stream struct {
+	agent  *agentConn
+	body   io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (st *stream) close() {
+	st.body.Close()
+	st.cancel()
+	st.agent.streams.Add(-1)
+}
+
+// Dial-failure reasons, also used as metric labels.
+const (
+	reasonNoAgent        = "no_agent"
+	reasonErrorResponse  = "error_response"
+	reasonDialTimeout    = "backend_dial_timeout"
+	reasonFrontendClosed = "frontend_close"
+)
+
+// open picks an agent and opens a CONNECT stream to addr through it. It
+// returns once the agent has dialled the destination, or with a *StatusError.
+// A dial that meets a connection that died before the agent answered is
+// retried on another agent: nothing was sent, so nothing is lost.
+func (s *Server) open(addr string, up *upload) (*stream, error) {
+	host := hostOf(addr)
+	deadline := time.Now().Add(s.cfg.DialTimeout)
+	tried := map[*agentConn]bool{}
+	for attempt := 0; ; attempt++ {
+		a, err := s.waitAgent(host, tried, up)
+		if err != nil {
+			return nil, err
+		}
+		st, err := s.roundTrip(a, addr, up, deadline)
+		if err == nil {
+			return st, nil
+		}
+		var se *StatusError
+		if errors.As(err, &se) || attempt >= 2 || time.Now().After(deadline) {
+			return nil, err
+		}
+		tried[a] = true
+		s.log.Debug("dial retried on another agent", "addr", addr, "agent", a.id, "err", err)
+	}
+}
+
+// waitAgent returns an agent for host, waiting up to AgentWait for one to
+// connect. It gives up early if the client goes away.
+func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload) (*agentConn, error) {
+	max := int64(s.cfg.MaxStreamsPerAgent)
+	var timer *time.Timer
+	for {
+		changed := s.agents.waitChan()
+		if a := s.agents.pick(host, s.cfg.Strategies, max, exclude); a != nil {
+			if timer != nil {
+				timer.Stop()
+			}
+			return a, nil
+		}
+		if timer == nil {
+			timer = time.NewTimer(s.cfg.AgentWait)
+			defer timer.Stop()
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return nil, statusErrorf(http.StatusServiceUnavailable, "no agent available for %s (%s): waited %s", host, reasonNoAgent, s.cfg.AgentWait)
+		case <-up.clientGone:
+			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection while waiting for an agent (%s)", reasonFrontendClosed)
+		case <-s.baseCtx.Done():
+			return nil, statusErrorf(http.StatusServiceUnavailable, "server shutting down")
+		}
+	}
+}
+
+// roundTrip sends the CONNECT stream to one agent and waits for its answer.
+// The request context lives as long as the tunnel, so the dial deadline is a
+// timer that cancels it only while the answer is outstanding.
+func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.Time) (*stream, error) {
+	ctx, cancel := context.WithCancel(s.baseCtx)
+	var why atomic.Value // string: why ctx was cancelled before the answer
+	timer := time.AfterFunc(time.Until(deadline), func() { why.Store(reasonDialTimeout); cancel() })
+	stopGone := context.AfterFunc(up.clientGoneCtx, func() { why.Store(reasonFrontendClosed); cancel() })
+
+	body := up.attempt()
+	req := &http.Request{
+		Method: http.MethodConnect,
+		URL:    &url.URL{Host: addr},
+		Host:   addr,
+		Header: make(http.Header),
+		Body:   body,
+	}
+	req = req.WithContext(ctx)
+	a.streams.Add(1)
+	resp, err := a.cc.RoundTrip(req)
+	timer.Stop()
+	stopGone()
+	if err != nil {
+		body.abandon()
+		a.streams.Add(-1)
+		cancel()
+		switch why.Load() {
+		case reasonDialTimeout:
+			return nil, statusErrorf(http.StatusGatewayTimeout, "dial %s through agent %s: no answer within %s (%s)", addr, a.id, s.cfg.DialTimeout, reasonDialTimeout)
+		case reasonFrontendClosed:
+			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection during the dial (%s)", reasonFrontendClosed)
+		}
+		return nil, fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		resp.Body.Close()
+		body.abandon()
+		a.streams.Add(-1)
+		cancel()
+		code := resp.StatusCode
+		if code != http.StatusGatewayTimeout && code != http.StatusForbidden && code != http.StatusBadRequest {
+			code = http.StatusBadGateway
+		}
+		return nil, statusErrorf(code, "agent %s: %s", a.id, strings.TrimSpace(cleanErr(errors.New(strings.TrimSpace(string(msg))))))
+	}
+	return &stream{agent: a, body: resp.Body, cancel: cancel}, nil
+}
