@@ -16,30 +16,35 @@ import (
 )
 
 type agentOptions struct {
-	serverHost, caCert    string
-	serverPort            int
-	agentCert, agentKey   string
-	agentID, identifiers  string
-	tokenPath             string
-	healthHost            string
-	healthPort            int
-	adminBindAddress      string
-	adminPort             int
-	enableProfiling       bool
-	dialTimeout           time.Duration
-	keepaliveTime         time.Duration
-	pingTimeout           time.Duration
-	drainTimeout          time.Duration
-	syncInterval, syncCap time.Duration
-	maxStreams            uint
-	tlsMinVersion         string
+	serverHost, caCert     string
+	serverPort             int
+	agentCert, agentKey    string
+	agentID, identifiers   string
+	tokenPath              string
+	healthHost             string
+	healthPort             int
+	adminBindAddress       string
+	adminPort              int
+	enableProfiling        bool
+	dialTimeout            time.Duration
+	keepaliveTime          time.Duration
+	pingTimeout            time.Duration
+	drainTimeout           time.Duration
+	syncInterval, syncCap  time.Duration
+	maxStreams             uint
+	expandDNS, syncForever bool
+	readyzAll              bool
+	tlsMinVersion          string
 }
 
 func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	o := &agentOptions{}
 	cf := newCommandFlags("konnectivity agent", stderr)
 	f := cf.FlagSet
-	f.StringVar(&o.serverHost, "proxy-server-host", "127.0.0.1", "server (or load balancer) address to dial; also the TLS server name")
+	f.StringVar(&o.serverHost, "proxy-server-host", "127.0.0.1", "server or load balancer host to dial (also the TLS server name); a comma list holds a tunnel to each")
+	f.BoolVar(&o.expandDNS, "proxy-server-resolve", false, "resolve each --proxy-server-host to all its A/AAAA records and hold a tunnel to each address (no load balancer needed)")
+	f.BoolVar(&o.syncForever, "sync-forever", false, "keep probing a load-balanced address after the server count is reached, to find added servers")
+	f.BoolVar(&o.readyzAll, "readyz-requires-all-servers", false, "/readyz fails until the agent holds a tunnel to every server (as /readyz?all does)")
 	f.IntVar(&o.serverPort, "proxy-server-port", 8091, "server agent port")
 	f.StringVar(&o.caCert, "ca-cert", "", "CA that signs the server's certificate (read again on every connect; default: system roots)")
 	f.StringVar(&o.agentCert, "agent-cert", "", "client certificate for mTLS (read again on every connect)")
@@ -61,8 +66,7 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
 
-	cf.tolerate("probe-interval", false, "not implemented yet: HTTP/2 PING (--keepalive-time) checks liveness")
-	cf.tolerate("sync-forever", true, "not implemented yet: the agent holds one server connection")
+	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
 	cf.tolerate("alpn-proto", false, "not supported")
 	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
 	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
@@ -114,6 +118,9 @@ func (o *agentOptions) complete() error {
 	if _, err := tunnel.ParseIdentifiers(o.identifiers); err != nil {
 		return fmt.Errorf("--agent-identifiers: %w", err)
 	}
+	if len(o.serverAddrs()) == 0 {
+		return fmt.Errorf("--proxy-server-host is empty")
+	}
 	if (o.agentCert == "") != (o.agentKey == "") {
 		return fmt.Errorf("--agent-cert and --agent-key go together")
 	}
@@ -128,9 +135,9 @@ func (o *agentOptions) complete() error {
 
 // tlsConfig reads the CA and client certificate from disk, so that each
 // new connection uses what is there now.
-func (o *agentOptions) tlsConfig() (*tls.Config, error) {
+func (o *agentOptions) tlsConfig(serverName string) (*tls.Config, error) {
 	minTLS, _ := tlsVersion(o.tlsMinVersion)
-	cfg := &tls.Config{ServerName: o.serverHost, MinVersion: minTLS}
+	cfg := &tls.Config{ServerName: serverName, MinVersion: minTLS}
 	if o.caCert != "" {
 		pool, err := loadCAPool(o.caCert)
 		if err != nil {
@@ -148,6 +155,17 @@ func (o *agentOptions) tlsConfig() (*tls.Config, error) {
 	return cfg, nil
 }
 
+// serverAddrs turns the host list and port into dial addresses.
+func (o *agentOptions) serverAddrs() []string {
+	var addrs []string
+	for _, h := range strings.Split(o.serverHost, ",") {
+		if h = strings.TrimSpace(h); h != "" {
+			addrs = append(addrs, net.JoinHostPort(h, fmt.Sprint(o.serverPort)))
+		}
+	}
+	return addrs
+}
+
 func (o *agentOptions) token() (string, error) {
 	data, err := os.ReadFile(o.tokenPath)
 	if err != nil {
@@ -162,7 +180,9 @@ func (o *agentOptions) token() (string, error) {
 
 func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	cfg := tunnel.AgentConfig{
-		ServerAddr:   net.JoinHostPort(o.serverHost, fmt.Sprint(o.serverPort)),
+		ServerAddrs:  o.serverAddrs(),
+		ExpandDNS:    o.expandDNS,
+		SyncForever:  o.syncForever,
 		ID:           o.agentID,
 		Identifiers:  o.identifiers,
 		TLS:          o.tlsConfig,
@@ -170,8 +190,8 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		KeepAlive:    o.keepaliveTime,
 		PingTimeout:  o.pingTimeout,
 		DrainTimeout: o.drainTimeout,
-		BackoffMin:   o.syncInterval,
-		BackoffMax:   o.syncCap,
+		SyncInterval: o.syncInterval,
+		SyncCap:      o.syncCap,
 		MaxStreams:   uint32(o.maxStreams),
 		Logger:       log,
 	}
@@ -183,6 +203,10 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 	ready := []check{{"server-connected", agent.Ready}}
+	readyAll := []check{{"all-servers-connected", agent.ReadyAll}}
+	if o.readyzAll {
+		ready = readyAll
+	}
 	var services []*httpService
 	defer func() {
 		for _, s := range services {
@@ -190,14 +214,14 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		}
 	}()
 	if o.healthPort != 0 {
-		s, err := startHTTP("health", hostPort(o.healthHost, o.healthPort), healthMux(ready), log)
+		s, err := startHTTP("health", hostPort(o.healthHost, o.healthPort), healthMux(ready, readyAll...), log)
 		if err != nil {
 			return err
 		}
 		services = append(services, s)
 	}
 	if o.adminPort != 0 {
-		mux := healthMux(ready)
+		mux := healthMux(ready, readyAll...)
 		if o.enableProfiling {
 			addProfiling(mux)
 		}
@@ -207,7 +231,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		}
 		services = append(services, s)
 	}
-	log.Info("agent starting", "agent_id", o.agentID, "server", cfg.ServerAddr, "identifiers", o.identifiers)
+	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
 	err = agent.Run(ctx)
 	log.Info("stopped")
 	return err

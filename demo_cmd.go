@@ -114,10 +114,10 @@ func demo(ctx context.Context, out io.Writer, log *slog.Logger, once bool, reque
 	go srv.ServeAgents(agentLn)
 
 	agent, err := tunnel.NewAgent(tunnel.AgentConfig{
-		ServerAddr: agentLn.Addr().String(),
-		ID:         "demo-agent",
-		TLS: func() (*tls.Config, error) {
-			return &tls.Config{RootCAs: pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{agentCert}}, nil
+		ServerAddrs: []string{agentLn.Addr().String()},
+		ID:          "demo-agent",
+		TLS: func(name string) (*tls.Config, error) {
+			return &tls.Config{RootCAs: pool, ServerName: name, Certificates: []tls.Certificate{agentCert}}, nil
 		},
 		DrainTimeout: time.Second,
 		Logger:       log,

@@ -18,7 +18,9 @@ type check struct {
 	run  func() (ok bool, msg string)
 }
 
-func healthMux(ready []check) *http.ServeMux {
+// healthMux serves /healthz, /livez and /readyz. With readyAll given,
+// /readyz?all runs those checks instead (the agent's "every server" view).
+func healthMux(ready []check, readyAll ...check) *http.ServeMux {
 	mux := http.NewServeMux()
 	alive := func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -29,9 +31,13 @@ func healthMux(ready []check) *http.ServeMux {
 	readyz := func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		_, verbose := r.URL.Query()["verbose"]
+		checks := ready
+		if _, all := r.URL.Query()["all"]; all && len(readyAll) > 0 {
+			checks = readyAll
+		}
 		status, body := http.StatusOK, ""
 		var failed string
-		for _, c := range ready {
+		for _, c := range checks {
 			ok, msg := c.run()
 			if ok {
 				body += fmt.Sprintf("[+]%s ok: %s\n", c.name, msg)

@@ -71,7 +71,7 @@ func TestEgressRequests(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
 		client := d.httpClient(false, nil)
-		const n, parallel = 200, 50
+		const n, parallel = 200, 200
 		sem := make(chan struct{}, parallel)
 		var wg sync.WaitGroup
 		errs := make(chan error, n)
@@ -306,101 +306,171 @@ func TestDestHostRouting(t *testing.T) {
 // /hello names itself name).
 func checkReachable(t *testing.T, d dialFunc, backend, name string, n int) {
 	t.Helper()
+	if err := reach(d, backend, name, n); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func reach(d dialFunc, backend, name string, n int) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	client := d.httpClient(false, nil)
 	for i := range n {
 		body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
 		if err != nil {
-			t.Fatalf("request %d to %s: %v", i, backend, err)
+			return fmt.Errorf("request %d to %s: %w", i, backend, err)
 		}
 		if want := fmt.Sprintf("hello %s %d", name, i); body != want {
-			t.Fatalf("request %d to %s: body %q, want %q", i, backend, body, want)
+			return fmt.Errorf("request %d to %s: body %q, want %q", i, backend, body, want)
 		}
 	}
+	return nil
 }
 
-// TestStalledConnection: a tunnel whose client stopped reading must not
-// hold up another tunnel through the same agent (head-of-line blocking,
-// ANP #881). No timing ratio is asserted, only a generous overall bound.
+// TestStalledConnection: a tunnel that stopped moving must not hold up
+// another tunnel through the same agent (head-of-line blocking, ANP #881
+// for a client that stopped reading, ANP #180 for a backend that stopped
+// reading). No timing ratio is asserted, only a generous overall bound.
 func TestStalledConnection(t *testing.T) {
 	s := startServer(t)
 	s.startAgent(t, "a1", "")
 	d := s.egressDialer(t).bounded()
-
-	var written atomic.Int64
-	hose := startTCPBackend(t, "127.0.0.1", firehoseHandler(&written))
 	echo := startTCPBackend(t, "127.0.0.1", echoHandler)
 
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	stalled, err := d(ctx, "tcp", hose.addr())
-	if err != nil {
-		t.Fatalf("dial firehose: %v", err)
-	}
-	defer stalled.Close()
-	if _, err := stalled.Write([]byte{'!'}); err != nil {
-		t.Fatalf("start firehose: %v", err)
-	}
+	t.Run("client-not-reading", func(t *testing.T) {
+		var written atomic.Int64
+		hose := startTCPBackend(t, "127.0.0.1", firehoseHandler(&written))
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		stalled, err := d(ctx, "tcp", hose.addr())
+		if err != nil {
+			t.Fatalf("dial firehose: %v", err)
+		}
+		defer stalled.Close()
+		if _, err := stalled.Write([]byte{'!'}); err != nil {
+			t.Fatalf("start firehose: %v", err)
+		}
+		// Unbounded buffering would never plateau, which is itself a bug.
+		n := waitPlateau(t, &written, "backend writing into a tunnel whose client never reads")
+		t.Logf("stalled tunnel holds %d bytes in flight towards the client", n)
 
-	// Wait until the firehose's writes plateau: every buffer between it
-	// and our unread socket is full. Unbounded buffering would never
-	// plateau, which is itself a bug.
+		echoMany(t, d, echo.addr(), 200)
+
+		// The stalled tunnel must resume and deliver the firehose's bytes
+		// intact once we read it.
+		if err := stalled.SetReadDeadline(time.Now().Add(15 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		const want = 4 << 20
+		got := make([]byte, want)
+		if _, err := io.ReadFull(stalled, got); err != nil {
+			t.Fatalf("reading the formerly stalled tunnel: %v", err)
+		}
+		chunk := pattern(32 << 10)
+		for off := 0; off < want; off += len(chunk) {
+			if !bytes.Equal(got[off:off+len(chunk)], chunk) {
+				t.Fatalf("formerly stalled tunnel: data corrupt in chunk at offset %d", off)
+			}
+		}
+	})
+
+	t.Run("backend-not-reading", func(t *testing.T) {
+		release := make(chan struct{})
+		var received atomic.Int64
+		sink := startTCPBackend(t, "127.0.0.1", func(c net.Conn) {
+			<-release // never read until released
+			n, _ := io.Copy(io.Discard, c)
+			received.Add(n)
+		})
+		// Registered after startTCPBackend, so it runs before the
+		// backend's cleanup waits for its handlers.
+		var releaseOnce sync.Once
+		releaseAll := func() { releaseOnce.Do(func() { close(release) }) }
+		t.Cleanup(releaseAll)
+
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		stalled, err := d(ctx, "tcp", sink.addr())
+		if err != nil {
+			t.Fatalf("dial sink: %v", err)
+		}
+		defer stalled.Close()
+		var sent atomic.Int64
+		writerDone := make(chan struct{})
+		const total = 64 << 20
+		go func() {
+			defer close(writerDone)
+			chunk := pattern(32 << 10)
+			for sent.Load() < total {
+				n, err := stalled.Write(chunk)
+				sent.Add(int64(n))
+				if err != nil {
+					return
+				}
+			}
+		}()
+		n := waitPlateau(t, &sent, "client writing into a tunnel whose backend never reads")
+		t.Logf("stalled tunnel holds %d bytes in flight towards the backend", n)
+
+		echoMany(t, d, echo.addr(), 200)
+
+		// Release the backend: everything written so far must arrive,
+		// and the writer must finish the rest.
+		releaseAll()
+		select {
+		case <-writerDone:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("writer still blocked 30 s after the backend started reading (%d of %d sent)", sent.Load(), total)
+		}
+		if got := sent.Load(); got != total {
+			t.Fatalf("writer stopped after %d of %d bytes", got, total)
+		}
+		if err := stalled.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+			t.Fatalf("CloseWrite: %v", err)
+		}
+		waitFor(t, 30*time.Second, "backend received everything", func() bool { return received.Load() == total })
+	})
+}
+
+// waitPlateau waits until *counter stops growing (unchanged across 500 ms)
+// and returns its value; it fails if that takes longer than 20 s.
+func waitPlateau(t *testing.T, counter *atomic.Int64, what string) int64 {
+	t.Helper()
 	var last int64 = -1
-	plateauDeadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(20 * time.Second)
 	for {
 		time.Sleep(500 * time.Millisecond)
-		cur := written.Load()
+		cur := counter.Load()
 		if cur == last && cur > 0 {
-			break
+			return cur
 		}
 		last = cur
-		if time.Now().After(plateauDeadline) {
-			t.Fatalf("firehose never stalled: %d bytes written into a tunnel nobody reads (unbounded buffering?)", cur)
+		if time.Now().After(deadline) {
+			t.Fatalf("%s never stalled: %d bytes so far (unbounded buffering?)", what, cur)
 		}
 	}
-	t.Logf("stalled tunnel holds %d bytes in flight", last)
+}
 
-	conn, err := d(ctx, "tcp", echo.addr())
+// echoMany opens a new tunnel to an echo backend and does n small
+// request/response round trips on it, all within 10 s.
+func echoMany(t *testing.T, d dialFunc, addr string, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	conn, err := d(ctx, "tcp", addr)
 	if err != nil {
-		t.Fatalf("dial echo while another tunnel is stalled: %v", err)
+		t.Fatalf("dial echo beside a stalled tunnel: %v", err)
 	}
 	defer conn.Close()
-	if err := conn.SetDeadline(time.Now().Add(10 * time.Second)); err != nil {
+	if err := conn.SetDeadline(start.Add(10 * time.Second)); err != nil {
 		t.Fatal(err)
 	}
 	br := bufio.NewReader(conn)
-	start := time.Now()
-	const n = 200
 	for i := range n {
-		msg := fmt.Sprintf("ping %d\n", i)
-		if _, err := io.WriteString(conn, msg); err != nil {
-			t.Fatalf("echo %d write after %v: %v", i, time.Since(start), err)
-		}
-		line, err := br.ReadString('\n')
-		if err != nil {
-			t.Fatalf("echo %d read after %v (%d of %d done): %v", i, time.Since(start), i, n, err)
-		}
-		if line != msg {
-			t.Fatalf("echo %d: got %q want %q", i, line, msg)
+		if err := echoOnce(conn, br, fmt.Sprintf("ping %d\n", i)); err != nil {
+			t.Fatalf("echo %d of %d beside a stalled tunnel, after %v: %v", i, n, time.Since(start), err)
 		}
 	}
-	t.Logf("%d echoes beside a stalled tunnel in %v", n, time.Since(start).Round(time.Millisecond))
-
-	// The stalled tunnel must resume and deliver the firehose's bytes
-	// intact once we read it.
-	if err := stalled.SetReadDeadline(time.Now().Add(15 * time.Second)); err != nil {
-		t.Fatal(err)
-	}
-	const want = 4 << 20
-	got := make([]byte, want)
-	if _, err := io.ReadFull(stalled, got); err != nil {
-		t.Fatalf("reading the formerly stalled tunnel: %v", err)
-	}
-	chunk := pattern(32 << 10)
-	for off := 0; off < want; off += len(chunk) {
-		if !bytes.Equal(got[off:off+len(chunk)], chunk) {
-			t.Fatalf("formerly stalled tunnel: data corrupt in chunk at offset %d", off)
-		}
-	}
+	t.Logf("dial + %d echoes beside a stalled tunnel in %v", n, time.Since(start).Round(time.Millisecond))
 }

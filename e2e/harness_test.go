@@ -194,8 +194,14 @@ type proc struct {
 // test failed, logs its output.
 func startProc(t *testing.T, name string, args ...string) *proc {
 	t.Helper()
+	return startProcBin(t, konnectivityBin, name, args...)
+}
+
+// startProcBin is startProc for another path to the binary (a symlink).
+func startProcBin(t *testing.T, bin, name string, args ...string) *proc {
+	t.Helper()
 	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(konnectivityBin, args...)
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout = p.out
 	p.cmd.Stderr = p.out
 	if err := p.cmd.Start(); err != nil {
@@ -208,7 +214,7 @@ func startProc(t *testing.T, name string, args ...string) *proc {
 	t.Cleanup(func() {
 		p.stop(t)
 		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
-			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, konnectivityBin,
+			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, bin,
 				strings.Join(args, " "), p.out.String(), name, p.waitErr)
 		}
 	})
@@ -311,7 +317,8 @@ type server struct {
 	owner      *testing.T // the test whose cleanup stops every server process
 	dir        string
 	pki        *pki
-	sock       string
+	sock       string // unix frontend, or ""
+	serverPort int    // TCP mTLS frontend, or 0
 	agentPort  int
 	healthPort int
 	adminPort  int
@@ -321,6 +328,19 @@ type server struct {
 // waits until its /healthz answers. extra flags are appended (later
 // flags override earlier ones in the Go flag package).
 func startServer(t *testing.T, extra ...string) *server {
+	t.Helper()
+	return startServerWith(t, frontendUDS, extra...)
+}
+
+// frontend selects how kube-apiserver reaches the server.
+type frontend int
+
+const (
+	frontendUDS frontend = iota // --uds-name, no TLS (the usual setup)
+	frontendTCP                 // --server-port with mTLS
+)
+
+func startServerWith(t *testing.T, fe frontend, extra ...string) *server {
 	t.Helper()
 	// Unix socket paths are limited to ~108 bytes; t.TempDir can be long.
 	dir, err := os.MkdirTemp("", "kse2e")
@@ -332,29 +352,39 @@ func startServer(t *testing.T, extra ...string) *server {
 		owner:      t,
 		dir:        dir,
 		pki:        newPKI(t, dir),
-		sock:       filepath.Join(dir, "k.sock"),
 		agentPort:  freePort(t),
 		healthPort: freePort(t),
 		adminPort:  freePort(t),
 	}
-	args := []string{
-		"server",
-		"--mode=http-connect",
-		"--uds-name=" + s.sock,
-		"--server-port=0",
+	args := []string{"server", "--mode=http-connect"}
+	switch fe {
+	case frontendUDS:
+		s.sock = filepath.Join(dir, "k.sock")
+		args = append(args, "--uds-name="+s.sock, "--server-port=0")
+	case frontendTCP:
+		s.serverPort = freePort(t)
+		args = append(args,
+			"--server-bind-address=127.0.0.1",
+			"--server-port="+strconv.Itoa(s.serverPort),
+			"--server-cert="+s.pki.serverCert,
+			"--server-key="+s.pki.serverKey,
+			"--server-ca-cert="+s.pki.caCert,
+		)
+	}
+	args = append(args,
 		"--agent-bind-address=127.0.0.1",
-		"--agent-port=" + strconv.Itoa(s.agentPort),
-		"--cluster-cert=" + s.pki.serverCert,
-		"--cluster-key=" + s.pki.serverKey,
-		"--cluster-ca-cert=" + s.pki.caCert,
+		"--agent-port="+strconv.Itoa(s.agentPort),
+		"--cluster-cert="+s.pki.serverCert,
+		"--cluster-key="+s.pki.serverKey,
+		"--cluster-ca-cert="+s.pki.caCert,
 		"--health-bind-address=127.0.0.1",
-		"--health-port=" + strconv.Itoa(s.healthPort),
+		"--health-port="+strconv.Itoa(s.healthPort),
 		"--admin-bind-address=127.0.0.1",
-		"--admin-port=" + strconv.Itoa(s.adminPort),
+		"--admin-port="+strconv.Itoa(s.adminPort),
 		"--agent-wait=2s",
 		"--backend-dial-timeout=3s",
 		"--graceful-shutdown-timeout=2s",
-	}
+	)
 	s.args = append(args, extra...)
 	s.launch(t)
 	return s
@@ -368,17 +398,30 @@ func (s *server) launch(t *testing.T) {
 	// outlives that subtest.
 	s.proc = startProc(s.owner, "server", s.args...)
 	waitHTTP(t, s.proc, s.healthURL("/healthz"), http.StatusOK)
-	// The socket must exist once the server reports healthy.
+	// The frontend must be up once the server reports healthy.
 	deadline := time.Now().Add(startTimeout)
 	for {
-		if _, err := os.Stat(s.sock); err == nil {
+		if s.sock == "" {
+			c, err := net.DialTimeout("tcp", s.frontendAddr(), time.Second)
+			if err == nil {
+				c.Close()
+				break
+			}
+		} else if _, err := os.Stat(s.sock); err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("server healthy but %s never appeared", s.sock)
+			t.Fatalf("server healthy but frontend %s%s never appeared", s.sock, s.frontendAddr())
 		}
 		time.Sleep(pollInterval)
 	}
+}
+
+func (s *server) frontendAddr() string {
+	if s.serverPort == 0 {
+		return ""
+	}
+	return "127.0.0.1:" + strconv.Itoa(s.serverPort)
 }
 
 func (s *server) healthURL(path string) string {
@@ -438,48 +481,69 @@ type dialFunc func(ctx context.Context, network, addr string) (net.Conn, error)
 
 // egressDialer builds the "cluster" dialer exactly as kube-apiserver does
 // from --egress-selector-config-file: read, validate, NewEgressSelector,
-// Lookup(Cluster).
+// Lookup(Cluster). It speaks HTTPConnect over the server's frontend (UDS,
+// or TCP with the test PKI's client certificate).
 func (s *server) egressDialer(t *testing.T) dialFunc {
 	t.Helper()
-	cfgPath := filepath.Join(s.dir, "egress-selector.yaml")
+	return s.egressDialerProto(t, apiserverapi.ProtocolHTTPConnect)
+}
+
+func (s *server) egressDialerProto(t *testing.T, proto apiserverapi.ProtocolType) dialFunc {
+	t.Helper()
+	var transport string
+	if s.sock != "" {
+		transport = fmt.Sprintf(`
+      uds:
+        udsName: %s`, s.sock)
+	} else {
+		// kube-apiserver's client certificate for the frontend: any
+		// client-auth certificate from the CA in --server-ca-cert.
+		transport = fmt.Sprintf(`
+      tcp:
+        url: https://%s
+        tlsConfig:
+          caBundle: %s
+          clientCert: %s
+          clientKey: %s`, s.frontendAddr(), s.pki.caCert, s.pki.agentCert, s.pki.agentKey)
+	}
 	cfg := fmt.Sprintf(`apiVersion: apiserver.k8s.io/v1beta1
 kind: EgressSelectorConfiguration
 egressSelections:
 - name: cluster
   connection:
-    proxyProtocol: HTTPConnect
-    transport:
-      uds:
-        udsName: %s
+    proxyProtocol: %s
+    transport:%s
 - name: controlplane
   connection:
     proxyProtocol: Direct
 - name: etcd
   connection:
     proxyProtocol: Direct
-`, s.sock)
+`, proto, transport)
+	cfgPath := filepath.Join(s.dir, "egress-selector.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatalf("write egress config: %v", err)
 	}
 	config, err := egressselector.ReadEgressSelectorConfiguration(cfgPath)
 	if err != nil {
-		t.Fatalf("ReadEgressSelectorConfiguration: %v", err)
+		t.Fatalf("ReadEgressSelectorConfiguration: %v\n%s", err, cfg)
 	}
 	if errs := egressselector.ValidateEgressSelectorConfiguration(config); len(errs) > 0 {
-		t.Fatalf("ValidateEgressSelectorConfiguration: %v", errs.ToAggregate())
+		t.Fatalf("ValidateEgressSelectorConfiguration: %v\n%s", errs.ToAggregate(), cfg)
 	}
-	// Guard against a silently ignored config (Read returns the internal
-	// type; make sure our cluster selection is really HTTPConnect over UDS).
+	// Guard against a silently ignored config: the cluster selection must
+	// have decoded to what we wrote.
 	var found bool
 	for _, sel := range config.EgressSelections {
 		if sel.Name == "cluster" {
-			found = sel.Connection.ProxyProtocol == apiserverapi.ProtocolHTTPConnect &&
-				sel.Connection.Transport != nil && sel.Connection.Transport.UDS != nil &&
-				sel.Connection.Transport.UDS.UDSName == s.sock
+			c := sel.Connection
+			found = c.ProxyProtocol == proto && c.Transport != nil &&
+				(s.sock != "" && c.Transport.UDS != nil && c.Transport.UDS.UDSName == s.sock ||
+					s.sock == "" && c.Transport.TCP != nil && c.Transport.TCP.URL == "https://"+s.frontendAddr())
 		}
 	}
 	if !found {
-		t.Fatalf("egress config did not decode to cluster/HTTPConnect/uds %s: %+v", s.sock, config)
+		t.Fatalf("egress config did not decode to what was written: %+v\n%s", config, cfg)
 	}
 	sel, err := egressselector.NewEgressSelector(config)
 	if err != nil {

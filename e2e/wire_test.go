@@ -53,6 +53,16 @@ func TestConnectWire(t *testing.T) {
 	s.startAgent(t, "a1", "")
 	echo := startTCPBackend(t, "127.0.0.1", echoHandler)
 
+	t.Run("socket-mode", func(t *testing.T) {
+		fi, err := os.Stat(s.sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode()&os.ModeSocket == 0 || fi.Mode().Perm() != 0o600 {
+			t.Fatalf("%s: mode %v, want a socket with 0600 (--uds-mode default)", s.sock, fi.Mode())
+		}
+	})
+
 	t.Run("exact-200-and-nothing-more", func(t *testing.T) {
 		c := rawUDS(t, s)
 		if _, err := io.WriteString(c, connectHead(echo.addr())); err != nil {

@@ -3,16 +3,15 @@
 package tunnel
 
 import (
-	"bufio"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,14 +21,27 @@ import (
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.
 type AgentConfig struct {
-	ServerAddr  string // host:port of the server's agent listener (or a load balancer)
+	// ServerAddrs are host:port addresses of the server's agent listener.
+	// One address may be a load balancer in front of several servers: the
+	// agent then keeps dialling it until it holds a tunnel to as many
+	// distinct servers as they announce. Several addresses are each dialled
+	// and held directly.
+	ServerAddrs []string
+	// ExpandDNS resolves each address's host to all its A/AAAA records and
+	// holds a tunnel to each (the TLS server name stays the host name).
+	ExpandDNS bool
+	// SyncForever keeps probing a load-balanced address after the count is
+	// reached, so a server added behind it is found without a tunnel drop.
+	SyncForever bool
+
 	ID          string
 	Identifiers string // upstream --agent-identifiers syntax, sent as is
 
-	// TLS returns the client TLS configuration for each new connection, so
-	// a rotated CA or client certificate on disk is picked up. Nil means
-	// plain TCP, for tests only.
-	TLS func() (*tls.Config, error)
+	// TLS returns the client TLS configuration for a new connection to a
+	// server whose certificate should carry serverName. It is called for
+	// every connection, so a rotated CA or client certificate on disk is
+	// picked up. Nil means plain TCP, for tests only.
+	TLS func(serverName string) (*tls.Config, error)
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
@@ -38,12 +50,14 @@ type AgentConfig struct {
 	KeepAlive    time.Duration // idle time before an HTTP/2 PING (default 30s)
 	PingTimeout  time.Duration // how long a PING may go unanswered (default 15s)
 	DrainTimeout time.Duration // on shutdown, how long open tunnels may finish (default 30s)
-	BackoffMin   time.Duration // first reconnect delay (default 1s)
-	BackoffMax   time.Duration // reconnect delay cap (default 10s)
+	SyncInterval time.Duration // first reconnect delay (default 1s)
+	SyncCap      time.Duration // reconnect delay cap, and the re-probe/re-resolve period (default 10s)
 	MaxStreams   uint32        // concurrent tunnels accepted per server connection (default 100000)
 
 	// Dialer dials destinations; nil uses a net.Dialer.
 	Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
+	// Resolver looks up a server host for ExpandDNS; nil uses the system resolver.
+	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 
 	Logger *slog.Logger
 }
@@ -58,10 +72,10 @@ func (c *AgentConfig) setDefaults() {
 	def(&c.KeepAlive, 30*time.Second)
 	def(&c.PingTimeout, 15*time.Second)
 	def(&c.DrainTimeout, 30*time.Second)
-	def(&c.BackoffMin, time.Second)
-	def(&c.BackoffMax, 10*time.Second)
-	if c.BackoffMax < c.BackoffMin {
-		c.BackoffMax = c.BackoffMin
+	def(&c.SyncInterval, time.Second)
+	def(&c.SyncCap, 10*time.Second)
+	if c.SyncCap < c.SyncInterval {
+		c.SyncCap = c.SyncInterval
 	}
 	if c.MaxStreams == 0 {
 		c.MaxStreams = 100000
@@ -73,9 +87,14 @@ func (c *AgentConfig) setDefaults() {
 		d := &net.Dialer{KeepAlive: 30 * time.Second}
 		c.Dialer = d.DialContext
 	}
+	if c.Resolver == nil {
+		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
+			return net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+		}
+	}
 }
 
-// Agent keeps a tunnel to the server and serves the server's CONNECT
+// Agent keeps tunnels to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
 type Agent struct {
 	cfg AgentConfig
@@ -83,10 +102,13 @@ type Agent struct {
 	h1  *http.Server // only carries graceful shutdown to the HTTP/2 connections
 	h2  *http2.Server
 
-	mu      sync.Mutex
-	servers map[string]*serverLink // by server ID
-	conns   map[net.Conn]struct{}  // every live server connection, for a forced close
+	mu       sync.Mutex
+	links    map[*serverLink]struct{}
+	maxCount int           // largest server count announced by a live server (at least 1)
+	changed  chan struct{} // closed and replaced when links change
+	draining bool
 
+	linkWG  sync.WaitGroup // goroutines serving links
 	streams sync.WaitGroup // handlers in flight
 	Stats   AgentStats
 }
@@ -95,13 +117,6 @@ type Agent struct {
 type AgentStats struct {
 	DialsOK, DialsFailed, OpenStreams atomic.Int64
 	BytesToDest, BytesFromDest        atomic.Int64
-}
-
-type serverLink struct {
-	id    string
-	addr  string
-	since time.Time
-	count int
 }
 
 // NewAgent checks cfg and returns an Agent that is not yet running.
@@ -113,16 +128,22 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	if _, err := ParseIdentifiers(cfg.Identifiers); err != nil {
 		return nil, err
 	}
-	if _, _, err := net.SplitHostPort(cfg.ServerAddr); err != nil {
-		return nil, fmt.Errorf("server address %q: %w", cfg.ServerAddr, err)
+	if len(cfg.ServerAddrs) == 0 {
+		return nil, fmt.Errorf("no server address")
+	}
+	for _, addr := range cfg.ServerAddrs {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return nil, fmt.Errorf("server address %q: %w", addr, err)
+		}
 	}
 	a := &Agent{
-		cfg:     cfg,
-		log:     cfg.Logger,
-		servers: make(map[string]*serverLink),
-		conns:   make(map[net.Conn]struct{}),
+		cfg:      cfg,
+		log:      cfg.Logger,
+		links:    make(map[*serverLink]struct{}),
+		maxCount: 1,
+		changed:  make(chan struct{}),
 	}
-	a.h1 = &http.Server{HTTP2: &http.HTTP2Config{
+	a.h1 = &http.Server{ErrorLog: slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug), HTTP2: &http.HTTP2Config{
 		MaxReceiveBufferPerConnection: 1 << 30,
 		MaxReceiveBufferPerStream:     streamWindow,
 		MaxReadFrameSize:              maxFrameSize,
@@ -142,171 +163,81 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	return a, nil
 }
 
-// Ready reports whether the agent holds a tunnel to at least one server.
+// Ready reports whether the agent holds a tunnel to at least one server;
+// the message says how many of the announced servers it holds.
 func (a *Agent) Ready() (bool, string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	n, want := len(a.servers), 1
-	for _, s := range a.servers {
-		want = max(want, s.count)
-	}
-	msg := fmt.Sprintf("connected %d/%d servers", n, want)
-	return n > 0, msg
+	n, want := a.Connected()
+	return n > 0, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// Run keeps a tunnel to the server until ctx ends, reconnecting with capped,
-// jittered exponential backoff; a server that is away never ends it. When
-// ctx ends, the agent stops taking new streams and lets open tunnels finish
-// for up to DrainTimeout.
+// ReadyAll reports whether the agent holds a tunnel to every server.
+func (a *Agent) ReadyAll() (bool, string) {
+	n, want := a.Connected()
+	return n >= want, fmt.Sprintf("connected %d/%d servers", n, want)
+}
+
+// Connected returns how many servers the agent holds a tunnel to, and how
+// many it wants (the largest count a live server announced).
+func (a *Agent) Connected() (held, want int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.links), a.maxCount
+}
+
+// Run holds tunnels to the servers until ctx ends. A server that is away
+// never ends it: it is redialled with capped, jittered exponential backoff.
+// When ctx ends the agent drains: it tells every server (so new dials go to
+// other agents while any fit), lets open tunnels finish for up to
+// DrainTimeout, then closes its connections.
 func (a *Agent) Run(ctx context.Context) error {
-	loopDone := make(chan struct{})
-	go func() {
-		defer close(loopDone)
-		a.connectLoop(ctx)
-	}()
+	connectCtx, stopConnecting := context.WithCancel(context.Background())
+	defer stopConnecting()
+	managers := a.startManagers(connectCtx)
 	<-ctx.Done()
-	// GOAWAY on every server connection: no new streams, open ones finish.
-	a.h1.Shutdown(context.Background())
+
+	a.beginDrain()
 	drained := make(chan struct{})
-	go func() { a.streams.Wait(); close(drained) }()
-	select {
-	case <-drained:
-	case <-time.After(a.cfg.DrainTimeout):
-		a.log.Warn("drain timeout: closing open tunnels", "open", a.Stats.OpenStreams.Load())
-	}
-	a.closeConns()
-	<-loopDone
+	go func() {
+		deadline := time.Now().Add(a.cfg.DrainTimeout)
+		for a.Stats.OpenStreams.Load() > 0 && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		close(drained)
+	}()
 	<-drained
+	if n := a.Stats.OpenStreams.Load(); n > 0 {
+		a.log.Warn("drain timeout: closing open tunnels", "open", n)
+	}
+	stopConnecting()
+	managers.Wait()
+	// GOAWAY on every server connection, then close what is left.
+	a.h1.Shutdown(context.Background())
+	a.closeLinks()
+	a.linkWG.Wait()
+	a.streams.Wait()
 	return nil
 }
 
-func (a *Agent) closeConns() {
+func (a *Agent) beginDrain() {
+	a.mu.Lock()
+	a.draining = true
+	links := make([]*serverLink, 0, len(a.links))
+	for l := range a.links {
+		links = append(links, l)
+	}
+	a.mu.Unlock()
+	for _, l := range links {
+		l.sendDrain()
+	}
+	a.log.Info("draining: servers told to prefer other agents", "servers", len(links), "open_tunnels", a.Stats.OpenStreams.Load())
+}
+
+func (a *Agent) closeLinks() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for c := range a.conns {
-		c.Close()
+	for l := range a.links {
+		l.conn.Close()
 	}
-}
-
-func (a *Agent) connectLoop(ctx context.Context) {
-	backoff := a.cfg.BackoffMin
-	for ctx.Err() == nil {
-		started := time.Now()
-		err := a.connectOnce(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if time.Since(started) > 2*a.cfg.BackoffMax {
-			backoff = a.cfg.BackoffMin // it was up for a while: come back fast
-		}
-		var se *StatusError
-		if errors.As(err, &se) && se.Code == http.StatusConflict {
-			backoff = a.cfg.BackoffMin
-		}
-		if err != nil {
-			a.log.Warn("server connection failed", "server", a.cfg.ServerAddr, "err", err, "retry_in", backoff.Round(time.Millisecond).String())
-		} else {
-			a.log.Info("server connection closed", "server", a.cfg.ServerAddr)
-		}
-		// Full jitter keeps a fleet of agents from reconnecting in step.
-		delay := backoff/2 + rand.N(backoff/2+1)
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(delay):
-		}
-		backoff = min(backoff*2, a.cfg.BackoffMax)
-	}
-}
-
-// connectOnce dials the server, performs the handshake and serves HTTP/2
-// on the connection until it ends.
-func (a *Agent) connectOnce(ctx context.Context) error {
-	hctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	defer cancel()
-	raw, err := (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext(hctx, "tcp", a.cfg.ServerAddr)
-	if err != nil {
-		return fmt.Errorf("dial server %s: %w", a.cfg.ServerAddr, err)
-	}
-	conn := raw
-	if a.cfg.TLS != nil {
-		tcfg, err := a.cfg.TLS()
-		if err != nil {
-			raw.Close()
-			return fmt.Errorf("TLS configuration: %w", err)
-		}
-		tc := tls.Client(raw, tcfg)
-		if err := tc.HandshakeContext(hctx); err != nil {
-			raw.Close()
-			return fmt.Errorf("TLS handshake with %s: %w", a.cfg.ServerAddr, err)
-		}
-		conn = tc
-	}
-	hello := agentHello{ID: a.cfg.ID, Identifiers: a.cfg.Identifiers, Held: a.heldServers()}
-	if a.cfg.Token != nil {
-		if hello.Token, err = a.cfg.Token(); err != nil {
-			conn.Close()
-			return fmt.Errorf("service account token: %w", err)
-		}
-	}
-	if dl, ok := hctx.Deadline(); ok {
-		conn.SetDeadline(dl)
-	}
-	host, _, _ := net.SplitHostPort(a.cfg.ServerAddr)
-	if err := writeHello(conn, host, hello); err != nil {
-		conn.Close()
-		return fmt.Errorf("send handshake: %w", err)
-	}
-	br := bufio.NewReaderSize(conn, 4096)
-	reply, err := readReply(br)
-	if err != nil {
-		conn.Close()
-		return fmt.Errorf("server %s refused the tunnel: %w", a.cfg.ServerAddr, err)
-	}
-	conn.SetDeadline(time.Time{})
-
-	bc := &bufferedConn{Conn: conn, r: br}
-	link := &serverLink{id: reply.ServerID, addr: a.cfg.ServerAddr, since: time.Now(), count: reply.Count}
-	if !a.addLink(link, bc) {
-		conn.Close()
-		return fmt.Errorf("agent is shutting down")
-	}
-	defer a.removeLink(link, bc)
-	a.log.Info("connected to server", "server_id", reply.ServerID, "addr", a.cfg.ServerAddr, "server_count", reply.Count)
-	a.h2.ServeConn(bc, &http2.ServeConnOpts{
-		Context:    ctx,
-		BaseConfig: a.h1,
-		Handler:    http.HandlerFunc(a.serveStream),
-	})
-	return nil
-}
-
-func (a *Agent) heldServers() []string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	ids := make([]string, 0, len(a.servers))
-	for id := range a.servers {
-		ids = append(ids, id)
-	}
-	return ids
-}
-
-func (a *Agent) addLink(l *serverLink, c net.Conn) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.servers[l.id] = l
-	a.conns[c] = struct{}{}
-	return true
-}
-
-func (a *Agent) removeLink(l *serverLink, c net.Conn) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.servers[l.id] == l {
-		delete(a.servers, l.id)
-	}
-	delete(a.conns, c)
-	c.Close()
 }
 
 // serveStream answers one CONNECT stream from the server: it dials the

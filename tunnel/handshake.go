@@ -134,3 +134,10 @@ func readReply(br *bufio.Reader) (serverReply, error) {
 	}
 	return r, nil
 }
+
+// The control stream: the server opens it right after the handshake and
+// the agent writes one line per event on it.
+const (
+	controlPath  = "/konnectivity/v1/control"
+	controlDrain = "drain"
+)

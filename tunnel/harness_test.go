@@ -71,11 +71,19 @@ type env struct {
 	uds       string
 	agentAddr string
 	wg        sync.WaitGroup
+	once      sync.Once
+	stopOnce  func()
 }
 
 func newEnv(t testing.TB, mutate func(*ServerConfig)) *env {
 	t.Helper()
-	p := newPKI(t)
+	return newEnvOn(t, newPKI(t), "127.0.0.1:0", mutate)
+}
+
+// newEnvOn starts a server whose agent listener is on agentAddr, with the
+// given PKI, so several servers can share one CA.
+func newEnvOn(t testing.TB, p *pki, agentAddr string, mutate func(*ServerConfig)) *env {
+	t.Helper()
 	cfg := ServerConfig{
 		ID:          "s1",
 		AgentTLS:    &tls.Config{Certificates: []tls.Certificate{p.serverCert}, ClientCAs: p.pool, ClientAuth: tls.RequireAndVerifyClientCert},
@@ -99,7 +107,7 @@ func newEnv(t testing.TB, mutate func(*ServerConfig)) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	agentLn, err := net.Listen("tcp", "127.0.0.1:0")
+	agentLn, err := net.Listen("tcp", agentAddr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,12 +115,18 @@ func newEnv(t testing.TB, mutate func(*ServerConfig)) *env {
 	e.wg.Add(2)
 	go func() { defer e.wg.Done(); srv.ServeFrontend(udsLn) }()
 	go func() { defer e.wg.Done(); srv.ServeAgents(agentLn) }()
-	t.Cleanup(func() {
+	e.stopOnce = func() {
 		srv.Close()
 		e.wg.Wait()
 		os.RemoveAll(dir)
-	})
+	}
+	t.Cleanup(e.stop)
 	return e
+}
+
+// stop closes the server at once, as a crash would look to its agents.
+func (e *env) stop() {
+	e.once.Do(e.stopOnce)
 }
 
 // testAgent is an in-process agent and the means to stop it.
@@ -127,18 +141,29 @@ func (a *testAgent) stop() {
 	<-a.done
 }
 
+// kill drops the agent's connections abruptly, then stops it.
+func (a *testAgent) kill() {
+	a.closeLinks()
+	a.stop()
+}
+
 func (e *env) startAgent(id, identifiers string, mutate func(*AgentConfig)) *testAgent {
 	e.t.Helper()
+	return startAgentTo(e.t, e.pki, []string{e.agentAddr}, id, identifiers, mutate)
+}
+
+func startAgentTo(t testing.TB, p *pki, addrs []string, id, identifiers string, mutate func(*AgentConfig)) *testAgent {
+	t.Helper()
 	cfg := AgentConfig{
-		ServerAddr:   e.agentAddr,
+		ServerAddrs:  addrs,
 		ID:           id,
 		Identifiers:  identifiers,
 		DrainTimeout: 2 * time.Second,
-		BackoffMin:   20 * time.Millisecond,
-		BackoffMax:   100 * time.Millisecond,
-		Logger:       testLogger(e.t),
-		TLS: func() (*tls.Config, error) {
-			return &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{e.pki.agentCert}}, nil
+		SyncInterval: 20 * time.Millisecond,
+		SyncCap:      100 * time.Millisecond,
+		Logger:       testLogger(t),
+		TLS: func(name string) (*tls.Config, error) {
+			return &tls.Config{RootCAs: p.pool, ServerName: name, Certificates: []tls.Certificate{p.agentCert}}, nil
 		},
 	}
 	if mutate != nil {
@@ -146,12 +171,12 @@ func (e *env) startAgent(id, identifiers string, mutate func(*AgentConfig)) *tes
 	}
 	a, err := NewAgent(cfg)
 	if err != nil {
-		e.t.Fatal(err)
+		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	ta := &testAgent{Agent: a, cancel: cancel, done: make(chan struct{})}
 	go func() { defer close(ta.done); a.Run(ctx) }()
-	e.t.Cleanup(ta.stop)
+	t.Cleanup(ta.stop)
 	return ta
 }
 
@@ -267,3 +292,11 @@ func onlyOurs(stacks string) string {
 }
 
 func bufioReader(r io.Reader) *bufio.Reader { return bufio.NewReader(r) }
+
+func certRequestFor(dns string, ips ...string) certs.Request {
+	req := certs.Request{CommonName: "server", DNSNames: []string{dns}, Validity: time.Hour}
+	for _, ip := range ips {
+		req.IPAddresses = append(req.IPAddresses, net.ParseIP(ip))
+	}
+	return req
+}

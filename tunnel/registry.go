@@ -3,6 +3,7 @@
 package tunnel
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"strings"
@@ -52,6 +53,16 @@ type agentConn struct {
 	conn     *watchedConn
 	streams  atomic.Int64
 	draining atomic.Bool
+
+	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
+}
+
+// shutdown sends GOAWAY and waits for the agent's tunnels to end, or for ctx.
+func (a *agentConn) shutdown(ctx context.Context) {
+	a.stopControl()
+	if err := a.cc.Shutdown(ctx); err != nil {
+		a.cc.Close()
+	}
 }
 
 func (a *agentConn) usable(maxStreams int64) bool {
@@ -162,4 +173,12 @@ func hostOf(addr string) string {
 		return addr
 	}
 	return host
+}
+
+// agentDraining reports whether the named agent told this server it drains.
+func (s *Server) agentDraining(id string) bool {
+	s.agents.mu.Lock()
+	defer s.agents.mu.Unlock()
+	a := s.agents.agents[id]
+	return a != nil && a.draining.Load()
 }

@@ -268,10 +268,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			// Shutdown sends GOAWAY and returns when the agent's streams end.
-			if err := a.cc.Shutdown(ctx); err != nil {
-				a.cc.Close()
-			}
+			a.shutdown(ctx)
 		}()
 	}
 	drained := make(chan struct{})
@@ -361,7 +358,10 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		wc.Close()
 		return
 	}
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc}
+	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
+	defer stopControl()
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl}
+	s.goroutine(func() { s.watchControl(ctlCtx, a) })
 	if old := s.agents.add(a); old != nil {
 		// The same agent reconnected; its old connection may be half-dead.
 		// Let its tunnels finish, but route new dials to the new one.
@@ -369,9 +369,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		s.goroutine(func() {
 			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
 			defer cancel()
-			if err := old.cc.Shutdown(ctx); err != nil {
-				old.cc.Close()
-			}
+			old.shutdown(ctx)
 		})
 	}
 	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "agents", s.agents.len())
@@ -383,6 +381,27 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	}
 	s.agents.remove(a)
 	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+}
+
+// watchControl reads the agent's control stream: one line per event.
+func (s *Server) watchControl(ctx context.Context, a *agentConn) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "https://agent"+controlPath, nil)
+	if err != nil {
+		return
+	}
+	resp, err := a.cc.RoundTrip(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	lines := bufio.NewScanner(io.LimitReader(resp.Body, 1<<20))
+	for lines.Scan() {
+		switch lines.Text() {
+		case controlDrain:
+			a.draining.Store(true)
+			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
+		}
+	}
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate
@@ -426,14 +445,6 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 		s.trackFrontend(conn, false)
 		conn.Close()
 	}()
-	if s.cfg.CheckFrontendPeer != nil {
-		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
-			s.log.Warn("frontend peer refused", "err", err)
-			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
-			writeStatus(conn, http.StatusForbidden, errMsg(err))
-			return
-		}
-	}
 	conn.SetDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
@@ -444,6 +455,17 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, StatusCode(err), errMsg(err))
 		return
+	}
+	// The peer is checked after its request is read: closing a Unix socket
+	// with unread data resets it, and the client would never see the 403.
+	if s.cfg.CheckFrontendPeer != nil {
+		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
+			s.Stats.DialsFailed.Add(1)
+			s.log.Warn("frontend peer refused", "err", err)
+			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+			writeStatus(conn, http.StatusForbidden, errMsg(err))
+			return
+		}
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})

@@ -369,8 +369,7 @@ func TestAgentLossEndsTunnelsAndFailsOver(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatal(resp.Status)
 	}
-	a1.Agent.closeConns() // abrupt: the agent's connection drops
-	a1.stop()
+	a1.kill() // abrupt: the agent's connection drops
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := br.ReadByte(); err == nil {
 		t.Fatal("tunnel still open after its agent went away")
@@ -469,8 +468,8 @@ func TestAgentAuthRefusals(t *testing.T) {
 	// An agent with a certificate from another CA fails the TLS handshake.
 	other := newPKI(t)
 	bad := e.startAgent("foreign", "", func(c *AgentConfig) {
-		c.TLS = func() (*tls.Config, error) {
-			return &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{other.agentCert}}, nil
+		c.TLS = func(name string) (*tls.Config, error) {
+			return &tls.Config{RootCAs: e.pki.pool, ServerName: name, Certificates: []tls.Certificate{other.agentCert}}, nil
 		}
 	})
 	// Garbage and TLS-less bytes on the agent port.

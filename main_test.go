@@ -1,0 +1,225 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spinifex/konnectivity/certs"
+)
+
+func TestDispatchByName(t *testing.T) {
+	for _, name := range []string{"/usr/local/bin/konnectivity-server", "konnectivity-agent", "eks-konnectivity-cert"} {
+		var out, errb bytes.Buffer
+		code := dispatch([]string{name, "--help"}, &out, &errb)
+		if code != 0 {
+			t.Errorf("%s --help: exit %d: %s", name, code, errb.String())
+		}
+	}
+	var out bytes.Buffer
+	if code := dispatch([]string{"konnectivity", "version"}, &out, io.Discard); code != 0 || !strings.HasPrefix(out.String(), "konnectivity ") {
+		t.Errorf("version: %d %q", code, out.String())
+	}
+	if code := dispatch([]string{"konnectivity", "frobnicate"}, io.Discard, io.Discard); code != 2 {
+		t.Errorf("unknown command: exit %d, want 2", code)
+	}
+}
+
+func TestUnknownFlagFailsWithUsage(t *testing.T) {
+	var errb bytes.Buffer
+	if code := dispatch([]string{"konnectivity", "server", "--no-such-flag"}, io.Discard, &errb); code != 2 {
+		t.Fatalf("exit %d, want 2", code)
+	}
+	if !strings.Contains(errb.String(), "no-such-flag") || !strings.Contains(errb.String(), "-uds-name") {
+		t.Fatalf("stderr does not name the flag and show usage:\n%s", errb.String())
+	}
+}
+
+// Upstream flags that have no effect here are accepted with one warning
+// line each, never silently.
+func TestCompatFlagsWarn(t *testing.T) {
+	_, cf := newServerFlags(io.Discard)
+	var logs bytes.Buffer
+	_, err := cf.parse([]string{"--xfr-channel-size=150", "--logtostderr=true", "--v", "2", "--uds-name", "/x"}, &logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	if len(lines) != 1 || !strings.Contains(lines[0], "--xfr-channel-size") || !strings.Contains(lines[0], "WARN") {
+		t.Fatalf("want one warning naming --xfr-channel-size, got:\n%s", logs.String())
+	}
+}
+
+func TestServerFlagValidation(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--uds-name=/x", "--cluster-cert=c", "--cluster-key=k"}, "--mode=grpc is not supported yet: use --mode=http-connect"},
+		{[]string{"--mode=http-connect", "--uds-name=/x"}, "--cluster-cert and --cluster-key"},
+		{[]string{"--mode=http-connect", "--cluster-cert=c", "--cluster-key=k"}, "TCP frontend (--server-port=8090) needs --server-cert"},
+		{[]string{"--mode=http-connect", "--uds-name=/x", "--server-port=0", "--cluster-cert=c", "--cluster-key=k", "--agent-namespace=kube-system"}, "token auth needs all of"},
+		{[]string{"--mode=http-connect", "--uds-name=/x", "--cluster-cert=c", "--cluster-key=k", "--proxy-strategies=nearest"}, "unknown proxy strategy"},
+		{[]string{"--mode=tcp", "--uds-name=/x"}, "want grpc or http-connect"},
+	}
+	for _, c := range cases {
+		var errb bytes.Buffer
+		code := runServer(c.args, io.Discard, &errb)
+		if code != 2 || !strings.Contains(errb.String(), c.want) {
+			t.Errorf("%v: exit %d, stderr %q; want 2 and %q", c.args, code, errb.String(), c.want)
+		}
+	}
+}
+
+// The server and agent commands, wired as in production (flags, TLS files,
+// health endpoints, socket mode), carry a dial end to end and stop cleanly.
+func TestServerAndAgentCommands(t *testing.T) {
+	dir := t.TempDir()
+	ca, err := certs.NewCA("test", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(name string, data []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	caFile := write("ca.crt", ca.CertPEM)
+	sc, sk, _ := ca.Issue(certs.Request{CommonName: "server", IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}})
+	ac, ak, _ := ca.Issue(certs.Request{CommonName: "agent", Client: true})
+	serverCert, serverKey := write("server.crt", sc), write("server.key", sk)
+	agentCert, agentKey := write("agent.crt", ac), write("agent.key", ak)
+	uds := filepath.Join(dir, "run", "k.sock")
+	agentPort, healthPort, agentHealth := freePort(t), freePort(t), freePort(t)
+
+	so, scf := newServerFlags(io.Discard)
+	if err := scf.Parse([]string{"--mode=http-connect", "--uds-name=" + uds, "--uds-mode=0660",
+		"--agent-port=" + agentPort, "--agent-bind-address=127.0.0.1", "--cluster-cert=" + serverCert, "--cluster-key=" + serverKey,
+		"--cluster-ca-cert=" + caFile, "--health-port=" + healthPort, "--health-bind-address=127.0.0.1", "--admin-port=0",
+		"--graceful-shutdown-timeout=2s"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := so.complete(scf); err != nil {
+		t.Fatal(err)
+	}
+	ao, acf := newAgentFlags(io.Discard)
+	if err := acf.Parse([]string{"--proxy-server-host=127.0.0.1", "--proxy-server-port=" + agentPort, "--ca-cert=" + caFile,
+		"--agent-cert=" + agentCert, "--agent-key=" + agentKey, "--agent-id=a1", "--health-server-host=127.0.0.1",
+		"--health-server-port=" + agentHealth, "--admin-server-port=0", "--drain-timeout=1s", "--sync-interval=50ms"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ao.complete(); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	wg.Add(1)
+	go func() { defer wg.Done(); errs <- so.run(ctx, log) }()
+	health := "http://127.0.0.1:" + healthPort + "/readyz"
+	waitFor(t, func() bool { return httpStatus(health) == http.StatusServiceUnavailable })
+	fi, err := os.Stat(uds)
+	if err != nil || fi.Mode().Perm() != 0o660 {
+		t.Fatalf("socket: %v mode %v, want 0660", err, fi.Mode().Perm())
+	}
+	agentCtx, stopAgent := context.WithCancel(ctx)
+	wg.Add(1)
+	go func() { defer wg.Done(); errs <- ao.run(agentCtx, log) }()
+	waitFor(t, func() bool { return httpStatus(health) == http.StatusOK })
+	waitFor(t, func() bool { return httpStatus("http://127.0.0.1:"+agentHealth+"/readyz") == http.StatusOK })
+
+	backend := httpBackend(t)
+	conn, err := net.Dial("unix", uds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /x HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n", backend)
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %v %v", resp, err)
+	}
+	resp, err = http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	conn.Close()
+	if string(body) != "backend /x" {
+		t.Fatalf("body %q", body)
+	}
+
+	stopAgent()
+	cancel()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Errorf("command returned %v", err)
+		}
+	}
+	if _, err := os.Stat(uds); !os.IsNotExist(err) {
+		t.Errorf("socket still there after stop: %v", err)
+	}
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	return port
+}
+
+func httpStatus(url string) int {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 10s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func httpBackend(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "backend "+r.URL.Path)
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return ln.Addr().String()
+}

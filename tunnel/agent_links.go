@@ -1,0 +1,417 @@
+//lint:file-ignore SA1019 x/net/http2's Server.ServeConn is the only API that serves HTTP/2 on a connection we dialled ourselves.
+
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// target is one address the agent dials. serverName is the name the
+// server's certificate must carry: the configured host, even when addr is
+// one of its resolved addresses.
+type target struct {
+	addr       string
+	serverName string
+}
+
+// serverLink is one live tunnel connection to one server.
+type serverLink struct {
+	id    string
+	addr  string
+	since time.Time
+	count int
+	conn  net.Conn
+	done  chan struct{} // closed when the link has stopped serving
+
+	drainOnce sync.Once
+	drain     chan struct{} // closed to ask the control stream to announce a drain
+}
+
+func (l *serverLink) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
+
+// LinkInfo describes one server connection, for status pages.
+type LinkInfo struct {
+	ServerID string
+	Addr     string
+	Since    time.Time
+	Count    int
+}
+
+// Links lists the agent's server connections.
+func (a *Agent) Links() []LinkInfo {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := make([]LinkInfo, 0, len(a.links))
+	for l := range a.links {
+		out = append(out, LinkInfo{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count})
+	}
+	return out
+}
+
+// startManagers starts one goroutine per configured address: a seeker for
+// a single (load-balanced) address, a holder for each of several fixed
+// addresses, a resolver that runs holders when DNS expansion is on.
+func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
+	var wg sync.WaitGroup
+	run := func(f func()) {
+		wg.Add(1)
+		go func() { defer wg.Done(); f() }()
+	}
+	for _, addr := range a.cfg.ServerAddrs {
+		host, port, _ := net.SplitHostPort(addr)
+		t := target{addr: addr, serverName: host}
+		switch {
+		case a.cfg.ExpandDNS && net.ParseIP(host) == nil:
+			run(func() { a.expand(ctx, host, port) })
+		case len(a.cfg.ServerAddrs) == 1 && !a.cfg.ExpandDNS:
+			run(func() { a.seek(ctx, t) })
+		default:
+			run(func() { a.hold(ctx, t) })
+		}
+	}
+	return &wg
+}
+
+// seek dials a load-balanced address until the agent holds a tunnel to as
+// many distinct servers as the servers announce. Each dial names the
+// servers already held, so a duplicate is refused (409) before any costly
+// check; a duplicate is expected here and is retried quickly, not backed off.
+func (a *Agent) seek(ctx context.Context, t target) {
+	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
+	dupes := 0
+	for ctx.Err() == nil {
+		changed := a.changedChan()
+		if held, want := a.Connected(); held >= want {
+			probe := a.cfg.SyncForever
+			wait := (<-chan time.Time)(nil)
+			if probe {
+				wait = time.After(jitter(a.cfg.SyncCap))
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-changed:
+				continue
+			case <-wait:
+			}
+		}
+		l, err := a.dial(ctx, t)
+		var delay time.Duration
+		switch {
+		case err == nil:
+			dupes = 0
+			b.reset()
+			if !a.startLink(l) {
+				return
+			}
+			continue
+		case ctx.Err() != nil:
+			return
+		case isDuplicate(err):
+			// The balancer sent us to a server we hold: try again at once,
+			// slowing down only if it keeps doing so.
+			dupes++
+			delay = min(time.Duration(dupes)*5*time.Millisecond, a.cfg.SyncInterval)
+		case isCheap(err):
+			delay = jitter(a.cfg.SyncInterval)
+			a.logDialError(t, err, delay)
+		default:
+			delay = b.next()
+			a.logDialError(t, err, delay)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
+}
+
+// hold keeps one tunnel to a fixed address, redialling when it drops.
+func (a *Agent) hold(ctx context.Context, t target) {
+	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
+	for ctx.Err() == nil {
+		l, err := a.dial(ctx, t)
+		var delay time.Duration
+		switch {
+		case err == nil:
+			b.reset()
+			if !a.startLink(l) {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-l.done:
+			}
+			// Come back quickly after a drop (a server restart or GOAWAY).
+			delay = jitter(a.cfg.SyncInterval)
+		case ctx.Err() != nil:
+			return
+		case isDuplicate(err):
+			delay = jitter(a.cfg.SyncCap) // another address reaches the same server
+		case isCheap(err):
+			delay = jitter(a.cfg.SyncInterval)
+			a.logDialError(t, err, delay)
+		default:
+			delay = b.next()
+			a.logDialError(t, err, delay)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
+}
+
+// expand resolves host to all its addresses and holds a tunnel to each,
+// re-resolving every SyncCap so replaced servers are followed.
+func (a *Agent) expand(ctx context.Context, host, port string) {
+	holders := map[string]context.CancelFunc{}
+	var wg sync.WaitGroup
+	defer func() {
+		for _, stop := range holders {
+			stop()
+		}
+		wg.Wait()
+	}()
+	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
+	for {
+		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		addrs, err := a.cfg.Resolver(rctx, host)
+		cancel()
+		delay := jitter(a.cfg.SyncCap)
+		if err != nil || len(addrs) == 0 {
+			delay = b.next()
+			a.log.Warn("resolve server host failed", "host", host, "err", err, "retry_in", delay.Round(time.Millisecond).String())
+		} else {
+			b.reset()
+			seen := map[string]bool{}
+			for _, ip := range addrs {
+				addr := net.JoinHostPort(ip.Unmap().String(), port)
+				seen[addr] = true
+				if holders[addr] != nil {
+					continue
+				}
+				hctx, stop := context.WithCancel(ctx)
+				holders[addr] = stop
+				wg.Add(1)
+				go func() { defer wg.Done(); a.hold(hctx, target{addr: addr, serverName: host}) }()
+			}
+			for addr, stop := range holders {
+				if !seen[addr] {
+					stop() // its link, if any, ends when the server goes
+					delete(holders, addr)
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
+}
+
+func (a *Agent) logDialError(t target, err error, delay time.Duration) {
+	a.log.Warn("server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
+}
+
+func isDuplicate(err error) bool {
+	var se *StatusError
+	return errors.As(err, &se) && se.Code == http.StatusConflict
+}
+
+// isCheap reports failures that cost the server nothing (nobody listening),
+// so retrying at the base interval is fine and brings the agent back soon
+// after the server returns.
+func isCheap(err error) bool {
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// dial connects to t, performs the handshake and returns the link, not yet
+// serving.
+func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
+	hctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	raw, err := (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext(hctx, "tcp", t.addr)
+	if err != nil {
+		return nil, fmt.Errorf("dial server %s: %w", t.addr, err)
+	}
+	conn := raw
+	if a.cfg.TLS != nil {
+		tcfg, err := a.cfg.TLS(t.serverName)
+		if err != nil {
+			raw.Close()
+			return nil, fmt.Errorf("TLS configuration: %w", err)
+		}
+		tc := tls.Client(raw, tcfg)
+		if err := tc.HandshakeContext(hctx); err != nil {
+			raw.Close()
+			return nil, fmt.Errorf("TLS handshake with %s: %w", t.addr, err)
+		}
+		conn = tc
+	}
+	hello := agentHello{ID: a.cfg.ID, Identifiers: a.cfg.Identifiers, Held: a.heldServers()}
+	if a.cfg.Token != nil {
+		if hello.Token, err = a.cfg.Token(); err != nil {
+			conn.Close()
+			return nil, fmt.Errorf("service account token: %w", err)
+		}
+	}
+	if dl, ok := hctx.Deadline(); ok {
+		conn.SetDeadline(dl)
+	}
+	if err := writeHello(conn, t.serverName, hello); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("send handshake to %s: %w", t.addr, err)
+	}
+	br := bufio.NewReaderSize(conn, 4096)
+	reply, err := readReply(br)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("server %s refused the tunnel: %w", t.addr, err)
+	}
+	conn.SetDeadline(time.Time{})
+	return &serverLink{
+		id:    reply.ServerID,
+		addr:  t.addr,
+		since: time.Now(),
+		count: reply.Count,
+		conn:  &bufferedConn{Conn: conn, r: br},
+		done:  make(chan struct{}),
+		drain: make(chan struct{}),
+	}, nil
+}
+
+// startLink registers l and serves it in a goroutine the agent owns. It
+// returns false (and closes l) when the agent is shutting down.
+func (a *Agent) startLink(l *serverLink) bool {
+	a.mu.Lock()
+	if a.draining {
+		a.mu.Unlock()
+		l.conn.Close()
+		return false
+	}
+	for old := range a.links {
+		if old.id == l.id {
+			// The server replaced our old connection with this one.
+			delete(a.links, old)
+			old.conn.Close()
+		}
+	}
+	a.links[l] = struct{}{}
+	a.recountLocked()
+	held, want := len(a.links), a.maxCount
+	a.linkWG.Add(1)
+	a.mu.Unlock()
+	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", held, want))
+	go func() {
+		defer a.linkWG.Done()
+		a.serveLink(l)
+	}()
+	return true
+}
+
+func (a *Agent) serveLink(l *serverLink) {
+	defer close(l.done)
+	a.h2.ServeConn(l.conn, &http2.ServeConnOpts{
+		BaseConfig: a.h1,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodGet && r.URL.Path == controlPath {
+				a.serveControl(l, w, r)
+				return
+			}
+			a.serveStream(w, r)
+		}),
+	})
+	l.conn.Close()
+	a.mu.Lock()
+	delete(a.links, l)
+	a.recountLocked()
+	held, want := len(a.links), a.maxCount
+	a.mu.Unlock()
+	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
+}
+
+// recountLocked adopts the largest count live servers announce and wakes
+// the seekers. With no live server the last count stands.
+func (a *Agent) recountLocked() {
+	if len(a.links) > 0 {
+		a.maxCount = 1
+		for l := range a.links {
+			a.maxCount = max(a.maxCount, l.count)
+		}
+	}
+	close(a.changed)
+	a.changed = make(chan struct{})
+}
+
+func (a *Agent) changedChan() <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.changed
+}
+
+func (a *Agent) heldServers() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ids := make([]string, 0, len(a.links))
+	for l := range a.links {
+		ids = append(ids, l.id)
+	}
+	return ids
+}
+
+// serveControl answers the server's control stream: one line per event the
+// server must know about. Today that is "drain".
+func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Request) {
+	w.WriteHeader(http.StatusOK)
+	flush := flusherOf(w)
+	flush()
+	select {
+	case <-l.drain:
+		io.WriteString(w, controlDrain+"\n")
+		flush()
+		<-r.Context().Done()
+	case <-r.Context().Done():
+	}
+}
+
+// backoff is capped exponential backoff with jitter.
+type backoff struct {
+	min, max, cur time.Duration
+}
+
+func newBackoff(lo, hi time.Duration) *backoff { return &backoff{min: lo, max: hi, cur: lo} }
+
+func (b *backoff) reset() { b.cur = b.min }
+
+func (b *backoff) next() time.Duration {
+	d := jitter(b.cur)
+	b.cur = min(b.cur*2, b.max)
+	return d
+}
+
+// jitter returns a duration in [d/2, d], so a fleet of agents does not
+// redial in step.
+func jitter(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return d/2 + rand.N(d/2+1)
+}

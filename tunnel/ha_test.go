@@ -1,0 +1,286 @@
+package tunnel
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// cluster is several servers sharing one CA, as HA control planes run them.
+type cluster struct {
+	t       *testing.T
+	pki     *pki
+	servers []*env
+}
+
+func newCluster(t *testing.T, n int, mutate func(*ServerConfig)) *cluster {
+	c := &cluster{t: t, pki: newPKI(t)}
+	for i := range n {
+		c.servers = append(c.servers, c.start(fmt.Sprintf("s%d", i+1), "127.0.0.1:0", mutate))
+	}
+	return c
+}
+
+func (c *cluster) start(id, agentAddr string, mutate func(*ServerConfig)) *env {
+	return newEnvOn(c.t, c.pki, agentAddr, func(cfg *ServerConfig) {
+		cfg.ID = id
+		cfg.Count = len(c.servers) + 1
+		if mutate != nil {
+			mutate(cfg)
+		}
+	})
+}
+
+func (c *cluster) agentAddrs() []string {
+	var out []string
+	for _, s := range c.servers {
+		out = append(out, s.agentAddr)
+	}
+	return out
+}
+
+// waitMesh waits until every server has n agents and returns how long it took.
+func (c *cluster) waitMesh(servers []*env, n int, within time.Duration) time.Duration {
+	c.t.Helper()
+	start := time.Now()
+	for {
+		ok := true
+		for _, s := range servers {
+			if s.srv.AgentCount() != n {
+				ok = false
+			}
+		}
+		if ok {
+			return time.Since(start)
+		}
+		if time.Since(start) > within {
+			for _, s := range servers {
+				c.t.Logf("server %s: %d agents", s.srv.cfg.ID, s.srv.AgentCount())
+			}
+			c.t.Fatalf("no full mesh of %d agents within %s", n, within)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func haAgentConfig(c *AgentConfig) {
+	c.SyncInterval = 50 * time.Millisecond
+	c.SyncCap = 200 * time.Millisecond
+}
+
+func TestFullMeshThroughLoadBalancer(t *testing.T) {
+	checkNoLeaks(t)
+	c := newCluster(t, 3, func(cfg *ServerConfig) { cfg.Count = 3 })
+	lb := newTestLB(t, c.agentAddrs()...)
+	for i := range 5 {
+		startAgentTo(t, c.pki, []string{lb.addr()}, fmt.Sprintf("agent-%d", i), "", haAgentConfig)
+	}
+	took := c.waitMesh(c.servers, 5, 10*time.Second)
+	t.Logf("full mesh of 5 agents x 3 servers in %s", took)
+	echo := echoServer(t)
+	for _, s := range c.servers {
+		conn, _, resp := s.connect(echo)
+		conn.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("server %s: %s", s.srv.cfg.ID, resp.Status)
+		}
+	}
+}
+
+// A server replaced by one with a new ID: agents converge to it, and dials
+// through the other servers never fail meanwhile.
+func TestServerReplacedAgentsConverge(t *testing.T) {
+	checkNoLeaks(t)
+	c := newCluster(t, 3, func(cfg *ServerConfig) { cfg.Count = 3 })
+	lb := newTestLB(t, c.agentAddrs()...)
+	var agents []*testAgent
+	for i := range 3 {
+		agents = append(agents, startAgentTo(t, c.pki, []string{lb.addr()}, fmt.Sprintf("agent-%d", i), "", haAgentConfig))
+	}
+	c.waitMesh(c.servers, 3, 10*time.Second)
+	echo := echoServer(t)
+
+	stop := make(chan struct{})
+	var failures, dials atomic.Int64
+	var wg sync.WaitGroup
+	for _, s := range c.servers[1:] {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				conn, _, resp := s.connect(echo)
+				conn.Close()
+				dials.Add(1)
+				if resp.StatusCode != 200 {
+					failures.Add(1)
+				}
+				time.Sleep(2 * time.Millisecond)
+			}
+		}()
+	}
+	old := c.servers[0]
+	old.stop()
+	replacement := c.start("s1-new", old.agentAddr, func(cfg *ServerConfig) { cfg.Count = 3 })
+	took := c.waitMesh([]*env{replacement, c.servers[1], c.servers[2]}, 3, 10*time.Second)
+	close(stop)
+	wg.Wait()
+	t.Logf("agents converged on the replacement in %s; %d dials through the others, %d failed", took, dials.Load(), failures.Load())
+	if failures.Load() != 0 {
+		t.Fatalf("%d of %d dials through the surviving servers failed", failures.Load(), dials.Load())
+	}
+	for _, a := range agents {
+		waitUntil(t, func() bool { held, want := a.Connected(); return held == 3 && want == 3 }, "agent holds 3/3")
+	}
+}
+
+// A blackholed agent connection (no FIN, nothing forwarded) is noticed by
+// PING on both sides; the server stops routing to it.
+func TestBlackholedAgentDropped(t *testing.T) {
+	checkNoLeaks(t)
+	keep := func(cfg *ServerConfig) {
+		cfg.KeepAlive = 100 * time.Millisecond
+		cfg.PingTimeout = 300 * time.Millisecond
+	}
+	c := newCluster(t, 1, keep)
+	s := c.servers[0]
+	lb := newTestLB(t, s.agentAddr)
+	startAgentTo(t, c.pki, []string{lb.addr()}, "behind-blackhole", "", func(cfg *AgentConfig) {
+		haAgentConfig(cfg)
+		cfg.KeepAlive = 100 * time.Millisecond
+		cfg.PingTimeout = 300 * time.Millisecond
+	})
+	s.waitAgents(1)
+	good := s.startAgent("direct", "", nil)
+	s.waitAgents(2)
+
+	lb.blackhole()
+	start := time.Now()
+	s.waitAgents(1)
+	t.Logf("blackholed agent dropped after %s (keepalive 100ms + ping timeout 300ms)", time.Since(start))
+	echo := echoServer(t)
+	before := good.Stats.DialsOK.Load()
+	for range 10 {
+		conn, _, resp := s.connect(echo)
+		conn.Close()
+		if resp.StatusCode != 200 {
+			t.Fatal(resp.Status)
+		}
+	}
+	if good.Stats.DialsOK.Load() != before+10 {
+		t.Fatal("dials did not go to the remaining agent")
+	}
+}
+
+// Raising the server count: agents with --sync-forever find a server added
+// behind the balancer and adopt its larger count.
+func TestServerCountRaised(t *testing.T) {
+	checkNoLeaks(t)
+	c := newCluster(t, 2, func(cfg *ServerConfig) { cfg.Count = 2 })
+	lb := newTestLB(t, c.agentAddrs()...)
+	a := startAgentTo(t, c.pki, []string{lb.addr()}, "a", "", func(cfg *AgentConfig) {
+		haAgentConfig(cfg)
+		cfg.SyncForever = true
+	})
+	c.waitMesh(c.servers, 1, 10*time.Second)
+	third := c.start("s3", "127.0.0.1:0", func(cfg *ServerConfig) { cfg.Count = 3 })
+	lb.setBackends(append(c.agentAddrs(), third.agentAddr)...)
+	c.waitMesh([]*env{c.servers[0], c.servers[1], third}, 1, 10*time.Second)
+	waitUntil(t, func() bool { held, want := a.Connected(); return held == 3 && want == 3 }, "agent holds 3/3")
+	if ok, msg := a.ReadyAll(); !ok {
+		t.Fatalf("ReadyAll: %s", msg)
+	}
+}
+
+// Without a load balancer: a list of addresses, or one name that resolves
+// to every server.
+func TestMultiAddressAndDNSFanOut(t *testing.T) {
+	checkNoLeaks(t)
+	c := &cluster{t: t, pki: newPKI(t)}
+	// Every server listens on its own loopback address, same port.
+	probe, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(probe.Addr().String())
+	probe.Close()
+	c.pki.serverCert = c.pki.issue(t, certRequestFor("servers.test", "127.0.0.1", "127.0.0.2", "127.0.0.3"))
+	for i := range 3 {
+		c.servers = append(c.servers, c.start(fmt.Sprintf("s%d", i+1), fmt.Sprintf("127.0.0.%d:%s", i+1, port), func(cfg *ServerConfig) { cfg.Count = 3 }))
+	}
+	startAgentTo(t, c.pki, c.agentAddrs(), "listed", "", haAgentConfig)
+	c.waitMesh(c.servers, 1, 10*time.Second)
+
+	resolver := func(ctx context.Context, host string) ([]netip.Addr, error) {
+		if host != "servers.test" {
+			return nil, fmt.Errorf("unknown host %s", host)
+		}
+		return []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3")}, nil
+	}
+	a := startAgentTo(t, c.pki, []string{net.JoinHostPort("servers.test", port)}, "resolved", "", func(cfg *AgentConfig) {
+		haAgentConfig(cfg)
+		cfg.ExpandDNS = true
+		cfg.Resolver = resolver
+	})
+	c.waitMesh(c.servers, 2, 10*time.Second)
+	waitUntil(t, func() bool { held, _ := a.Connected(); return held == 3 }, "DNS-expanded agent holds 3 servers")
+}
+
+// An agent that drains is avoided while another agent fits, and still
+// used when none does.
+func TestAgentDrainPrefersOthers(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	draining := e.startAgent("draining", "", func(c *AgentConfig) { c.DrainTimeout = 3 * time.Second })
+	e.waitAgents(1)
+	echo := echoServer(t)
+	// Hold a tunnel open so the drain has something to wait for.
+	held, _, resp := e.connect(echo)
+	defer held.Close()
+	if resp.StatusCode != 200 {
+		t.Fatal(resp.Status)
+	}
+	other := e.startAgent("other", "", nil)
+	e.waitAgents(2)
+	draining.cancel()
+	deadline := time.Now().Add(5 * time.Second)
+	for !e.srv.agentDraining("draining") {
+		if time.Now().After(deadline) {
+			t.Fatal("server never saw the drain")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	before := draining.Stats.DialsOK.Load()
+	for range 10 {
+		conn, _, resp := e.connect(echo)
+		conn.Close()
+		if resp.StatusCode != 200 {
+			t.Fatal(resp.Status)
+		}
+	}
+	if draining.Stats.DialsOK.Load() != before || other.Stats.DialsOK.Load() < 10 {
+		t.Fatalf("dials went to the draining agent: draining=%d other=%d", draining.Stats.DialsOK.Load()-before, other.Stats.DialsOK.Load())
+	}
+	held.Close()
+	<-draining.done
+}
+
+func waitUntil(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not true within 10s: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
