@@ -66,7 +66,6 @@ func TestServerFlagValidation(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--uds-name=/x", "--cluster-cert=c", "--cluster-key=k"}, "--mode=grpc is not supported yet: use --mode=http-connect"},
 		{[]string{"--mode=http-connect", "--uds-name=/x"}, "--cluster-cert and --cluster-key"},
 		{[]string{"--mode=http-connect", "--cluster-cert=c", "--cluster-key=k"}, "TCP frontend (--server-port=8090) needs --server-cert"},
 		{[]string{"--mode=http-connect", "--uds-name=/x", "--server-port=0", "--cluster-cert=c", "--cluster-key=k", "--agent-namespace=kube-system"}, "token auth needs all of"},

@@ -72,7 +72,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	o := &serverOptions{udsMode: fileMode{0o600}}
 	cf := newCommandFlags("konnectivity server", stderr)
 	f := cf.FlagSet
-	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc or http-connect")
+	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc (proxyProtocol: GRPC) or http-connect (HTTPConnect)")
 	f.StringVar(&o.udsName, "uds-name", "", "Unix socket path for the kube-apiserver frontend")
 	f.BoolVar(&o.deleteExistingUDS, "delete-existing-uds-file", true, "remove a stale socket at --uds-name before listening")
 	f.Var(&o.udsMode, "uds-mode", "file mode of the frontend socket (octal)")
@@ -161,9 +161,7 @@ func runServer(args []string, stdout, stderr io.Writer) int {
 // complete checks flag combinations and fills derived defaults.
 func (o *serverOptions) complete(cf *commandFlags) error {
 	switch o.mode {
-	case "http-connect":
-	case "grpc":
-		return fmt.Errorf("--mode=grpc is not supported yet: use --mode=http-connect (kube-apiserver proxyProtocol: HTTPConnect)")
+	case "http-connect", "grpc":
 	default:
 		return fmt.Errorf("--mode=%q: want grpc or http-connect", o.mode)
 	}
@@ -280,6 +278,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 
+	// One data path, two front doors: HTTP CONNECT or gRPC.
+	serveFrontend := srv.ServeFrontend
+	if o.mode == "grpc" {
+		serveFrontend = srv.ServeGRPC
+	}
 	var (
 		serving  = make(chan error, 4)
 		nServing int
@@ -303,7 +306,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		}
 		log.Info("listening", "service", "frontend", "mode", o.mode, "uds", o.udsName, "uds_mode", o.udsMode.String())
 		nServing++
-		go func() { serving <- srv.ServeFrontend(ln) }()
+		go func() { serving <- serveFrontend(ln) }()
 	}
 	if o.serverPort != 0 {
 		tcfg, err := o.frontendTLSConfig(minTLS, log)
@@ -316,7 +319,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		}
 		log.Info("listening", "service", "frontend", "mode", o.mode, "addr", ln.Addr().String(), "tls", "mTLS")
 		nServing++
-		go func() { serving <- srv.ServeFrontend(ln) }()
+		go func() { serving <- serveFrontend(ln) }()
 	}
 	agentLn, err := net.Listen("tcp", hostPort(o.agentBindAddress, o.agentPort))
 	if err != nil {
@@ -416,6 +419,9 @@ func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls
 	}
 	cfg.MinVersion = minTLS
 	cfg.NextProtos = []string{"http/1.1"}
+	if o.mode == "grpc" {
+		cfg.NextProtos = []string{"h2"}
+	}
 	return cfg, nil
 }
 

@@ -44,6 +44,11 @@ func TestMain(m *testing.M) {
 }
 
 func runMain(m *testing.M) int {
+	// A re-executed copy of this binary running as another user (see
+	// runAsUID) does one small job and exits.
+	if job := os.Getenv(helperEnv); job != "" {
+		return runHelper(job)
+	}
 	if bin := os.Getenv("KONNECTIVITY_BIN"); bin != "" {
 		abs, err := filepath.Abs(bin)
 		if err != nil {
@@ -84,7 +89,9 @@ type pki struct {
 	caCert, serverCert, serverKey, agentCert, agentKey string // file paths
 }
 
-func newPKI(t *testing.T, dir string) *pki {
+// newPKI writes a CA, a serving certificate for localhost, 127.0.0.1, ::1
+// and extraIPs, and an agent client certificate into dir.
+func newPKI(t *testing.T, dir string, extraIPs ...net.IP) *pki {
 	t.Helper()
 	now := time.Now()
 	caKey := newKey(t)
@@ -138,7 +145,7 @@ func newPKI(t *testing.T, dir string) *pki {
 		writePEM(t, keyPath, "PRIVATE KEY", keyDER)
 	}
 	issue(2, "konnectivity-server", x509.ExtKeyUsageServerAuth,
-		[]string{"localhost"}, []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
+		[]string{"localhost"}, append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, extraIPs...),
 		p.serverCert, p.serverKey)
 	issue(3, "konnectivity-agent", x509.ExtKeyUsageClientAuth, nil, nil, p.agentCert, p.agentKey)
 	return p

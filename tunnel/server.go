@@ -100,7 +100,8 @@ type Server struct {
 	shutting  bool
 	wg        sync.WaitGroup // every goroutine the server starts
 
-	Stats ServerStats
+	Stats         ServerStats
+	nextConnectID atomic.Int64 // gRPC frontend connection IDs
 }
 
 // ServerStats are counters an operator reads through metrics and status.
@@ -470,7 +471,7 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
 
-	up := newUpload(conn, br, s.goroutine)
+	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
 	st, err := s.open(addr, up)
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
@@ -508,12 +509,16 @@ type stream struct {
 	agent  *agentConn
 	body   io.ReadCloser
 	cancel context.CancelFunc
+	once   sync.Once
 }
 
+// close ends the tunnel (RST_STREAM if it is still open); safe to repeat.
 func (st *stream) close() {
-	st.body.Close()
-	st.cancel()
-	st.agent.streams.Add(-1)
+	st.once.Do(func() {
+		st.body.Close()
+		st.cancel()
+		st.agent.streams.Add(-1)
+	})
 }
 
 // Dial-failure reasons, also used as metric labels.

@@ -4,10 +4,8 @@ import (
 	"bufio"
 	"context"
 	"errors"
-	"net"
 	"sync"
 	"sync/atomic"
-	"time"
 )
 
 // upload is the client-to-agent direction of one frontend connection. The
@@ -16,8 +14,8 @@ import (
 // gives up during a pending dial cancels it, and a dial retried on another
 // agent has lost no byte.
 type upload struct {
-	conn          net.Conn
 	br            *bufio.Reader
+	unblock       func() // releases a Read blocked on the source
 	established   chan struct{}
 	isEstablished atomic.Bool
 	peeked        chan struct{} // the watcher's Peek returned: data, EOF or error
@@ -30,12 +28,13 @@ type upload struct {
 var errAbandoned = errors.New("dial attempt abandoned")
 
 // newUpload starts the watcher through spawn, which must run it as an owned
-// goroutine; it ends when data arrives or the connection is closed.
-func newUpload(conn net.Conn, br *bufio.Reader, spawn func(func())) *upload {
+// goroutine; it ends when data arrives or the source is closed. unblock
+// must make a Read blocked on br's source return.
+func newUpload(br *bufio.Reader, unblock func(), spawn func(func())) *upload {
 	ctx, gone := context.WithCancel(context.Background())
 	u := &upload{
-		conn:          conn,
 		br:            br,
+		unblock:       unblock,
 		established:   make(chan struct{}),
 		peeked:        make(chan struct{}),
 		clientGoneCtx: ctx,
@@ -114,7 +113,7 @@ func (b *uploadBody) Close() error {
 		return nil
 	}
 	b.abandon()
-	b.u.conn.SetReadDeadline(time.Now())
+	b.u.unblock()
 	b.u.finish()
 	return nil
 }

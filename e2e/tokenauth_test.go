@@ -1,0 +1,356 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+const (
+	agentAudience = "system:konnectivity-server"
+	agentSAUser   = "system:serviceaccount:kube-system:konnectivity-agent"
+	goodToken     = "good-token"
+)
+
+// fakeAPIServer answers TokenReviews like kube-apiserver: only over TLS
+// with a client certificate from the test CA (the server's kubeconfig
+// identity), authenticated only for goodToken.
+type fakeAPIServer struct {
+	srv     *httptest.Server
+	reviews atomic.Int64
+	noCert  atomic.Int64 // requests that came without a client certificate
+}
+
+func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
+	t.Helper()
+	f := &fakeAPIServer{}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /apis/authentication.k8s.io/v1/tokenreviews", func(w http.ResponseWriter, r *http.Request) {
+		if r.TLS == nil || len(r.TLS.VerifiedChains) == 0 {
+			f.noCert.Add(1)
+			http.Error(w, `{"kind":"Status","code":401}`, http.StatusUnauthorized)
+			return
+		}
+		var req struct {
+			APIVersion string `json:"apiVersion"`
+			Kind       string `json:"kind"`
+			Spec       struct {
+				Token     string   `json:"token"`
+				Audiences []string `json:"audiences"`
+			} `json:"spec"`
+		}
+		if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&req); err != nil ||
+			req.Kind != "TokenReview" || req.APIVersion != "authentication.k8s.io/v1" {
+			http.Error(w, "bad TokenReview", http.StatusBadRequest)
+			return
+		}
+		f.reviews.Add(1)
+		type user struct {
+			Username string `json:"username"`
+		}
+		status := struct {
+			Authenticated bool     `json:"authenticated"`
+			User          user     `json:"user"`
+			Audiences     []string `json:"audiences,omitempty"`
+		}{}
+		if req.Spec.Token == goodToken {
+			status.Authenticated = true
+			status.User.Username = agentSAUser
+			status.Audiences = []string{agentAudience}
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_ = json.NewEncoder(w).Encode(map[string]any{
+			"apiVersion": "authentication.k8s.io/v1",
+			"kind":       "TokenReview",
+			"spec":       req.Spec,
+			"status":     status,
+		})
+	})
+	f.srv = httptest.NewUnstartedServer(mux)
+	f.srv.TLS = newServerTLSRequiringClient(t, p)
+	f.srv.StartTLS()
+	t.Cleanup(f.srv.Close)
+	return f
+}
+
+// writeKubeconfig writes the server's kubeconfig for f: f's serving CA,
+// and p's agent certificate as the client identity.
+func (f *fakeAPIServer) writeKubeconfig(t *testing.T, p *pki, path string) {
+	t.Helper()
+	caPath := filepath.Join(filepath.Dir(path), "apiserver-ca.crt")
+	if err := os.WriteFile(caPath, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: f.srv.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	kc := fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: fake
+  cluster:
+    server: %s
+    certificate-authority: %s
+users:
+- name: konnectivity-server
+  user:
+    client-certificate: %s
+    client-key: %s
+contexts:
+- name: fake
+  context:
+    cluster: fake
+    user: konnectivity-server
+current-context: fake
+`, f.srv.URL, caPath, p.agentCert, p.agentKey)
+	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// writeFileAtomic replaces path in one rename, as kubelet does for
+// projected tokens.
+func writeFileAtomic(t *testing.T, path string, data []byte) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestTokenAuth: agents authenticate with a ServiceAccount token that the
+// server checks with a TokenReview against kube-apiserver; no client
+// certificates and no --cluster-ca-cert.
+func TestTokenAuth(t *testing.T) {
+	p := newPKI(t, t.TempDir())
+	api := startFakeAPIServer(t, p)
+	dir := t.TempDir()
+	kc := filepath.Join(dir, "kubeconfig")
+	api.writeKubeconfig(t, p, kc)
+	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
+		"--kubeconfig=" + kc,
+		"--authentication-audience=" + agentAudience,
+		"--agent-namespace=kube-system",
+		"--agent-service-account=konnectivity-agent",
+		"--agent-wait=1s",
+	}})
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	tokenAgent := func(id, tokenFile string) *agent {
+		return startAgentArgs(t, id,
+			"--proxy-server-host=127.0.0.1",
+			"--proxy-server-port="+fmt.Sprint(s.agentPort),
+			"--ca-cert="+p.caCert,
+			"--service-account-token-path="+tokenFile,
+			"--sync-interval=100ms", "--sync-interval-cap=500ms")
+	}
+
+	// One agent starts with a bad token: refused, and the server stays
+	// unready.
+	rotating := filepath.Join(dir, "token-rotating")
+	writeFileAtomic(t, rotating, []byte("bad-token\n"))
+	a1 := tokenAgent("a1", rotating)
+	waitFor(t, startTimeout, "server logs the bad token's 401", func() bool {
+		return strings.Contains(s.proc.out.String(), "status=401")
+	})
+	for range 3 {
+		if got := getStatus(t, s.healthURL("/readyz")); got != http.StatusServiceUnavailable {
+			t.Fatalf("server /readyz = %d with only a bad-token agent, want 503", got)
+		}
+		if got := getStatus(t, a1.healthURL("/readyz")); got != http.StatusServiceUnavailable {
+			t.Fatalf("bad-token agent /readyz = %d, want 503", got)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	if el, err := dialErr(t, s.egressDialer(t), backend, 10*time.Second); err == nil || !strings.Contains(err.Error(), "code 503") {
+		t.Fatalf("dial with only a bad-token agent: %v after %v, want \"code 503\"", err, el)
+	}
+	t.Logf("bad token refused: %s", lineWith(s.proc.out.String(), "status=401"))
+
+	// The token file is rotated: the running agent reads it on its next
+	// attempt and gets in.
+	writeFileAtomic(t, rotating, []byte(goodToken+"\n"))
+	rotated := time.Now()
+	waitHTTP(t, a1.proc, a1.healthURL("/readyz"), http.StatusOK)
+	waitHTTP(t, s.proc, s.healthURL("/readyz"), http.StatusOK)
+	t.Logf("agent admitted %v after its token file was rewritten (no restart)", time.Since(rotated).Round(time.Millisecond))
+	checkReachable(t, s.egressDialer(t), backend, "b1", 10)
+
+	// A second agent with a good token from the start.
+	good := filepath.Join(dir, "token-good")
+	writeFileAtomic(t, good, []byte(goodToken))
+	tokenAgent("a2", good)
+	s.waitAgents(t, 2, startTimeout)
+	checkReachable(t, s.egressDialer(t), backend, "b1", 10)
+	if n := api.reviews.Load(); n < 2 {
+		t.Errorf("fake apiserver saw %d TokenReviews, want at least 2 (bad and good token)", n)
+	}
+	if n := api.noCert.Load(); n > 0 {
+		t.Errorf("%d TokenReview requests came without the kubeconfig's client certificate", n)
+	}
+}
+
+func lineWith(out, substr string) string {
+	for line := range strings.Lines(out) {
+		if strings.Contains(line, substr) {
+			return strings.TrimSpace(line)
+		}
+	}
+	return ""
+}
+
+// ---------------------------------------------------------------------------
+// Frontend UID guard
+
+const helperEnv = "KONNECTIVITY_E2E_HELPER"
+
+// runHelper runs one job in a re-executed test binary (see runAsUID) and
+// returns the exit code.
+func runHelper(job string) int {
+	switch job {
+	case "connect":
+		// CONNECT on the socket in $KE2E_SOCK to $KE2E_ADDR; print the
+		// status line.
+		c, err := net.DialTimeout("unix", os.Getenv("KE2E_SOCK"), 5*time.Second)
+		if err != nil {
+			fmt.Printf("dial: %v\n", err)
+			return 1
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(c, connectHead(os.Getenv("KE2E_ADDR"))); err != nil {
+			fmt.Printf("write: %v\n", err)
+			return 1
+		}
+		line, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil {
+			fmt.Printf("read: %v (got %q)\n", err, line)
+			return 1
+		}
+		fmt.Print(line)
+		return 0
+	}
+	fmt.Fprintf(os.Stderr, "unknown helper job %q\n", job)
+	return 2
+}
+
+// requireRoot skips without root, except in CI where a missing check
+// must not pass silently.
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("CI") == "true" {
+		t.Fatalf("needs root to run a client as another UID (euid %d); CI must run this test", os.Geteuid())
+	}
+	t.Skipf("needs root to run a client as another UID (euid %d)", os.Geteuid())
+}
+
+// runAsUID runs a copy of the test binary as uid:uid with helper job and
+// env, and returns its output. The copy lives in dir, which must be
+// reachable by that user.
+func runAsUID(t *testing.T, dir string, uid uint32, job string, env ...string) (string, error) {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "e2e-helper")
+	if _, err := os.Stat(bin); err != nil {
+		// The go build cache is private to root; link, or copy, the binary
+		// where the other user can run it.
+		if err := os.Link(self, bin); err != nil {
+			data, rerr := os.ReadFile(self)
+			if rerr != nil {
+				t.Fatal(rerr)
+			}
+			if err := os.WriteFile(bin, data, 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Chmod(bin, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin)
+	cmd.Env = append([]string{helperEnv + "=" + job, "PATH=/usr/bin:/bin"}, env...)
+	cmd.Dir = "/"
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// TestFrontendUIDGuard: the Unix socket frontend checks the peer's UID
+// (SO_PEERCRED), not only the file mode. A world-writable socket still
+// refuses a UID that is not allowed.
+func TestFrontendUIDGuard(t *testing.T) {
+	requireRoot(t)
+	const nobody = 65534
+	echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+	cases := []struct {
+		name  string
+		flags []string
+		want  string
+	}{
+		{"default-uids-refuse-65534", []string{"--uds-mode=0666"}, "HTTP/1.1 403"},
+		{"65534-allowed", []string{"--uds-mode=0666", "--frontend-allowed-uids=0,65534"}, "HTTP/1.1 200"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := startServer(t, tc.flags...)
+			s.startAgent(t, "a1", "")
+			// MkdirTemp made the socket's directory 0700.
+			if err := os.Chmod(s.dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			out, err := runAsUID(t, s.dir, nobody, "connect", "KE2E_SOCK="+s.sock, "KE2E_ADDR="+echo.addr())
+			if err != nil {
+				t.Fatalf("client as uid %d: %v\n%s", nobody, err, out)
+			}
+			if !strings.HasPrefix(out, tc.want) {
+				t.Fatalf("client as uid %d with %v: got %q, want %q", nobody, tc.flags, strings.TrimSpace(out), tc.want)
+			}
+			t.Logf("uid %d with %v: %s", nobody, tc.flags, strings.TrimSpace(out))
+			// Root (this process) is always allowed.
+			c := rawUDS(t, s)
+			if _, err := io.WriteString(c, connectHead(echo.addr())); err != nil {
+				t.Fatal(err)
+			}
+			readExactly(t, c, established)
+		})
+	}
+}
+
+// newServerTLSRequiringClient is a TLS config for the fake apiserver that
+// requires a client certificate from p's CA.
+func newServerTLSRequiringClient(t *testing.T, p *pki) *tls.Config {
+	t.Helper()
+	caPEM, err := os.ReadFile(p.caCert)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(caPEM) {
+		t.Fatal("test CA: no certificate")
+	}
+	return &tls.Config{ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: pool}
+}

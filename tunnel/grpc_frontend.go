@@ -1,0 +1,333 @@
+//lint:file-ignore SA1019 x/net/http2's Server.ServeConn serves HTTP/2 with prior knowledge on a connection we accepted ourselves.
+
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// The gRPC front door: kube-apiserver's proxyProtocol GRPC. Each dial is a
+// bidirectional stream on /ProxyService/Proxy carrying konnectivity
+// Packets; it is mapped onto the same CONNECT stream to an agent as the
+// HTTP CONNECT front door, so both share one data path.
+const grpcProxyMethod = "/ProxyService/Proxy"
+
+// gRPC status codes used here.
+const (
+	grpcOK               = 0
+	grpcCancelled        = 1
+	grpcInvalidArgument  = 3
+	grpcDeadlineExceeded = 4
+	grpcPermissionDenied = 7
+	grpcUnimplemented    = 12
+	grpcInternal         = 13
+	grpcUnavailable      = 14
+)
+
+// ServeGRPC accepts kube-apiserver's gRPC connections (HTTP/2 with prior
+// knowledge, or TLS with ALPN h2) on ln until Shutdown or Close.
+func (s *Server) ServeGRPC(ln net.Listener) error {
+	return s.serve(ln, s.serveGRPCConn)
+}
+
+func (s *Server) serveGRPCConn(conn net.Conn) {
+	if !s.trackFrontend(conn, true) {
+		conn.Close()
+		return
+	}
+	defer func() {
+		s.trackFrontend(conn, false)
+		conn.Close()
+	}()
+	if tc, ok := conn.(*tls.Conn); ok {
+		ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
+		err := tc.HandshakeContext(ctx)
+		cancel()
+		if err != nil {
+			s.log.Debug("gRPC frontend TLS handshake failed", "err", err)
+			return
+		}
+	}
+	// A refused peer is told so on each of its streams (PERMISSION_DENIED)
+	// rather than by a reset connection it could not tell from a crash.
+	var refused error
+	if s.cfg.CheckFrontendPeer != nil {
+		if refused = s.cfg.CheckFrontendPeer(conn); refused != nil {
+			s.log.Warn("frontend peer refused", "err", refused)
+		}
+	}
+	h2 := &http2.Server{
+		MaxUploadBufferPerConnection: 1 << 30,
+		MaxUploadBufferPerStream:     streamWindow,
+		MaxReadFrameSize:             maxFrameSize,
+		IdleTimeout:                  5 * time.Minute,
+		ReadIdleTimeout:              s.cfg.KeepAlive,
+		PingTimeout:                  s.cfg.PingTimeout,
+	}
+	h2.ServeConn(conn, &http2.ServeConnOpts{
+		Context: s.baseCtx,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if refused != nil {
+				grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
+				return
+			}
+			s.serveGRPCStream(w, r)
+		}),
+	})
+}
+
+// grpcTrailersOnly ends a call before any message, as gRPC's
+// "Trailers-Only" response: status in the only HEADERS frame.
+func grpcTrailersOnly(w http.ResponseWriter, code int, msg string) {
+	h := w.Header()
+	h.Set("Content-Type", "application/grpc")
+	h.Set("Grpc-Status", fmt.Sprint(code))
+	if msg != "" {
+		h.Set("Grpc-Message", grpcEncodeMessage(msg))
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// grpcEncodeMessage percent-encodes a status message as gRPC requires.
+func grpcEncodeMessage(msg string) string {
+	var b strings.Builder
+	for i := 0; i < len(msg); i++ {
+		c := msg[i]
+		if c >= 0x20 && c <= 0x7e && c != '%' {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(&b, "%%%02X", c)
+		}
+	}
+	return b.String()
+}
+
+// grpcStream writes Packets on one call; writes are serialized because the
+// dial answer, downstream data and the close come from different places.
+type grpcStream struct {
+	mu    sync.Mutex
+	w     http.ResponseWriter
+	flush func()
+	buf   []byte
+	err   error
+}
+
+func (g *grpcStream) send(p packet) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.err != nil {
+		return g.err
+	}
+	g.buf = appendGRPCMessage(g.buf[:0], p)
+	if _, err := g.w.Write(g.buf); err != nil {
+		g.err = err
+		return err
+	}
+	g.flush()
+	return nil
+}
+
+// finish sets the call's status trailers; the handler's return sends them.
+func (g *grpcStream) finish(code int, msg string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.w.Header().Set(http.TrailerPrefix+"Grpc-Status", fmt.Sprint(code))
+	if msg != "" {
+		g.w.Header().Set(http.TrailerPrefix+"Grpc-Message", grpcEncodeMessage(msg))
+	}
+}
+
+// errDialCancelled ends the upload of a dial the client gave up on.
+var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
+
+// serveGRPCStream runs one /ProxyService/Proxy call: DIAL_REQ, DIAL_RSP,
+// then DATA both ways until either side closes.
+func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
+		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
+		return
+	}
+	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
+		grpcTrailersOnly(w, grpcInvalidArgument, "content-type must be application/grpc")
+		return
+	}
+	s.Stats.FrontendOpen.Add(1)
+	defer s.Stats.FrontendOpen.Add(-1)
+
+	// The first message must be the DIAL_REQ, within the header bound.
+	first := make(chan error, 1)
+	var req packet
+	var buf []byte
+	go func() {
+		var msg []byte
+		var err error
+		if msg, buf, err = readGRPCMessage(r.Body, buf); err == nil {
+			req, err = decodePacket(msg)
+		}
+		first <- err
+	}()
+	timer := time.NewTimer(s.cfg.HeaderTimeout)
+	select {
+	case err := <-first:
+		timer.Stop()
+		if err != nil {
+			grpcTrailersOnly(w, grpcInvalidArgument, fmt.Sprintf("read DIAL_REQ: %v", err))
+			return
+		}
+	case <-timer.C:
+		r.Body.Close()
+		<-first
+		grpcTrailersOnly(w, grpcDeadlineExceeded, "no DIAL_REQ received in time")
+		return
+	}
+	if req.Type != pktDialReq {
+		grpcTrailersOnly(w, grpcInvalidArgument, fmt.Sprintf("first packet is %s, want DIAL_REQ", req.Type))
+		return
+	}
+
+	w.Header().Set("Content-Type", "application/grpc")
+	w.WriteHeader(http.StatusOK)
+	g := &grpcStream{w: w, flush: flusherOf(w)}
+	g.flush()
+	code, msg := s.proxyGRPC(g, r.Body, req, buf)
+	g.finish(code, msg)
+}
+
+// proxyGRPC carries one dial. It returns the call's final status.
+func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []byte) (int, string) {
+	if req.Protocol != "" && req.Protocol != "tcp" {
+		s.Stats.DialsFailed.Add(1)
+		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
+		return grpcOK, ""
+	}
+	connectID := s.nextConnectID.Add(1)
+	pr, pw := io.Pipe()
+	up := newUpload(bufio.NewReaderSize(pr, 4096), func() { pr.CloseWithError(errAbandoned) }, s.goroutine)
+
+	// The reader turns the client's packets into upload bytes and events.
+	readerDone := make(chan struct{})
+	closeReq := make(chan struct{})
+	s.goroutine(func() {
+		defer close(readerDone)
+		for {
+			var msg []byte
+			var err error
+			msg, buf, err = readGRPCMessage(body, buf)
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					pw.Close() // the client closed its sending side
+				} else {
+					pw.CloseWithError(err)
+				}
+				return
+			}
+			p, err := decodePacket(msg)
+			if err != nil {
+				pw.CloseWithError(fmt.Errorf("bad packet: %w", err))
+				return
+			}
+			switch p.Type {
+			case pktData:
+				if len(p.Data) > 0 {
+					if _, err := pw.Write(p.Data); err != nil {
+						return
+					}
+				}
+			case pktCloseReq:
+				close(closeReq)
+				pw.CloseWithError(io.EOF)
+				return
+			case pktDialCls:
+				pw.CloseWithError(errDialCancelled)
+				return
+			}
+		}
+	})
+	defer func() {
+		body.Close()
+		pw.CloseWithError(errAbandoned)
+		<-readerDone
+	}()
+
+	st, err := s.open(req.Address, up)
+	if err != nil {
+		s.Stats.DialsFailed.Add(1)
+		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
+		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
+		return grpcOK, ""
+	}
+	s.Stats.DialsOK.Add(1)
+	defer st.close()
+	if err := g.send(packet{Type: pktDialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
+		return grpcUnavailable, "write DIAL_RSP"
+	}
+	up.start()
+
+	// Downstream: the agent's bytes become DATA packets.
+	downDone := make(chan error, 1)
+	s.goroutine(func() {
+		bp := bufPool.Get().(*[]byte)
+		defer bufPool.Put(bp)
+		for {
+			n, err := st.body.Read(*bp)
+			if n > 0 {
+				s.Stats.BytesFromAgent.Add(int64(n))
+				if werr := g.send(packet{Type: pktData, ConnectID: connectID, Data: (*bp)[:n]}); werr != nil {
+					downDone <- werr
+					return
+				}
+			}
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					err = nil
+				}
+				downDone <- err
+				return
+			}
+		}
+	})
+	select {
+	case err := <-downDone:
+		// The destination closed (or the agent stream broke): tell the client.
+		rsp := packet{Type: pktCloseRsp, ConnectID: connectID}
+		if err != nil {
+			rsp.Error = err.Error()
+		}
+		g.send(rsp)
+		return grpcOK, ""
+	case <-closeReq:
+		// The client closed the connection: end the tunnel, then confirm.
+		st.close()
+		<-downDone
+		g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
+		return grpcOK, ""
+	case <-readerDone:
+		select {
+		case <-closeReq:
+			st.close()
+			<-downDone
+			g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
+			return grpcOK, ""
+		default:
+		}
+		// The client half-closed or the call broke; the agent still sends.
+		err := <-downDone
+		if err != nil {
+			return grpcUnavailable, err.Error()
+		}
+		g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
+		return grpcOK, ""
+	}
+}

@@ -1,0 +1,325 @@
+package tunnel
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// The konnectivity Packet message (upstream's client.proto), encoded and
+// decoded by hand: six small messages do not justify a protobuf runtime in
+// the binary. Field numbers are the wire contract with kube-apiserver's
+// konnectivity-client.
+type packetType int32
+
+const (
+	pktDialReq  packetType = 0
+	pktDialRsp  packetType = 1
+	pktCloseReq packetType = 2
+	pktCloseRsp packetType = 3
+	pktData     packetType = 4
+	pktDialCls  packetType = 5
+	pktDrain    packetType = 6
+)
+
+func (t packetType) String() string {
+	switch t {
+	case pktDialReq:
+		return "DIAL_REQ"
+	case pktDialRsp:
+		return "DIAL_RSP"
+	case pktCloseReq:
+		return "CLOSE_REQ"
+	case pktCloseRsp:
+		return "CLOSE_RSP"
+	case pktData:
+		return "DATA"
+	case pktDialCls:
+		return "DIAL_CLS"
+	case pktDrain:
+		return "DRAIN"
+	}
+	return fmt.Sprintf("Unknown(%d)", int32(t))
+}
+
+// packet holds the union of every payload's fields; which are meaningful
+// depends on Type.
+type packet struct {
+	Type      packetType
+	Protocol  string // DIAL_REQ
+	Address   string // DIAL_REQ
+	Random    int64  // DIAL_REQ, DIAL_RSP, DIAL_CLS
+	ConnectID int64  // DIAL_RSP, CLOSE_REQ, CLOSE_RSP, DATA
+	Error     string // DIAL_RSP, CLOSE_RSP, DATA
+	Data      []byte // DATA
+}
+
+// Packet field numbers, and the payload message each one carries.
+const (
+	fieldType         = 1
+	fieldDialRequest  = 2
+	fieldDialResponse = 3
+	fieldData         = 4
+	fieldCloseRequest = 5
+	fieldCloseResp    = 6
+	fieldCloseDial    = 7
+	fieldDrain        = 8
+)
+
+const (
+	wireVarint  = 0
+	wireFixed64 = 1
+	wireBytes   = 2
+	wireFixed32 = 5
+)
+
+var errMalformed = errors.New("malformed protobuf")
+
+// decodePacket parses a Packet. Unknown fields are skipped, as protobuf
+// requires; a payload that does not match the type is an error.
+func decodePacket(b []byte) (packet, error) {
+	var p packet
+	payloadField := 0
+	err := eachField(b, func(num int, wt int, v uint64, data []byte) error {
+		switch {
+		case num == fieldType && wt == wireVarint:
+			p.Type = packetType(int32(v))
+		case num >= fieldDialRequest && num <= fieldDrain && wt == wireBytes:
+			payloadField = num
+			return decodePayload(&p, num, data)
+		}
+		return nil
+	})
+	if err != nil {
+		return p, err
+	}
+	want := map[packetType]int{
+		pktDialReq: fieldDialRequest, pktDialRsp: fieldDialResponse, pktCloseReq: fieldCloseRequest,
+		pktCloseRsp: fieldCloseResp, pktData: fieldData, pktDialCls: fieldCloseDial, pktDrain: fieldDrain,
+	}[p.Type]
+	if want == 0 {
+		return p, fmt.Errorf("unknown packet type %d", int32(p.Type))
+	}
+	if payloadField != 0 && payloadField != want {
+		return p, fmt.Errorf("%s packet carries payload field %d", p.Type, payloadField)
+	}
+	return p, nil
+}
+
+func decodePayload(p *packet, field int, b []byte) error {
+	return eachField(b, func(num int, wt int, v uint64, data []byte) error {
+		str := func(dst *string) error {
+			if wt != wireBytes {
+				return errMalformed
+			}
+			*dst = string(data)
+			return nil
+		}
+		i64 := func(dst *int64) error {
+			if wt != wireVarint {
+				return errMalformed
+			}
+			*dst = int64(v)
+			return nil
+		}
+		switch field {
+		case fieldDialRequest:
+			switch num {
+			case 1:
+				return str(&p.Protocol)
+			case 2:
+				return str(&p.Address)
+			case 3:
+				return i64(&p.Random)
+			}
+		case fieldDialResponse:
+			switch num {
+			case 1:
+				return str(&p.Error)
+			case 2:
+				return i64(&p.ConnectID)
+			case 3:
+				return i64(&p.Random)
+			}
+		case fieldData:
+			switch num {
+			case 1:
+				return i64(&p.ConnectID)
+			case 2:
+				return str(&p.Error)
+			case 3:
+				if wt != wireBytes {
+					return errMalformed
+				}
+				p.Data = data
+			}
+		case fieldCloseRequest:
+			if num == 1 {
+				return i64(&p.ConnectID)
+			}
+		case fieldCloseResp:
+			switch num {
+			case 1:
+				return str(&p.Error)
+			case 2:
+				return i64(&p.ConnectID)
+			}
+		case fieldCloseDial:
+			if num == 1 {
+				return i64(&p.Random)
+			}
+		}
+		return nil
+	})
+}
+
+// eachField walks the fields of one message. For varints v holds the
+// value; for length-delimited fields data holds the bytes (aliasing b).
+func eachField(b []byte, f func(num int, wt int, v uint64, data []byte) error) error {
+	for len(b) > 0 {
+		tag, n := binary.Uvarint(b)
+		if n <= 0 {
+			return errMalformed
+		}
+		b = b[n:]
+		num, wt := int(tag>>3), int(tag&7)
+		if num < 1 || tag>>3 > 1<<29-1 {
+			return errMalformed
+		}
+		var v uint64
+		var data []byte
+		switch wt {
+		case wireVarint:
+			if v, n = binary.Uvarint(b); n <= 0 {
+				return errMalformed
+			}
+			b = b[n:]
+		case wireFixed64:
+			if len(b) < 8 {
+				return errMalformed
+			}
+			b = b[8:]
+		case wireFixed32:
+			if len(b) < 4 {
+				return errMalformed
+			}
+			b = b[4:]
+		case wireBytes:
+			l, n := binary.Uvarint(b)
+			if n <= 0 || l > uint64(len(b)-n) {
+				return errMalformed
+			}
+			data = b[n : n+int(l)]
+			b = b[n+int(l):]
+		default:
+			return errMalformed // groups are not used by this protocol
+		}
+		if err := f(num, wt, v, data); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// appendPacket encodes p. Zero values are left out, as proto3 does.
+func appendPacket(dst []byte, p packet) []byte {
+	if p.Type != 0 {
+		dst = appendVarintField(dst, fieldType, uint64(p.Type))
+	}
+	var payload []byte
+	field := 0
+	switch p.Type {
+	case pktDialReq:
+		field = fieldDialRequest
+		payload = appendStringField(payload, 1, p.Protocol)
+		payload = appendStringField(payload, 2, p.Address)
+		payload = appendVarintField(payload, 3, uint64(p.Random))
+	case pktDialRsp:
+		field = fieldDialResponse
+		payload = appendStringField(payload, 1, p.Error)
+		payload = appendVarintField(payload, 2, uint64(p.ConnectID))
+		payload = appendVarintField(payload, 3, uint64(p.Random))
+	case pktData:
+		field = fieldData
+		payload = appendVarintField(payload, 1, uint64(p.ConnectID))
+		payload = appendStringField(payload, 2, p.Error)
+		payload = appendStringField(payload, 3, string(p.Data))
+	case pktCloseReq:
+		field = fieldCloseRequest
+		payload = appendVarintField(payload, 1, uint64(p.ConnectID))
+	case pktCloseRsp:
+		field = fieldCloseResp
+		payload = appendStringField(payload, 1, p.Error)
+		payload = appendVarintField(payload, 2, uint64(p.ConnectID))
+	case pktDialCls:
+		field = fieldCloseDial
+		payload = appendVarintField(payload, 1, uint64(p.Random))
+	case pktDrain:
+		field = fieldDrain
+	}
+	// The oneof payload is present even when empty, so the receiver sees
+	// which message it is.
+	dst = binary.AppendUvarint(dst, uint64(field)<<3|wireBytes)
+	dst = binary.AppendUvarint(dst, uint64(len(payload)))
+	return append(dst, payload...)
+}
+
+func appendVarintField(dst []byte, num int, v uint64) []byte {
+	if v == 0 {
+		return dst
+	}
+	dst = binary.AppendUvarint(dst, uint64(num)<<3|wireVarint)
+	return binary.AppendUvarint(dst, v)
+}
+
+func appendStringField(dst []byte, num int, s string) []byte {
+	if s == "" {
+		return dst
+	}
+	dst = binary.AppendUvarint(dst, uint64(num)<<3|wireBytes)
+	dst = binary.AppendUvarint(dst, uint64(len(s)))
+	return append(dst, s...)
+}
+
+// gRPC length-prefixed messages: a compression flag byte and a big-endian
+// uint32 length, then the message.
+const (
+	grpcHeaderLen     = 5
+	maxGRPCMessageLen = 16 << 20
+)
+
+// readGRPCMessage reads one message into buf (grown as needed) and returns
+// the message bytes, which alias buf.
+func readGRPCMessage(r io.Reader, buf []byte) ([]byte, []byte, error) {
+	var hdr [grpcHeaderLen]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		if errors.Is(err, io.ErrUnexpectedEOF) {
+			return nil, buf, fmt.Errorf("truncated gRPC message header: %w", err)
+		}
+		return nil, buf, err
+	}
+	if hdr[0] != 0 {
+		return nil, buf, fmt.Errorf("compressed gRPC messages are not supported (flag %d)", hdr[0])
+	}
+	n := binary.BigEndian.Uint32(hdr[1:])
+	if n > maxGRPCMessageLen {
+		return nil, buf, fmt.Errorf("gRPC message of %d bytes exceeds the %d limit", n, maxGRPCMessageLen)
+	}
+	if cap(buf) < int(n) {
+		buf = make([]byte, n)
+	}
+	msg := buf[:n]
+	if _, err := io.ReadFull(r, msg); err != nil {
+		return nil, buf, fmt.Errorf("truncated gRPC message: %w", io.ErrUnexpectedEOF)
+	}
+	return msg, buf, nil
+}
+
+func appendGRPCMessage(dst []byte, p packet) []byte {
+	start := len(dst)
+	dst = append(dst, 0, 0, 0, 0, 0)
+	dst = appendPacket(dst, p)
+	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-grpcHeaderLen))
+	return dst
+}
