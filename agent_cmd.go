@@ -198,6 +198,9 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	if o.tokenPath != "" {
 		cfg.Token = o.token
 	}
+	metrics := tunnel.NewMetrics()
+	addProcessMetrics(metrics, "konnectivity_network_proxy_agent_")
+	cfg.Metrics = metrics
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
@@ -213,18 +216,16 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			s.stop()
 		}
 	}()
+	status := func() any { return agent.Status() }
 	if o.healthPort != 0 {
-		s, err := startHTTP("health", hostPort(o.healthHost, o.healthPort), healthMux(ready, readyAll...), log)
+		s, err := startHTTP("health", hostPort(o.healthHost, o.healthPort), serviceMux(ready, readyAll, metrics, status, false, false), log)
 		if err != nil {
 			return err
 		}
 		services = append(services, s)
 	}
 	if o.adminPort != 0 {
-		mux := healthMux(ready, readyAll...)
-		if o.enableProfiling {
-			addProfiling(mux)
-		}
+		mux := serviceMux(ready, readyAll, metrics, status, true, o.enableProfiling)
 		s, err := startHTTP("admin", hostPort(o.adminBindAddress, o.adminPort), mux, log)
 		if err != nil {
 			return err

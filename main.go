@@ -27,6 +27,7 @@ var commands = map[string]func(args []string, stdout, stderr io.Writer) int{
 	"agent":   runAgent,
 	"cert":    runCert,
 	"demo":    runDemo,
+	"status":  runStatus,
 	"version": runVersion,
 }
 
@@ -77,6 +78,7 @@ Usage:
   konnectivity agent [flags]    run an agent (dials the server, serves its dials)
   konnectivity cert [flags]     mint or reuse a certificate signed by a cluster CA
   konnectivity demo             run server, agent and a backend on loopback with a throwaway CA
+  konnectivity status           show a server's agents or an agent's servers (from the admin port)
   konnectivity version          print the version
 
 Invoked as konnectivity-server, konnectivity-agent or eks-konnectivity-cert it runs

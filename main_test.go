@@ -102,12 +102,12 @@ func TestServerAndAgentCommands(t *testing.T) {
 	serverCert, serverKey := write("server.crt", sc), write("server.key", sk)
 	agentCert, agentKey := write("agent.crt", ac), write("agent.key", ak)
 	uds := filepath.Join(dir, "run", "k.sock")
-	agentPort, healthPort, agentHealth := freePort(t), freePort(t), freePort(t)
+	agentPort, healthPort, agentHealth, adminPort, agentAdmin := freePort(t), freePort(t), freePort(t), freePort(t), freePort(t)
 
 	so, scf := newServerFlags(io.Discard)
 	if err := scf.Parse([]string{"--mode=http-connect", "--uds-name=" + uds, "--uds-mode=0660",
 		"--agent-port=" + agentPort, "--agent-bind-address=127.0.0.1", "--cluster-cert=" + serverCert, "--cluster-key=" + serverKey,
-		"--cluster-ca-cert=" + caFile, "--health-port=" + healthPort, "--health-bind-address=127.0.0.1", "--admin-port=0",
+		"--cluster-ca-cert=" + caFile, "--health-port=" + healthPort, "--health-bind-address=127.0.0.1", "--admin-port=" + adminPort,
 		"--graceful-shutdown-timeout=2s"}); err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +117,7 @@ func TestServerAndAgentCommands(t *testing.T) {
 	ao, acf := newAgentFlags(io.Discard)
 	if err := acf.Parse([]string{"--proxy-server-host=127.0.0.1", "--proxy-server-port=" + agentPort, "--ca-cert=" + caFile,
 		"--agent-cert=" + agentCert, "--agent-key=" + agentKey, "--agent-id=a1", "--health-server-host=127.0.0.1",
-		"--health-server-port=" + agentHealth, "--admin-server-port=0", "--drain-timeout=1s", "--sync-interval=50ms"}); err != nil {
+		"--health-server-port=" + agentHealth, "--admin-server-port=" + agentAdmin, "--drain-timeout=1s", "--sync-interval=50ms"}); err != nil {
 		t.Fatal(err)
 	}
 	if err := ao.complete(); err != nil {
@@ -164,6 +164,35 @@ func TestServerAndAgentCommands(t *testing.T) {
 		t.Fatalf("body %q", body)
 	}
 
+	// Metrics move with the dial, on the health and admin ports alike.
+	for _, port := range []string{healthPort, adminPort} {
+		text := httpBody(t, "http://127.0.0.1:"+port+"/metrics")
+		for _, want := range []string{
+			"konnectivity_network_proxy_server_dial_duration_seconds_count 1\n",
+			`konnectivity_network_proxy_server_dial_failure_count{reason="no_agent"} 0`,
+			"konnectivity_network_proxy_server_ready_backend_connections 1\n",
+			`konnectivity_network_proxy_server_certificate_not_after_seconds{listener="agents"}`,
+			"# TYPE konnectivity_network_proxy_server_dial_duration_seconds histogram",
+		} {
+			if !strings.Contains(text, want) {
+				t.Errorf("server metrics on port %s lack %q", port, want)
+			}
+		}
+	}
+	agentText := httpBody(t, "http://127.0.0.1:"+agentHealth+"/metrics")
+	if !strings.Contains(agentText, "konnectivity_network_proxy_agent_open_server_connections 1\n") {
+		t.Errorf("agent metrics lack open_server_connections 1:\n%s", agentText)
+	}
+	// The status table, from the admin ports.
+	var table bytes.Buffer
+	if code := runStatus([]string{"--admin-address=127.0.0.1:" + adminPort}, &table, io.Discard); code != 0 || !strings.Contains(table.String(), "a1 ") || !strings.Contains(table.String(), "1 agent(s)") {
+		t.Errorf("server status (exit %d):\n%s", code, table.String())
+	}
+	table.Reset()
+	if code := runStatus([]string{"--admin-address=127.0.0.1:" + agentAdmin}, &table, io.Discard); code != 0 || !strings.Contains(table.String(), "connected 1/1 servers") {
+		t.Errorf("agent status (exit %d):\n%s", code, table.String())
+	}
+
 	stopAgent()
 	cancel()
 	wg.Wait()
@@ -208,6 +237,18 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+func httpBody(t *testing.T, url string) string {
+	t.Helper()
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
 }
 
 func httpBackend(t *testing.T) string {

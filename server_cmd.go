@@ -238,7 +238,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
-	authenticate, err := o.agentAuthenticator(log)
+	metrics := tunnel.NewMetrics()
+	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
+	metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "Expiry of the certificate each listener serves, in seconds since the Unix epoch.",
+		[]string{"listener"}, []string{"agents"}, func() float64 { return float64(agentCert.NotAfter().Unix()) })
+	authenticate, err := o.agentAuthenticator(log, metrics)
 	if err != nil {
 		return err
 	}
@@ -254,6 +258,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		KeepAlive:          o.keepaliveTime,
 		PingTimeout:        o.pingTimeout,
 		MaxStreamsPerAgent: o.maxStreamsPerAgent,
+		Metrics:            metrics,
 		Logger:             log,
 	}
 	if o.udsName != "" {
@@ -309,7 +314,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		go func() { serving <- serveFrontend(ln) }()
 	}
 	if o.serverPort != 0 {
-		tcfg, err := o.frontendTLSConfig(minTLS, log)
+		tcfg, frontCert, err := o.frontendTLSConfig(minTLS, log)
 		if err != nil {
 			return err
 		}
@@ -317,7 +322,9 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		if err != nil {
 			return fmt.Errorf("TCP frontend: %w", err)
 		}
-		log.Info("listening", "service", "frontend", "mode", o.mode, "addr", ln.Addr().String(), "tls", "mTLS")
+		log.Info("listening", "service", "frontend", "mode", o.mode, "addr", ln.Addr().String(), "tls", "mTLS", "not_after", frontCert.NotAfter().UTC().Format(time.RFC3339))
+		metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "", []string{"listener"}, []string{"frontend"},
+			func() float64 { return float64(frontCert.NotAfter().Unix()) })
 		nServing++
 		go func() { serving <- serveFrontend(ln) }()
 	}
@@ -334,8 +341,9 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	if !o.readyzRequiresAgent {
 		ready = []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
 	}
+	status := func() any { return srv.Status() }
 	if o.healthPort != 0 {
-		s, err := startHTTP("health", hostPort(o.healthBindAddress, o.healthPort), healthMux(ready), log)
+		s, err := startHTTP("health", hostPort(o.healthBindAddress, o.healthPort), serviceMux(ready, nil, metrics, status, false, false), log)
 		if err != nil {
 			srv.Close()
 			return err
@@ -343,10 +351,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		services = append(services, s)
 	}
 	if o.adminPort != 0 {
-		mux := healthMux(ready)
-		if o.enableProfiling {
-			addProfiling(mux)
-		}
+		mux := serviceMux(ready, nil, metrics, status, true, o.enableProfiling)
 		s, err := startHTTP("admin", hostPort(o.adminBindAddress, o.adminPort), mux, log)
 		if err != nil {
 			srv.Close()
@@ -404,25 +409,25 @@ func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Co
 }
 
 // frontendTLSConfig is the TCP frontend's mTLS, with the same hot reload.
-func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, error) {
+func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
 	cert, err := certs.NewReloader(o.serverCert, o.serverKey, log.With("listener", "frontend"))
 	if err != nil {
-		return nil, fmt.Errorf("--server-cert/--server-key: %w", err)
+		return nil, nil, fmt.Errorf("--server-cert/--server-key: %w", err)
 	}
 	pool, err := certs.NewCAPoolReloader(o.serverCACert, log.With("listener", "frontend"))
 	if err != nil {
-		return nil, fmt.Errorf("--server-ca-cert: %w", err)
+		return nil, nil, fmt.Errorf("--server-ca-cert: %w", err)
 	}
 	cfg, err := certs.ServerConfig(cert, pool)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	cfg.MinVersion = minTLS
 	cfg.NextProtos = []string{"http/1.1"}
 	if o.mode == "grpc" {
 		cfg.NextProtos = []string{"h2"}
 	}
-	return cfg, nil
+	return cfg, cert, nil
 }
 
 // startMinting mints --cluster-cert/--cluster-key from --mint-ca-cert and
@@ -461,7 +466,7 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wai
 // agentAuthenticator decides how agents prove themselves: a client
 // certificate from --cluster-ca-cert, a ServiceAccount token checked with
 // TokenReview, either of the two when both are configured.
-func (o *serverOptions) agentAuthenticator(log *slog.Logger) (func(context.Context, tunnel.AgentCredentials) error, error) {
+func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Metrics) (func(context.Context, tunnel.AgentCredentials) error, error) {
 	mtls := o.clusterCACert != ""
 	var reviewer *auth.TokenReviewer
 	if o.tokenAuth() {
@@ -487,6 +492,12 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger) (func(context.Conte
 		}
 		log.Info("agent token auth on", "apiserver", rc.Server(), "audience", o.authAudience, "service_account", o.agentNamespace+"/"+o.agentServiceAccount)
 	}
+	// Token reviews by result (cache hits included): what an operator
+	// checks when agents cannot get in.
+	reviews := map[int]*tunnel.Counter{}
+	for code, result := range map[int]string{http.StatusOK: "authenticated", http.StatusUnauthorized: "unauthorized", http.StatusForbidden: "forbidden", http.StatusServiceUnavailable: "error"} {
+		reviews[code] = metrics.Counter("konnectivity_network_proxy_server_token_reviews_total", "Agent token checks, by result.", []string{"result"}, result)
+	}
 	switch {
 	case mtls || reviewer != nil:
 		if o.allowUnauthenticated {
@@ -503,7 +514,11 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger) (func(context.Conte
 			return nil
 		}
 		if reviewer != nil && c.Token != "" {
-			if err := reviewer.Authenticate(ctx, c.Token); err != nil {
+			err := reviewer.Authenticate(ctx, c.Token)
+			if counter := reviews[auth.StatusOf(err)]; counter != nil {
+				counter.Inc()
+			}
+			if err != nil {
 				return &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
 			}
 			return nil

@@ -58,6 +58,8 @@ type AgentConfig struct {
 	Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
 	// Resolver looks up a server host for ExpandDNS; nil uses the system resolver.
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
+	// Metrics receives the agent's metrics; nil makes a private registry.
+	Metrics *Metrics
 
 	Logger *slog.Logger
 }
@@ -87,6 +89,9 @@ func (c *AgentConfig) setDefaults() {
 		d := &net.Dialer{KeepAlive: 30 * time.Second}
 		c.Dialer = d.DialContext
 	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics()
+	}
 	if c.Resolver == nil {
 		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
 			return net.DefaultResolver.LookupNetIP(ctx, "ip", host)
@@ -111,6 +116,7 @@ type Agent struct {
 	linkWG  sync.WaitGroup // goroutines serving links
 	streams sync.WaitGroup // handlers in flight
 	Stats   AgentStats
+	metrics *agentMetrics
 }
 
 // AgentStats are counters an operator reads through metrics and status.
@@ -160,6 +166,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	if err := http2.ConfigureServer(a.h1, a.h2); err != nil {
 		return nil, fmt.Errorf("configure HTTP/2 server: %w", err)
 	}
+	a.metrics = newAgentMetrics(cfg.Metrics, a)
 	return a, nil
 }
 
@@ -255,6 +262,7 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
+	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
 	dest, err := a.cfg.Dialer(dctx, "tcp", addr)
 	cancel()
@@ -264,11 +272,15 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded) {
 			code = http.StatusGatewayTimeout
+			a.metrics.dialTimeout.Inc()
+		} else {
+			a.metrics.dialUnknown.Inc()
 		}
 		a.log.Debug("destination dial failed", "addr", addr, "err", err)
 		http.Error(w, fmt.Sprintf("dial %s: %v", addr, err), code)
 		return
 	}
+	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
 	a.Stats.DialsOK.Add(1)
 	a.Stats.OpenStreams.Add(1)
 	defer a.Stats.OpenStreams.Add(-1)
@@ -308,6 +320,7 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	r.Body.Close()
+	a.metrics.resets.Inc()
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)

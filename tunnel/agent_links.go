@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -38,28 +39,10 @@ type serverLink struct {
 
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
+	streams   atomic.Int64  // open tunnels on this link
 }
 
 func (l *serverLink) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
-
-// LinkInfo describes one server connection, for status pages.
-type LinkInfo struct {
-	ServerID string
-	Addr     string
-	Since    time.Time
-	Count    int
-}
-
-// Links lists the agent's server connections.
-func (a *Agent) Links() []LinkInfo {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	out := make([]LinkInfo, 0, len(a.links))
-	for l := range a.links {
-		out = append(out, LinkInfo{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count})
-	}
-	return out
-}
 
 // startManagers starts one goroutine per configured address: a seeker for
 // a single (load-balanced) address, a holder for each of several fixed
@@ -336,6 +319,8 @@ func (a *Agent) serveLink(l *serverLink) {
 				a.serveControl(l, w, r)
 				return
 			}
+			l.streams.Add(1)
+			defer l.streams.Add(-1)
 			a.serveStream(w, r)
 		}),
 	})

@@ -12,8 +12,9 @@ import (
 
 // StatusError is a failure with the HTTP status a client should see.
 type StatusError struct {
-	Code int
-	Msg  string
+	Code   int
+	Msg    string
+	Reason string // for dial failures: the metric label (no_agent, backend_dial_timeout, ...)
 }
 
 func (e *StatusError) Error() string {
@@ -22,6 +23,11 @@ func (e *StatusError) Error() string {
 
 func statusErrorf(code int, format string, args ...any) *StatusError {
 	return &StatusError{Code: code, Msg: fmt.Sprintf(format, args...)}
+}
+
+func (e *StatusError) withReason(r string) *StatusError {
+	e.Reason = r
+	return e
 }
 
 // StatusCode returns the HTTP status carried by err, or 502 for any other error.

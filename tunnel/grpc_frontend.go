@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -164,7 +165,11 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.Stats.FrontendOpen.Add(1)
-	defer s.Stats.FrontendOpen.Add(-1)
+	s.metrics.grpcConns.Add(1)
+	defer func() {
+		s.metrics.grpcConns.Add(-1)
+		s.Stats.FrontendOpen.Add(-1)
+	}()
 
 	// The first message must be the DIAL_REQ, within the header bound.
 	first := make(chan error, 1)
@@ -209,12 +214,14 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request) {
 func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []byte) (int, string) {
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
+		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
 		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
 		return grpcOK, ""
 	}
 	connectID := s.nextConnectID.Add(1)
 	pr, pw := io.Pipe()
 	up := newUpload(bufio.NewReaderSize(pr, 4096), func() { pr.CloseWithError(errAbandoned) }, s.goroutine)
+	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 
 	// The reader turns the client's packets into upload bytes and events.
 	readerDone := make(chan struct{})
@@ -264,6 +271,7 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 	st, err := s.open(req.Address, up)
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
+		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
 		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
 		return grpcOK, ""
@@ -284,6 +292,7 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 			n, err := st.body.Read(*bp)
 			if n > 0 {
 				s.Stats.BytesFromAgent.Add(int64(n))
+				st.agent.bytesFrom.Add(int64(n))
 				if werr := g.send(packet{Type: pktData, ConnectID: connectID, Data: (*bp)[:n]}); werr != nil {
 					downDone <- werr
 					return

@@ -54,6 +54,8 @@ type agentConn struct {
 	streams  atomic.Int64
 	draining atomic.Bool
 
+	bytesTo, bytesFrom atomic.Int64
+
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
 }
 

@@ -54,6 +54,9 @@ type ServerConfig struct {
 	PingTimeout        time.Duration // how long a PING may go unanswered (default 15s)
 	MaxStreamsPerAgent int           // open tunnels per agent before it is skipped (default 10000)
 
+	// Metrics receives the server's metrics; nil makes a private registry.
+	Metrics *Metrics
+
 	Logger *slog.Logger
 }
 
@@ -80,6 +83,9 @@ func (c *ServerConfig) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
+	if c.Metrics == nil {
+		c.Metrics = NewMetrics()
+	}
 }
 
 // Server accepts agents on one side and CONNECT requests on the other, and
@@ -101,6 +107,7 @@ type Server struct {
 	wg        sync.WaitGroup // every goroutine the server starts
 
 	Stats         ServerStats
+	metrics       *serverMetrics
 	nextConnectID atomic.Int64 // gRPC frontend connection IDs
 }
 
@@ -132,7 +139,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	t2.WriteByteTimeout = cfg.KeepAlive + cfg.PingTimeout
 	t2.MaxReadFrameSize = maxFrameSize
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Server{
+	s := &Server{
 		cfg:       cfg,
 		log:       cfg.Logger,
 		transport: t2,
@@ -141,7 +148,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cancelAll: cancel,
 		listeners: make(map[*net.Listener]struct{}),
 		frontends: make(map[net.Conn]struct{}),
-	}, nil
+	}
+	s.metrics = newServerMetrics(cfg.Metrics, s)
+	return s, nil
 }
 
 // Window and frame sizes on both HTTP/2 ends. A stream window bounds what one
@@ -441,7 +450,9 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 		return
 	}
 	s.Stats.FrontendOpen.Add(1)
+	s.metrics.httpConns.Add(1)
 	defer func() {
+		s.metrics.httpConns.Add(-1)
 		s.Stats.FrontendOpen.Add(-1)
 		s.trackFrontend(conn, false)
 		conn.Close()
@@ -452,6 +463,7 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	addr, err := readConnect(br)
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
+		s.metrics.dialFailed(err)
 		s.log.Debug("bad CONNECT request", "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, StatusCode(err), errMsg(err))
@@ -462,6 +474,7 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	if s.cfg.CheckFrontendPeer != nil {
 		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
 			s.Stats.DialsFailed.Add(1)
+			s.metrics.dialFailed(&StatusError{Code: http.StatusForbidden})
 			s.log.Warn("frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 			writeStatus(conn, http.StatusForbidden, errMsg(err))
@@ -472,9 +485,11 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	conn.SetDeadline(time.Time{})
 
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
+	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	st, err := s.open(addr, up)
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
+		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, StatusCode(err), errMsg(err))
@@ -488,8 +503,10 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	up.start()
 	n, err := copyStream(conn, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
+	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		// The agent reset the stream or the client went away: abort both.
+		s.metrics.resets.Inc()
 		return
 	}
 	// The destination finished sending. Pass the half-close on and wait for
@@ -506,10 +523,12 @@ const maxConnectHead = 16 << 10
 
 // stream is one open tunnel through an agent.
 type stream struct {
-	agent  *agentConn
-	body   io.ReadCloser
-	cancel context.CancelFunc
-	once   sync.Once
+	agent   *agentConn
+	body    io.ReadCloser
+	cancel  context.CancelFunc
+	once    sync.Once
+	since   time.Time
+	metrics *serverMetrics
 }
 
 // close ends the tunnel (RST_STREAM if it is still open); safe to repeat.
@@ -518,6 +537,8 @@ func (st *stream) close() {
 		st.body.Close()
 		st.cancel()
 		st.agent.streams.Add(-1)
+		st.metrics.established.Add(-1)
+		st.metrics.connDuration.ObserveDuration(time.Since(st.since))
 	})
 }
 
@@ -527,13 +548,40 @@ const (
 	reasonErrorResponse  = "error_response"
 	reasonDialTimeout    = "backend_dial_timeout"
 	reasonFrontendClosed = "frontend_close"
+	reasonBadRequest     = "bad_request"
+	reasonForbidden      = "forbidden"
+	reasonBackendClosed  = "backend_close"
+	reasonShutdown       = "shutdown"
 )
+
+// failureReason names why a dial failed, for the dial_failure_count metric.
+func failureReason(err error) string {
+	var se *StatusError
+	if !errors.As(err, &se) {
+		return reasonBackendClosed // the agent connection broke mid-dial
+	}
+	if se.Reason != "" {
+		return se.Reason
+	}
+	switch se.Code {
+	case http.StatusBadRequest, http.StatusMethodNotAllowed, http.StatusRequestTimeout, http.StatusRequestHeaderFieldsTooLarge:
+		return reasonBadRequest
+	case http.StatusForbidden:
+		return reasonForbidden
+	case http.StatusGatewayTimeout:
+		return reasonDialTimeout
+	}
+	return reasonErrorResponse
+}
 
 // open picks an agent and opens a CONNECT stream to addr through it. It
 // returns once the agent has dialled the destination, or with a *StatusError.
 // A dial that meets a connection that died before the agent answered is
 // retried on another agent: nothing was sent, so nothing is lost.
 func (s *Server) open(addr string, up *upload) (*stream, error) {
+	start := time.Now()
+	s.metrics.pending.Add(1)
+	defer s.metrics.pending.Add(-1)
 	host := hostOf(addr)
 	deadline := time.Now().Add(s.cfg.DialTimeout)
 	tried := map[*agentConn]bool{}
@@ -544,6 +592,10 @@ func (s *Server) open(addr string, up *upload) (*stream, error) {
 		}
 		st, err := s.roundTrip(a, addr, up, deadline)
 		if err == nil {
+			st.since, st.metrics = time.Now(), s.metrics
+			up.counters = append(up.counters, &a.bytesTo) // read only after start
+			s.metrics.established.Add(1)
+			s.metrics.dialDuration.ObserveDuration(time.Since(start))
 			return st, nil
 		}
 		var se *StatusError
@@ -575,11 +627,11 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 		select {
 		case <-changed:
 		case <-timer.C:
-			return nil, statusErrorf(http.StatusServiceUnavailable, "no agent available for %s (%s): waited %s", host, reasonNoAgent, s.cfg.AgentWait)
+			return nil, statusErrorf(http.StatusServiceUnavailable, "no agent available for %s: waited %s", host, s.cfg.AgentWait).withReason(reasonNoAgent)
 		case <-up.clientGone:
-			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection while waiting for an agent (%s)", reasonFrontendClosed)
+			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection while waiting for an agent").withReason(reasonFrontendClosed)
 		case <-s.baseCtx.Done():
-			return nil, statusErrorf(http.StatusServiceUnavailable, "server shutting down")
+			return nil, statusErrorf(http.StatusServiceUnavailable, "server shutting down").withReason(reasonShutdown)
 		}
 	}
 }
@@ -612,9 +664,9 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		cancel()
 		switch why.Load() {
 		case reasonDialTimeout:
-			return nil, statusErrorf(http.StatusGatewayTimeout, "dial %s through agent %s: no answer within %s (%s)", addr, a.id, s.cfg.DialTimeout, reasonDialTimeout)
+			return nil, statusErrorf(http.StatusGatewayTimeout, "dial %s through agent %s: no answer within %s", addr, a.id, s.cfg.DialTimeout).withReason(reasonDialTimeout)
 		case reasonFrontendClosed:
-			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection during the dial (%s)", reasonFrontendClosed)
+			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection during the dial").withReason(reasonFrontendClosed)
 		}
 		return nil, fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
 	}

@@ -23,6 +23,7 @@ type upload struct {
 	clientGone    <-chan struct{}
 	done          chan struct{} // the upload ended: EOF, error, or the transport let go
 	doneOnce      sync.Once
+	counters      []*atomic.Int64 // bytes read are added to each
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -98,6 +99,9 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 		return 0, errAbandoned
 	}
 	n, err := b.u.br.Read(p)
+	for _, c := range b.u.counters {
+		c.Add(int64(n))
+	}
 	if err != nil {
 		b.u.finish()
 	}

@@ -1,0 +1,50 @@
+package main
+
+import (
+	"encoding/json"
+	"net/http"
+	"runtime"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel"
+)
+
+// metricsHandler serves the registry in the Prometheus text format.
+func metricsHandler(m *tunnel.Metrics) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+		m.WriteText(w)
+	})
+}
+
+// jsonHandler serves what status returns, for /debug/tunnels.
+func jsonHandler(status func() any) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		enc.Encode(status())
+	})
+}
+
+// addProcessMetrics registers what upstream's metrics lack: when the
+// process started and what build it runs.
+func addProcessMetrics(m *tunnel.Metrics, prefix string) {
+	start := float64(time.Now().UnixNano()) / 1e9
+	m.GaugeFunc("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", nil, nil, func() float64 { return start })
+	m.GaugeFunc(prefix+"build_info", "Build of the running binary; the value is always 1.", []string{"version", "goversion"}, []string{versionString(), runtime.Version()}, func() float64 { return 1 })
+}
+
+// serviceMux is a health mux with /metrics, and on the admin port also
+// /debug/tunnels and, when asked, pprof.
+func serviceMux(ready []check, readyAll []check, m *tunnel.Metrics, status func() any, admin, profiling bool) *http.ServeMux {
+	mux := healthMux(ready, readyAll...)
+	mux.Handle("/metrics", metricsHandler(m))
+	if admin {
+		mux.Handle("/debug/tunnels", jsonHandler(status))
+		if profiling {
+			addProfiling(mux)
+		}
+	}
+	return mux
+}

@@ -1,0 +1,32 @@
+package tunnel
+
+const agentPrefix = "konnectivity_network_proxy_agent_"
+
+type agentMetrics struct {
+	dialDuration *Histogram
+	dialTimeout  *Counter
+	dialUnknown  *Counter
+	resets       *Counter
+}
+
+func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
+	const failures = agentPrefix + "endpoint_dial_failure_total"
+	const failuresHelp = "Destination dials that failed, by reason."
+	am := &agentMetrics{
+		dialDuration: m.Histogram(agentPrefix+"dial_duration_seconds", "Time to dial a destination, for successful dials.", agentDialBuckets, nil),
+		dialTimeout:  m.Counter(failures, failuresHelp, []string{"reason"}, "timeout"),
+		dialUnknown:  m.Counter(failures, failuresHelp, []string{"reason"}, "unknown"),
+		resets:       m.Counter(agentPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
+	}
+	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
+		func() float64 { held, _ := a.Connected(); return float64(held) })
+	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced).", nil, nil,
+		func() float64 { _, want := a.Connected(); return float64(want) })
+	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
+		func() float64 { return float64(a.Stats.OpenStreams.Load()) })
+	m.CounterFunc(agentPrefix+"bytes_total", "Bytes carried to and from destinations, by direction.", []string{"direction"}, []string{"to_endpoint"},
+		func() float64 { return float64(a.Stats.BytesToDest.Load()) })
+	m.CounterFunc(agentPrefix+"bytes_total", "", []string{"direction"}, []string{"from_endpoint"},
+		func() float64 { return float64(a.Stats.BytesFromDest.Load()) })
+	return am
+}

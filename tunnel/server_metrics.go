@@ -1,0 +1,77 @@
+package tunnel
+
+// Server metrics use upstream's names and labels where the concept exists,
+// so existing dashboards keep working.
+const serverPrefix = "konnectivity_network_proxy_server_"
+
+type serverMetrics struct {
+	dialDuration *Histogram
+	connDuration *Histogram
+	established  *Gauge
+	httpConns    *Gauge
+	grpcConns    *Gauge
+	pending      *Gauge
+	resets       *Counter
+	failures     map[string]*Counter
+}
+
+func newServerMetrics(m *Metrics, s *Server) *serverMetrics {
+	sm := &serverMetrics{
+		dialDuration: m.Histogram(serverPrefix+"dial_duration_seconds", "Time from a frontend dial request to the agent's answer, for successful dials.", dialBuckets, nil),
+		connDuration: m.Histogram(serverPrefix+"connection_duration_seconds", "How long established tunnels stayed open.", connectionBuckets, nil),
+		established:  m.Gauge(serverPrefix+"established_connections", "Open tunnels (dials the agent answered).", nil),
+		httpConns:    m.Gauge(serverPrefix+"http_connections", "Open HTTP CONNECT frontend connections.", nil),
+		grpcConns:    m.Gauge(serverPrefix+"grpc_connections", "Open gRPC frontend streams, by method.", []string{"service_method"}, "Proxy"),
+		pending:      m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
+		resets:       m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
+		failures:     map[string]*Counter{},
+	}
+	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown} {
+		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
+	}
+	m.Gauge(serverPrefix+"grpc_connections", "", []string{"service_method"}, "Connect") // agents speak HTTP/2 CONNECT, not gRPC
+	m.GaugeFunc(serverPrefix+"ready_backend_connections", "Connected agents (deprecated upstream; see ready_backends).", nil, nil,
+		func() float64 { return float64(s.agents.len()) })
+	for _, st := range s.cfg.Strategies {
+		m.GaugeFunc(serverPrefix+"ready_backends", "Agents a dial could be routed to, by proxy strategy.", []string{"proxy_strategy"}, []string{string(st)},
+			func() float64 { return float64(s.agents.countFor(st, int64(s.cfg.MaxStreamsPerAgent))) })
+	}
+	m.CounterFunc(serverPrefix+"bytes_total", "Bytes carried through tunnels, by direction.", []string{"direction"}, []string{"to_agent"},
+		func() float64 { return float64(s.Stats.BytesToAgent.Load()) })
+	m.CounterFunc(serverPrefix+"bytes_total", "", []string{"direction"}, []string{"from_agent"},
+		func() float64 { return float64(s.Stats.BytesFromAgent.Load()) })
+	m.CounterFunc(serverPrefix+"agents_refused_total", "Agent connections refused (TLS, handshake or authentication).", nil, nil,
+		func() float64 { return float64(s.Stats.AgentsRefused.Load()) })
+	return sm
+}
+
+func (sm *serverMetrics) dialFailed(err error) {
+	if c := sm.failures[failureReason(err)]; c != nil {
+		c.Inc()
+	}
+}
+
+// countFor counts agents a dial could use under one strategy.
+func (r *registry) countFor(st Strategy, maxStreams int64) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, a := range r.agents {
+		if !a.usable(maxStreams) {
+			continue
+		}
+		switch st {
+		case StrategyDefault:
+			n++
+		case StrategyDefaultRoute:
+			if a.ids.DefaultRoute {
+				n++
+			}
+		case StrategyDestHost:
+			if len(a.ids.Hosts)+len(a.ids.Addrs)+len(a.ids.CIDRs) > 0 {
+				n++
+			}
+		}
+	}
+	return n
+}

@@ -1,0 +1,77 @@
+package tunnel
+
+import (
+	"sort"
+	"time"
+)
+
+// ServerStatus is what /debug/tunnels shows for a server.
+type ServerStatus struct {
+	Role        string        `json:"role"` // "server"
+	ServerID    string        `json:"serverID"`
+	ServerCount int           `json:"serverCount"`
+	Agents      []AgentStatus `json:"agents"`
+}
+
+// AgentStatus is one connected agent, as the server sees it.
+type AgentStatus struct {
+	ID             string    `json:"id"`
+	Identifiers    string    `json:"identifiers,omitempty"`
+	Remote         string    `json:"remote"`
+	Since          time.Time `json:"since"`
+	OpenStreams    int64     `json:"openStreams"`
+	BytesToAgent   int64     `json:"bytesToAgent"`
+	BytesFromAgent int64     `json:"bytesFromAgent"`
+	Draining       bool      `json:"draining"`
+}
+
+// Status reports the connected agents, sorted by ID.
+func (s *Server) Status() ServerStatus {
+	st := ServerStatus{Role: "server", ServerID: s.cfg.ID, ServerCount: s.cfg.Count, Agents: []AgentStatus{}}
+	for _, a := range s.agents.snapshot() {
+		st.Agents = append(st.Agents, AgentStatus{
+			ID:             a.id,
+			Identifiers:    a.ids.String(),
+			Remote:         a.remote,
+			Since:          a.since,
+			OpenStreams:    a.streams.Load(),
+			BytesToAgent:   a.bytesTo.Load(),
+			BytesFromAgent: a.bytesFrom.Load(),
+			Draining:       a.draining.Load(),
+		})
+	}
+	sort.Slice(st.Agents, func(i, j int) bool { return st.Agents[i].ID < st.Agents[j].ID })
+	return st
+}
+
+// AgentSideStatus is what /debug/tunnels shows for an agent.
+type AgentSideStatus struct {
+	Role        string       `json:"role"` // "agent"
+	AgentID     string       `json:"agentID"`
+	Held        int          `json:"held"`
+	Want        int          `json:"want"`
+	OpenStreams int64        `json:"openStreams"`
+	Servers     []LinkStatus `json:"servers"`
+}
+
+// LinkStatus is one server connection, as the agent sees it.
+type LinkStatus struct {
+	ServerID    string    `json:"serverID"`
+	Addr        string    `json:"addr"`
+	Since       time.Time `json:"since"`
+	Count       int       `json:"serverCount"`
+	OpenStreams int64     `json:"openStreams"`
+}
+
+// Status reports the agent's server connections, sorted by server ID.
+func (a *Agent) Status() AgentSideStatus {
+	a.mu.Lock()
+	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.links), Want: a.maxCount, Servers: []LinkStatus{}}
+	for l := range a.links {
+		st.Servers = append(st.Servers, LinkStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
+	}
+	a.mu.Unlock()
+	st.OpenStreams = a.Stats.OpenStreams.Load()
+	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
+	return st
+}
