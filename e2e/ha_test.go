@@ -31,7 +31,7 @@ func waitMesh(t *testing.T, servers []*server, agents []*agent, n int, bound tim
 	start := time.Now()
 	want := fmt.Sprintf("connected %d/%d servers", n, n)
 	for _, a := range agents {
-		waitReadyBody(t, a.proc, a.healthURL("/readyz?all"), http.StatusOK, want, bound-time.Since(start))
+		waitReadyBody(t, a.proc, a.healthURL("/readyz?all&verbose"), http.StatusOK, want, bound-time.Since(start))
 	}
 	for _, s := range servers {
 		s.waitAgents(t, len(agents), bound-time.Since(start))

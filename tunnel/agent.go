@@ -117,6 +117,7 @@ type Agent struct {
 	streams sync.WaitGroup // handlers in flight
 	Stats   AgentStats
 	metrics *agentMetrics
+	quiet   *logLimiter // repeated warnings: one line per key per 10s
 }
 
 // AgentStats are counters an operator reads through metrics and status.
@@ -148,6 +149,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		links:    make(map[*serverLink]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
+		quiet:    newLogLimiter(10 * time.Second),
 	}
 	a.h1 = &http.Server{ErrorLog: slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug), HTTP2: &http.HTTP2Config{
 		MaxReceiveBufferPerConnection: 1 << 30,

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -211,7 +212,7 @@ func (a *Agent) expand(ctx context.Context, host, port string) {
 }
 
 func (a *Agent) logDialError(t target, err error, delay time.Duration) {
-	a.log.Warn("server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
+	a.quiet.log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
 }
 
 func isDuplicate(err error) bool {

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"strings"
@@ -66,7 +67,7 @@ func (s *Server) serveGRPCConn(conn net.Conn) {
 	var refused error
 	if s.cfg.CheckFrontendPeer != nil {
 		if refused = s.cfg.CheckFrontendPeer(conn); refused != nil {
-			s.log.Warn("frontend peer refused", "err", refused)
+			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", refused)
 		}
 	}
 	h2 := &http2.Server{

@@ -108,6 +108,7 @@ type Server struct {
 
 	Stats         ServerStats
 	metrics       *serverMetrics
+	quiet         *logLimiter  // repeated warnings: one line per key per 10s
 	nextConnectID atomic.Int64 // gRPC frontend connection IDs
 }
 
@@ -150,6 +151,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		frontends: make(map[net.Conn]struct{}),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
+	s.quiet = newLogLimiter(10 * time.Second)
 	return s, nil
 }
 
@@ -205,7 +207,7 @@ func (s *Server) serve(ln net.Listener, handle func(net.Conn)) error {
 			if errors.As(err, &ne) && ne.Timeout() || isTemporaryAccept(err) {
 				// Out of file descriptors or similar: back off, keep serving.
 				tempDelay = min(max(2*tempDelay, 5*time.Millisecond), time.Second)
-				s.log.Warn("accept failed; retrying", "addr", ln.Addr().String(), "err", err, "delay", tempDelay)
+				s.quiet.log(s.log, slog.LevelWarn, "accept "+ln.Addr().String(), "accept failed; retrying", "addr", ln.Addr().String(), "err", err, "delay", tempDelay)
 				select {
 				case <-time.After(tempDelay):
 				case <-s.baseCtx.Done():
@@ -329,7 +331,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		cancel()
 		if err != nil {
 			s.Stats.AgentsRefused.Add(1)
-			s.log.Info("agent TLS handshake failed", "remote", remote, "err", err)
+			s.quiet.log(s.log, slog.LevelInfo, "tls "+hostOf(remote), "agent TLS handshake failed", "remote", remote, "err", err)
 			raw.Close()
 			return
 		}
@@ -346,7 +348,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		code := StatusCode(err)
 		if code != http.StatusConflict {
 			s.Stats.AgentsRefused.Add(1)
-			s.log.Info("agent refused", "agent", hello.ID, "remote", remote, "status", code, "reason", errMsg(err))
+			s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "status", code, "reason", errMsg(err))
 		}
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, code, errMsg(err))
@@ -475,7 +477,7 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
 			s.Stats.DialsFailed.Add(1)
 			s.metrics.dialFailed(&StatusError{Code: http.StatusForbidden})
-			s.log.Warn("frontend peer refused", "err", err)
+			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 			writeStatus(conn, http.StatusForbidden, errMsg(err))
 			return
