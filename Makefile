@@ -16,7 +16,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test lint unit e2e fuzz bench install clean tools
+.PHONY: all build demo test lint unit e2e fuzz bench bench-quick install clean tools
 
 all: build
 
@@ -53,7 +53,10 @@ fuzz:
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
 
 bench: build
-	$(GO) test -run '^$$' -bench . -benchtime 1x -timeout 20m ./tunnel/bench/
+	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) $(BENCHFLAGS)
+
+bench-quick: build
+	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) --quick
 
 install: build
 	install -d $(DESTDIR)$(PREFIX)/bin

@@ -34,6 +34,8 @@ type agentOptions struct {
 	maxStreams             uint
 	expandDNS, syncForever bool
 	readyzAll              bool
+	restartOnBinaryChange  bool
+	restartCheckInterval   time.Duration
 	tlsMinVersion          string
 }
 
@@ -65,6 +67,8 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
+	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
+	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
 	cf.tolerate("alpn-proto", false, "not supported")
@@ -217,8 +221,9 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		}
 	}()
 	status := func() any { return agent.Status() }
+	ls := newListenerSet(log)
 	if o.healthPort != 0 {
-		s, err := startHTTP("health", hostPort(o.healthHost, o.healthPort), serviceMux(ready, readyAll, metrics, status, false, false), log)
+		s, err := startHTTP("health", ls, hostPort(o.healthHost, o.healthPort), serviceMux(ready, readyAll, metrics, status, false, false), log)
 		if err != nil {
 			return err
 		}
@@ -226,14 +231,46 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	if o.adminPort != 0 {
 		mux := serviceMux(ready, readyAll, metrics, status, true, o.enableProfiling)
-		s, err := startHTTP("admin", hostPort(o.adminBindAddress, o.adminPort), mux, log)
+		s, err := startHTTP("admin", ls, hostPort(o.adminBindAddress, o.adminPort), mux, log)
 		if err != nil {
 			return err
 		}
 		services = append(services, s)
 	}
+	ls.closeUnused()
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
-	err = agent.Run(ctx)
-	log.Info("stopped")
-	return err
+
+	// The agent runs until ctx ends (SIGTERM) or a restart is asked for; in
+	// both cases it drains first (servers prefer other agents meanwhile).
+	runCtx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
+	runDone := make(chan error, 1)
+	go func() { runDone <- agent.Run(runCtx) }()
+	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
+	for {
+		select {
+		case err := <-runDone:
+			log.Info("stopped")
+			return err
+		case why := <-restart:
+			exe, err := restartTarget()
+			if err != nil {
+				log.Error("restart refused; still serving", "trigger", why, "err", err)
+				continue
+			}
+			env, _, err := ls.handOver()
+			if err != nil {
+				log.Error("restart refused; still serving", "trigger", why, "err", err)
+				continue
+			}
+			log.Info("restarting in place: draining tunnels", "trigger", why, "drain_timeout", o.drainTimeout.String())
+			stopRun()
+			<-runDone
+			for _, s := range services {
+				s.stop()
+			}
+			services = nil
+			return execSelf(exe, env, log)
+		}
+	}
 }

@@ -81,10 +81,11 @@ type httpService struct {
 	done chan struct{}
 }
 
-// startHTTP listens on addr and serves h until stop. Port 0 in the flag
-// value means the service is off, so callers skip it before calling.
-func startHTTP(name, addr string, h http.Handler, log *slog.Logger) (*httpService, error) {
-	ln, err := net.Listen("tcp", addr)
+// startHTTP listens on addr (or adopts the inherited listener of that
+// name) and serves h until stop. Port 0 in the flag value means the service
+// is off, so callers skip it before calling.
+func startHTTP(name string, ls *listenerSet, addr string, h http.Handler, log *slog.Logger) (*httpService, error) {
+	ln, err := ls.listen(name, "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
 	if err != nil {
 		return nil, fmt.Errorf("%s listener on %s: %w", name, addr, err)
 	}

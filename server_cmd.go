@@ -66,6 +66,9 @@ type serverOptions struct {
 	mintCACert, mintCAKey string
 	mintSANs, mintCN      string
 	mintCheckInterval     time.Duration
+	restartGrace          time.Duration
+	restartOnBinaryChange bool
+	restartCheckInterval  time.Duration
 }
 
 func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
@@ -118,6 +121,9 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.mintSANs, "mint-sans", "", "comma list of DNS names and IPs agents dial, for the minted certificate")
 	f.StringVar(&o.mintCN, "mint-cn", "konnectivity-server", "common name of the minted certificate")
 	f.DurationVar(&o.mintCheckInterval, "mint-check-interval", time.Hour, "how often the minted certificate is checked for renewal")
+	f.DurationVar(&o.restartGrace, "restart-grace", 10*time.Second, "on SIGHUP (self-restart), how long open tunnels may finish before the process re-executes itself")
+	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place when the executable on disk is replaced")
+	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 	f.BoolVar(&o.readyzRequiresAgent, "readyz-requires-agent", true, "/readyz fails until an agent is connected")
 
 	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
@@ -298,8 +304,13 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			s.stop()
 		}
 	}()
+	// Listeners are adopted from a previous image of this process when it
+	// re-executed itself, so the socket (path and inode) and ports stay.
+	ls := newListenerSet(log)
 	if o.udsName != "" {
-		ln, err := listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+		ln, err := ls.listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
+			return listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+		})
 		if err != nil {
 			return err
 		}
@@ -318,7 +329,8 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		if err != nil {
 			return err
 		}
-		ln, err := tls.Listen("tcp", hostPort(o.serverBindAddress, o.serverPort), tcfg)
+		addr := hostPort(o.serverBindAddress, o.serverPort)
+		ln, err := ls.listen("frontend-tcp", "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
 		if err != nil {
 			return fmt.Errorf("TCP frontend: %w", err)
 		}
@@ -326,9 +338,10 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "", []string{"listener"}, []string{"frontend"},
 			func() float64 { return float64(frontCert.NotAfter().Unix()) })
 		nServing++
-		go func() { serving <- serveFrontend(ln) }()
+		go func() { serving <- serveFrontend(tls.NewListener(ln, tcfg)) }()
 	}
-	agentLn, err := net.Listen("tcp", hostPort(o.agentBindAddress, o.agentPort))
+	agentAddr := hostPort(o.agentBindAddress, o.agentPort)
+	agentLn, err := ls.listen("agents", "tcp", agentAddr, func() (net.Listener, error) { return net.Listen("tcp", agentAddr) })
 	if err != nil {
 		srv.Close()
 		return fmt.Errorf("agent listener: %w", err)
@@ -343,7 +356,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	status := func() any { return srv.Status() }
 	if o.healthPort != 0 {
-		s, err := startHTTP("health", hostPort(o.healthBindAddress, o.healthPort), serviceMux(ready, nil, metrics, status, false, false), log)
+		s, err := startHTTP("health", ls, hostPort(o.healthBindAddress, o.healthPort), serviceMux(ready, nil, metrics, status, false, false), log)
 		if err != nil {
 			srv.Close()
 			return err
@@ -352,34 +365,73 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	if o.adminPort != 0 {
 		mux := serviceMux(ready, nil, metrics, status, true, o.enableProfiling)
-		s, err := startHTTP("admin", hostPort(o.adminBindAddress, o.adminPort), mux, log)
+		s, err := startHTTP("admin", ls, hostPort(o.adminBindAddress, o.adminPort), mux, log)
 		if err != nil {
 			srv.Close()
 			return err
 		}
 		services = append(services, s)
 	}
+	ls.closeUnused()
 
+	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
 	var runErr error
-	select {
-	case <-ctx.Done():
-	case runErr = <-serving:
-		nServing--
+	for waiting := true; waiting; {
+		select {
+		case <-ctx.Done():
+			waiting = false
+		case runErr = <-serving:
+			nServing--
+			waiting = false
+		case why := <-restart:
+			exe, err := restartTarget()
+			if err != nil {
+				log.Error("restart refused; still serving", "trigger", why, "err", err)
+				continue
+			}
+			env, _, err := ls.handOver()
+			if err != nil {
+				log.Error("restart refused; still serving", "trigger", why, "err", err)
+				continue
+			}
+			log.Info("restarting in place: draining tunnels", "trigger", why, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
+			o.stopServing(srv, o.restartGrace, log, serving, nServing)
+			for _, s := range services {
+				s.stop()
+			}
+			services = nil
+			stopMinting()
+			waitMinting()
+			// Only a failed exec returns; the supervisor's respawn takes over.
+			return execSelf(exe, env, log)
+		}
 	}
 	log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
-	sctx, cancel := context.WithTimeout(context.Background(), o.gracefulShutdown)
-	defer cancel()
-	if err := srv.Shutdown(sctx); err != nil {
-		log.Warn("graceful shutdown cut short; open tunnels closed", "err", err)
-	}
-	for ; nServing > 0; nServing-- {
-		<-serving
+	o.stopServing(srv, o.gracefulShutdown, log, serving, nServing)
+	if o.udsName != "" {
+		// An adopted socket does not unlink itself on close.
+		if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
+			log.Warn("remove frontend socket", "err", err)
+		}
 	}
 	log.Info("stopped")
 	if runErr != nil && !errors.Is(runErr, tunnel.ErrServerClosed) {
 		return runErr
 	}
 	return nil
+}
+
+// stopServing sends GOAWAY to agents, lets tunnels finish within grace and
+// waits for the accept loops to return.
+func (o *serverOptions) stopServing(srv *tunnel.Server, grace time.Duration, log *slog.Logger, serving chan error, n int) {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		log.Warn("grace period over; open tunnels closed", "err", err)
+	}
+	for ; n > 0; n-- {
+		<-serving
+	}
 }
 
 // agentTLSConfig serves --cluster-cert/--cluster-key and, with

@@ -1,5 +1,5 @@
 #!/bin/sh
-# shellcheck shell=sh disable=SC2317
+# shellcheck shell=sh disable=SC2317,SC2086,SC2015
 # Real OpenRC test of openrc/konnectivity-{server,agent}.initd: the scripts run
 # under openrc-run and supervise-daemon with the real binary, a fake k3s tree
 # (CA, CA key, admin kubeconfig) and a fake TokenReview apiserver.
@@ -43,8 +43,8 @@ if [ "${OPENRC_TEST_INNER:-}" != 1 ]; then
 	[ -x "$bin" ] || cannot "$bin missing (run make build)"
 	work=$(mktemp -d)
 	trap 'rm -rf "$work"' EXIT
-	if ! (cd "$root" && CGO_ENABLED=0 go build -o "$work/fakeapi" ./openrc/testdata/fakeapi); then
-		echo "build of openrc/testdata/fakeapi failed"
+	if ! (cd "$root" && CGO_ENABLED=0 go build -o "$work/testhelper" ./openrc/testdata/testhelper); then
+		echo "build of openrc/testdata/testhelper failed"
 		echo "0 passed, 1 failed"
 		exit 1
 	fi
@@ -54,9 +54,9 @@ if [ "${OPENRC_TEST_INNER:-}" != 1 ]; then
 		mkdir -p "$work/$mode"
 		set +e
 		OPENRC_TEST_INNER=1 OPENRC_TEST_WORK="$work/$mode" OPENRC_TEST_SHELL=$mode \
-			OPENRC_TEST_BIN=$bin OPENRC_TEST_FAKEAPI=$work/fakeapi \
+			OPENRC_TEST_BIN=$bin OPENRC_TEST_HELPER=$work/testhelper \
 			unshare --mount --pid --net --fork --kill-child --mount-proc --propagation private \
-			"$0" >"$work/$mode.out" 2>&1
+			"$work/testhelper" init -- "$here/test.sh" >"$work/$mode.out" 2>&1
 		rc=$?
 		set -e
 		cat "$work/$mode.out"
@@ -107,7 +107,7 @@ wait_for() {
 }
 finish() {
 	if [ "$FAILS" != 0 ]; then
-		for _l in /var/log/konnectivity-server.log /var/log/konnectivity-agent.log /run/test/fakeapi.log; do
+		for _l in /var/log/konnectivity-server.log /var/log/konnectivity-agent.log /run/test/helper-api.log; do
 			[ -f "$_l" ] && { echo "--- tail $_l"; tail -n 25 "$_l"; }
 		done
 	fi
@@ -188,7 +188,7 @@ EOS
 cp /etc/spinifex-eks/first-boot.env "$work/first-boot.env"
 
 # --- fake k3s: CA (EC P-256, SEC1 key, like k3s), admin kubeconfig ---------
-mkdir -p $tls /var/lib/rancher/k3s/agent
+mkdir -p $tls /var/lib/rancher/k3s/agent /var/lib/rancher/k3s/server/manifests
 openssl ecparam -name prime256v1 -genkey -noout -out $tls/server-ca.key 2>/dev/null
 openssl req -x509 -new -key $tls/server-ca.key -subj "/CN=k3s-server-ca@1700000000" \
 	-days 3650 -addext "basicConstraints=critical,CA:TRUE" \
@@ -224,11 +224,14 @@ users:
 EOS
 chmod 600 $kubeconfig
 head -c 24 /dev/urandom | base64 | tr -d '/+=' >/run/test/token
-"$OPENRC_TEST_FAKEAPI" serve -addr 127.0.0.1:6443 -cert /run/test/api/tls.crt -key /run/test/api/tls.key \
-	-client-ca $tls/server-ca.crt -token-file /run/test/token >/run/test/fakeapi.log 2>&1 &
+"$OPENRC_TEST_HELPER" serve -addr 127.0.0.1:6443 -cert /run/test/api/tls.crt -key /run/test/api/tls.key \
+	-client-ca $tls/server-ca.crt -token-file /run/test/token >/run/test/helper-api.log 2>&1 &
 echo backend-ok >/run/www/index.html
 busybox httpd -f -p 127.0.0.1:18080 -h /run/www &
-api_up() { curl -s -o /dev/null -m 2 --cacert $tls/server-ca.crt https://127.0.0.1:6443/ 2>/dev/null; }
+api_up() {
+	curl -s -o /dev/null -m 2 --cacert $tls/server-ca.crt --cert /run/test/admin/tls.crt \
+		--key /run/test/admin/tls.key https://127.0.0.1:6443/ 2>/dev/null
+}
 wait_for api_up || fail "fake apiserver did not come up"
 rc-update -u >/dev/null 2>&1
 step "sandbox ready (shell mode $OPENRC_TEST_SHELL)"
@@ -257,7 +260,7 @@ healthz() { curl -fsS -m 2 -o /dev/null "http://127.0.0.1:$1/healthz" 2>/dev/nul
 readyz() { curl -fsS -m 2 -o /dev/null "http://127.0.0.1:8134/readyz" 2>/dev/null; }
 uds_up() { [ -S $uds ]; }
 server_up() { uds_up && healthz 8134; }
-dial() { "$OPENRC_TEST_FAKEAPI" connect -uds $uds -target 127.0.0.1:18080 2>/run/test/dial.err | grep -qx backend-ok; }
+dial() { "$OPENRC_TEST_HELPER" connect -uds $uds -target 127.0.0.1:18080 2>/run/test/dial.err | grep -qx backend-ok; }
 respawned() { # respawned OLD_PID OLD_START_COUNT
 	_c=$(child)
 	alive "$_c" && [ "$_c" != "$1" ] && [ "$(opt $srv start_count)" -gt "$2" ]
@@ -300,8 +303,8 @@ check "socket is 0600" test "$(stat -c %a $uds)" = 600
 check "/run/konnectivity is 0750" test "$(stat -c %a /run/konnectivity)" = 750
 check "serving cert minted" test -s /var/lib/konnectivity/tls/tls.crt
 check "serving key is 0600" test "$(stat -c %a /var/lib/konnectivity/tls/tls.key)" = 600
-sans=$(openssl x509 -in /var/lib/konnectivity/tls/tls.crt -noout -ext subjectAltName 2>/dev/null | tr -d ' \n')
-check "cert SANs from first-boot.env ($sans)" test "$sans" = "subjectAltName:DNS:localhost,DNS:konnectivity.example.internal,IPAddress:127.0.0.1"
+sans=$(openssl x509 -in /var/lib/konnectivity/tls/tls.crt -noout -ext subjectAltName 2>/dev/null | tail -n +2 | tr -d ' \n')
+check "cert SANs from first-boot.env ($sans)" test "$sans" = "DNS:localhost,DNS:konnectivity.example.internal,IPAddress:127.0.0.1"
 check "cert signed by the k3s CA" openssl verify -CAfile $tls/server-ca.crt /var/lib/konnectivity/tls/tls.crt
 cert_sum=$(sha256sum /var/lib/konnectivity/tls/tls.crt | cut -d' ' -f1)
 args=$(tr '\0' ' ' <"/proc/$(child)/cmdline")
@@ -317,19 +320,23 @@ for a in "server" "--mode=http-connect" "--uds-name=$uds" "--server-port=0" "--a
 	esac
 done
 check "output_log written" grep -q listening /var/log/$srv.log
+agentcm=/var/lib/rancher/k3s/server/manifests/konnectivity-agent-config.yaml
+check "agent ConfigMap manifest names the first SAN" grep -qx '  proxy-server-host: "127.0.0.1"' $agentcm
+check "agent ConfigMap manifest has the agent port" grep -qx '  proxy-server-port: "8132"' $agentcm
+cm_mtime=$(stat -c %i $agentcm)
 set +e
 readyz
 st=$?
 set -e
 check "/readyz fails with no agent" test "$st" != 0
-out=$(rc-service $srv healthcheck 2>&1) && ok "healthcheck (default wget probe) passes" || fail "healthcheck: $out"
+out=$(rc-service $srv healthcheck 2>&1) && ok "healthcheck (default probe) passes" || fail "healthcheck: $out"
 step "server started"
 
 # --- agent service, TokenReview, a dial through the UDS ----------------------
 out=$(rc-service $agt start 2>&1) && ok "$agt start" || fail "$agt start: $out"
 check "agent /healthz answers on 8093" wait_for healthz 8093
 check "server /readyz passes once the agent is in" wait_for readyz
-check "TokenReview accepted the agent's token" grep -q "authenticated=true" /run/test/fakeapi.log
+check "TokenReview accepted the agent's token" grep -q "authenticated=true" /run/test/helper-api.log
 agent_args=$(tr '\0' ' ' <"/proc/$(opt $agt child_pid)/cmdline")
 case "$agent_args" in
 *"--agent-identifiers=host=node1&ipv4=127.0.0.1&default-route=true "*) ok "agent identifiers passed intact" ;;
@@ -353,16 +360,27 @@ check "status started after respawn" test "$(status_rc $srv)" = 0
 step "respawn verified"
 
 # --- reload: SIGHUP via supervise-daemon --signal ----------------------------
-# True today: the binary has no SIGHUP handler, so it exits and
-# supervise-daemon respawns it (a new PID). When self-restart lands this
-# becomes: same PID, start_count unchanged.
+# The binary re-executes itself in place on SIGHUP: same PID, so
+# supervise-daemon sees no exit and start_count stays.
+reexecs() { grep -c "re-executing in place" "/var/log/$1.log" || true; }
+reexeced() { [ "$(reexecs "$1")" -gt "$2" ]; }
 old=$(child)
 sc=$(opt $srv start_count)
-out=$(rc-service $srv reload 2>&1) && ok "reload returns 0" || fail "reload: $out"
-check "reload today: SIGHUP ends the server, supervise-daemon respawns it" wait_for respawned "$old" "$sc"
+n=$(reexecs $srv)
+out=$(rc-service $srv reload 2>&1) && ok "$srv reload returns 0" || fail "$srv reload: $out"
+check "reload: the server re-executed itself" wait_for reexeced $srv "$n"
 check "UDS and /healthz back after reload" wait_for server_up
+check "reload kept the PID ($old)" test "$(child)" = "$old"
+check "reload: no respawn (start_count $sc)" test "$(opt $srv start_count)" = "$sc"
 check "dial works after reload" wait_for dial
 check "status started after reload" test "$(status_rc $srv)" = 0
+aold=$(opt $agt child_pid)
+n=$(reexecs $agt)
+out=$(rc-service $agt reload 2>&1) && ok "$agt reload returns 0" || fail "$agt reload: $out"
+check "reload: the agent re-executed itself" wait_for reexeced $agt "$n"
+check "agent reload kept the PID ($aold)" test "$(opt $agt child_pid)" = "$aold"
+check "agent /healthz back after reload" wait_for healthz 8093
+check "dial works after agent reload" wait_for dial
 step "reload verified"
 
 # --- healthcheck failure: supervise-daemon restarts the daemon ---------------
@@ -372,11 +390,14 @@ step "reload verified"
 	cat "$work/server.confd"
 	echo 'healthcheck_delay=1'
 	echo 'healthcheck_timer=1'
+	echo 'retry="TERM/3/KILL/2"'
 	echo 'KONNECTIVITY_HEALTHCHECK_CMD="test ! -e /run/test/unhealthy"'
 } >/etc/conf.d/$srv
 out=$(rc-service $srv restart 2>&1) && ok "restart returns 0" || fail "restart: $out"
 check "up after restart" wait_for server_up
 check "restart reused the serving cert" test "$(sha256sum /var/lib/konnectivity/tls/tls.crt | cut -d' ' -f1)" = "$cert_sum"
+check "restart left the unchanged ConfigMap manifest alone" test "$(stat -c %i $agentcm)" = "$cm_mtime"
+step "restarted"
 old=$(child)
 sc=$(opt $srv start_count)
 touch /run/test/unhealthy

@@ -287,6 +287,11 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.Stats.OpenStreams.Add(1)
 	defer a.Stats.OpenStreams.Add(-1)
 	defer dest.Close()
+	// When the stream ends from the server's side (reset, connection lost,
+	// drain timeout) the destination is closed, so a silent destination
+	// cannot hold this handler, and with it a shutdown, forever.
+	stopWatch := context.AfterFunc(r.Context(), func() { dest.Close() })
+	defer stopWatch()
 	w.WriteHeader(http.StatusOK)
 	flush := flusherOf(w)
 	flush()

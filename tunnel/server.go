@@ -331,7 +331,8 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		cancel()
 		if err != nil {
 			s.Stats.AgentsRefused.Add(1)
-			s.quiet.log(s.log, slog.LevelInfo, "tls "+hostOf(remote), "agent TLS handshake failed", "remote", remote, "err", err)
+			// Debug: load-balancer health checks look exactly like this.
+			s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
 			raw.Close()
 			return
 		}
@@ -346,7 +347,13 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	}
 	if err != nil {
 		code := StatusCode(err)
-		if code != http.StatusConflict {
+		switch {
+		case code == http.StatusConflict: // a duplicate: expected while agents seek every server
+		case hello.ID == "":
+			// Not an agent at all (a probe, a port scan): count it, log at debug.
+			s.Stats.AgentsRefused.Add(1)
+			s.log.Debug("not an agent handshake", "remote", remote, "status", code, "reason", errMsg(err))
+		default:
 			s.Stats.AgentsRefused.Add(1)
 			s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "status", code, "reason", errMsg(err))
 		}
@@ -502,6 +509,9 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	if _, err := io.WriteString(conn, connectEstablished); err != nil {
 		return
 	}
+	tunnelDone := make(chan struct{})
+	defer close(tunnelDone)
+	up.onEOF = func() { s.watchHangup(conn, st, tunnelDone) }
 	up.start()
 	n, err := copyStream(conn, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)

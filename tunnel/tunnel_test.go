@@ -623,3 +623,49 @@ func TestAgentDrain(t *testing.T) {
 		t.Fatal("agent did not stop after its tunnel ended")
 	}
 }
+
+// A client that sends, then closes its socket completely, while the
+// destination never answers: the tunnel must not linger on either side.
+func TestClientGoneWhileDestinationSilent(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	a := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	stop := make(chan struct{})
+	dest := serveTCP(t, func(c net.Conn) { <-stop }) // accepts, never reads or answers
+	t.Cleanup(func() { close(stop) })
+	conn, _, resp := e.connect(dest)
+	if resp.StatusCode != 200 {
+		t.Fatal(resp.Status)
+	}
+	io.WriteString(conn, "hello")
+	waitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 1 }, "tunnel open at the agent")
+	conn.Close()
+	waitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 0 && e.srv.Stats.FrontendOpen.Load() == 0 },
+		"tunnel closed at the agent and the server after the client went away")
+}
+
+// An agent told to stop while a tunnel is half-closed towards a silent
+// destination still stops once its drain timeout has passed.
+func TestAgentStopsWithSilentDestination(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	a := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 300 * time.Millisecond })
+	e.waitAgents(1)
+	stop := make(chan struct{})
+	dest := serveTCP(t, func(c net.Conn) { <-stop })
+	t.Cleanup(func() { close(stop) })
+	conn, _, resp := e.connect(dest)
+	defer conn.Close()
+	if resp.StatusCode != 200 {
+		t.Fatal(resp.Status)
+	}
+	conn.(*net.UnixConn).CloseWrite() // half-closed: the client still waits for an answer
+	time.Sleep(100 * time.Millisecond)
+	a.cancel()
+	select {
+	case <-a.done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("agent did not stop after its drain timeout")
+	}
+}

@@ -1,9 +1,12 @@
-// Command fakeapi is a test helper for openrc/test.sh (not shipped): a fake
-// kube-apiserver that answers TokenReview for one token, and a CONNECT client
-// that dials through the konnectivity server's UNIX socket.
+// Command testhelper is a helper for openrc/test.sh (not shipped):
 //
-//	fakeapi serve -addr 127.0.0.1:6443 -cert C -key K -client-ca CA -token-file T
-//	fakeapi connect -uds /run/konnectivity/konnectivity-server.socket -target 127.0.0.1:18080
+//	testhelper init -- CMD ARGS...   PID 1 of the test's pid namespace: runs
+//	    CMD and reaps every orphan (supervise-daemon double-forks, and a
+//	    zombie supervisor would make `supervise-daemon --stop` wait forever)
+//	testhelper serve -addr 127.0.0.1:6443 -cert C -key K -client-ca CA -token-file T
+//	    a fake kube-apiserver answering TokenReview for one token
+//	testhelper connect -uds SOCKET -target 127.0.0.1:18080
+//	    CONNECT through the konnectivity server's socket, then GET /
 package main
 
 import (
@@ -20,16 +23,19 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 )
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: fakeapi serve|connect [flags]")
+		fmt.Fprintln(os.Stderr, "usage: testhelper init|serve|connect [flags]")
 		os.Exit(2)
 	}
 	var err error
 	switch os.Args[1] {
+	case "init":
+		err = initReaper(os.Args[2:])
 	case "serve":
 		err = serve(os.Args[2:])
 	case "connect":
@@ -38,7 +44,7 @@ func main() {
 		err = fmt.Errorf("unknown command %q", os.Args[1])
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "fakeapi %s: %v\n", os.Args[1], err)
+		fmt.Fprintf(os.Stderr, "testhelper %s: %v\n", os.Args[1], err)
 		os.Exit(1)
 	}
 }
@@ -119,7 +125,7 @@ func serve(args []string) error {
 			ClientAuth:   tls.RequireAndVerifyClientCert,
 		},
 	}
-	fmt.Printf("fakeapi listening on %s\n", *addr)
+	fmt.Printf("testhelper listening on %s\n", *addr)
 	return srv.ListenAndServeTLS("", "")
 }
 
@@ -168,4 +174,41 @@ func connect(args []string) error {
 	}
 	os.Stdout.Write(body)
 	return nil
+}
+
+// initReaper starts args and reaps children until it exits, then exits with
+// its status. As PID 1 it also inherits and reaps every orphan.
+func initReaper(args []string) error {
+	if len(args) > 0 && args[0] == "--" {
+		args = args[1:]
+	}
+	if len(args) == 0 {
+		return errors.New("no command")
+	}
+	p, err := os.StartProcess(args[0], args, &os.ProcAttr{
+		Env:   os.Environ(),
+		Files: []*os.File{os.Stdin, os.Stdout, os.Stderr},
+	})
+	if err != nil {
+		return err
+	}
+	for {
+		var ws syscall.WaitStatus
+		pid, err := syscall.Wait4(-1, &ws, 0, nil)
+		if err == syscall.EINTR {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("wait: %w", err)
+		}
+		if pid != p.Pid {
+			continue
+		}
+		switch {
+		case ws.Exited():
+			os.Exit(ws.ExitStatus())
+		case ws.Signaled():
+			os.Exit(128 + int(ws.Signal()))
+		}
+	}
 }

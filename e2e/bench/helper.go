@@ -1,0 +1,95 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// helperEnv makes the bench binary act as an echo destination in its own
+// process. The 10,000-tunnel figure needs two descriptors per tunnel in one
+// process (client and destination end); when RLIMIT_NOFILE cannot be raised
+// that far, the destination ends move to this helper.
+const helperEnv = "KONNECTIVITY_BENCH_ECHO_HELPER"
+
+// runEchoHelper serves echo on a loopback port, prints the address and
+// exits when its stdin closes (the bench ended, however it ended).
+func runEchoHelper() int {
+	pat := newPattern()
+	d, err := startDestination(pat)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "echo helper: %v\n", err)
+		return 1
+	}
+	fmt.Println(d.echo.Addr().String())
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	d.close()
+	return 0
+}
+
+// echoHelper is a started helper process.
+type echoHelper struct {
+	addr  string
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	done  chan struct{}
+}
+
+func startEchoHelper(ctx context.Context) (*echoHelper, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, fmt.Errorf("echo helper: %w", err)
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), helperEnv+"=1")
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start echo helper %s: %w", exe, err)
+	}
+	h := &echoHelper{cmd: cmd, stdin: stdin, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		close(h.done)
+	}()
+	line := make(chan string, 1)
+	go func() {
+		s, _ := bufio.NewReader(stdout).ReadString('\n')
+		line <- strings.TrimSpace(s)
+	}()
+	select {
+	case h.addr = <-line:
+	case <-time.After(readyTimeout):
+	case <-ctx.Done():
+	}
+	if _, err := net.ResolveTCPAddr("tcp", h.addr); err != nil || h.addr == "" {
+		h.stop()
+		return nil, fmt.Errorf("echo helper gave no address (%q)", h.addr)
+	}
+	return h, nil
+}
+
+func (h *echoHelper) stop() {
+	h.stdin.Close()
+	select {
+	case <-h.done:
+	case <-time.After(stopTimeout):
+		_ = h.cmd.Process.Kill()
+		<-h.done
+	}
+}

@@ -1,0 +1,259 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Self-restart: the process re-executes itself in place (same PID, so
+// supervise-daemon sees nothing) and hands its listening sockets to the new
+// image as inherited file descriptors. Connections that arrive during the
+// switch wait in the kernel's listen backlog; none is refused.
+
+// inheritEnv names the listeners passed across exec: "name=fd,name=fd".
+const inheritEnv = "KONNECTIVITY_INHERITED_FDS"
+
+// listenerSet opens the process's listeners, adopting inherited ones when a
+// previous image of this process handed them over.
+type listenerSet struct {
+	log       *slog.Logger
+	inherited map[string]*os.File
+	open      []namedListener
+}
+
+type namedListener struct {
+	name string
+	ln   net.Listener
+}
+
+// newListenerSet reads (and clears) the inherited descriptors.
+func newListenerSet(log *slog.Logger) *listenerSet {
+	ls := &listenerSet{log: log, inherited: map[string]*os.File{}}
+	spec := os.Getenv(inheritEnv)
+	os.Unsetenv(inheritEnv) // children of this process must not see it
+	for _, part := range strings.Split(spec, ",") {
+		name, fdText, ok := strings.Cut(part, "=")
+		if !ok {
+			continue
+		}
+		fd, err := strconv.Atoi(fdText)
+		if err != nil || fd < 3 {
+			log.Warn("ignoring malformed inherited descriptor", "entry", part)
+			continue
+		}
+		unix.CloseOnExec(fd) // until handed on again
+		ls.inherited[name] = os.NewFile(uintptr(fd), name)
+	}
+	return ls
+}
+
+// listen returns the listener called name: the inherited one if it is
+// bound to the same address, otherwise a new one from create.
+func (ls *listenerSet) listen(name, network, addr string, create func() (net.Listener, error)) (net.Listener, error) {
+	if f := ls.inherited[name]; f != nil {
+		delete(ls.inherited, name)
+		ln, err := net.FileListener(f)
+		f.Close() // FileListener dups it
+		switch {
+		case err != nil:
+			ls.log.Warn("inherited listener unusable; opening a new one", "listener", name, "err", err)
+		case sameAddr(ln.Addr(), network, addr):
+			ls.log.Info("adopted inherited listener", "listener", name, "addr", ln.Addr().String())
+			ls.open = append(ls.open, namedListener{name, ln})
+			return ln, nil
+		default:
+			ls.log.Info("inherited listener is on another address; opening a new one", "listener", name, "was", ln.Addr().String(), "now", addr)
+			ln.Close()
+		}
+	}
+	ln, err := create()
+	if err != nil {
+		return nil, err
+	}
+	ls.open = append(ls.open, namedListener{name, ln})
+	return ln, nil
+}
+
+// closeUnused closes inherited listeners this configuration did not ask for.
+func (ls *listenerSet) closeUnused() {
+	for name, f := range ls.inherited {
+		ls.log.Info("closing inherited listener no longer configured", "listener", name)
+		f.Close()
+	}
+	ls.inherited = nil
+}
+
+func sameAddr(have net.Addr, network, want string) bool {
+	if network == "unix" {
+		return have.Network() == "unix" && have.String() == want
+	}
+	h, ok := have.(*net.TCPAddr)
+	if !ok {
+		return false
+	}
+	host, port, err := net.SplitHostPort(want)
+	if err != nil || strconv.Itoa(h.Port) != port {
+		return false
+	}
+	if host == "" {
+		return h.IP.IsUnspecified()
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.Equal(h.IP)
+}
+
+// handOver duplicates every open listener without close-on-exec and
+// returns the environment entry that names them. It must run before the
+// listeners are closed; a Unix socket's path is kept.
+func (ls *listenerSet) handOver() (string, []*os.File, error) {
+	var parts []string
+	var files []*os.File
+	for _, nl := range ls.open {
+		if ul, ok := nl.ln.(*net.UnixListener); ok {
+			ul.SetUnlinkOnClose(false)
+		}
+		fl, ok := nl.ln.(interface{ File() (*os.File, error) })
+		if !ok {
+			return "", files, fmt.Errorf("listener %s cannot be handed over", nl.name)
+		}
+		f, err := fl.File()
+		if err != nil {
+			return "", files, fmt.Errorf("duplicate listener %s: %w", nl.name, err)
+		}
+		files = append(files, f)
+		if _, err := unix.FcntlInt(f.Fd(), unix.F_SETFD, 0); err != nil {
+			return "", files, fmt.Errorf("clear close-on-exec on %s: %w", nl.name, err)
+		}
+		parts = append(parts, fmt.Sprintf("%s=%d", nl.name, f.Fd()))
+	}
+	return inheritEnv + "=" + strings.Join(parts, ","), files, nil
+}
+
+// restartTarget is the executable a restart would run, refused early when
+// it is missing or not executable, so nothing is stopped for nothing.
+func restartTarget() (string, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return "", fmt.Errorf("find own executable: %w", err)
+	}
+	fi, err := os.Stat(exe)
+	if err != nil {
+		return "", fmt.Errorf("restart target %s: %w", exe, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return "", fmt.Errorf("restart target %s is not a regular file", exe)
+	}
+	if err := unix.Access(exe, unix.X_OK); err != nil {
+		return "", fmt.Errorf("restart target %s is not executable: %w", exe, err)
+	}
+	return exe, nil
+}
+
+// execSelf replaces the process image, keeping the PID. On success it does
+// not return.
+func execSelf(exe string, handOverEnv string, log *slog.Logger) error {
+	env := []string{handOverEnv}
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, inheritEnv+"=") {
+			env = append(env, kv)
+		}
+	}
+	log.Info("re-executing in place", "exe", exe, "pid", os.Getpid())
+	err := syscall.Exec(exe, os.Args, env)
+	return fmt.Errorf("exec %s: %w", exe, err)
+}
+
+// binaryWatcher reports when the executable on disk is replaced, after the
+// new file has stopped changing (a copy in progress is not a new binary).
+func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger) <-chan struct{} {
+	changed := make(chan struct{}, 1)
+	exe, err := os.Executable()
+	if err != nil {
+		log.Warn("cannot watch own executable", "err", err)
+		return changed
+	}
+	stamp := func() (string, error) {
+		fi, err := os.Stat(exe)
+		if err != nil {
+			return "", err
+		}
+		st, _ := fi.Sys().(*syscall.Stat_t)
+		if st == nil {
+			return fmt.Sprint(fi.Size(), fi.ModTime().UnixNano()), nil
+		}
+		return fmt.Sprint(st.Dev, st.Ino, fi.Size(), fi.ModTime().UnixNano()), nil
+	}
+	first, err := stamp()
+	if err != nil {
+		log.Warn("cannot watch own executable", "err", err)
+		return changed
+	}
+	go func() {
+		last := first
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			now, err := stamp()
+			if err != nil || now == first {
+				last = now
+				continue
+			}
+			if now == last { // unchanged for one period: the new file is complete
+				log.Info("executable replaced on disk", "exe", exe)
+				select {
+				case changed <- struct{}{}:
+				default:
+				}
+				first = now
+			}
+			last = now
+		}
+	}()
+	return changed
+}
+
+// restartRequests delivers a reason whenever the process should re-execute
+// itself: SIGHUP, or (when asked) a replaced executable.
+func restartRequests(ctx context.Context, onBinaryChange bool, every time.Duration, log *slog.Logger) <-chan string {
+	out := make(chan string, 1)
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	var replaced <-chan struct{}
+	if onBinaryChange {
+		replaced = binaryWatcher(ctx, every, log)
+	}
+	go func() {
+		defer signal.Stop(hup)
+		for {
+			var why string
+			select {
+			case <-ctx.Done():
+				return
+			case <-hup:
+				why = "SIGHUP"
+			case <-replaced:
+				why = "executable replaced"
+			}
+			select {
+			case out <- why:
+			default: // a restart is already pending
+			}
+		}
+	}()
+	return out
+}
