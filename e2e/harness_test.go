@@ -320,6 +320,7 @@ func freePort(t *testing.T) int {
 
 type server struct {
 	proc       *proc
+	bin        string // executable; "" is konnectivityBin
 	args       []string
 	owner      *testing.T // the test whose cleanup stops every server process
 	dir        string
@@ -349,6 +350,13 @@ const (
 
 func startServerWith(t *testing.T, fe frontend, extra ...string) *server {
 	t.Helper()
+	return startServerBin(t, "", fe, extra...)
+}
+
+// startServerBin is startServerWith for another executable (a copy the
+// test replaces); "" is konnectivityBin.
+func startServerBin(t *testing.T, bin string, fe frontend, extra ...string) *server {
+	t.Helper()
 	// Unix socket paths are limited to ~108 bytes; t.TempDir can be long.
 	dir, err := os.MkdirTemp("", "kse2e")
 	if err != nil {
@@ -357,6 +365,7 @@ func startServerWith(t *testing.T, fe frontend, extra ...string) *server {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	s := &server{
 		owner:      t,
+		bin:        bin,
 		dir:        dir,
 		pki:        newPKI(t, dir),
 		agentPort:  freePort(t),
@@ -403,7 +412,11 @@ func (s *server) launch(t *testing.T) {
 	t.Helper()
 	// Registered with the owner so that a restart inside a subtest
 	// outlives that subtest.
-	s.proc = startProc(s.owner, "server", s.args...)
+	bin := s.bin
+	if bin == "" {
+		bin = konnectivityBin
+	}
+	s.proc = startProcBin(s.owner, bin, "server", s.args...)
 	waitHTTP(t, s.proc, s.healthURL("/healthz"), http.StatusOK)
 	// The frontend must be up once the server reports healthy.
 	deadline := time.Now().Add(startTimeout)

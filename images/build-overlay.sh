@@ -27,10 +27,10 @@ root=$(cd "$here/.." && pwd)
 tree=$here/eks-node
 epoch=${SOURCE_DATE_EPOCH:-0}
 
-[ -f "$bin" ] && [ -x "$bin" ] || {
+if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then
 	echo "$0: $bin is not an executable file (run make build)" >&2
 	exit 1
-}
+fi
 tar --version 2>/dev/null | grep -q 'GNU tar' || {
 	echo "$0: needs GNU tar (--sort=name)" >&2
 	exit 1

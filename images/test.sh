@@ -136,7 +136,12 @@ check "manifest audience matches the server's ($(default KONNECTIVITY_AUDIENCE))
 check "manifest ServiceAccount matches the server's" sh -c \
 	"grep -qx '  name: $(default KONNECTIVITY_AGENT_SERVICE_ACCOUNT)' '$m' && grep -qx '  namespace: $(default KONNECTIVITY_AGENT_NAMESPACE)' '$m'"
 check "manifest runs the binary the overlay installs" grep -qx "          path: /usr/local/bin/konnectivity" "$m"
-check "manifest reads the ConfigMap the server writes" grep -q "konnectivity-agent-config.yaml" "$initd"
+for k in proxy-server-host proxy-server-port; do
+	check "manifest reads ConfigMap key $k, which the server writes" sh -c \
+		"grep -qx '              key: $k' '$m' && grep -q '^  $k: ' '$initd'"
+done
+check "the server writes that ConfigMap next to the manifest" \
+	test "$(default KONNECTIVITY_AGENT_CONFIG_MANIFEST)" = /var/lib/rancher/k3s/server/manifests/konnectivity-agent-config.yaml
 env_sans=$(sh -c ". '$r/etc/spinifex-eks/first-boot.env.example'; echo \"\$EKS_KONNECTIVITY_SERVER_COUNT \$EKS_KONNECTIVITY_SANS\"")
 check "first-boot.env.example sets count and SANs ($env_sans)" test "${env_sans#* }" != "" -a "${env_sans%% *}" -gt 0
 

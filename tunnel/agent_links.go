@@ -5,7 +5,6 @@ package tunnel
 import (
 	"bufio"
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -243,7 +242,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
 			raw.Close()
 			return nil, fmt.Errorf("TLS configuration: %w", err)
 		}
-		tc := tls.Client(raw, tcfg)
+		tc := tlsClient(raw, tcfg)
 		if err := tc.HandshakeContext(hctx); err != nil {
 			raw.Close()
 			return nil, fmt.Errorf("TLS handshake with %s: %w", t.addr, err)

@@ -7,20 +7,34 @@ import (
 	"sync"
 )
 
-// copyBufSize is the size of one read on the byte path. Buffers come from a
-// pool and go back as soon as the copy ends.
-const copyBufSize = 32 << 10
+// Copy buffers come in two sizes. A tunnel starts with a small one, which
+// is what an idle tunnel holds while it waits for bytes; a read that fills
+// it switches to a large one for bulk transfer, and a short read switches
+// back. Buffers return to their pool when the copy ends.
+const (
+	smallBufSize = 4 << 10
+	largeBufSize = 128 << 10
+)
 
-// bufPool is immutable after init (a sync.Pool is safe for concurrent use).
-var bufPool = sync.Pool{New: func() any { b := make([]byte, copyBufSize); return &b }}
+// The pools are immutable after init (a sync.Pool is safe for concurrent use).
+var (
+	smallBufs = sync.Pool{New: func() any { b := make([]byte, smallBufSize); return &b }}
+	largeBufs = sync.Pool{New: func() any { b := make([]byte, largeBufSize); return &b }}
+)
 
 // copyStream copies src to dst until src ends. A nil error means src ended
 // cleanly (io.EOF). When flush is non-nil it is called after every write, so
 // interactive streams (exec, logs -f) see bytes at once.
 func copyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err error) {
-	bp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bp)
-	buf := *bp
+	small := smallBufs.Get().(*[]byte)
+	defer smallBufs.Put(small)
+	var large *[]byte
+	defer func() {
+		if large != nil {
+			largeBufs.Put(large)
+		}
+	}()
+	buf := *small
 	for {
 		n, rerr := src.Read(buf)
 		if n > 0 {
@@ -32,6 +46,14 @@ func copyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err 
 			if flush != nil {
 				flush()
 			}
+		}
+		switch {
+		case n == len(buf) && large == nil:
+			large = largeBufs.Get().(*[]byte)
+			buf = *large
+		case n < smallBufSize && large != nil:
+			largeBufs.Put(large)
+			large, buf = nil, *small
 		}
 		if rerr != nil {
 			if errors.Is(rerr, io.EOF) {

@@ -287,8 +287,8 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 	// Downstream: the agent's bytes become DATA packets.
 	downDone := make(chan error, 1)
 	s.goroutine(func() {
-		bp := bufPool.Get().(*[]byte)
-		defer bufPool.Put(bp)
+		bp := largeBufs.Get().(*[]byte)
+		defer largeBufs.Put(bp)
 		for {
 			n, err := st.body.Read(*bp)
 			if n > 0 {

@@ -160,7 +160,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 // full speed (window/RTT).
 const (
 	streamWindow = 1 << 20
-	maxFrameSize = 256 << 10
+	maxFrameSize = 64 << 10
 )
 
 // ErrServerClosed is returned by the Serve methods after Shutdown or Close.
@@ -325,7 +325,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	deadline := time.Now().Add(s.cfg.HeaderTimeout)
 	raw.SetDeadline(deadline)
 	if s.cfg.AgentTLS != nil {
-		tc := tls.Server(raw, s.cfg.AgentTLS)
+		tc := tlsServer(raw, s.cfg.AgentTLS)
 		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
 		err := tc.HandshakeContext(ctx)
 		cancel()
