@@ -16,7 +16,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test lint unit e2e fuzz bench bench-quick install clean tools
+.PHONY: all build demo test lint unit e2e fuzz bench bench-quick install clean tools image-overlay test-images test-openrc
 
 all: build
 
@@ -35,6 +35,9 @@ lint: tools
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
 	cd e2e && $(GO) vet ./...
+	$(GO) vet ./openrc/testdata/testhelper
+	$(STATICCHECK) ./openrc/testdata/testhelper
+	@out=$$(gofmt -l openrc/testdata); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 unit:
 	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/...
@@ -43,7 +46,20 @@ unit:
 e2e: build
 	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 10m ./...
 
-test: lint unit e2e
+OVERLAY ?= bin/eks-node-overlay.tar.gz
+
+image-overlay: build
+	images/build-overlay.sh $(OVERLAY) $(BIN)
+
+test-images: build
+	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) images/test.sh
+
+# Runs the init scripts under real openrc-run and supervise-daemon in private
+# namespaces; needs root, openrc, busybox-static and shellcheck (.ci/run installs them).
+test-openrc: build
+	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) openrc/test.sh
+
+test: lint unit e2e test-images test-openrc
 
 FUZZTIME ?= 20s
 fuzz:

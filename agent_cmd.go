@@ -37,6 +37,9 @@ type agentOptions struct {
 	restartOnBinaryChange  bool
 	restartCheckInterval   time.Duration
 	tlsMinVersion          string
+	allowDestinations      string
+	denyDestinations       string
+	destinations           *tunnel.DestinationPolicy
 }
 
 func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
@@ -67,6 +70,8 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
+	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
+	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); the cloud metadata addresses are always denied unless allowed by a /24 or narrower rule")
 	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
 	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 
@@ -129,6 +134,10 @@ func (o *agentOptions) complete() error {
 		return fmt.Errorf("--agent-cert and --agent-key go together")
 	}
 	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+		return err
+	}
+	var err error
+	if o.destinations, err = tunnel.NewDestinationPolicy(o.allowDestinations, o.denyDestinations); err != nil {
 		return err
 	}
 	if o.maxStreams == 0 || o.maxStreams > 1<<31 {
@@ -197,6 +206,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		SyncInterval: o.syncInterval,
 		SyncCap:      o.syncCap,
 		MaxStreams:   uint32(o.maxStreams),
+		Destinations: o.destinations,
 		Logger:       log,
 	}
 	if o.tokenPath != "" {

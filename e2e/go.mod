@@ -2,7 +2,11 @@ module github.com/spinifex/konnectivity/e2e
 
 go 1.26.0
 
-require k8s.io/apiserver v0.37.2
+require (
+	github.com/prometheus/client_model v0.6.3
+	github.com/prometheus/common v0.73.1
+	k8s.io/apiserver v0.37.2
+)
 
 require (
 	github.com/beorn7/perks v1.0.1 // indirect
@@ -19,9 +23,8 @@ require (
 	github.com/modern-go/concurrent v0.0.0-20180306012644-bacd9c7ef1dd // indirect
 	github.com/modern-go/reflect2 v1.0.3-0.20250322232337-35a7c28c31ee // indirect
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/pandatix/go-abnf v0.5.3 // indirect
 	github.com/prometheus/client_golang v1.24.0 // indirect
-	github.com/prometheus/client_model v0.6.3 // indirect
-	github.com/prometheus/common v0.73.1 // indirect
 	github.com/prometheus/procfs v0.21.1 // indirect
 	github.com/spf13/pflag v1.0.10 // indirect
 	github.com/x448/float16 v0.8.4 // indirect

@@ -207,8 +207,17 @@ func startProc(t *testing.T, name string, args ...string) *proc {
 // startProcBin is startProc for another path to the binary (a symlink).
 func startProcBin(t *testing.T, bin, name string, args ...string) *proc {
 	t.Helper()
+	return startProcEnv(t, bin, name, nil, args...)
+}
+
+// startProcEnv is startProcBin with env added to the inherited environment.
+func startProcEnv(t *testing.T, bin, name string, env []string, args ...string) *proc {
+	t.Helper()
 	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
+	if len(env) > 0 {
+		p.cmd.Env = append(os.Environ(), env...)
+	}
 	p.cmd.Stdout = p.out
 	p.cmd.Stderr = p.out
 	if err := p.cmd.Start(); err != nil {
@@ -320,7 +329,8 @@ func freePort(t *testing.T) int {
 
 type server struct {
 	proc       *proc
-	bin        string // executable; "" is konnectivityBin
+	bin        string   // executable; "" is konnectivityBin
+	env        []string // added to the test's environment
 	args       []string
 	owner      *testing.T // the test whose cleanup stops every server process
 	dir        string
@@ -357,6 +367,13 @@ func startServerWith(t *testing.T, fe frontend, extra ...string) *server {
 // test replaces); "" is konnectivityBin.
 func startServerBin(t *testing.T, bin string, fe frontend, extra ...string) *server {
 	t.Helper()
+	return startServerBinEnv(t, bin, nil, fe, extra...)
+}
+
+// startServerBinEnv is startServerBin with env added to the server's
+// environment.
+func startServerBinEnv(t *testing.T, bin string, env []string, fe frontend, extra ...string) *server {
+	t.Helper()
 	// Unix socket paths are limited to ~108 bytes; t.TempDir can be long.
 	dir, err := os.MkdirTemp("", "kse2e")
 	if err != nil {
@@ -366,6 +383,7 @@ func startServerBin(t *testing.T, bin string, fe frontend, extra ...string) *ser
 	s := &server{
 		owner:      t,
 		bin:        bin,
+		env:        env,
 		dir:        dir,
 		pki:        newPKI(t, dir),
 		agentPort:  freePort(t),
@@ -416,7 +434,7 @@ func (s *server) launch(t *testing.T) {
 	if bin == "" {
 		bin = konnectivityBin
 	}
-	s.proc = startProcBin(s.owner, bin, "server", s.args...)
+	s.proc = startProcEnv(s.owner, bin, "server", s.env, s.args...)
 	waitHTTP(t, s.proc, s.healthURL("/healthz"), http.StatusOK)
 	// The frontend must be up once the server reports healthy.
 	deadline := time.Now().Add(startTimeout)

@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,9 @@ type AgentConfig struct {
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 	// Metrics receives the agent's metrics; nil makes a private registry.
 	Metrics *Metrics
+	// Destinations limits what the agent dials; nil denies only the cloud
+	// metadata addresses.
+	Destinations *DestinationPolicy
 
 	Logger *slog.Logger
 }
@@ -91,6 +95,9 @@ func (c *AgentConfig) setDefaults() {
 	}
 	if c.Metrics == nil {
 		c.Metrics = NewMetrics()
+	}
+	if c.Destinations == nil {
+		c.Destinations, _ = NewDestinationPolicy("", "")
 	}
 	if c.Resolver == nil {
 		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
@@ -249,6 +256,54 @@ func (a *Agent) closeLinks() {
 	}
 }
 
+// deniedError is a dial the destination policy refused.
+type deniedError struct{ err error }
+
+func (e *deniedError) Error() string { return e.err.Error() }
+
+// dialDestination checks addr against the destination policy and dials
+// it. A host name is resolved here and the allowed address itself is
+// dialled, so a name cannot be checked as one address and dialled as another.
+func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, error) {
+	host, portText, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, err
+	}
+	port, _ := strconv.Atoi(portText)
+	var ips []netip.Addr
+	if ip, err := netip.ParseAddr(host); err == nil {
+		ips = []netip.Addr{ip}
+	} else if ips, err = a.cfg.Resolver(ctx, host); err != nil {
+		return nil, fmt.Errorf("resolve %s: %w", host, err)
+	}
+	var firstDenial, lastErr error
+	for _, ip := range ips {
+		if err := a.cfg.Destinations.Check(ip, port); err != nil {
+			if firstDenial == nil {
+				firstDenial = err
+			}
+			continue
+		}
+		// Allowed addresses are tried in the resolver's order, as a
+		// plain dial of the name would.
+		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(ip.Unmap(), uint16(port)).String())
+		if err == nil {
+			return conn, nil
+		}
+		lastErr = err
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if lastErr != nil {
+		return nil, lastErr
+	}
+	if firstDenial == nil {
+		firstDenial = fmt.Errorf("%s resolved to no address", host)
+	}
+	return nil, &deniedError{firstDenial}
+}
+
 // serveStream answers one CONNECT stream from the server: it dials the
 // destination, answers 200 only once that worked, then carries bytes both
 // ways. Each tunnel has its own goroutines and its own HTTP/2 window.
@@ -266,13 +321,18 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
-	dest, err := a.cfg.Dialer(dctx, "tcp", addr)
+	dest, err := a.dialDestination(dctx, addr)
 	cancel()
 	if err != nil {
 		a.Stats.DialsFailed.Add(1)
 		code := http.StatusBadGateway
 		var ne net.Error
-		if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded) {
+		var denied *deniedError
+		if errors.As(err, &denied) {
+			code = http.StatusForbidden
+			a.metrics.dialDenied.Inc()
+			a.quiet.log(a.log, slog.LevelWarn, "denied "+addr, "dial refused by destination policy", "addr", addr, "reason", denied.Error())
+		} else if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded) {
 			code = http.StatusGatewayTimeout
 			a.metrics.dialTimeout.Inc()
 		} else {

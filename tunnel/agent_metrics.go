@@ -6,6 +6,7 @@ type agentMetrics struct {
 	dialDuration *Histogram
 	dialTimeout  *Counter
 	dialUnknown  *Counter
+	dialDenied   *Counter
 	resets       *Counter
 }
 
@@ -16,6 +17,7 @@ func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
 		dialDuration: m.Histogram(agentPrefix+"dial_duration_seconds", "Time to dial a destination, for successful dials.", agentDialBuckets, nil),
 		dialTimeout:  m.Counter(failures, failuresHelp, []string{"reason"}, "timeout"),
 		dialUnknown:  m.Counter(failures, failuresHelp, []string{"reason"}, "unknown"),
+		dialDenied:   m.Counter(failures, failuresHelp, []string{"reason"}, "denied"),
 		resets:       m.Counter(agentPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 	}
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,

@@ -41,10 +41,12 @@ const (
 // ServeGRPC accepts kube-apiserver's gRPC connections (HTTP/2 with prior
 // knowledge, or TLS with ALPN h2) on ln until Shutdown or Close.
 func (s *Server) ServeGRPC(ln net.Listener) error {
-	return s.serve(ln, s.serveGRPCConn)
+	return s.serve(ln, true, s.serveGRPCConn)
 }
 
-func (s *Server) serveGRPCConn(conn net.Conn) {
+// serveGRPCConn serves one kube-apiserver connection; release is called
+// once its first dial is answered (the client uses a connection per dial).
+func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 	if !s.trackFrontend(conn, true) {
 		conn.Close()
 		return
@@ -81,11 +83,12 @@ func (s *Server) serveGRPCConn(conn net.Conn) {
 	h2.ServeConn(conn, &http2.ServeConnOpts{
 		Context: s.baseCtx,
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			defer release()
 			if refused != nil {
 				grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
 				return
 			}
-			s.serveGRPCStream(w, r)
+			s.serveGRPCStream(w, r, release)
 		}),
 	})
 }
@@ -156,7 +159,7 @@ var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 
 // serveGRPCStream runs one /ProxyService/Proxy call: DIAL_REQ, DIAL_RSP,
 // then DATA both ways until either side closes.
-func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request) {
+func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release func()) {
 	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
 		return
@@ -207,12 +210,12 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	g := &grpcStream{w: w, flush: flusherOf(w)}
 	g.flush()
-	code, msg := s.proxyGRPC(g, r.Body, req, buf)
+	code, msg := s.proxyGRPC(g, r.Body, req, buf, release)
 	g.finish(code, msg)
 }
 
 // proxyGRPC carries one dial. It returns the call's final status.
-func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []byte) (int, string) {
+func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []byte, release func()) (int, string) {
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
@@ -270,6 +273,7 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 	}()
 
 	st, err := s.open(req.Address, up)
+	release()
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)

@@ -103,8 +103,12 @@ type Server struct {
 	mu        sync.Mutex
 	listeners map[*net.Listener]struct{}
 	frontends map[net.Conn]struct{}
-	shutting  bool
+	shutting  bool           // no new connections are accepted
+	closed    bool           // everything is being torn down
 	wg        sync.WaitGroup // every goroutine the server starts
+
+	acceptLoops sync.WaitGroup
+	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
 
 	Stats         ServerStats
 	metrics       *serverMetrics
@@ -189,12 +193,18 @@ func (s *Server) goroutine(f func()) {
 	}()
 }
 
-// serve runs an accept loop until ln is closed by Shutdown or Close.
-func (s *Server) serve(ln net.Listener, handle func(net.Conn)) error {
+// serve runs an accept loop until ln is closed by Shutdown or Close. With
+// countPending, each accepted connection counts as pending until its
+// handler calls release (once its dial is answered): Shutdown waits for
+// those before it sends GOAWAY, so a connection accepted just before a
+// restart is still served, not dropped.
+func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Conn, release func())) error {
 	if !s.track(&ln, true) {
 		ln.Close()
 		return ErrServerClosed
 	}
+	s.acceptLoops.Add(1)
+	defer s.acceptLoops.Done()
 	defer s.track(&ln, false)
 	var tempDelay time.Duration
 	for {
@@ -218,7 +228,16 @@ func (s *Server) serve(ln net.Listener, handle func(net.Conn)) error {
 			return fmt.Errorf("accept on %s: %w", ln.Addr(), err)
 		}
 		tempDelay = 0
-		s.goroutine(func() { handle(c) })
+		release := func() {}
+		if countPending {
+			s.pending.Add(1)
+			var once sync.Once
+			release = func() { once.Do(func() { s.pending.Add(-1) }) }
+		}
+		s.goroutine(func() {
+			defer release()
+			handle(c, release)
+		})
 	}
 }
 
@@ -231,12 +250,12 @@ func (s *Server) isShutting() bool {
 // ServeFrontend accepts HTTP CONNECT connections (kube-apiserver's
 // HTTPConnect egress protocol) on ln until Shutdown or Close.
 func (s *Server) ServeFrontend(ln net.Listener) error {
-	return s.serve(ln, s.serveFrontendConn)
+	return s.serve(ln, true, s.serveFrontendConn)
 }
 
 // ServeAgents accepts agent connections on ln until Shutdown or Close.
 func (s *Server) ServeAgents(ln net.Listener) error {
-	return s.serve(ln, s.serveAgentConn)
+	return s.serve(ln, false, func(c net.Conn, _ func()) { s.serveAgentConn(c) })
 }
 
 // AgentCount is the number of connected agents.
@@ -255,7 +274,7 @@ func (s *Server) trackFrontend(c net.Conn, add bool) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if add {
-		if s.shutting {
+		if s.closed {
 			return false
 		}
 		s.frontends[c] = struct{}{}
@@ -265,8 +284,9 @@ func (s *Server) trackFrontend(c net.Conn, add bool) bool {
 	return true
 }
 
-// Shutdown stops accepting, sends GOAWAY to every agent and waits for open
-// tunnels to finish until ctx ends; then it closes what is left.
+// Shutdown stops accepting, answers the dials already accepted, then sends
+// GOAWAY to every agent and waits for open tunnels to finish until ctx
+// ends; then it closes what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
 	s.shutting = true
@@ -274,6 +294,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		(*ln).Close()
 	}
 	s.mu.Unlock()
+	s.acceptLoops.Wait()
+	// Agents still take new streams here, so accepted dials complete.
+	for s.pending.Load() > 0 && ctx.Err() == nil {
+		time.Sleep(2 * time.Millisecond)
+	}
 
 	var wg sync.WaitGroup
 	for _, a := range s.agents.snapshot() {
@@ -301,6 +326,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 func (s *Server) Close() error {
 	s.mu.Lock()
 	s.shutting = true
+	s.closed = true
 	for ln := range s.listeners {
 		(*ln).Close()
 	}
@@ -453,7 +479,7 @@ func errMsg(err error) string {
 
 // serveFrontendConn answers one CONNECT request and, on success, carries the
 // connection's bytes to and from an agent stream until both sides are done.
-func (s *Server) serveFrontendConn(conn net.Conn) {
+func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	if !s.trackFrontend(conn, true) {
 		conn.Close()
 		return
@@ -496,6 +522,7 @@ func (s *Server) serveFrontendConn(conn net.Conn) {
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
 	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	st, err := s.open(addr, up)
+	release()
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)

@@ -1,0 +1,442 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Self-restart in place (README "Restarting without dropping a dial"):
+// SIGHUP or a replaced executable re-executes the process with the same
+// PID and the same listening sockets.
+
+// restartLoad runs workers that each loop: new tunnel through
+// kube-apiserver's dialer, one GET, close. Every failure is kept with its
+// time so it can be placed relative to the signals.
+type restartLoad struct {
+	ok       atomic.Int64
+	mu       sync.Mutex
+	failures []loadFailure
+	stop     chan struct{}
+	wg       sync.WaitGroup
+}
+
+type loadFailure struct {
+	at     time.Time
+	worker int
+	req    int
+	err    error
+}
+
+func startRestartLoad(t *testing.T, d dialFunc, backend, name string, workers int) *restartLoad {
+	t.Helper()
+	l := &restartLoad{stop: make(chan struct{})}
+	for w := range workers {
+		client := d.httpClient(false, nil)
+		l.wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-l.stop:
+					return
+				default:
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
+				cancel()
+				if err == nil && body != fmt.Sprintf("hello %s %d", name, i) {
+					err = fmt.Errorf("body %q", body)
+				}
+				if err != nil {
+					l.mu.Lock()
+					l.failures = append(l.failures, loadFailure{time.Now(), w, i, err})
+					l.mu.Unlock()
+					continue
+				}
+				l.ok.Add(1)
+			}
+		})
+	}
+	t.Cleanup(l.halt)
+	return l
+}
+
+func (l *restartLoad) halt() {
+	select {
+	case <-l.stop:
+	default:
+		close(l.stop)
+	}
+	l.wg.Wait()
+}
+
+// finish stops the load and fails t if any request failed, naming each
+// failure's time relative to the last signal before it.
+func (l *restartLoad) finish(t *testing.T, what string, signals []time.Time) {
+	t.Helper()
+	l.halt()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	t.Logf("%s: %d requests ok, %d failed", what, l.ok.Load(), len(l.failures))
+	if l.ok.Load() == 0 {
+		t.Errorf("%s: no request completed", what)
+	}
+	for i, f := range l.failures {
+		if i == 10 {
+			t.Errorf("... and %d more", len(l.failures)-i)
+			break
+		}
+		t.Errorf("%s: worker %d request %d failed %s: %v", what, f.worker, f.req, relativeTo(f.at, signals), f.err)
+	}
+}
+
+// relativeTo says when at happened relative to the signals (sent in order).
+func relativeTo(at time.Time, signals []time.Time) string {
+	last := -1
+	for i, s := range signals {
+		if !at.Before(s) {
+			last = i
+		}
+	}
+	if last < 0 {
+		if len(signals) == 0 {
+			return "with no signal sent"
+		}
+		return fmt.Sprintf("%v before the first signal", signals[0].Sub(at).Round(time.Millisecond))
+	}
+	return fmt.Sprintf("%v after signal #%d", at.Sub(signals[last]).Round(time.Millisecond), last+1)
+}
+
+// startTime is process_start_time_seconds on url, or 0 while unreachable
+// (during an exec the port queues connections and a scrape may time out).
+func startTime(url string) float64 {
+	fams, _, err := scrapeRaw(url)
+	if err != nil {
+		return 0
+	}
+	return fams.value("process_start_time_seconds")
+}
+
+// waitNewImage waits until the process behind metricsURL reports a start
+// time other than before: the re-executed image is serving.
+func waitNewImage(t *testing.T, p *proc, metricsURL string, before float64, bound time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for {
+		if p.exited() {
+			t.Fatalf("%s exited during a restart: %v", p.name, p.waitErr)
+		}
+		if st := startTime(metricsURL); st != 0 && st != before {
+			return time.Since(start)
+		}
+		if time.Since(start) > bound {
+			t.Fatalf("%s: no new image serving %s within %v of the restart", p.name, metricsURL, bound)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestSelfRestartSIGHUP: five SIGHUPs under continuous load. No dial may
+// fail, and the PID, executable, socket inode, descriptor count and
+// goroutine count must come back as they were.
+func TestSelfRestartSIGHUP(t *testing.T) {
+	s := startServer(t, "--restart-grace=2s", "--enable-profiling", "--agent-wait=10s")
+	s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=500ms")
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	d := s.egressDialer(t)
+	checkReachable(t, d, backend, "b1", 3)
+	pid := s.proc.cmd.Process.Pid
+	ino := inode(t, s.sock)
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
+
+	fd0, err := fdCount(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g0, err := goroutines(s.adminPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("baseline: pid %d, socket inode %d, %d fds, %d goroutines", pid, ino, fd0, g0)
+
+	const workers, hups = 4, 5
+	load := startRestartLoad(t, d, backend, "b1", workers)
+	time.Sleep(time.Second) // load before the first signal
+	var sent []time.Time
+	var took []string
+	for i := range hups {
+		before := startTime(metricsURL)
+		at := time.Now()
+		sent = append(sent, at)
+		s.proc.signal(t, syscall.SIGHUP)
+		el := waitNewImage(t, s.proc, metricsURL, before, 20*time.Second)
+		took = append(took, el.Round(time.Millisecond).String())
+		checkSameProcess(t, s.proc, pid, konnectivityBin)
+		if got := inode(t, s.sock); got != ino {
+			t.Fatalf("after SIGHUP #%d the socket inode is %d, was %d", i+1, got, ino)
+		}
+		// Spaced about a second apart, and never before the new image
+		// serves (a SIGHUP during exec is another test's business).
+		time.Sleep(time.Until(at.Add(time.Second)))
+	}
+	s.waitAgents(t, 1, 10*time.Second)
+	time.Sleep(time.Second) // load after the last restart
+	load.finish(t, fmt.Sprintf("%d workers dialling through %d SIGHUPs", workers, hups), sent)
+	t.Logf("SIGHUP → new image serving /metrics: %s", strings.Join(took, ", "))
+	if n := strings.Count(s.proc.out.String(), "re-executing in place"); n != hups {
+		t.Errorf("log has %d \"re-executing in place\" lines, want %d", n, hups)
+	}
+	checkSameProcess(t, s.proc, pid, konnectivityBin)
+
+	// Resources settle back: nothing leaks per restart.
+	var fd1, g1 int
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		fd1, _ = fdCount(pid)
+		g1, _ = goroutines(s.adminPort)
+		if fd1 <= fd0+2 && g1 <= g0+5 && g1 > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("after %d restarts: %d fds (baseline %d), %d goroutines (baseline %d); fds: %s",
+				hups, fd1, fd0, g1, g0, fdList(pid))
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("after %d restarts: %d fds (baseline %d), %d goroutines (baseline %d)", hups, fd1, fd0, g1, g0)
+	checkReachable(t, d, backend, "b1", 3)
+}
+
+// copyExecutable copies the binary under test to dir, so a test can
+// replace it without touching the shared one.
+func copyExecutable(t *testing.T, dir string) string {
+	t.Helper()
+	dst := filepath.Join(dir, "konnectivity")
+	in, err := os.Open(konnectivityBin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o755)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		t.Fatal(err)
+	}
+	if err := out.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return dst
+}
+
+// buildVersion builds the main module into path with main.version set.
+func buildVersion(t *testing.T, path, version string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	start := time.Now()
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath",
+		"-ldflags", "-X main.version="+version, "-o", path, ".")
+	cmd.Dir = ".."
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build -ldflags \"-X main.version=%s\" in ..: %v\n%s", version, err, out)
+	}
+	t.Logf("built %s (version %s) in %v", path, version, time.Since(start).Round(time.Millisecond))
+}
+
+// buildInfoVersion is the version label of *_build_info in a scrape.
+func buildInfoVersion(fams metricFamilies, family string) string {
+	m := fams.series(family, nil)
+	if m == nil {
+		return ""
+	}
+	for _, lp := range m.GetLabel() {
+		if lp.GetName() == "version" {
+			return lp.GetValue()
+		}
+	}
+	return ""
+}
+
+// TestRestartOnBinaryChange: replacing the executable on disk (atomic
+// rename, as a package manager does) makes the running server re-execute
+// into the new build, same PID.
+func TestRestartOnBinaryChange(t *testing.T) {
+	dir := t.TempDir()
+	bin := copyExecutable(t, dir)
+	newBin := filepath.Join(dir, ".konnectivity.new")
+	buildVersion(t, newBin, "e2e-new")
+	out, err := exec.Command(newBin, "version").CombinedOutput()
+	if err != nil || !strings.HasPrefix(string(out), "konnectivity e2e-new") {
+		t.Fatalf("%s version: %q, %v", newBin, out, err)
+	}
+
+	s := startServerBin(t, bin, frontendUDS, "--restart-on-binary-change",
+		"--restart-check-interval=200ms", "--restart-grace=1s", "--agent-wait=10s")
+	s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=500ms")
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	d := s.egressDialer(t)
+	checkReachable(t, d, backend, "b1", 3)
+	pid := s.proc.cmd.Process.Pid
+	ino := inode(t, s.sock)
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
+	const family = "konnectivity_network_proxy_server_build_info"
+	old := buildInfoVersion(scrape(t, metricsURL), family)
+	t.Logf("running: %s{version=%q}", family, old)
+	if old == "" || strings.HasPrefix(old, "konnectivity e2e-new") {
+		t.Fatalf("unexpected version before the swap: %q", old)
+	}
+
+	if err := os.Rename(newBin, bin); err != nil {
+		t.Fatal(err)
+	}
+	swapped := time.Now()
+	var now string
+	waitFor(t, 20*time.Second, "build_info reports the new version", func() bool {
+		if s.proc.exited() {
+			t.Fatalf("server exited after the swap: %v", s.proc.waitErr)
+		}
+		fams, _, err := scrapeRaw(metricsURL)
+		if err != nil {
+			return false
+		}
+		now = buildInfoVersion(fams, family)
+		return strings.HasPrefix(now, "konnectivity e2e-new")
+	})
+	t.Logf("%s{version=%q} %v after the rename", family, now, time.Since(swapped).Round(time.Millisecond))
+	checkSameProcess(t, s.proc, pid, bin)
+	if got := inode(t, s.sock); got != ino {
+		t.Errorf("socket inode %d after the restart, was %d", got, ino)
+	}
+	if !strings.Contains(s.proc.out.String(), "executable replaced") {
+		t.Errorf("no \"executable replaced\" log line")
+	}
+	s.waitAgents(t, 1, 10*time.Second)
+	checkReachable(t, d, backend, "b1", 5)
+}
+
+// TestRestartRefused: a restart into a file that cannot run is refused
+// before anything stops; an executable that fails after exec ends the
+// process with its status (the supervisor's respawn takes over).
+func TestRestartRefused(t *testing.T) {
+	dir := t.TempDir()
+	bin := copyExecutable(t, dir)
+	s := startServerBin(t, bin, frontendUDS, "--restart-grace=1s")
+	s.startAgent(t, "a1", "")
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	d := s.egressDialer(t)
+	checkReachable(t, d, backend, "b1", 3)
+	pid := s.proc.cmd.Process.Pid
+	refusals := func() int { return strings.Count(s.proc.out.String(), "restart refused") }
+
+	t.Run("not-executable", func(t *testing.T) {
+		if err := os.Chmod(bin, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		s.proc.signal(t, syscall.SIGHUP)
+		waitFor(t, 10*time.Second, "\"restart refused\" logged", func() bool { return refusals() == 1 })
+		t.Logf("%s", lineWith(s.proc.out.String(), "restart refused"))
+		checkSameProcess(t, s.proc, pid, bin)
+		checkReachable(t, d, backend, "b1", 5)
+		if err := os.Chmod(bin, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("missing", func(t *testing.T) {
+		if err := os.Remove(bin); err != nil {
+			t.Fatal(err)
+		}
+		s.proc.signal(t, syscall.SIGHUP)
+		waitFor(t, 10*time.Second, "second \"restart refused\" logged", func() bool { return refusals() == 2 })
+		if s.proc.exited() || s.proc.cmd.Process.Pid != pid {
+			t.Fatalf("server gone after a refused restart: %v", s.proc.waitErr)
+		}
+		checkReachable(t, d, backend, "b1", 5)
+	})
+
+	t.Run("exec-fails", func(t *testing.T) {
+		tmp := bin + ".tmp"
+		if err := os.WriteFile(tmp, []byte("#!/bin/sh\necho broken >&2\nexit 3\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, bin); err != nil {
+			t.Fatal(err)
+		}
+		s.proc.signal(t, syscall.SIGHUP)
+		select {
+		case <-s.proc.done:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("server still running 15 s after SIGHUP into a failing executable")
+		}
+		var ee *exec.ExitError
+		if !asExitError(s.proc.waitErr, &ee) || ee.ExitCode() != 3 {
+			t.Errorf("exit after exec into a failing script: %v, want exit status 3", s.proc.waitErr)
+		}
+		out := s.proc.out.String()
+		if !strings.Contains(out, "re-executing in place") {
+			t.Errorf("no \"re-executing in place\" log line")
+		}
+		if !strings.Contains(out, "broken") {
+			t.Errorf("the replacement script's output is missing: it did not run in this process")
+		}
+		t.Logf("server PID %d ended: %v; %s", pid, s.proc.waitErr, lineWith(out, "re-executing in place"))
+	})
+}
+
+func asExitError(err error, target **exec.ExitError) bool {
+	ee, ok := err.(*exec.ExitError)
+	if ok {
+		*target = ee
+	}
+	return ok
+}
+
+// TestAgentSelfRestart: SIGHUP on an agent re-executes it in place after
+// draining; with a second agent up, no dial fails meanwhile, and the
+// restarted agent (same PID) serves dials again.
+func TestAgentSelfRestart(t *testing.T) {
+	s := startServer(t, "--agent-wait=10s")
+	agentFlags := []string{"--drain-timeout=2s", "--sync-interval=100ms", "--sync-interval-cap=500ms"}
+	a1 := s.startAgent(t, "a1", "", agentFlags...)
+	a2 := s.startAgent(t, "a2", "", agentFlags...)
+	s.waitAgents(t, 2, startTimeout)
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	d := s.egressDialer(t)
+	checkReachable(t, d, backend, "b1", 3)
+	pid := a1.proc.cmd.Process.Pid
+	metricsURL := a1.healthURL("/metrics")
+	before := startTime(metricsURL)
+
+	load := startRestartLoad(t, d, backend, "b1", 2)
+	time.Sleep(500 * time.Millisecond)
+	at := time.Now()
+	a1.proc.signal(t, syscall.SIGHUP)
+	el := waitNewImage(t, a1.proc, metricsURL, before, 20*time.Second)
+	waitHTTP(t, a1.proc, a1.healthURL("/readyz"), 200)
+	s.waitAgents(t, 2, 10*time.Second)
+	back := time.Since(at)
+	time.Sleep(500 * time.Millisecond)
+	load.finish(t, "2 workers dialling while agent a1 restarts", []time.Time{at})
+	t.Logf("agent SIGHUP → new image serving after %v, reconnected after %v", el.Round(time.Millisecond), back.Round(time.Millisecond))
+	checkSameProcess(t, a1.proc, pid, konnectivityBin)
+	if !strings.Contains(a1.proc.out.String(), "re-executing in place") {
+		t.Errorf("agent log has no \"re-executing in place\" line")
+	}
+
+	// Only the restarted agent left: every dial goes through it.
+	a2.proc.stop(t)
+	s.waitAgents(t, 1, 10*time.Second)
+	checkReachable(t, d, backend, "b1", 10)
+}
