@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -57,18 +58,48 @@ type agentConn struct {
 	bytesTo, bytesFrom atomic.Int64
 
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
+	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no cc
+}
+
+// roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an
+// upstream agent's Packet stream.
+func (a *agentConn) roundTrip(req *http.Request) (*http.Response, error) {
+	if a.up != nil {
+		return a.up.roundTrip(req)
+	}
+	return a.cc.RoundTrip(req)
+}
+
+// close ends the agent's connection at once.
+func (a *agentConn) close() {
+	if a.up != nil {
+		a.up.close()
+		a.up.stopOnce.Do(func() { close(a.up.stop) })
+		return
+	}
+	a.cc.Close()
 }
 
 // shutdown sends GOAWAY and waits for the agent's tunnels to end, or for ctx.
 func (a *agentConn) shutdown(ctx context.Context) {
 	a.stopControl()
+	if a.up != nil {
+		a.up.shutdown(ctx)
+		return
+	}
 	if err := a.cc.Shutdown(ctx); err != nil {
 		a.cc.Close()
 	}
 }
 
 func (a *agentConn) usable(maxStreams int64) bool {
-	return a.cc.CanTakeNewRequest() && a.streams.Load() < maxStreams
+	if a.streams.Load() >= maxStreams {
+		return false
+	}
+	if a.up != nil {
+		return a.up.usable()
+	}
+	return a.cc.CanTakeNewRequest()
 }
 
 // registry holds the connected agents. Waiters block on changed, which is

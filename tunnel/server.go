@@ -143,6 +143,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	t2.PingTimeout = cfg.PingTimeout
 	t2.WriteByteTimeout = cfg.KeepAlive + cfg.PingTimeout
 	t2.MaxReadFrameSize = maxFrameSize
+	if cfg.AgentTLS != nil {
+		cfg.AgentTLS = withH2(cfg.AgentTLS)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{
 		cfg:       cfg,
@@ -157,6 +160,30 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.quiet = newLogLimiter(10 * time.Second)
 	return s, nil
+}
+
+// withH2 offers ALPN h2 on the agent port: upstream agents negotiate it and
+// speak gRPC; ours offer no ALPN and speak the Upgrade handshake. A
+// per-handshake configuration (certificate reload) gets it too.
+func withH2(c *tls.Config) *tls.Config {
+	c = c.Clone()
+	if !slices.Contains(c.NextProtos, "h2") {
+		c.NextProtos = append(c.NextProtos, "h2")
+	}
+	if get := c.GetConfigForClient; get != nil {
+		c.GetConfigForClient = func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
+			cc, err := get(hello)
+			if err != nil || cc == nil {
+				return cc, err
+			}
+			cc = cc.Clone()
+			if !slices.Contains(cc.NextProtos, "h2") {
+				cc.NextProtos = append(cc.NextProtos, "h2")
+			}
+			return cc, nil
+		}
+	}
+	return c
 }
 
 // Window and frame sizes on both HTTP/2 ends. A stream window bounds what one
@@ -336,7 +363,7 @@ func (s *Server) Close() error {
 	s.mu.Unlock()
 	s.cancelAll()
 	for _, a := range s.agents.snapshot() {
-		a.cc.Close()
+		a.close()
 	}
 	s.wg.Wait()
 	return nil
@@ -364,6 +391,12 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		}
 		tlsState = tc.ConnectionState()
 		conn = tc
+		if tlsState.NegotiatedProtocol == "h2" {
+			// Upstream's agent: gRPC AgentService/Connect on the same port.
+			raw.SetDeadline(time.Time{})
+			s.serveUpstreamAgent(conn, tlsState, remote)
+			return
+		}
 	}
 	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
@@ -694,7 +727,7 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)
-	resp, err := a.cc.RoundTrip(req)
+	resp, err := a.roundTrip(req)
 	timer.Stop()
 	stopGone()
 	if err != nil {

@@ -1,0 +1,397 @@
+//lint:file-ignore SA1019 x/net/http2's Server.ServeConn serves the upstream agents' gRPC on a connection the agent listener accepted.
+
+package tunnel
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// Upstream konnectivity agents (the proxy-agent image) speak gRPC on the
+// same agent port: TLS with ALPN h2, one bidirectional stream on
+// /AgentService/Connect that carries every tunnel of the agent as Packets.
+// They are served here so a cluster can move its servers first and its
+// DaemonSet later. Each upstream agent has its own reader, so it cannot
+// slow other agents or frontends; within one upstream agent, tunnels share
+// the one stream (a tunnel whose client does not read stalls the agent's
+// other tunnels once the stream window is spent), as with upstream itself.
+const agentConnectMethod = "/AgentService/Connect"
+
+// gRPC status codes for refusals on the agent port.
+const (
+	grpcUnauthenticated = 16
+)
+
+var errUpstreamGone = errors.New("upstream agent stream ended")
+
+// serveUpstreamAgent runs the gRPC server side of one upstream agent
+// connection until it ends.
+func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string) {
+	h2 := &http2.Server{
+		MaxUploadBufferPerConnection: 1 << 30,
+		MaxUploadBufferPerStream:     16 << 20, // one stream carries all the agent's tunnels
+		MaxReadFrameSize:             maxFrameSize,
+		ReadIdleTimeout:              s.cfg.KeepAlive,
+		PingTimeout:                  s.cfg.PingTimeout,
+		MaxConcurrentStreams:         4,
+	}
+	h2.ServeConn(conn, &http2.ServeConnOpts{
+		Context: s.baseCtx,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			s.serveUpstreamConnect(w, r, tlsState, remote)
+		}),
+	})
+}
+
+func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string) {
+	if r.Method != http.MethodPost || r.URL.Path != agentConnectMethod {
+		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
+		return
+	}
+	hello := agentHello{ID: r.Header.Get("agentid"), Identifiers: r.Header.Get("agentidentifiers")}
+	if auth := r.Header.Get("Authorization"); auth != "" {
+		token, ok := strings.CutPrefix(auth, "Bearer ")
+		if !ok {
+			grpcTrailersOnly(w, grpcUnauthenticated, "authorization is not a bearer token")
+			return
+		}
+		hello.Token = strings.TrimSpace(token)
+	}
+	err := validID(hello.ID)
+	if err == nil {
+		err = s.admit(hello, tlsState)
+	}
+	if err != nil {
+		s.Stats.AgentsRefused.Add(1)
+		code := grpcUnavailable
+		switch StatusCode(err) {
+		case http.StatusUnauthorized:
+			code = grpcUnauthenticated
+		case http.StatusForbidden:
+			code = grpcPermissionDenied
+		case http.StatusBadRequest:
+			code = grpcInvalidArgument
+		}
+		s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "protocol", "grpc", "reason", errMsg(err))
+		grpcTrailersOnly(w, code, errMsg(err))
+		return
+	}
+	ids, _ := ParseIdentifiers(hello.Identifiers)
+
+	h := w.Header()
+	h.Set("Content-Type", "application/grpc")
+	h.Set("serverid", s.cfg.ID)
+	h.Set("servercount", strconv.Itoa(s.cfg.Count))
+	w.WriteHeader(http.StatusOK)
+	g := &grpcStream{w: w, flush: flusherOf(w)}
+	g.flush()
+
+	ua := &upstreamAgent{
+		s:       s,
+		out:     g,
+		pending: map[int64]chan packet{},
+		conns:   map[int64]*upstreamConn{},
+		done:    make(chan struct{}),
+		stop:    make(chan struct{}),
+	}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}}
+	ua.agent = a
+	if old := s.agents.add(a); old != nil {
+		old.draining.Store(true)
+		s.goroutine(func() {
+			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
+			defer cancel()
+			old.shutdown(ctx)
+		})
+	}
+	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "agents", s.agents.len())
+
+	readDone := make(chan error, 1)
+	go func() { readDone <- ua.readLoop(r.Body) }()
+	var why error
+	select {
+	case why = <-readDone:
+	case <-ua.stop:
+	case <-s.baseCtx.Done():
+	}
+	s.agents.remove(a)
+	ua.close()
+	r.Body.Close()
+	if why == nil {
+		select {
+		case why = <-readDone:
+		case <-time.After(time.Second):
+		}
+	}
+	g.finish(grpcOK, "")
+	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "protocol", "grpc", "err", why, "agents", s.agents.len())
+}
+
+// upstreamAgent is the server's view of one upstream agent's stream.
+type upstreamAgent struct {
+	s     *Server
+	agent *agentConn
+	out   *grpcStream
+
+	mu       sync.Mutex
+	pending  map[int64]chan packet // dials waiting for DIAL_RSP, by random
+	conns    map[int64]*upstreamConn
+	closed   bool
+	stopping bool // shutting down: no new dials
+	done     chan struct{} // closed by close
+	stop     chan struct{} // closed to end the stream after a drain
+	stopOnce sync.Once
+	wg       sync.WaitGroup // upload goroutines
+}
+
+// upstreamConn is one tunnel through an upstream agent.
+type upstreamConn struct {
+	ua        *upstreamAgent
+	id        int64
+	pr        *io.PipeReader
+	pw        *io.PipeWriter
+	upload    io.ReadCloser
+	closeOnce sync.Once
+}
+
+func (ua *upstreamAgent) usable() bool {
+	ua.mu.Lock()
+	defer ua.mu.Unlock()
+	return !ua.closed && !ua.stopping
+}
+
+// readLoop handles the agent's packets until the stream ends.
+func (ua *upstreamAgent) readLoop(body io.Reader) error {
+	var buf []byte
+	for {
+		var msg []byte
+		var err error
+		if msg, buf, err = readGRPCMessage(body, buf); err != nil {
+			return err
+		}
+		p, err := decodePacket(msg)
+		if err != nil {
+			return fmt.Errorf("bad packet from agent: %w", err)
+		}
+		switch p.Type {
+		case pktDialRsp:
+			ua.dialAnswered(p)
+		case pktData:
+			ua.mu.Lock()
+			c := ua.conns[p.ConnectID]
+			ua.mu.Unlock()
+			if c == nil {
+				ua.out.send(packet{Type: pktCloseReq, ConnectID: p.ConnectID}) // unknown: tell it to drop it
+				continue
+			}
+			if len(p.Data) > 0 {
+				// Blocks while this tunnel's client does not read: the
+				// stream is shared, as upstream's design has it.
+				if _, err := c.pw.Write(p.Data); err != nil {
+					c.close(false)
+				}
+				ua.s.Stats.BytesFromAgent.Add(int64(len(p.Data)))
+				ua.agent.bytesFrom.Add(int64(len(p.Data)))
+			}
+		case pktCloseRsp:
+			ua.mu.Lock()
+			c := ua.conns[p.ConnectID]
+			ua.mu.Unlock()
+			if c != nil {
+				c.endFromAgent(p.Error)
+			}
+		case pktDialCls:
+			ua.mu.Lock()
+			ch := ua.pending[p.Random]
+			delete(ua.pending, p.Random)
+			ua.mu.Unlock()
+			if ch != nil {
+				ch <- packet{Type: pktDialRsp, Random: p.Random, Error: "the agent closed the dial"}
+			}
+		case pktDrain:
+			ua.agent.draining.Store(true) // preferred last, as for our own agents
+			ua.s.log.Info("agent draining: new dials prefer other agents", "agent", ua.agent.id, "protocol", "grpc")
+		}
+	}
+}
+
+func (ua *upstreamAgent) dialAnswered(p packet) {
+	ua.mu.Lock()
+	ch := ua.pending[p.Random]
+	delete(ua.pending, p.Random)
+	var c *upstreamConn
+	if ch != nil && p.Error == "" {
+		// Registered before the answer is delivered, so DATA that follows
+		// the DIAL_RSP at once has somewhere to go.
+		pr, pw := io.Pipe()
+		c = &upstreamConn{ua: ua, id: p.ConnectID, pr: pr, pw: pw}
+		ua.conns[p.ConnectID] = c
+	}
+	ua.mu.Unlock()
+	switch {
+	case ch == nil && p.Error == "" && p.ConnectID != 0:
+		// The dial was given up (timeout, client gone): free the agent's side.
+		ua.out.send(packet{Type: pktCloseReq, ConnectID: p.ConnectID})
+	case ch != nil:
+		ch <- p
+	}
+}
+
+// roundTrip is the upstream-agent counterpart of an HTTP/2 CONNECT stream:
+// DIAL_REQ, wait for DIAL_RSP, then DATA both ways.
+func (ua *upstreamAgent) roundTrip(req *http.Request) (*http.Response, error) {
+	random := rand.Int64N(1<<62) + 1
+	ch := make(chan packet, 1)
+	ua.mu.Lock()
+	if ua.closed {
+		ua.mu.Unlock()
+		return nil, errUpstreamGone
+	}
+	ua.pending[random] = ch
+	ua.mu.Unlock()
+	if err := ua.out.send(packet{Type: pktDialReq, Protocol: "tcp", Address: req.Host, Random: random}); err != nil {
+		ua.forget(random)
+		return nil, fmt.Errorf("send DIAL_REQ: %w", err)
+	}
+	var rsp packet
+	select {
+	case rsp = <-ch:
+	case <-req.Context().Done():
+		ua.forget(random)
+		ua.out.send(packet{Type: pktDialCls, Random: random})
+		return nil, req.Context().Err()
+	case <-ua.done:
+		return nil, errUpstreamGone
+	}
+	if rsp.Error != "" {
+		return &http.Response{StatusCode: http.StatusBadGateway, Body: io.NopCloser(strings.NewReader(rsp.Error))}, nil
+	}
+	ua.mu.Lock()
+	c := ua.conns[rsp.ConnectID]
+	ua.mu.Unlock()
+	if c == nil {
+		return nil, errUpstreamGone
+	}
+	c.upload = req.Body
+	ua.wg.Add(1)
+	go func() {
+		defer ua.wg.Done()
+		c.sendUpload()
+	}()
+	return &http.Response{StatusCode: http.StatusOK, Body: c}, nil
+}
+
+func (ua *upstreamAgent) forget(random int64) {
+	ua.mu.Lock()
+	delete(ua.pending, random)
+	ua.mu.Unlock()
+}
+
+// sendUpload turns the client's bytes into DATA packets. Upstream's
+// protocol has no half-close, so the client's end closes the tunnel.
+func (c *upstreamConn) sendUpload() {
+	bp := largeBufs.Get().(*[]byte)
+	defer largeBufs.Put(bp)
+	for {
+		n, err := c.upload.Read(*bp)
+		if n > 0 {
+			if serr := c.ua.out.send(packet{Type: pktData, ConnectID: c.id, Data: (*bp)[:n]}); serr != nil {
+				c.close(false)
+				return
+			}
+		}
+		if err != nil {
+			c.close(true)
+			return
+		}
+	}
+}
+
+func (c *upstreamConn) Read(p []byte) (int, error) { return c.pr.Read(p) }
+
+// Close is the server ending the tunnel (client gone or reset).
+func (c *upstreamConn) Close() error {
+	c.close(true)
+	return nil
+}
+
+// close ends the tunnel once; tellAgent sends CLOSE_REQ so the agent
+// closes its destination connection.
+func (c *upstreamConn) close(tellAgent bool) {
+	c.closeOnce.Do(func() {
+		c.ua.mu.Lock()
+		delete(c.ua.conns, c.id)
+		c.ua.mu.Unlock()
+		if tellAgent {
+			c.ua.out.send(packet{Type: pktCloseReq, ConnectID: c.id})
+		}
+		c.pw.CloseWithError(errUpstreamGone)
+		c.pr.Close()
+		if c.upload != nil {
+			c.upload.Close()
+		}
+	})
+}
+
+// endFromAgent is the agent's CLOSE_RSP: the destination is done.
+func (c *upstreamConn) endFromAgent(errText string) {
+	c.ua.mu.Lock()
+	delete(c.ua.conns, c.id)
+	c.ua.mu.Unlock()
+	if errText != "" {
+		c.pw.CloseWithError(errors.New(errText))
+	} else {
+		c.pw.Close() // EOF after what was delivered
+	}
+}
+
+// close ends every tunnel and pending dial of the agent.
+func (ua *upstreamAgent) close() {
+	ua.mu.Lock()
+	if ua.closed {
+		ua.mu.Unlock()
+		return
+	}
+	ua.closed = true
+	conns := make([]*upstreamConn, 0, len(ua.conns))
+	for _, c := range ua.conns {
+		conns = append(conns, c)
+	}
+	ua.mu.Unlock()
+	close(ua.done)
+	for _, c := range conns {
+		c.close(false)
+	}
+	ua.wg.Wait()
+}
+
+// shutdown stops new dials, waits for the agent's tunnels to end (or
+// ctx), then ends the stream; upstream agents then reconnect.
+func (ua *upstreamAgent) shutdown(ctx context.Context) {
+	ua.mu.Lock()
+	ua.stopping = true
+	ua.mu.Unlock()
+	for ctx.Err() == nil {
+		ua.mu.Lock()
+		n := len(ua.conns) + len(ua.pending)
+		ua.mu.Unlock()
+		if n == 0 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ua.stopOnce.Do(func() { close(ua.stop) })
+}

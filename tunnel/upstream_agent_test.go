@@ -1,0 +1,240 @@
+//lint:file-ignore SA1019 the fake upstream agent uses x/net/http2's Transport on a TLS connection it dialled, as grpc-go would.
+
+package tunnel
+
+import (
+	"context"
+	"crypto/tls"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// fakeUpstreamAgent behaves as upstream's proxy-agent does on the wire:
+// gRPC over TLS with ALPN h2, one /AgentService/Connect stream, DIAL_REQ
+// answered by a dial, DATA both ways, CLOSE_REQ answered by CLOSE_RSP.
+type fakeUpstreamAgent struct {
+	t      *testing.T
+	send   *io.PipeWriter
+	sendMu sync.Mutex
+	resp   *http.Response
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu     sync.Mutex
+	conns  map[int64]net.Conn
+	nextID int64
+	dials  int
+}
+
+func startFakeUpstreamAgent(t *testing.T, e *env, id, identifiers string) *fakeUpstreamAgent {
+	t.Helper()
+	raw, err := net.Dial("tcp", e.agentAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc := tls.Client(raw, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{e.pki.agentCert}, NextProtos: []string{"h2"}})
+	if err := tc.Handshake(); err != nil {
+		t.Fatal(err)
+	}
+	if p := tc.ConnectionState().NegotiatedProtocol; p != "h2" {
+		t.Fatalf("ALPN negotiated %q, want h2", p)
+	}
+	cc, err := (&http2.Transport{}).NewClientConn(tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr, pw := io.Pipe()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "https://server"+agentConnectMethod, pr)
+	req.Header.Set("Content-Type", "application/grpc")
+	req.Header.Set("agentid", id)
+	req.Header.Set("agentidentifiers", identifiers)
+	resp, err := cc.RoundTrip(req)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	if resp.Header.Get("serverid") != "s1" || resp.Header.Get("servercount") != "1" {
+		t.Fatalf("response headers %v", resp.Header)
+	}
+	f := &fakeUpstreamAgent{t: t, send: pw, resp: resp, cancel: cancel, conns: map[int64]net.Conn{}}
+	f.wg.Add(1)
+	go f.loop()
+	t.Cleanup(func() {
+		cancel()
+		pw.Close()
+		resp.Body.Close()
+		cc.Close()
+		f.mu.Lock()
+		for _, c := range f.conns {
+			c.Close()
+		}
+		f.mu.Unlock()
+		f.wg.Wait()
+	})
+	return f
+}
+
+func (f *fakeUpstreamAgent) write(p packet) {
+	f.sendMu.Lock()
+	defer f.sendMu.Unlock()
+	f.send.Write(appendGRPCMessage(nil, p))
+}
+
+func (f *fakeUpstreamAgent) loop() {
+	defer f.wg.Done()
+	var buf []byte
+	for {
+		msg, nbuf, err := readGRPCMessage(f.resp.Body, buf)
+		buf = nbuf
+		if err != nil {
+			return
+		}
+		p, err := decodePacket(msg)
+		if err != nil {
+			f.t.Errorf("fake agent: %v", err)
+			return
+		}
+		switch p.Type {
+		case pktDialReq:
+			c, err := net.DialTimeout("tcp", p.Address, 5*time.Second)
+			if err != nil {
+				f.write(packet{Type: pktDialRsp, Random: p.Random, Error: err.Error()})
+				continue
+			}
+			f.mu.Lock()
+			f.nextID++
+			id := f.nextID
+			f.conns[id] = c
+			f.dials++
+			f.mu.Unlock()
+			f.write(packet{Type: pktDialRsp, Random: p.Random, ConnectID: id})
+			f.wg.Add(1)
+			go func() {
+				defer f.wg.Done()
+				b := make([]byte, 32<<10)
+				for {
+					n, err := c.Read(b)
+					if n > 0 {
+						f.write(packet{Type: pktData, ConnectID: id, Data: append([]byte(nil), b[:n]...)})
+					}
+					if err != nil {
+						f.write(packet{Type: pktCloseRsp, ConnectID: id})
+						return
+					}
+				}
+			}()
+		case pktData:
+			f.mu.Lock()
+			c := f.conns[p.ConnectID]
+			f.mu.Unlock()
+			if c != nil {
+				c.Write(p.Data)
+			}
+		case pktCloseReq:
+			f.mu.Lock()
+			c := f.conns[p.ConnectID]
+			delete(f.conns, p.ConnectID)
+			f.mu.Unlock()
+			if c != nil {
+				c.Close()
+			}
+		}
+	}
+}
+
+func (f *fakeUpstreamAgent) dialCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.dials
+}
+
+// An upstream agent and one of ours on the same agent port, both serving
+// dials; the destHost strategy routes to either by identifiers.
+func TestUpstreamAgentBesideOurs(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, func(c *ServerConfig) { c.Strategies = []Strategy{StrategyDestHost, StrategyDefault} })
+	up := startFakeUpstreamAgent(t, e, "upstream-1", "ipv4=127.0.0.1")
+	ours := e.startAgent("ours", "host=localhost", nil)
+	e.waitAgents(2)
+	echo := echoServer(t)
+	_, port, _ := net.SplitHostPort(echo)
+
+	roundTrip := func(addr, msg string) {
+		t.Helper()
+		conn, br, resp := e.connect(addr)
+		defer conn.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: %s", addr, resp.Status)
+		}
+		io.WriteString(conn, msg)
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(br, got); err != nil || string(got) != msg {
+			t.Fatalf("%s: echo %q %v", addr, got, err)
+		}
+	}
+	big := strings.Repeat("0123456789abcdef", 8<<10) // 128 KiB: several DATA packets
+	for i := range 5 {
+		roundTrip(net.JoinHostPort("127.0.0.1", port), big) // upstream agent (ipv4 identifier)
+		roundTrip(net.JoinHostPort("localhost", port), "x") // ours (host identifier)
+		_ = i
+	}
+	if up.dialCount() != 5 || ours.Stats.DialsOK.Load() != 5 {
+		t.Fatalf("routing: upstream %d, ours %d, want 5/5", up.dialCount(), ours.Stats.DialsOK.Load())
+	}
+	// A failed dial through the upstream agent carries its error text.
+	ours.stop()
+	e.waitAgents(1)
+	conn, br, resp := e.connect("127.0.0.1:1")
+	body, _ := io.ReadAll(br)
+	conn.Close()
+	if resp.StatusCode != 502 || !strings.Contains(string(body), "refused") {
+		t.Fatalf("failed dial: %d %q", resp.StatusCode, body)
+	}
+}
+
+// A tunnel through an upstream agent whose client stops reading stalls
+// only that agent: dials through our agent keep flowing.
+func TestUpstreamAgentStallIsolated(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, func(c *ServerConfig) { c.Strategies = []Strategy{StrategyDestHost, StrategyDefault} })
+	startFakeUpstreamAgent(t, e, "upstream-1", "ipv4=127.0.0.1")
+	e.startAgent("ours", "host=localhost", nil)
+	e.waitAgents(2)
+	firehose := serveTCP(t, func(c net.Conn) {
+		b := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(b); err != nil {
+				return
+			}
+		}
+	})
+	stalled, _, resp := e.connect(firehose) // 127.0.0.1: upstream agent; never read
+	defer stalled.Close()
+	if resp.StatusCode != 200 {
+		t.Fatal(resp.Status)
+	}
+	time.Sleep(300 * time.Millisecond)
+	echo := echoServer(t)
+	_, port, _ := net.SplitHostPort(echo)
+	conn, br, resp := e.connect(net.JoinHostPort("localhost", port))
+	defer conn.Close()
+	if resp.StatusCode != 200 {
+		t.Fatal(resp.Status)
+	}
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	b := make([]byte, 8)
+	for range 200 {
+		io.WriteString(conn, "12345678")
+		if _, err := io.ReadFull(br, b); err != nil {
+			t.Fatalf("echo through our agent behind a stalled upstream agent: %v", err)
+		}
+	}
+}
