@@ -525,10 +525,15 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		s.trackFrontend(conn, false)
 		conn.Close()
 	}()
-	conn.SetDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
+	conn.SetDeadline(headDeadline)
 	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
 	addr, err := readConnect(br)
+	if err != nil && StatusCode(err) == http.StatusBadRequest && !time.Now().Before(headDeadline) {
+		// net/http reports a line cut short by the deadline as malformed.
+		err = statusErrorf(http.StatusRequestTimeout, "request head not received in time")
+	}
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)

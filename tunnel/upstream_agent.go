@@ -150,7 +150,7 @@ type upstreamAgent struct {
 	pending  map[int64]chan packet // dials waiting for DIAL_RSP, by random
 	conns    map[int64]*upstreamConn
 	closed   bool
-	stopping bool // shutting down: no new dials
+	stopping bool          // shutting down: no new dials
 	done     chan struct{} // closed by close
 	stop     chan struct{} // closed to end the stream after a drain
 	stopOnce sync.Once
