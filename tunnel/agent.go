@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -310,6 +311,15 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
+	defer func() {
+		if e := recover(); e != nil {
+			if e != http.ErrAbortHandler {
+				a.metrics.panics.Inc()
+				a.log.Error("panic recovered; only this tunnel is affected", "where", "agent stream", "panic", e, "stack", string(debug.Stack()))
+			}
+			panic(http.ErrAbortHandler) // reset this stream, quietly
+		}
+	}()
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
 		return
@@ -358,6 +368,14 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 
 	upDone := make(chan error, 1)
 	go func() {
+		defer func() {
+			if e := recover(); e != nil {
+				a.metrics.panics.Inc()
+				a.log.Error("panic recovered; only this tunnel is affected", "where", "agent upload", "panic", e, "stack", string(debug.Stack()))
+				dest.Close()
+				upDone <- fmt.Errorf("panic: %v", e)
+			}
+		}()
 		n, err := copyStream(dest, r.Body, nil)
 		a.Stats.BytesToDest.Add(n)
 		if err == nil {

@@ -8,6 +8,7 @@ type agentMetrics struct {
 	dialUnknown  *Counter
 	dialDenied   *Counter
 	resets       *Counter
+	panics       *Counter
 }
 
 func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
@@ -19,6 +20,7 @@ func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
 		dialUnknown:  m.Counter(failures, failuresHelp, []string{"reason"}, "unknown"),
 		dialDenied:   m.Counter(failures, failuresHelp, []string{"reason"}, "denied"),
 		resets:       m.Counter(agentPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
+		panics:       m.Counter(agentPrefix+"panics_total", "Panics recovered in per-tunnel goroutines (each ended one tunnel).", nil),
 	}
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
 		func() float64 { held, _ := a.Connected(); return float64(held) })

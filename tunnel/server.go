@@ -212,10 +212,12 @@ func (s *Server) track(ln *net.Listener, add bool) bool {
 }
 
 // goroutine starts f as a goroutine the server owns and waits for on Close.
+// A panic in f is recovered and logged: it ends f's connection only.
 func (s *Server) goroutine(f func()) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
+		defer recoverTunnelPanic(s.log, s.metrics.panics, "server")
 		f()
 	}()
 }

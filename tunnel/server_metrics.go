@@ -12,6 +12,7 @@ type serverMetrics struct {
 	grpcConns    *Gauge
 	pending      *Gauge
 	resets       *Counter
+	panics       *Counter
 	failures     map[string]*Counter
 }
 
@@ -24,6 +25,7 @@ func newServerMetrics(m *Metrics, s *Server) *serverMetrics {
 		grpcConns:    m.Gauge(serverPrefix+"grpc_connections", "Open gRPC frontend streams, by method.", []string{"service_method"}, "Proxy"),
 		pending:      m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
 		resets:       m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
+		panics:       m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
 		failures:     map[string]*Counter{},
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown} {

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -667,5 +668,63 @@ func TestAgentStopsWithSilentDestination(t *testing.T) {
 	case <-a.done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("agent did not stop after its drain timeout")
+	}
+}
+
+// A panic in one tunnel's code ends that tunnel only, on either side.
+func TestPanicsEndOnlyTheirTunnel(t *testing.T) {
+	checkNoLeaks(t)
+	m := NewMetrics()
+	var frontendPanics atomic.Bool
+	e := newEnv(t, func(c *ServerConfig) {
+		c.Metrics = m
+		c.CheckFrontendPeer = func(conn net.Conn) error {
+			if _, ok := conn.(*net.UnixConn); ok && frontendPanics.Load() {
+				panic("test: frontend bug")
+			}
+			return nil
+		}
+	})
+	agentMetrics := NewMetrics()
+	e.startAgent("a1", "", func(c *AgentConfig) {
+		c.Metrics = agentMetrics
+		c.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if strings.HasSuffix(addr, ":7") {
+				panic("test: agent bug")
+			}
+			return (&net.Dialer{}).DialContext(ctx, network, addr)
+		}
+	})
+	e.waitAgents(1)
+	echo := echoServer(t)
+
+	conn, _, resp := e.connect("127.0.0.1:7")
+	conn.Close()
+	if resp.StatusCode == 200 {
+		t.Fatal("a panicking dial answered 200")
+	}
+	frontendPanics.Store(true)
+	c, err := net.Dial("unix", e.uds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\n\r\n", echo)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	io.Copy(io.Discard, c) // the server closes it
+	c.Close()
+	frontendPanics.Store(false)
+
+	conn, _, resp = e.connect(echo)
+	conn.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("after the panics: %s", resp.Status)
+	}
+	var b strings.Builder
+	m.WriteText(&b)
+	agentMetrics.WriteText(&b)
+	for _, want := range []string{"konnectivity_network_proxy_server_panics_total 1\n", "konnectivity_network_proxy_agent_panics_total 1\n"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("metrics lack %q", want)
+		}
 	}
 }
