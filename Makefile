@@ -16,7 +16,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test lint unit e2e fuzz bench bench-quick install clean tools image-overlay test-images test-openrc
+.PHONY: all build demo test lint unit e2e fuzz bench bench-quick bench-compare install clean tools image-overlay test-images test-openrc
 
 all: build
 
@@ -70,6 +70,20 @@ fuzz:
 
 bench: build
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) $(BENCHFLAGS)
+
+# Runs the same bench against another implementation taking the upstream flags:
+# OTHER=dir holding proxy-server and proxy-agent (upstream's binaries), or
+# OTHER=path of another konnectivity binary.
+bench-compare: build
+	@test -n "$(OTHER)" || { echo "usage: make bench-compare OTHER=path"; exit 2; }
+	@echo "== konnectivity ($(BIN))"
+	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) $(BENCHFLAGS)
+	@echo "== other ($(OTHER))"
+	@if [ -d "$(OTHER)" ]; then \
+		cd e2e && $(GO) run ./bench --server-bin $(abspath $(OTHER))/proxy-server --agent-bin $(abspath $(OTHER))/proxy-agent $(BENCHFLAGS); \
+	else \
+		cd e2e && $(GO) run ./bench --bin $(abspath $(OTHER)) $(BENCHFLAGS); \
+	fi
 
 bench-quick: build
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) --quick

@@ -22,6 +22,8 @@ import (
 
 type config struct {
 	bin          string
+	serverBin    string // another implementation: server and agent binaries taking upstream flags
+	agentBin     string
 	bytes        int64 // per throughput run
 	dials        int   // figure 1
 	concurrent   int   // figure 4 tunnels
@@ -99,7 +101,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	c := defaultConfig()
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.bin, "bin", "", "konnectivity binary under test (required)")
+	fs.StringVar(&c.bin, "bin", "", "konnectivity binary under test (required unless --server-bin and --agent-bin are given)")
+	fs.StringVar(&c.serverBin, "server-bin", "", "another server binary taking the upstream flags (e.g. upstream's proxy-server), run without a subcommand")
+	fs.StringVar(&c.agentBin, "agent-bin", "", "another agent binary taking the upstream flags (e.g. upstream's proxy-agent), with --server-bin")
 	fs.Int64Var(&c.bytes, "bytes", c.bytes, "bytes per single-stream throughput run, each direction")
 	fs.IntVar(&c.dials, "dials", c.dials, "sequential CONNECT + 1-byte echo dials (each path)")
 	fs.IntVar(&c.concurrent, "concurrent", c.concurrent, "concurrent tunnels for the 64 KiB echo figure")
@@ -121,6 +125,12 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if (c.serverBin == "") != (c.agentBin == "") {
+		return c, fmt.Errorf("--server-bin and --agent-bin go together")
+	}
+	if c.bin == "" && c.serverBin != "" {
+		c.bin = c.serverBin // the binary-size row then measures the server binary
 	}
 	if c.bin == "" {
 		return c, fmt.Errorf("--bin is required (e.g. --bin ../bin/konnectivity)")

@@ -245,7 +245,7 @@ func (b *bench) start(ctx context.Context) error {
 	}
 	agentPort, serverHealth, agentHealth := ports[0], ports[1], ports[2]
 	b.sock = filepath.Join(b.dir, "konnectivity.sock")
-	serverArgs := []string{"server",
+	serverArgs := []string{
 		"--mode=http-connect",
 		"--uds-name=" + b.sock,
 		"--server-port=0",
@@ -256,9 +256,11 @@ func (b *bench) start(ctx context.Context) error {
 		"--cluster-ca-cert=" + p.caCert,
 		"--health-bind-address=127.0.0.1",
 		"--health-port=" + strconv.Itoa(serverHealth),
-		"--agent-wait=5s",
 	}
-	agentArgs := []string{"agent",
+	if b.cfg.serverBin == "" {
+		serverArgs = append([]string{"server", "--agent-wait=5s"}, serverArgs...)
+	}
+	agentArgs := []string{
 		"--proxy-server-host=127.0.0.1",
 		"--proxy-server-port=" + strconv.Itoa(agentPort),
 		"--ca-cert=" + p.caCert,
@@ -268,12 +270,19 @@ func (b *bench) start(ctx context.Context) error {
 		"--health-server-host=127.0.0.1",
 		"--health-server-port=" + strconv.Itoa(agentHealth),
 	}
+	if b.cfg.agentBin == "" {
+		agentArgs = append([]string{"agent"}, agentArgs...)
+	}
+	serverBin, agentBin := b.cfg.bin, b.cfg.bin
+	if b.cfg.serverBin != "" {
+		serverBin, agentBin = b.cfg.serverBin, b.cfg.agentBin
+	}
 	// pprof on loopback admin ports is always on: goroutine counts are the
 	// bench's leak check, and CPU profiles are fetched with --pprof.
 	b.serverAdmin, b.agentAdmin = ports[3], ports[4]
 	serverArgs = append(serverArgs, "--enable-profiling", "--admin-bind-address=127.0.0.1", "--admin-port="+strconv.Itoa(b.serverAdmin))
 	agentArgs = append(agentArgs, "--enable-profiling", "--admin-bind-address=127.0.0.1", "--admin-server-port="+strconv.Itoa(b.agentAdmin))
-	b.server, err = startProc("server", b.cfg.bin, serverArgs, filepath.Join(b.dir, "server.log"))
+	b.server, err = startProc("server", serverBin, serverArgs, filepath.Join(b.dir, "server.log"))
 	if err != nil {
 		return err
 	}
@@ -282,7 +291,7 @@ func (b *bench) start(ctx context.Context) error {
 	if err := waitHTTP(ctx, b.server, serverHealth, "/healthz"); err != nil {
 		return err
 	}
-	b.agent, err = startProc("agent", b.cfg.bin, agentArgs, filepath.Join(b.dir, "agent.log"))
+	b.agent, err = startProc("agent", agentBin, agentArgs, filepath.Join(b.dir, "agent.log"))
 	if err != nil {
 		return err
 	}
