@@ -22,6 +22,7 @@ import (
 
 type config struct {
 	bin          string
+	frontend     string // http-connect or grpc
 	serverBin    string // another implementation: server and agent binaries taking upstream flags
 	agentBin     string
 	bytes        int64 // per throughput run
@@ -97,11 +98,15 @@ func applyQuick(c *config, set map[string]bool) {
 	}
 }
 
+// mode is the server's --mode for the front door being measured.
+func (c config) mode() string { return c.frontend }
+
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	c := defaultConfig()
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.bin, "bin", "", "konnectivity binary under test (required unless --server-bin and --agent-bin are given)")
+	fs.StringVar(&c.frontend, "frontend", "http-connect", "front door to measure: http-connect, or grpc (kube-apiserver's GRPC protocol through upstream's konnectivity-client)")
 	fs.StringVar(&c.serverBin, "server-bin", "", "another server binary taking the upstream flags (e.g. upstream's proxy-server), run without a subcommand")
 	fs.StringVar(&c.agentBin, "agent-bin", "", "another agent binary taking the upstream flags (e.g. upstream's proxy-agent), with --server-bin")
 	fs.Int64Var(&c.bytes, "bytes", c.bytes, "bytes per single-stream throughput run, each direction")
@@ -125,6 +130,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if c.frontend != "http-connect" && c.frontend != "grpc" {
+		return c, fmt.Errorf("--frontend=%q: want http-connect or grpc", c.frontend)
 	}
 	if (c.serverBin == "") != (c.agentBin == "") {
 		return c, fmt.Errorf("--server-bin and --agent-bin go together")

@@ -246,7 +246,7 @@ func (b *bench) start(ctx context.Context) error {
 	agentPort, serverHealth, agentHealth := ports[0], ports[1], ports[2]
 	b.sock = filepath.Join(b.dir, "konnectivity.sock")
 	serverArgs := []string{
-		"--mode=http-connect",
+		"--mode=" + b.cfg.mode(),
 		"--uds-name=" + b.sock,
 		"--server-port=0",
 		"--agent-bind-address=127.0.0.1",
@@ -302,6 +302,9 @@ func (b *bench) start(ctx context.Context) error {
 		return err
 	}
 	b.tun = tunnelDialer(b.sock)
+	if b.cfg.frontend == "grpc" {
+		b.tun = grpcDialer(b.sock)
+	}
 	b.logf("server pid %d (pprof 127.0.0.1:%d), agent pid %d (pprof 127.0.0.1:%d), socket %s",
 		b.server.pid(), b.serverAdmin, b.agent.pid(), b.agentAdmin, b.sock)
 	return nil
