@@ -268,7 +268,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 				log.Error("restart refused; still serving", "trigger", why, "err", err)
 				continue
 			}
-			env, _, err := ls.handOver()
+			env, err := ls.handOver()
 			if err != nil {
 				log.Error("restart refused; still serving", "trigger", why, "err", err)
 				continue

@@ -112,31 +112,51 @@ func sameAddr(have net.Addr, network, want string) bool {
 	return ip != nil && ip.Equal(h.IP)
 }
 
-// handOver duplicates every open listener without close-on-exec and
-// returns the environment entry that names them. It must run before the
-// listeners are closed; a Unix socket's path is kept.
-func (ls *listenerSet) handOver() (string, []*os.File, error) {
+// handOver duplicates every open listener's descriptor without
+// close-on-exec and returns the environment entry that names them. It must
+// run before the listeners are closed; a Unix socket's path is kept.
+//
+// The duplicates are raw descriptors, not *os.File: File().Fd() would put
+// the shared socket into blocking mode (stalling this process's own accept
+// loops), and an unreferenced *os.File may be closed by its finalizer
+// before the exec.
+func (ls *listenerSet) handOver() (string, error) {
 	var parts []string
-	var files []*os.File
+	var dups []int
+	fail := func(err error) (string, error) {
+		for _, fd := range dups {
+			unix.Close(fd)
+		}
+		return "", err
+	}
+	for _, nl := range ls.open {
+		sc, ok := nl.ln.(syscall.Conn)
+		if !ok {
+			return fail(fmt.Errorf("listener %s cannot be handed over", nl.name))
+		}
+		rc, err := sc.SyscallConn()
+		if err != nil {
+			return fail(fmt.Errorf("listener %s: %w", nl.name, err))
+		}
+		dup := -1
+		var dupErr error
+		if err := rc.Control(func(fd uintptr) {
+			dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD, 3) // F_DUPFD leaves close-on-exec clear
+		}); err != nil {
+			return fail(fmt.Errorf("listener %s: %w", nl.name, err))
+		}
+		if dupErr != nil {
+			return fail(fmt.Errorf("duplicate listener %s: %w", nl.name, dupErr))
+		}
+		dups = append(dups, dup)
+		parts = append(parts, fmt.Sprintf("%s=%d", nl.name, dup))
+	}
 	for _, nl := range ls.open {
 		if ul, ok := nl.ln.(*net.UnixListener); ok {
-			ul.SetUnlinkOnClose(false)
+			ul.SetUnlinkOnClose(false) // the path stays for the next image
 		}
-		fl, ok := nl.ln.(interface{ File() (*os.File, error) })
-		if !ok {
-			return "", files, fmt.Errorf("listener %s cannot be handed over", nl.name)
-		}
-		f, err := fl.File()
-		if err != nil {
-			return "", files, fmt.Errorf("duplicate listener %s: %w", nl.name, err)
-		}
-		files = append(files, f)
-		if _, err := unix.FcntlInt(f.Fd(), unix.F_SETFD, 0); err != nil {
-			return "", files, fmt.Errorf("clear close-on-exec on %s: %w", nl.name, err)
-		}
-		parts = append(parts, fmt.Sprintf("%s=%d", nl.name, f.Fd()))
 	}
-	return inheritEnv + "=" + strings.Join(parts, ","), files, nil
+	return inheritEnv + "=" + strings.Join(parts, ","), nil
 }
 
 // restartTarget is the executable a restart would run, refused early when

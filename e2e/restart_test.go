@@ -1,9 +1,11 @@
 package e2e
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -148,7 +150,9 @@ func waitNewImage(t *testing.T, p *proc, metricsURL string, before float64, boun
 // fail, and the PID, executable, socket inode, descriptor count and
 // goroutine count must come back as they were.
 func TestSelfRestartSIGHUP(t *testing.T) {
-	s := startServer(t, "--restart-grace=2s", "--enable-profiling", "--agent-wait=10s")
+	// A private copy: the shared binary may be rebuilt while this runs.
+	bin := copyExecutable(t, t.TempDir())
+	s := startServerBin(t, bin, frontendUDS, "--restart-grace=2s", "--enable-profiling", "--agent-wait=10s")
 	s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=500ms")
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
 	d := s.egressDialer(t)
@@ -179,7 +183,7 @@ func TestSelfRestartSIGHUP(t *testing.T) {
 		s.proc.signal(t, syscall.SIGHUP)
 		el := waitNewImage(t, s.proc, metricsURL, before, 20*time.Second)
 		took = append(took, el.Round(time.Millisecond).String())
-		checkSameProcess(t, s.proc, pid, konnectivityBin)
+		checkSameProcess(t, s.proc, pid, bin)
 		if got := inode(t, s.sock); got != ino {
 			t.Fatalf("after SIGHUP #%d the socket inode is %d, was %d", i+1, got, ino)
 		}
@@ -194,7 +198,7 @@ func TestSelfRestartSIGHUP(t *testing.T) {
 	if n := strings.Count(s.proc.out.String(), "re-executing in place"); n != hups {
 		t.Errorf("log has %d \"re-executing in place\" lines, want %d", n, hups)
 	}
-	checkSameProcess(t, s.proc, pid, konnectivityBin)
+	checkSameProcess(t, s.proc, pid, bin)
 
 	// Resources settle back: nothing leaks per restart.
 	var fd1, g1 int
@@ -409,7 +413,16 @@ func asExitError(err error, target **exec.ExitError) bool {
 func TestAgentSelfRestart(t *testing.T) {
 	s := startServer(t, "--agent-wait=10s")
 	agentFlags := []string{"--drain-timeout=2s", "--sync-interval=100ms", "--sync-interval-cap=500ms"}
-	a1 := s.startAgent(t, "a1", "", agentFlags...)
+	// a1 runs from a private copy: the shared binary may be rebuilt meanwhile.
+	bin := copyExecutable(t, t.TempDir())
+	a1 := &agent{id: "a1", healthPort: freePort(t), adminPort: freePort(t)}
+	a1.proc = startProcBin(t, bin, "agent-a1", "agent",
+		"--proxy-server-host=127.0.0.1", fmt.Sprintf("--proxy-server-port=%d", s.agentPort),
+		"--ca-cert="+s.pki.caCert, "--agent-cert="+s.pki.agentCert, "--agent-key="+s.pki.agentKey,
+		"--agent-id=a1", "--health-server-host=127.0.0.1", fmt.Sprintf("--health-server-port=%d", a1.healthPort),
+		"--admin-bind-address=127.0.0.1", fmt.Sprintf("--admin-server-port=%d", a1.adminPort),
+		"--drain-timeout=2s", "--sync-interval=100ms", "--sync-interval-cap=500ms")
+	waitHTTP(t, a1.proc, a1.healthURL("/readyz"), 200)
 	a2 := s.startAgent(t, "a2", "", agentFlags...)
 	s.waitAgents(t, 2, startTimeout)
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
@@ -430,7 +443,7 @@ func TestAgentSelfRestart(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	load.finish(t, "2 workers dialling while agent a1 restarts", []time.Time{at})
 	t.Logf("agent SIGHUP → new image serving after %v, reconnected after %v", el.Round(time.Millisecond), back.Round(time.Millisecond))
-	checkSameProcess(t, a1.proc, pid, konnectivityBin)
+	checkSameProcess(t, a1.proc, pid, bin)
 	if !strings.Contains(a1.proc.out.String(), "re-executing in place") {
 		t.Errorf("agent log has no \"re-executing in place\" line")
 	}
@@ -439,4 +452,123 @@ func TestAgentSelfRestart(t *testing.T) {
 	a2.proc.stop(t)
 	s.waitAgents(t, 1, 10*time.Second)
 	checkReachable(t, d, backend, "b1", 10)
+}
+
+// TestRestartDrainWindow covers what happens between the SIGHUP and the
+// exec, while an open tunnel keeps the server draining: the listeners
+// have already been duplicated for the new image, and the old image still
+// serves its health and admin ports.
+func TestRestartDrainWindow(t *testing.T) {
+	// The restart must complete even when someone (a liveness probe,
+	// Prometheus) talks to the health port during the drain.
+	t.Run("health-probed-during-drain", func(t *testing.T) {
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--restart-grace=3s")
+		s.startAgent(t, "a1", "", "--sync-interval=100ms")
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		// Probe the health port during the drain, then watch for the new
+		// image on the admin port only: a health listener whose accept
+		// is stuck would be released by any further probe.
+		adminMetrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
+		before := startTime(adminMetrics)
+		c := openEcho(t, s, echo)
+		s.proc.signal(t, syscall.SIGHUP)
+		waitFor(t, 5*time.Second, "restart begins", func() bool {
+			return strings.Contains(s.proc.out.String(), "restarting in place")
+		})
+		// One connection per probe, as kubelet and supervise-daemon do.
+		for range 3 {
+			if _, _, err := scrapeRaw(s.healthURL("/metrics")); err != nil {
+				t.Errorf("health /metrics during the drain: %v", err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		c.Close()
+		waitNewImageOrDump(t, s, adminMetrics, before)
+	})
+
+	// The duplicated descriptors must survive a garbage collection in the
+	// old image (GOGC=1 makes one all but certain during the drain); a
+	// closed one makes the new image open a new socket: new inode, and
+	// whatever waited in the old backlog is refused.
+	t.Run("gc-during-drain", func(t *testing.T) {
+		s := startServerBinEnv(t, copyExecutable(t, t.TempDir()), []string{"GOGC=1"}, frontendUDS, "--restart-grace=3s")
+		s.startAgent(t, "a1", "", "--sync-interval=100ms")
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		metricsURL := s.healthURL("/metrics")
+		ino := inode(t, s.sock)
+		for i := range 3 {
+			before := startTime(metricsURL)
+			c := openEcho(t, s, echo)
+			br := bufio.NewReader(c)
+			s.proc.signal(t, syscall.SIGHUP)
+			for end := time.Now().Add(time.Second); time.Now().Before(end); {
+				if err := echoOnce(c, br, "during the drain\n"); err != nil {
+					t.Fatalf("restart %d: open tunnel during the drain: %v", i+1, err)
+				}
+			}
+			c.Close()
+			waitNewImageOrDump(t, s, metricsURL, before)
+			s.waitAgents(t, 1, 10*time.Second)
+			if line := lineWith(s.proc.out.String(), "inherited listener unusable"); line != "" {
+				t.Fatalf("restart %d: %s", i+1, line)
+			}
+			if got := inode(t, s.sock); got != ino {
+				t.Fatalf("restart %d: socket inode %d, was %d", i+1, got, ino)
+			}
+		}
+	})
+}
+
+// openEcho opens a tunnel to echo through s and checks one round trip.
+func openEcho(t *testing.T, s *server, echo *tcpBackend) net.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := s.egressDialer(t).bounded()(ctx, "tcp", echo.addr())
+	if err != nil {
+		t.Fatalf("dial echo: %v", err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	if err := echoOnce(c, bufio.NewReader(c), "before\n"); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// waitNewImageOrDump waits up to 10 s for the re-executed image; if it
+// never comes, it asks the stuck process for its goroutines (SIGQUIT) and
+// fails with the main goroutine's stack.
+func waitNewImageOrDump(t *testing.T, s *server, metricsURL string, before float64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if s.proc.exited() {
+			t.Fatalf("server exited during the restart: %v", s.proc.waitErr)
+		}
+		if st := startTime(metricsURL); st != 0 && st != before {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	out := s.proc.out.String()
+	_ = s.proc.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-s.proc.done:
+	case <-time.After(5 * time.Second):
+	}
+	dump := s.proc.out.String()[len(out):]
+	if i := strings.Index(dump, "goroutine 1 "); i >= 0 {
+		dump = dump[i:]
+		if j := strings.Index(dump, "\n\n"); j >= 0 {
+			dump = dump[:j]
+		}
+	}
+	t.Fatalf("no new image 10 s after the tunnel closed (last log: %q); main goroutine:\n%s",
+		lastLine(out), dump)
+}
+
+func lastLine(s string) string {
+	s = strings.TrimRight(s, "\n")
+	return s[strings.LastIndex(s, "\n")+1:]
 }
