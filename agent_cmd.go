@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"crypto/tls"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -92,25 +91,7 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
 	o, cf := newAgentFlags(stderr)
-	log, err := cf.parse(args, stderr)
-	if err != nil {
-		if errors.Is(err, flagHelp) {
-			return 0
-		}
-		fmt.Fprintf(stderr, "konnectivity agent: %v\n", err)
-		return 2
-	}
-	if err := o.complete(); err != nil {
-		fmt.Fprintf(stderr, "konnectivity agent: %v\n", err)
-		return 2
-	}
-	ctx, stop := signalContext(log)
-	defer stop()
-	if err := o.run(ctx, log); err != nil {
-		log.Error("agent failed", "err", err)
-		return 1
-	}
-	return 0
+	return runDaemon("agent", cf, args, stderr, o.complete, o.run)
 }
 
 func (o *agentOptions) complete() error {

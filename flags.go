@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -136,3 +138,27 @@ func (m *fileMode) Set(s string) error {
 
 // flagHelp is flag.ErrHelp: -h or --help was asked for and usage was printed.
 var flagHelp = flag.ErrHelp
+
+// runDaemon parses a daemon's flags, checks them with complete and runs it
+// until a signal ends it: exit 2 for bad flags, 1 when it fails, 0 otherwise.
+func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, complete func() error, run func(context.Context, *slog.Logger) error) int {
+	log, err := cf.parse(args, stderr)
+	if err != nil {
+		if errors.Is(err, flagHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
+		return 2
+	}
+	if err := complete(); err != nil {
+		fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
+		return 2
+	}
+	ctx, stop := signalContext(log)
+	defer stop()
+	if err := run(ctx, log); err != nil {
+		log.Error(name+" failed", "err", err)
+		return 1
+	}
+	return 0
+}

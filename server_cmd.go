@@ -143,25 +143,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 
 func runServer(args []string, stdout, stderr io.Writer) int {
 	o, cf := newServerFlags(stderr)
-	log, err := cf.parse(args, stderr)
-	if err != nil {
-		if errors.Is(err, flagHelp) {
-			return 0
-		}
-		fmt.Fprintf(stderr, "konnectivity server: %v\n", err)
-		return 2
-	}
-	if err := o.complete(cf); err != nil {
-		fmt.Fprintf(stderr, "konnectivity server: %v\n", err)
-		return 2
-	}
-	ctx, stop := signalContext(log)
-	defer stop()
-	if err := o.run(ctx, log); err != nil {
-		log.Error("server failed", "err", err)
-		return 1
-	}
-	return 0
+	return runDaemon("server", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 // complete checks flag combinations and fills derived defaults.

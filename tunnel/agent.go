@@ -70,17 +70,12 @@ type AgentConfig struct {
 }
 
 func (c *AgentConfig) setDefaults() {
-	def := func(d *time.Duration, v time.Duration) {
-		if *d <= 0 {
-			*d = v
-		}
-	}
-	def(&c.DialTimeout, 5*time.Second)
-	def(&c.KeepAlive, 30*time.Second)
-	def(&c.PingTimeout, 15*time.Second)
-	def(&c.DrainTimeout, 30*time.Second)
-	def(&c.SyncInterval, time.Second)
-	def(&c.SyncCap, 10*time.Second)
+	defaultDuration(&c.DialTimeout, 5*time.Second)
+	defaultDuration(&c.KeepAlive, 30*time.Second)
+	defaultDuration(&c.PingTimeout, 15*time.Second)
+	defaultDuration(&c.DrainTimeout, 30*time.Second)
+	defaultDuration(&c.SyncInterval, time.Second)
+	defaultDuration(&c.SyncCap, 10*time.Second)
 	if c.SyncCap < c.SyncInterval {
 		c.SyncCap = c.SyncInterval
 	}

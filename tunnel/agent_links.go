@@ -108,18 +108,36 @@ func (a *Agent) seek(ctx context.Context, t target) {
 			// slowing down only if it keeps doing so.
 			dupes++
 			delay = min(time.Duration(dupes)*5*time.Millisecond, a.cfg.SyncInterval)
-		case isCheap(err):
-			delay = jitter(a.cfg.SyncInterval)
-			a.logDialError(t, err, delay)
 		default:
-			delay = b.next()
-			a.logDialError(t, err, delay)
+			delay = a.failureDelay(t, err, b)
 		}
-		select {
-		case <-ctx.Done():
+		if !sleepCtx(ctx, delay) {
 			return
-		case <-time.After(delay):
 		}
+	}
+}
+
+// failureDelay is how long to wait after a failed dial, and logs it
+// (rate-limited). A refused connection costs the server nothing, so it is
+// retried at the base interval; anything else backs off.
+func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
+	delay := b.next()
+	if isCheap(err) {
+		delay = jitter(a.cfg.SyncInterval)
+	}
+	a.quiet.log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
+	return delay
+}
+
+// sleepCtx waits for d, or returns false as soon as ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
 	}
 }
 
@@ -146,17 +164,11 @@ func (a *Agent) hold(ctx context.Context, t target) {
 			return
 		case isDuplicate(err):
 			delay = jitter(a.cfg.SyncCap) // another address reaches the same server
-		case isCheap(err):
-			delay = jitter(a.cfg.SyncInterval)
-			a.logDialError(t, err, delay)
 		default:
-			delay = b.next()
-			a.logDialError(t, err, delay)
+			delay = a.failureDelay(t, err, b)
 		}
-		select {
-		case <-ctx.Done():
+		if !sleepCtx(ctx, delay) {
 			return
-		case <-time.After(delay):
 		}
 	}
 }
@@ -202,16 +214,10 @@ func (a *Agent) expand(ctx context.Context, host, port string) {
 				}
 			}
 		}
-		select {
-		case <-ctx.Done():
+		if !sleepCtx(ctx, delay) {
 			return
-		case <-time.After(delay):
 		}
 	}
-}
-
-func (a *Agent) logDialError(t target, err error, delay time.Duration) {
-	a.quiet.log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
 }
 
 func isDuplicate(err error) bool {

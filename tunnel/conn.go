@@ -7,6 +7,7 @@ import (
 	"net"
 	"sync"
 	"syscall"
+	"time"
 )
 
 // bufferedConn reads through a bufio.Reader that may already hold bytes that
@@ -130,4 +131,11 @@ func tlsClient(raw net.Conn, cfg *tls.Config) *batchedTLS {
 func tlsServer(raw net.Conn, cfg *tls.Config) *batchedTLS {
 	b := &recordBatcher{Conn: raw}
 	return &batchedTLS{Conn: tls.Server(b, cfg), raw: b}
+}
+
+// defaultDuration sets *d to v when it is zero or negative.
+func defaultDuration(d *time.Duration, v time.Duration) {
+	if *d <= 0 {
+		*d = v
+	}
 }

@@ -61,16 +61,11 @@ type ServerConfig struct {
 }
 
 func (c *ServerConfig) setDefaults() {
-	def := func(d *time.Duration, v time.Duration) {
-		if *d <= 0 {
-			*d = v
-		}
-	}
-	def(&c.AgentWait, 5*time.Second)
-	def(&c.DialTimeout, 10*time.Second)
-	def(&c.HeaderTimeout, 10*time.Second)
-	def(&c.KeepAlive, 30*time.Second)
-	def(&c.PingTimeout, 15*time.Second)
+	defaultDuration(&c.AgentWait, 5*time.Second)
+	defaultDuration(&c.DialTimeout, 10*time.Second)
+	defaultDuration(&c.HeaderTimeout, 10*time.Second)
+	defaultDuration(&c.KeepAlive, 30*time.Second)
+	defaultDuration(&c.PingTimeout, 15*time.Second)
 	if c.MaxStreamsPerAgent <= 0 {
 		c.MaxStreamsPerAgent = 10000
 	}
