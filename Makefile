@@ -16,7 +16,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test lint unit e2e fuzz bench bench-quick bench-compare install clean tools image-overlay test-images test-openrc
+.PHONY: all build demo test lint unit e2e fuzz bench bench-quick bench-compare install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -39,33 +39,42 @@ lint: tools
 	$(STATICCHECK) ./openrc/testdata/testhelper
 	@out=$$(gofmt -l openrc/testdata); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-unit:
+unit: build
 	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/...
 	$(GO) test -count=1 -timeout 5m .
+	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m ./images/ociimage/
 
 e2e: build
 	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 10m ./...
 
-OVERLAY ?= bin/eks-node-overlay.tar.gz
+OVERLAY          ?= bin/eks-node-overlay.tar.gz
+AGENT_IMAGE      ?= bin/konnectivity-agent-image.tar
+AGENT_IMAGE_REPO ?= spinifex/konnectivity-agent
+REVISION         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 
-image-overlay: build
-	images/build-overlay.sh $(OVERLAY) $(BIN)
+# An OCI image archive of the agent, written without Docker (images/ociimage).
+agent-image: build
+	$(GO) run ./images/ociimage -bin $(BIN) -tag $(AGENT_IMAGE_REPO):$(VERSION) \
+		-version $(VERSION) -revision $(REVISION) -out $(AGENT_IMAGE)
 
-test-images: build
-	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) images/test.sh
+image-overlay: agent-image
+	images/build-overlay.sh $(OVERLAY) $(BIN) $(AGENT_IMAGE)
+
+test-images: agent-image
+	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) AGENT_IMAGE=$(CURDIR)/$(AGENT_IMAGE) images/test.sh
 
 # Runs the init scripts under real openrc-run and supervise-daemon in private
 # namespaces; needs root, openrc, busybox-static and shellcheck (.ci/run installs them).
 test-openrc: build
 	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) openrc/test.sh
 
-test: lint unit e2e test-images test-openrc
+test: lint unit e2e test-images test-openrc agent-image
 
 FUZZTIME ?= 20s
 fuzz:
 	@for target in $$($(GO) test -list 'Fuzz.*' ./tunnel/ | grep ^Fuzz); do \
 		echo "== tunnel $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) ./tunnel/ || exit 1; done
-	@for pkg in ./auth/ ./certs/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+	@for pkg in ./auth/ ./certs/ ./images/ociimage/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
 
 bench: build

@@ -2,12 +2,20 @@
 # Build the konnectivity overlay of the EKS node image: a tarball to unpack
 # onto / (e.g. `tar -xzpf overlay.tar.gz -C /`).
 #
-#   images/build-overlay.sh OUT.tar.gz BIN
+#   images/build-overlay.sh OUT.tar.gz BIN [AGENT_IMAGE.tar]
 #
 # Contents: images/eks-node/ (k3s configuration, agent manifest, first-boot
 # example), the binary BIN as /usr/local/bin/konnectivity with its upstream
 # names as symlinks, and the OpenRC files copied from openrc/ (kept there once,
 # not duplicated under images/).
+#
+# The agent DaemonSet runs the agent image. AGENT_IMAGE.tar (third argument,
+# or $AGENT_IMAGE), the OCI archive `make agent-image` writes, goes to
+# /var/lib/rancher/k3s/agent/images/konnectivity-agent.tar, which k3s imports
+# into containerd at start; the manifest's @VERSION@ becomes the archive's
+# tag, and the build fails unless the archive names exactly the image the
+# manifest references. Without an archive, $AGENT_IMAGE_VERSION gives the tag
+# to pull from the registry instead.
 #
 # Reproducible: the same inputs give the same bytes. Entries are sorted by
 # name, owned by 0:0, dated SOURCE_DATE_EPOCH (default 0), modes are set
@@ -16,12 +24,13 @@
 # overlay owns, so unpacking leaves /etc, /usr/local/bin and the like alone.
 set -eu
 
-if [ $# != 2 ]; then
-	echo "usage: $0 OUT.tar.gz BIN" >&2
+if [ $# != 2 ] && [ $# != 3 ]; then
+	echo "usage: $0 OUT.tar.gz BIN [AGENT_IMAGE.tar]" >&2
 	exit 2
 fi
 out=$1
 bin=$2
+image=${3:-${AGENT_IMAGE:-}}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 tree=$here/eks-node
@@ -35,6 +44,48 @@ tar --version 2>/dev/null | grep -q 'GNU tar' || {
 	echo "$0: needs GNU tar (--sort=name)" >&2
 	exit 1
 }
+
+# The image the manifest runs, up to the tag: "docker.io/x/y:" from
+# "        image: docker.io/x/y:@VERSION@".
+manifest=var/lib/rancher/k3s/server/manifests/konnectivity-agent.yaml
+repo=$(sed -n 's/^ *image: \(.*:\)@VERSION@$/\1/p' "$tree/$manifest")
+if [ "$(printf '%s\n' "$repo" | grep -c .)" != 1 ]; then
+	echo "$0: $manifest needs exactly one 'image: NAME:@VERSION@' line" >&2
+	exit 1
+fi
+if [ -n "$image" ]; then
+	if [ ! -f "$image" ]; then
+		echo "$0: agent image $image is not a file (run make agent-image)" >&2
+		exit 1
+	fi
+	# The name containerd gives the image on import (compact JSON, as
+	# images/ociimage writes it).
+	names=$(tar -xOf "$image" index.json 2>/dev/null |
+		grep -o '"io.containerd.image.name":"[^"]*"' | sed 's/.*:"\(.*\)"$/\1/') || true
+	if [ "$(printf '%s\n' "$names" | grep -c .)" != 1 ]; then
+		echo "$0: $image: want one io.containerd.image.name in index.json, found: ${names:-none}" >&2
+		exit 1
+	fi
+	case $names in
+	"$repo"?*) version=${names#"$repo"} ;;
+	*)
+		echo "$0: $image is $names, but $manifest runs $repo<tag>" >&2
+		exit 1
+		;;
+	esac
+elif [ -n "${AGENT_IMAGE_VERSION:-}" ]; then
+	version=$AGENT_IMAGE_VERSION
+else
+	echo "$0: give the agent image archive (make agent-image) as the third argument or \$AGENT_IMAGE," >&2
+	echo "    or set AGENT_IMAGE_VERSION to the tag of ${repo%:} to pull" >&2
+	exit 1
+fi
+case $version in
+*[!A-Za-z0-9_.-]* | [.-]*)
+	echo "$0: image tag '$version' is not a valid tag" >&2
+	exit 1
+	;;
+esac
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
@@ -51,6 +102,16 @@ put() {
 (cd "$tree" && find . -type f) | LC_ALL=C sort | while read -r f; do
 	put "$tree/$f" "${f#./}" 0644
 done
+# The manifest names the exact tag (IfNotPresent then never pulls).
+sed "s/@VERSION@/$version/" "$tree/$manifest" >"$stage/$manifest"
+if grep -q @VERSION@ "$stage/$manifest"; then
+	echo "$0: @VERSION@ left in $manifest" >&2
+	exit 1
+fi
+images_dir=var/lib/rancher/k3s/agent/images
+if [ -n "$image" ]; then
+	put "$image" "$images_dir/konnectivity-agent.tar" 0644
+fi
 put "$bin" usr/local/bin/konnectivity 0755
 for name in konnectivity-server konnectivity-agent eks-konnectivity-cert; do
 	ln -s konnectivity "$stage/usr/local/bin/$name"
@@ -72,6 +133,12 @@ var/lib/rancher/k3s 0755
 var/lib/rancher/k3s/server 0700
 var/lib/rancher/k3s/server/manifests 0700
 "
+# k3s's own agent/ directory is left alone (tar creates it only if missing);
+# the images folder in it is where an air-gapped node's images go.
+if [ -n "$image" ]; then
+	owned_dirs="$owned_dirs$images_dir 0755
+"
+fi
 list=$stage.list
 trap 'rm -rf "$stage" "$list"' EXIT
 printf '%s\n' "$owned_dirs" | while read -r d mode; do
