@@ -393,6 +393,12 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		// The destination finished first while the client is still sending.
 		// Go's HTTP/2 server cannot half-close a stream it still reads, so
 		// it ends the response (END_STREAM) and resets the request side.
+		// The rest of the upload is lost: close the destination with a
+		// reset, so it sees an error and not a clean end of the upload.
+		if tc, ok := dest.(*net.TCPConn); ok {
+			tc.SetLinger(0)
+		}
+		dest.Close() // also releases an upload blocked writing to it
 		r.Body.Close()
 		<-upDone
 		if downErr == nil {

@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"net"
+	"sync"
 	"syscall"
 	"time"
 
@@ -30,33 +31,75 @@ func peerHungUp(c net.Conn) bool {
 	return hup
 }
 
-// watchHangup ends the tunnel when the client, having stopped sending,
-// turns out to have closed the socket altogether: otherwise a destination
-// that never answers would hold the tunnel, and the agent's, open forever.
-// It runs only for half-closed Unix-socket tunnels, and until done closes.
-func (s *Server) watchHangup(conn net.Conn, st *stream, done <-chan struct{}) {
-	if _, ok := conn.(*net.UnixConn); !ok {
-		return
-	}
-	s.goroutine(func() {
-		t := time.NewTicker(hangupCheckInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-done:
-				return
-			case <-s.baseCtx.Done():
-				return
-			case <-t.C:
-			}
-			if peerHungUp(conn) {
-				s.log.Debug("client closed a half-closed tunnel; ending it")
-				st.close()
-				conn.Close()
-				return
-			}
-		}
-	})
+// hangups ends tunnels whose client closed its Unix socket completely but
+// whose tunnel cannot notice by itself: the destination is silent, or the
+// upload is stuck on a destination that does not read. One goroutine
+// sweeps every open tunnel; a tunnel found hung up on two sweeps in a row
+// (so bytes the client sent just before closing still get their chance)
+// is ended.
+type hangups struct {
+	mu      sync.Mutex
+	tunnels map[net.Conn]*hangupEntry
 }
 
-const hangupCheckInterval = time.Second
+type hangupEntry struct {
+	end      func()
+	hungSeen bool
+}
+
+const hangupSweep = 2 * time.Second
+
+func (h *hangups) add(c net.Conn, end func()) {
+	if _, ok := c.(*net.UnixConn); !ok {
+		return // TCP peers cannot be told apart this way; mTLS frontends rely on TCP keepalive
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.tunnels[c] = &hangupEntry{end: end}
+}
+
+func (h *hangups) remove(c net.Conn) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.tunnels, c)
+}
+
+func (h *hangups) sweep() {
+	h.mu.Lock()
+	conns := make([]net.Conn, 0, len(h.tunnels))
+	for c := range h.tunnels {
+		conns = append(conns, c)
+	}
+	h.mu.Unlock()
+	for _, c := range conns {
+		hung := peerHungUp(c)
+		h.mu.Lock()
+		e := h.tunnels[c]
+		var end func()
+		if e != nil {
+			if hung && e.hungSeen {
+				end = e.end
+				delete(h.tunnels, c)
+			}
+			e.hungSeen = hung
+		}
+		h.mu.Unlock()
+		if end != nil {
+			end()
+		}
+	}
+}
+
+// runHangups sweeps until the server closes.
+func (s *Server) runHangups() {
+	t := time.NewTicker(hangupSweep)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.baseCtx.Done():
+			return
+		case <-t.C:
+			s.hangups.sweep()
+		}
+	}
+}

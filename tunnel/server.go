@@ -13,10 +13,12 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -108,6 +110,8 @@ type Server struct {
 	Stats         ServerStats
 	metrics       *serverMetrics
 	quiet         *logLimiter  // repeated warnings: one line per key per 10s
+	hangups       hangups      // open Unix-socket tunnels, swept for clients that left
+	spareFD       *os.File     // released to answer 503 when out of file descriptors
 	nextConnectID atomic.Int64 // gRPC frontend connection IDs
 }
 
@@ -154,6 +158,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.quiet = newLogLimiter(10 * time.Second)
+	s.hangups.tunnels = map[net.Conn]*hangupEntry{}
+	s.spareFD, _ = os.Open(os.DevNull)
+	s.goroutine(s.runHangups)
 	return s, nil
 }
 
@@ -237,6 +244,9 @@ func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Con
 			if s.isShutting() {
 				return ErrServerClosed
 			}
+			if countPending && (errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)) && s.refuseWithSpare(ln) {
+				continue // one waiting client got its 503; the rest wait or come back
+			}
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() || isTemporaryAccept(err) {
 				// Out of file descriptors or similar: back off, keep serving.
@@ -263,6 +273,37 @@ func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Con
 			handle(c, release)
 		})
 	}
+}
+
+// refuseWithSpare answers one queued frontend connection with 503 when
+// the process is out of file descriptors: it gives up the spare descriptor
+// kept for this, accepts, answers, closes, and takes the spare back. A
+// client is told at once instead of waiting in the backlog.
+func (s *Server) refuseWithSpare(ln net.Listener) bool {
+	s.mu.Lock()
+	spare := s.spareFD
+	s.spareFD = nil
+	s.mu.Unlock()
+	if spare == nil {
+		return false
+	}
+	spare.Close()
+	c, err := ln.Accept()
+	if err == nil {
+		s.metrics.dialFailed(&StatusError{Code: http.StatusServiceUnavailable, Reason: reasonNoFD})
+		c.SetDeadline(time.Now().Add(time.Second))
+		if _, isUnix := c.(*net.UnixConn); isUnix {
+			writeStatus(c, http.StatusServiceUnavailable, "server out of file descriptors (too many open files); retry later")
+		}
+		c.Close()
+	}
+	s.quiet.log(s.log, slog.LevelWarn, "emfile", "out of file descriptors: refusing frontend connections with 503", "addr", ln.Addr().String())
+	s.mu.Lock()
+	if !s.closed {
+		s.spareFD, _ = os.Open(os.DevNull)
+	}
+	s.mu.Unlock()
+	return err == nil
 }
 
 func (s *Server) isShutting() bool {
@@ -340,9 +381,24 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-ctx.Done():
 		err = ctx.Err()
 	}
+	// The agents' streams are done, but the last bytes may still be on
+	// their way to the clients: let the frontend connections finish too.
+	for err == nil && s.openFrontends() > 0 {
+		select {
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 	s.Close()
 	<-drained
 	return err
+}
+
+func (s *Server) openFrontends() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.frontends)
 }
 
 // Close ends every listener, agent connection and tunnel at once, and waits
@@ -363,6 +419,12 @@ func (s *Server) Close() error {
 		a.close()
 	}
 	s.wg.Wait()
+	s.mu.Lock()
+	if s.spareFD != nil {
+		s.spareFD.Close()
+		s.spareFD = nil
+	}
+	s.mu.Unlock()
 	return nil
 }
 
@@ -571,9 +633,12 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	if _, err := io.WriteString(conn, connectEstablished); err != nil {
 		return
 	}
-	tunnelDone := make(chan struct{})
-	defer close(tunnelDone)
-	up.onEOF = func() { s.watchHangup(conn, st, tunnelDone) }
+	s.hangups.add(conn, func() {
+		s.log.Debug("client closed its socket; ending the tunnel")
+		st.close()
+		conn.Close()
+	})
+	defer s.hangups.remove(conn)
 	up.start()
 	n, err := copyStream(conn, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
@@ -626,6 +691,7 @@ const (
 	reasonForbidden      = "forbidden"
 	reasonBackendClosed  = "backend_close"
 	reasonShutdown       = "shutdown"
+	reasonNoFD           = "too_many_open_files"
 )
 
 // failureReason names why a dial failed, for the dial_failure_count metric.

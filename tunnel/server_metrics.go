@@ -28,7 +28,7 @@ func newServerMetrics(m *Metrics, s *Server) *serverMetrics {
 		panics:       m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
 		failures:     map[string]*Counter{},
 	}
-	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown} {
+	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
 	}
 	m.Gauge(serverPrefix+"grpc_connections", "", []string{"service_method"}, "Connect") // agents speak HTTP/2 CONNECT, not gRPC

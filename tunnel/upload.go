@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"errors"
-	"io"
 	"sync"
 	"sync/atomic"
 )
@@ -24,9 +23,7 @@ type upload struct {
 	clientGone    <-chan struct{}
 	done          chan struct{} // the upload ended: EOF, error, or the transport let go
 	doneOnce      sync.Once
-	eofOnce       sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
-	onEOF         func()          // called once when the client stops sending
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -106,9 +103,6 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 		c.Add(int64(n))
 	}
 	if err != nil {
-		if errors.Is(err, io.EOF) && b.u.onEOF != nil {
-			b.u.eofOnce.Do(b.u.onEOF)
-		}
 		b.u.finish()
 	}
 	return n, err
