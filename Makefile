@@ -16,7 +16,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test lint unit e2e fuzz bench bench-quick bench-compare install clean tools image-overlay test-images test-openrc agent-image
+.PHONY: all build demo test lint unit e2e fuzz bench bench-quick bench-compare soak install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -95,6 +95,12 @@ bench-compare: build
 	else \
 		cd e2e && $(GO) run ./bench --bin $(abspath $(OTHER)) $(BENCHFLAGS); \
 	fi
+
+# A bounded mixed workload (short dials, long checksummed streams, server
+# SIGHUPs, agent churn) that fails on any lost byte or leak.
+DURATION ?= 10m
+soak: build
+	cd e2e && $(GO) run ./soak --bin $(CURDIR)/$(BIN) --duration $(DURATION)
 
 bench-quick: build
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) --quick
