@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -165,6 +166,7 @@ type upstreamConn struct {
 	pw        *io.PipeWriter
 	upload    io.ReadCloser
 	closeOnce sync.Once
+	agentDone atomic.Bool // the agent reported the end (CLOSE_RSP): no CLOSE_REQ is owed
 }
 
 func (ua *upstreamAgent) usable() bool {
@@ -335,7 +337,7 @@ func (c *upstreamConn) close(tellAgent bool) {
 		c.ua.mu.Lock()
 		delete(c.ua.conns, c.id)
 		c.ua.mu.Unlock()
-		if tellAgent {
+		if tellAgent && !c.agentDone.Load() {
 			c.ua.out.send(packet{Type: pktCloseReq, ConnectID: c.id})
 		}
 		c.pw.CloseWithError(errUpstreamGone)
@@ -348,6 +350,7 @@ func (c *upstreamConn) close(tellAgent bool) {
 
 // endFromAgent is the agent's CLOSE_RSP: the destination is done.
 func (c *upstreamConn) endFromAgent(errText string) {
+	c.agentDone.Store(true)
 	c.ua.mu.Lock()
 	delete(c.ua.conns, c.id)
 	c.ua.mu.Unlock()
