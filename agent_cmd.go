@@ -229,6 +229,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		services = append(services, s)
 	}
 	ls.closeUnused()
+	releaseStartupPages(log)
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
 
 	// The agent runs until ctx ends (SIGTERM) or a restart is asked for; in

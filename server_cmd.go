@@ -355,6 +355,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		services = append(services, s)
 	}
 	ls.closeUnused()
+	releaseStartupPages(log)
 
 	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
 	var runErr error
