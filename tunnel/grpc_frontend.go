@@ -144,6 +144,21 @@ func (g *grpcStream) send(p packet) error {
 	return nil
 }
 
+// write sends an already framed message.
+func (g *grpcStream) write(msg []byte) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.err != nil {
+		return g.err
+	}
+	if _, err := g.w.Write(msg); err != nil {
+		g.err = err
+		return err
+	}
+	g.flush()
+	return nil
+}
+
 // finish sets the call's status trailers; the handler's return sends them.
 func (g *grpcStream) finish(code int, msg string) {
 	g.mu.Lock()
@@ -210,12 +225,12 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 	w.WriteHeader(http.StatusOK)
 	g := &grpcStream{w: w, flush: flusherOf(w)}
 	g.flush()
-	code, msg := s.proxyGRPC(g, r.Body, req, buf, release)
+	code, msg := s.proxyGRPC(r.Context(), g, r.Body, req, buf, release)
 	g.finish(code, msg)
 }
 
 // proxyGRPC carries one dial. It returns the call's final status.
-func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []byte, release func()) (int, string) {
+func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadCloser, req packet, buf []byte, release func()) (int, string) {
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
@@ -223,54 +238,13 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 		return grpcOK, ""
 	}
 	connectID := s.nextConnectID.Add(1)
-	pr, pw := io.Pipe()
-	up := newUpload(bufio.NewReaderSize(pr, 4096), func() { pr.CloseWithError(errAbandoned) }, s.goroutine)
+	// The client's packets are decoded as the upload is read: DATA payloads
+	// become upload bytes without a copy through a pipe or a goroutine.
+	in := &grpcUploadReader{body: body, buf: buf, closeReq: make(chan struct{})}
+	up := newUpload(bufio.NewReaderSize(in, 4096), func() { body.Close() }, s.goroutine)
 	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
-
-	// The reader turns the client's packets into upload bytes and events.
-	readerDone := make(chan struct{})
-	closeReq := make(chan struct{})
-	s.goroutine(func() {
-		defer close(readerDone)
-		for {
-			var msg []byte
-			var err error
-			msg, buf, err = readGRPCMessage(body, buf)
-			if err != nil {
-				if errors.Is(err, io.EOF) {
-					pw.Close() // the client closed its sending side
-				} else {
-					pw.CloseWithError(err)
-				}
-				return
-			}
-			p, err := decodePacket(msg)
-			if err != nil {
-				pw.CloseWithError(fmt.Errorf("bad packet: %w", err))
-				return
-			}
-			switch p.Type {
-			case pktData:
-				if len(p.Data) > 0 {
-					if _, err := pw.Write(p.Data); err != nil {
-						return
-					}
-				}
-			case pktCloseReq:
-				close(closeReq)
-				pw.CloseWithError(io.EOF)
-				return
-			case pktDialCls:
-				pw.CloseWithError(errDialCancelled)
-				return
-			}
-		}
-	})
-	defer func() {
-		body.Close()
-		pw.CloseWithError(errAbandoned)
-		<-readerDone
-	}()
+	closeReq := in.closeReq
+	defer body.Close()
 
 	st, err := s.open(req.Address, up)
 	release()
@@ -288,17 +262,20 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 	}
 	up.start()
 
-	// Downstream: the agent's bytes become DATA packets.
+	// Downstream: the agent's bytes become DATA packets, read straight into
+	// place behind room for the packet's prefix, and written as one message.
 	downDone := make(chan error, 1)
 	s.goroutine(func() {
 		bp := largeBufs.Get().(*[]byte)
 		defer largeBufs.Put(bp)
+		buf := *bp
 		for {
-			n, err := st.body.Read(*bp)
+			n, err := st.body.Read(buf[dataPrefixRoom:])
 			if n > 0 {
 				s.Stats.BytesFromAgent.Add(int64(n))
 				st.agent.bytesFrom.Add(int64(n))
-				if werr := g.send(packet{Type: pktData, ConnectID: connectID, Data: (*bp)[:n]}); werr != nil {
+				msg := putDataPrefix(buf, connectID, n)
+				if werr := g.write(msg); werr != nil {
 					downDone <- werr
 					return
 				}
@@ -327,21 +304,51 @@ func (s *Server) proxyGRPC(g *grpcStream, body io.ReadCloser, req packet, buf []
 		<-downDone
 		g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
 		return grpcOK, ""
-	case <-readerDone:
-		select {
-		case <-closeReq:
-			st.close()
-			<-downDone
-			g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
-			return grpcOK, ""
-		default:
-		}
-		// The client half-closed or the call broke; the agent still sends.
-		err := <-downDone
-		if err != nil {
-			return grpcUnavailable, err.Error()
-		}
-		g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
-		return grpcOK, ""
+	case <-ctx.Done():
+		// The client reset the call or went away.
+		st.close()
+		<-downDone
+		return grpcCancelled, "call ended by the client"
 	}
+}
+
+// grpcUploadReader reads the client's Packets as a byte stream: DATA
+// payloads are the bytes; CLOSE_REQ ends it (and is signalled on closeReq);
+// DIAL_CLS ends it with errDialCancelled; the client's half-close is EOF.
+type grpcUploadReader struct {
+	body     io.Reader
+	buf      []byte
+	pending  []byte // the rest of the current DATA payload (aliases buf)
+	closeReq chan struct{}
+	err      error
+}
+
+func (u *grpcUploadReader) Read(p []byte) (int, error) {
+	for len(u.pending) == 0 {
+		if u.err != nil {
+			return 0, u.err
+		}
+		var msg []byte
+		msg, u.buf, u.err = readGRPCMessage(u.body, u.buf)
+		if u.err != nil {
+			return 0, u.err
+		}
+		pkt, err := decodePacket(msg)
+		if err != nil {
+			u.err = fmt.Errorf("bad packet: %w", err)
+			return 0, u.err
+		}
+		switch pkt.Type {
+		case pktData:
+			u.pending = pkt.Data
+		case pktCloseReq:
+			close(u.closeReq)
+			u.err = io.EOF
+		case pktDialCls:
+			u.err = errDialCancelled
+		}
+	}
+	n := copy(p, u.pending)
+	u.pending = u.pending[n:]
+	return n, nil
 }

@@ -323,3 +323,34 @@ func appendGRPCMessage(dst []byte, p packet) []byte {
 	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-grpcHeaderLen))
 	return dst
 }
+
+// dataPrefixRoom is the most a DATA message's framing and fields can take
+// in front of its payload: gRPC header 5, type 2, payload tag 1 + length 5,
+// connectID tag 1 + 10, data tag 1 + length 5.
+const dataPrefixRoom = 32
+
+// putDataPrefix frames buf[dataPrefixRoom:dataPrefixRoom+n] as a gRPC
+// message holding Packet{type: DATA, data: {connectID, data}}, writing the
+// prefix just in front of the payload, and returns the whole message.
+// n must be at least 1.
+func putDataPrefix(buf []byte, connectID int64, n int) []byte {
+	var inner [32]byte
+	data := inner[:0]
+	data = appendVarintField(data, 1, uint64(connectID))
+	data = binary.AppendUvarint(data, 3<<3|wireBytes)
+	data = binary.AppendUvarint(data, uint64(n))
+	dataMsgLen := len(data) + n
+
+	var outer [32]byte
+	head := outer[:0]
+	head = append(head, 0, 0, 0, 0, 0) // gRPC header, length filled below
+	head = appendVarintField(head, fieldType, uint64(pktData))
+	head = binary.AppendUvarint(head, fieldData<<3|wireBytes)
+	head = binary.AppendUvarint(head, uint64(dataMsgLen))
+	head = append(head, data...)
+	binary.BigEndian.PutUint32(head[1:5], uint32(len(head)-grpcHeaderLen+n))
+
+	start := dataPrefixRoom - len(head)
+	copy(buf[start:], head)
+	return buf[start : dataPrefixRoom+n]
+}

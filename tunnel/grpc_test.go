@@ -314,3 +314,19 @@ func TestGRPCDialCancelReachesAgent(t *testing.T) {
 		t.Logf("after DIAL_CLS: %v", err)
 	}
 }
+
+func TestPutDataPrefixMatchesEncoder(t *testing.T) {
+	for _, n := range []int{1, 127, 128, 16383, 16384, largeBufSize - dataPrefixRoom} {
+		for _, id := range []int64{1, 300, 1 << 40} {
+			buf := make([]byte, dataPrefixRoom+n)
+			for i := range n {
+				buf[dataPrefixRoom+i] = byte(i)
+			}
+			got := putDataPrefix(buf, id, n)
+			want := appendGRPCMessage(nil, packet{Type: pktData, ConnectID: id, Data: buf[dataPrefixRoom : dataPrefixRoom+n]})
+			if !bytes.Equal(got, want) {
+				t.Fatalf("n=%d id=%d: framing differs from the encoder", n, id)
+			}
+		}
+	}
+}
