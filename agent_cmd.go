@@ -245,14 +245,8 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			log.Info("stopped")
 			return err
 		case why := <-restart:
-			exe, err := restartTarget()
-			if err != nil {
-				log.Error("restart refused; still serving", "trigger", why, "err", err)
-				continue
-			}
-			env, err := ls.handOver()
-			if err != nil {
-				log.Error("restart refused; still serving", "trigger", why, "err", err)
+			exe, env, ok := ls.prepareRestart(why)
+			if !ok {
 				continue
 			}
 			log.Info("restarting in place: draining tunnels", "trigger", why, "drain_timeout", o.drainTimeout.String())

@@ -159,6 +159,20 @@ func (ls *listenerSet) handOver() (string, error) {
 	return inheritEnv + "=" + strings.Join(parts, ","), nil
 }
 
+// prepareRestart checks the restart target and hands the listeners over;
+// when either fails the restart is refused (logged) and nothing has stopped.
+func (ls *listenerSet) prepareRestart(why string) (exe, env string, ok bool) {
+	exe, err := restartTarget()
+	if err == nil {
+		env, err = ls.handOver()
+	}
+	if err != nil {
+		ls.log.Error("restart refused; still serving", "trigger", why, "err", err)
+		return "", "", false
+	}
+	return exe, env, true
+}
+
 // restartTarget is the executable a restart would run, refused early when
 // it is missing or not executable, so nothing is stopped for nothing.
 func restartTarget() (string, error) {

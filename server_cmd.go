@@ -367,14 +367,8 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			nServing--
 			waiting = false
 		case why := <-restart:
-			exe, err := restartTarget()
-			if err != nil {
-				log.Error("restart refused; still serving", "trigger", why, "err", err)
-				continue
-			}
-			env, err := ls.handOver()
-			if err != nil {
-				log.Error("restart refused; still serving", "trigger", why, "err", err)
+			exe, env, ok := ls.prepareRestart(why)
+			if !ok {
 				continue
 			}
 			log.Info("restarting in place: draining tunnels", "trigger", why, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
