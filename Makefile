@@ -80,7 +80,7 @@ fuzz:
 bench: build
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) $(BENCHFLAGS)
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) --frontend grpc --bytes 268435456 --phases latency,throughput
-	$(GO) test -run '^$$' -bench FullMesh -benchtime 1x -timeout 10m ./tunnel/
+	$(GO) test -run '^$$' -bench 'FullMesh|IdleAgents' -benchtime 1x -timeout 10m ./tunnel/
 
 # Runs the same bench against another implementation taking the upstream flags:
 # OTHER=dir holding proxy-server and proxy-agent (upstream's binaries), or

@@ -19,21 +19,42 @@ type bufferedConn struct {
 
 func (c *bufferedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
 
-// watchedConn closes done when the connection is closed by anyone, which is
-// how the server learns that the HTTP/2 client connection to an agent ended.
+// watchedConn runs a function when the connection is closed by anyone,
+// which is how the server learns that the HTTP/2 client connection to an
+// agent ended.
 type watchedConn struct {
 	net.Conn
-	once sync.Once
-	done chan struct{}
+	mu      sync.Mutex
+	closed  bool
+	closeFn func()
 }
 
 func newWatchedConn(c net.Conn) *watchedConn {
-	return &watchedConn{Conn: c, done: make(chan struct{})}
+	return &watchedConn{Conn: c}
+}
+
+// onClose runs f once the connection is closed (at once if it already is).
+func (c *watchedConn) onClose(f func()) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		f()
+		return
+	}
+	c.closeFn = f
+	c.mu.Unlock()
 }
 
 func (c *watchedConn) Close() error {
 	err := c.Conn.Close()
-	c.once.Do(func() { close(c.done) })
+	c.mu.Lock()
+	f := c.closeFn
+	first := !c.closed
+	c.closed, c.closeFn = true, nil
+	c.mu.Unlock()
+	if first && f != nil {
+		f()
+	}
 	return err
 }
 

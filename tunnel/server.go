@@ -488,7 +488,13 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
 
-	wc := newWatchedConn(&bufferedConn{Conn: conn, r: br})
+	// The agent sends nothing more until it has read the 101, so the
+	// handshake's buffer is normally empty and can be let go.
+	var h2conn net.Conn = conn
+	if br.Buffered() > 0 {
+		h2conn = &bufferedConn{Conn: conn, r: br}
+	}
+	wc := newWatchedConn(h2conn)
 	cc, err := s.transport.NewClientConn(wc)
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
@@ -496,9 +502,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	defer stopControl()
 	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl}
-	s.goroutine(func() { s.watchControl(ctlCtx, a) })
 	if old := s.agents.add(a); old != nil {
 		// The same agent reconnected; its old connection may be half-dead.
 		// Let its tunnels finish, but route new dials to the new one.
@@ -510,14 +514,14 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		})
 	}
 	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "agents", s.agents.len())
-	select {
-	case <-wc.done:
-	case <-s.baseCtx.Done():
-		cc.Close()
-		<-wc.done
-	}
-	s.agents.remove(a)
-	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+	// No goroutine waits for the connection to end (an idle agent costs
+	// what it holds, not a parked stack): closing it unregisters the agent.
+	wc.onClose(func() {
+		stopControl()
+		s.agents.remove(a)
+		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+	})
+	s.goroutine(func() { s.watchControl(ctlCtx, a) })
 }
 
 // watchControl reads the agent's control stream: one line per event.
@@ -531,9 +535,14 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 		return
 	}
 	defer resp.Body.Close()
-	lines := bufio.NewScanner(io.LimitReader(resp.Body, 1<<20))
-	for lines.Scan() {
-		switch lines.Text() {
+	// A small reader: this sits idle on every agent connection.
+	lines := bufio.NewReaderSize(io.LimitReader(resp.Body, 1<<20), 64)
+	for {
+		line, err := lines.ReadString('\n')
+		if err != nil {
+			return
+		}
+		switch strings.TrimSpace(line) {
 		case controlDrain:
 			a.draining.Store(true)
 			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)

@@ -1,0 +1,165 @@
+package tunnel
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// swarmEnv makes the test binary run a swarm of agents in its own process,
+// so the benchmark process holds only the server.
+const swarmEnv = "KONNECTIVITY_TEST_AGENT_SWARM"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(swarmEnv) != "" {
+		os.Exit(runAgentSwarm())
+	}
+	os.Exit(m.Run())
+}
+
+// runAgentSwarm runs N agents against ADDR until its stdin closes.
+func runAgentSwarm() int {
+	dir := os.Getenv(swarmEnv)
+	n, _ := strconv.Atoi(os.Getenv("SWARM_N"))
+	addr := os.Getenv("SWARM_ADDR")
+	caPEM, err1 := os.ReadFile(filepath.Join(dir, "ca.crt"))
+	cert, err2 := tls.LoadX509KeyPair(filepath.Join(dir, "agent.crt"), filepath.Join(dir, "agent.key"))
+	if err1 != nil || err2 != nil {
+		fmt.Fprintln(os.Stderr, "swarm:", err1, err2)
+		return 1
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(caPEM)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan struct{}, n)
+	for i := range n {
+		a, err := NewAgent(AgentConfig{
+			ServerAddrs:  []string{addr},
+			ID:           fmt.Sprintf("swarm-%d", i),
+			DrainTimeout: time.Second,
+			TLS: func(name string) (*tls.Config, error) {
+				return &tls.Config{RootCAs: pool, ServerName: name, Certificates: []tls.Certificate{cert}}, nil
+			},
+		})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "swarm:", err)
+			return 1
+		}
+		go func() { a.Run(ctx); done <- struct{}{} }()
+	}
+	io.Copy(io.Discard, os.Stdin)
+	cancel()
+	for range n {
+		<-done
+	}
+	return 0
+}
+
+// BenchmarkIdleAgents connects 1000 agents (in another process) to one
+// server and reports what each idle agent costs the server: resident
+// memory, heap and stacks, and CPU over an idle minute's share.
+// Run: go test -run '^$' -bench IdleAgents -benchtime 1x ./tunnel/
+func BenchmarkIdleAgents(b *testing.B) {
+	const agents = 1000
+	for range b.N {
+		p := newPKI(b)
+		dir := b.TempDir()
+		writePEM := func(name, typ string, der []byte) {
+			os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600)
+		}
+		writePEM("ca.crt", "CERTIFICATE", p.ca.Cert.Raw)
+		writePEM("agent.crt", "CERTIFICATE", p.agentCert.Certificate[0])
+		keyDER, err := x509.MarshalPKCS8PrivateKey(p.agentCert.PrivateKey)
+		if err != nil {
+			b.Fatal(err)
+		}
+		writePEM("agent.key", "PRIVATE KEY", keyDER)
+
+		runtime.GC()
+		rss0, heap0 := selfRSS(), heapAndStacks()
+		e := newEnvOn(b, p, "127.0.0.1:0", func(c *ServerConfig) { c.MaxStreamsPerAgent = 100 })
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), swarmEnv+"="+dir, "SWARM_N="+strconv.Itoa(agents), "SWARM_ADDR="+e.agentAddr)
+		cmd.Stderr = os.Stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		stdin, _ := cmd.StdinPipe()
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		start := time.Now()
+		deadline := start.Add(60 * time.Second)
+		for e.srv.AgentCount() < agents {
+			if time.Now().After(deadline) {
+				stdin.Close()
+				cmd.Wait()
+				b.Fatalf("only %d of %d agents connected in 60s", e.srv.AgentCount(), agents)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		connected := time.Since(start)
+		time.Sleep(2 * time.Second) // let the handshakes' garbage settle
+		runtime.GC()
+		rss1, heap1 := selfRSS(), heapAndStacks()
+		if path := os.Getenv("KONNECTIVITY_BENCH_HEAP"); path != "" {
+			if f, err := os.Create(path); err == nil {
+				pprof.WriteHeapProfile(f)
+				f.Close()
+			}
+		}
+		cpu0 := selfCPU()
+		const idle = 10 * time.Second
+		time.Sleep(idle)
+		cpu1 := selfCPU()
+		stdin.Close()
+		cmd.Wait()
+
+		perRSS := float64(rss1-rss0) / agents / 1024
+		perHeap := float64(heap1-heap0) / agents / 1024
+		cpuPerMin := float64(cpu1-cpu0) / float64(time.Millisecond) / agents * float64(time.Minute/idle)
+		b.ReportMetric(perRSS, "KiB-RSS/agent")
+		b.ReportMetric(perHeap, "KiB-heap+stack/agent")
+		b.ReportMetric(cpuPerMin, "ms-CPU/agent/min")
+		b.Logf("%d agents connected in %s; server per idle agent: %.1f KiB RSS, %.1f KiB heap+stacks, %.3f ms CPU per minute (keepalive %s)",
+			agents, connected.Round(time.Millisecond), perRSS, perHeap, cpuPerMin, e.srv.cfg.KeepAlive)
+	}
+}
+
+func selfRSS() int64 {
+	data, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb * 1024
+		}
+	}
+	return 0
+}
+
+func heapAndStacks() int64 {
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapInuse + m.StackInuse)
+}
+
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
