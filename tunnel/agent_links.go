@@ -34,7 +34,7 @@ type serverLink struct {
 	addr  string
 	since time.Time
 	count int
-	conn  net.Conn
+	conn  *watchedConn
 	done  chan struct{} // closed when the link has stopped serving
 
 	drainOnce sync.Once
@@ -281,7 +281,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
 		addr:  t.addr,
 		since: time.Now(),
 		count: reply.Count,
-		conn:  &bufferedConn{Conn: conn, r: br},
+		conn:  newWatchedConn(&bufferedConn{Conn: conn, r: br}),
 		done:  make(chan struct{}),
 		drain: make(chan struct{}),
 	}, nil
@@ -336,7 +336,7 @@ func (a *Agent) serveLink(l *serverLink) {
 	a.recountLocked()
 	held, want := len(a.links), a.maxCount
 	a.mu.Unlock()
-	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
+	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.closeReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
 }
 
 // recountLocked adopts the largest count live servers announce and wakes

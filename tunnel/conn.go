@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"crypto/tls"
 	"errors"
+	"io"
 	"net"
 	"sync"
 	"syscall"
@@ -27,6 +28,33 @@ type watchedConn struct {
 	mu      sync.Mutex
 	closed  bool
 	closeFn func()
+	readErr error // the first read error seen before the close: why the peer went away
+}
+
+func (c *watchedConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if err != nil {
+		c.mu.Lock()
+		if c.readErr == nil && !c.closed {
+			c.readErr = err
+		}
+		c.mu.Unlock()
+	}
+	return n, err
+}
+
+// closeReason says why the connection ended, for the log line.
+func (c *watchedConn) closeReason() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.readErr == nil:
+		return "closed here (shutdown, replaced by a newer connection, or no answer to PING)"
+	case errors.Is(c.readErr, io.EOF):
+		return "the peer closed the connection"
+	default:
+		return c.readErr.Error()
+	}
 }
 
 func newWatchedConn(c net.Conn) *watchedConn {

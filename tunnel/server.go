@@ -519,7 +519,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	wc.onClose(func() {
 		stopControl()
 		s.agents.remove(a)
-		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.closeReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
 	})
 	s.goroutine(func() { s.watchControl(ctlCtx, a) })
 }
