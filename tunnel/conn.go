@@ -48,8 +48,8 @@ func (c *watchedConn) closeReason() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {
-	case c.readErr == nil:
-		return "closed here (shutdown, replaced by a newer connection, or no answer to PING)"
+	case c.readErr == nil || errors.Is(c.readErr, net.ErrClosed):
+		return "closed here (after the peer's GOAWAY, on shutdown, when replaced by a newer connection, or with no answer to PING)"
 	case errors.Is(c.readErr, io.EOF):
 		return "the peer closed the connection"
 	default:
@@ -74,12 +74,12 @@ func (c *watchedConn) onClose(f func()) {
 }
 
 func (c *watchedConn) Close() error {
-	err := c.Conn.Close()
 	c.mu.Lock()
 	f := c.closeFn
 	first := !c.closed
-	c.closed, c.closeFn = true, nil
+	c.closed, c.closeFn = true, nil // before the close: a read it fails is not the peer's doing
 	c.mu.Unlock()
+	err := c.Conn.Close()
 	if first && f != nil {
 		f()
 	}
