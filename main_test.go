@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -207,16 +209,28 @@ func TestServerAndAgentCommands(t *testing.T) {
 	}
 }
 
+// freePort returns a loopback port below the ephemeral range, never the
+// same one twice in this test binary.
 func freePort(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 1000 {
+		port := 20000 + rand.IntN(12000)
+		if _, dup := givenPorts.LoadOrStore(port, true); dup {
+			continue
+		}
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		return strconv.Itoa(port)
 	}
-	defer ln.Close()
-	_, port, _ := net.SplitHostPort(ln.Addr().String())
-	return port
+	t.Fatal("no free loopback port found")
+	return ""
 }
+
+// givenPorts remembers the ports freePort handed out.
+var givenPorts sync.Map
 
 func httpStatus(url string) int {
 	c := http.Client{Timeout: 2 * time.Second}

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"math/big"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -314,15 +315,36 @@ func getStatus(t *testing.T, url string) int {
 }
 
 // freePort returns a port that was free on 127.0.0.1 a moment ago.
+// freePort returns a loopback port for a process to listen on. It is
+// picked below the kernel's ephemeral range (32768 and up), so an outgoing
+// connection cannot take it before the process binds it, and never handed
+// out twice in one test run.
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("listen for free port: %v", err)
+	givenPorts.Lock()
+	defer givenPorts.Unlock()
+	for range 1000 {
+		port := 20000 + mrand.IntN(12000)
+		if givenPorts.m[port] {
+			continue
+		}
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		givenPorts.m[port] = true
+		return port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatal("no free loopback port found")
+	return 0
 }
+
+// givenPorts remembers the ports freePort handed out in this test binary.
+var givenPorts = struct {
+	sync.Mutex
+	m map[int]bool
+}{m: map[int]bool{}}
 
 // ---------------------------------------------------------------------------
 // Server and agents
