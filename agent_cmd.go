@@ -230,6 +230,15 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	ls.closeUnused()
 	releaseStartupPages(log)
+	memCtx, stopMem := context.WithCancel(ctx)
+	pagesDone := make(chan struct{})
+	go func() {
+		defer close(pagesDone)
+		releaseWhenReady(memCtx, func() bool { ok, _ := agent.ReadyAll(); return ok }, log)
+	}()
+	trimDone := make(chan struct{})
+	go func() { defer close(trimDone); trimMemory(memCtx, trimInterval, log) }()
+	defer func() { stopMem(); <-pagesDone; <-trimDone }()
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
 
 	// The agent runs until ctx ends (SIGTERM) or a restart is asked for; in

@@ -356,6 +356,15 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	ls.closeUnused()
 	releaseStartupPages(log)
+	memCtx, stopMem := context.WithCancel(ctx)
+	pagesDone := make(chan struct{})
+	go func() {
+		defer close(pagesDone)
+		releaseWhenReady(memCtx, func() bool { return srv.AgentCount() > 0 }, log)
+	}()
+	trimDone := make(chan struct{})
+	go func() { defer close(trimDone); trimMemory(memCtx, trimInterval, log) }()
+	defer func() { stopMem(); <-pagesDone; <-trimDone }()
 
 	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
 	var runErr error
