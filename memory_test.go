@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -69,5 +70,31 @@ func TestTrimMemoryReturnsABurst(t *testing.T) {
 			t.Fatalf("held %d MiB at the peak and still %d MiB after 5 s", peak>>20, held>>20)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestReleaseWhenReadyWaitsForReadyAndEndsWithItsContext(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	var calls atomic.Int32
+	ready := func() bool { return calls.Add(1) >= 3 }
+	done := make(chan struct{})
+	go func() { defer close(done); releaseWhenReady(context.Background(), ready, log) }()
+	select {
+	case <-done:
+		if n := calls.Load(); n < 3 {
+			t.Fatalf("returned after %d readiness checks, before ready", n)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("releaseWhenReady did not return once ready")
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done = make(chan struct{})
+	go func() { defer close(done); releaseWhenReady(ctx, func() bool { return false }, log) }()
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("releaseWhenReady did not end with its context")
 	}
 }
