@@ -118,25 +118,32 @@ type latencyResult struct {
 // measureLatency alternates direct and tunnelled dials so that background
 // load on a shared machine hits both sides alike.
 func measureLatency(ctx context.Context, tunnel dialer, target string, n int) (tun, dir latencyResult) {
+	r := measureLatencyPaths(ctx, target, n, directDialer, tunnel)
+	return r[1], r[0]
+}
+
+// measureLatencyPaths dials through each path in turn, n rounds, and
+// returns one sorted result per path.
+func measureLatencyPaths(ctx context.Context, target string, n int, paths ...dialer) []latencyResult {
+	res := make([]latencyResult, len(paths))
 	for i := 0; i < n && ctx.Err() == nil; i++ {
-		for _, side := range []struct {
-			dial dialer
-			r    *latencyResult
-		}{{directDialer, &dir}, {tunnel, &tun}} {
-			d, err := dialEcho(ctx, side.dial, target, byte(i))
+		for j, dial := range paths {
+			r := &res[j]
+			d, err := dialEcho(ctx, dial, target, byte(i))
 			if err != nil {
-				side.r.errs++
-				if side.r.firstErr == nil {
-					side.r.firstErr = err
+				r.errs++
+				if r.firstErr == nil {
+					r.firstErr = err
 				}
 				continue
 			}
-			side.r.sorted = append(side.r.sorted, d)
+			r.sorted = append(r.sorted, d)
 		}
 	}
-	sortDur(tun.sorted)
-	sortDur(dir.sorted)
-	return tun, dir
+	for j := range res {
+		sortDur(res[j].sorted)
+	}
+	return res
 }
 
 func writeLength(c net.Conn, n int64) error {

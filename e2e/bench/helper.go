@@ -34,21 +34,37 @@ func runEchoHelper() int {
 	return 0
 }
 
-// echoHelper is a started helper process.
-type echoHelper struct {
-	addr  string
+// helperProc is a started helper process: the bench binary re-executed
+// with a helper environment variable. It serves until its stdin closes.
+type helperProc struct {
+	addr  string // the first line it printed
 	cmd   *exec.Cmd
 	stdin io.WriteCloser
 	done  chan struct{}
 }
 
-func startEchoHelper(ctx context.Context) (*echoHelper, error) {
+func startEchoHelper(ctx context.Context) (*helperProc, error) {
+	h, err := startHelper(ctx, "echo helper", helperEnv+"=1")
+	if err != nil {
+		return nil, err
+	}
+	if _, err := net.ResolveTCPAddr("tcp", h.addr); err != nil || h.addr == "" {
+		h.stop()
+		return nil, fmt.Errorf("echo helper gave no address (%q)", h.addr)
+	}
+	return h, nil
+}
+
+// startHelper re-executes the bench binary with env (KEY=value) set and
+// waits for the first line it prints, its address. The caller checks the
+// address and must call stop.
+func startHelper(ctx context.Context, name, env string) (*helperProc, error) {
 	exe, err := os.Executable()
 	if err != nil {
-		return nil, fmt.Errorf("echo helper: %w", err)
+		return nil, fmt.Errorf("%s: %w", name, err)
 	}
 	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), helperEnv+"=1")
+	cmd.Env = append(os.Environ(), env)
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	stdin, err := cmd.StdinPipe()
@@ -60,9 +76,9 @@ func startEchoHelper(ctx context.Context) (*echoHelper, error) {
 		return nil, err
 	}
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start echo helper %s: %w", exe, err)
+		return nil, fmt.Errorf("start %s %s: %w", name, exe, err)
 	}
-	h := &echoHelper{cmd: cmd, stdin: stdin, done: make(chan struct{})}
+	h := &helperProc{cmd: cmd, stdin: stdin, done: make(chan struct{})}
 	go func() {
 		_ = cmd.Wait()
 		close(h.done)
@@ -77,14 +93,12 @@ func startEchoHelper(ctx context.Context) (*echoHelper, error) {
 	case <-time.After(readyTimeout):
 	case <-ctx.Done():
 	}
-	if _, err := net.ResolveTCPAddr("tcp", h.addr); err != nil || h.addr == "" {
-		h.stop()
-		return nil, fmt.Errorf("echo helper gave no address (%q)", h.addr)
-	}
 	return h, nil
 }
 
-func (h *echoHelper) stop() {
+// stop closes the helper's stdin and kills it if it has not exited after
+// stopTimeout. Safe to call more than once.
+func (h *helperProc) stop() {
 	h.stdin.Close()
 	select {
 	case <-h.done:

@@ -162,6 +162,9 @@ func main() {
 	if os.Getenv(helperEnv) != "" {
 		os.Exit(runEchoHelper())
 	}
+	if os.Getenv(grpcNullEnv) != "" {
+		os.Exit(runGRPCNullHelper())
+	}
 	cfg, err := parseFlags(os.Args[1:], os.Stderr)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "bench: %v\n", err)

@@ -49,6 +49,11 @@ type bench struct {
 	serverAdmin   int
 	agentAdmin    int
 	idleG         [2]int // goroutines of server and agent with no tunnel
+
+	// --frontend grpc: a null gRPC proxy (helper process) that dials the
+	// destination itself, the floor of the protocol without a tunnel.
+	null    *helperProc
+	nullTun dialer
 }
 
 func (b *bench) logf(format string, a ...any) {
@@ -304,6 +309,15 @@ func (b *bench) start(ctx context.Context) error {
 	b.tun = tunnelDialer(b.sock)
 	if b.cfg.frontend == "grpc" {
 		b.tun = grpcDialer(b.sock)
+		if b.cfg.wants("latency") || b.cfg.wants("throughput") {
+			nullSock := filepath.Join(b.dir, "grpc-null.sock")
+			h, err := startGRPCNullHelper(ctx, nullSock)
+			b.check("gRPC null proxy (protocol floor) started", err == nil, errStr(err))
+			if err == nil {
+				b.null, b.nullTun = h, grpcDialer(nullSock)
+				b.logf("gRPC null proxy pid %d, socket %s", h.cmd.Process.Pid, nullSock)
+			}
+		}
 	}
 	b.logf("server pid %d (pprof 127.0.0.1:%d), agent pid %d (pprof 127.0.0.1:%d), socket %s",
 		b.server.pid(), b.serverAdmin, b.agent.pid(), b.agentAdmin, b.sock)
@@ -311,6 +325,9 @@ func (b *bench) start(ctx context.Context) error {
 }
 
 func (b *bench) stopProcs() {
+	if b.null != nil {
+		b.null.stop()
+	}
 	// Agent first: it then has no server to drain toward.
 	for _, p := range []*proc{b.agent, b.server} {
 		if p != nil {
@@ -431,7 +448,13 @@ func waitFor(ctx context.Context, d time.Duration, cond func() bool) bool {
 
 // phaseLatency: figure 1.
 func (b *bench) phaseLatency(ctx context.Context) error {
-	tun, dir := measureLatency(ctx, b.tun, b.dest.echo.Addr().String(), b.cfg.dials)
+	var tun, dir, null latencyResult
+	if b.nullTun != nil {
+		r := measureLatencyPaths(ctx, b.dest.echo.Addr().String(), b.cfg.dials, directDialer, b.tun, b.nullTun)
+		dir, tun, null = r[0], r[1], r[2]
+	} else {
+		tun, dir = measureLatency(ctx, b.tun, b.dest.echo.Addr().String(), b.cfg.dials)
+	}
 	b.check(fmt.Sprintf("%d tunnelled CONNECT + 1-byte echoes correct", b.cfg.dials), tun.errs == 0 && len(tun.sorted) == b.cfg.dials,
 		fmt.Sprintf("%d errors, first: %v", tun.errs, tun.firstErr))
 	b.check(fmt.Sprintf("%d direct dial + 1-byte echoes correct", b.cfg.dials), dir.errs == 0 && len(dir.sorted) == b.cfg.dials,
@@ -448,7 +471,37 @@ func (b *bench) phaseLatency(ctx context.Context) error {
 		}
 		b.addRow("CONNECT + 1 B echo, "+p.name, ms(t), ms(d), ratio, "<= "+ms(p.target), ptr(len(tun.sorted) > 0 && t <= p.target))
 	}
+	if b.nullTun != nil {
+		b.nullLatencyRows(tun, dir, null)
+	}
 	return nil
+}
+
+// nullLatencyRows adds the gRPC protocol floor: the same client and dials
+// through the null proxy, measured in the same rounds as tun and dir.
+func (b *bench) nullLatencyRows(tun, dir, null latencyResult) {
+	b.check(fmt.Sprintf("%d CONNECT + 1-byte echoes through the gRPC null proxy correct", b.cfg.dials),
+		null.errs == 0 && len(null.sorted) == b.cfg.dials, fmt.Sprintf("%d errors, first: %v", null.errs, null.firstErr))
+	pcts := []struct {
+		name string
+		pct  float64
+	}{{"p50", 50}, {"p99", 99}}
+	for _, p := range pcts {
+		n, d := percentile(null.sorted, p.pct), percentile(dir.sorted, p.pct)
+		ratio := ""
+		if d > 0 {
+			ratio = fmt.Sprintf("%.1fx", float64(n)/float64(d))
+		}
+		b.addRow("CONNECT + 1 B echo, "+p.name+", gRPC protocol floor (null proxy, no tunnel)", ms(n), ms(d), ratio, "", nil)
+	}
+	for _, p := range pcts {
+		t, n := percentile(tun.sorted, p.pct), percentile(null.sorted, p.pct)
+		ratio := ""
+		if n > 0 && len(tun.sorted) > 0 {
+			ratio = fmt.Sprintf("%.2fx", float64(t)/float64(n))
+		}
+		b.addRow("CONNECT + 1 B echo, "+p.name+", tunnel / null proxy", ms(t)+" / "+ms(n), "", ratio, "", nil)
+	}
 }
 
 // profiles fetches CPU profiles of server and agent while a run goes on;
@@ -524,6 +577,23 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 	b.check("direct download intact (CRC-32C)", errDD == nil, errStr(errDD))
 	dUp, errDU := upload(ctx, directDialer, b.pat, sink, n)
 	b.check("direct upload intact (CRC-32C)", errDU == nil, errStr(errDU))
+	// The gRPC protocol floor, between the direct and the tunnelled runs
+	// and outside the server and agent CPU window.
+	var nDown, nUp time.Duration
+	var errND, errNU error
+	if b.nullTun != nil {
+		pid := b.null.cmd.Process.Pid
+		c0, cerr0 := cpuTicks(pid)
+		nDown, errND = download(ctx, b.nullTun, b.pat, src, n)
+		b.check("download through the gRPC null proxy intact (CRC-32C)", errND == nil, errStr(errND))
+		nUp, errNU = upload(ctx, b.nullTun, b.pat, sink, n)
+		b.check("upload through the gRPC null proxy intact (CRC-32C)", errNU == nil, errStr(errNU))
+		c1, cerr1 := cpuTicks(pid)
+		if cerr0 == nil && cerr1 == nil && errND == nil && errNU == nil {
+			b.note("gRPC null proxy CPU: %.2f s per GiB moved (its own process; %d ticks over %.2f GiB)",
+				float64(c1-c0)/float64(clockTicks())/(2*float64(n)/gib), c1-c0, 2*float64(n)/gib)
+		}
+	}
 
 	hz := clockTicks()
 	s0, err1 := cpuTicks(b.server.pid())
@@ -574,6 +644,29 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 		b.addRow("CPU s per GiB, server + agent", fmt.Sprintf("%.2f s (server %.2f + agent %.2f)", srv+agt, srv, agt), "", "",
 			"<= 1.5 s", ptr(srv+agt <= 1.5))
 		b.note("CPU: %d ticks at %d/s over %.2f GiB moved through the tunnel", (s1-s0)+(a1-a0), hz, moved)
+	}
+	if b.nullTun != nil {
+		for _, r := range []struct {
+			name             string
+			null, tun, dir   time.Duration
+			nerr, terr, derr error
+		}{{"download (destination -> client)", nDown, tDown, dDown, errND, errTD, errDD},
+			{"upload (client -> destination)", nUp, tUp, dUp, errNU, errTU, errDU}} {
+			if r.nerr != nil || r.derr != nil {
+				b.addRow("throughput, "+r.name+", gRPC protocol floor (null proxy, no tunnel)", "error", "", "", "", nil)
+			} else {
+				b.addRow("throughput, "+r.name+", gRPC protocol floor (null proxy, no tunnel)",
+					fmt.Sprintf("%.0f MB/s", mbps(r.null)), fmt.Sprintf("%.0f MB/s", mbps(r.dir)),
+					fmt.Sprintf("%.1f %%", 100*mbps(r.null)/mbps(r.dir)), "", nil)
+			}
+			if r.nerr != nil || r.terr != nil {
+				b.addRow("throughput, "+r.name+", tunnel / null proxy", "error", "", "", "", nil)
+				continue
+			}
+			b.addRow("throughput, "+r.name+", tunnel / null proxy",
+				fmt.Sprintf("%.0f / %.0f MB/s", mbps(r.tun), mbps(r.null)), "",
+				fmt.Sprintf("%.1f %%", 100*mbps(r.tun)/mbps(r.null)), "", nil)
+		}
 	}
 	return nil
 }
