@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 x/net/http2's Server.ServeConn and Transport.NewClientConn are the only APIs that run HTTP/2 on a connection we already hold with the roles flipped; net/http's replacements dial or accept their own connections.
-
 package tunnel
 
 import (
@@ -11,8 +9,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // Strategy is one way of choosing an agent for a dial; the server tries its
@@ -50,7 +46,7 @@ type agentConn struct {
 	ids      Identifiers
 	remote   string
 	since    time.Time
-	cc       *http2.ClientConn
+	cc       *link
 	conn     *watchedConn
 	streams  atomic.Int64
 	draining atomic.Bool

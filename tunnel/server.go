@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 x/net/http2's Server.ServeConn and Transport.NewClientConn are the only APIs that run HTTP/2 on a connection we already hold with the roles flipped; net/http's replacements dial or accept their own connections.
-
 package tunnel
 
 import (
@@ -20,8 +18,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // AgentCredentials is what an agent presented when it connected.
@@ -88,10 +84,9 @@ func (c *ServerConfig) setDefaults() {
 // Server accepts agents on one side and CONNECT requests on the other, and
 // joins each request to an HTTP/2 stream on an agent's connection.
 type Server struct {
-	cfg       ServerConfig
-	log       *slog.Logger
-	transport *http2.Transport
-	agents    *registry
+	cfg    ServerConfig
+	log    *slog.Logger
+	agents *registry
 
 	// baseCtx is cancelled by Close, ending every tunnel and handshake.
 	baseCtx   context.Context
@@ -127,21 +122,6 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if err := validID(cfg.ID); err != nil {
 		return nil, fmt.Errorf("server %w", err)
 	}
-	t1 := &http.Transport{HTTP2: &http.HTTP2Config{
-		// The connection window must exceed the sum of stream windows that
-		// stalled readers can hold, or one stalled tunnel would stall all.
-		MaxReceiveBufferPerConnection: 1 << 30,
-		MaxReceiveBufferPerStream:     streamWindow,
-		MaxReadFrameSize:              maxFrameSize,
-	}}
-	t2, err := http2.ConfigureTransports(t1)
-	if err != nil {
-		return nil, fmt.Errorf("configure HTTP/2 transport: %w", err)
-	}
-	t2.ReadIdleTimeout = cfg.KeepAlive
-	t2.PingTimeout = cfg.PingTimeout
-	t2.WriteByteTimeout = cfg.KeepAlive + cfg.PingTimeout
-	t2.MaxReadFrameSize = maxFrameSize
 	if cfg.AgentTLS != nil {
 		cfg.AgentTLS = withH2(cfg.AgentTLS)
 	}
@@ -149,7 +129,6 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	s := &Server{
 		cfg:       cfg,
 		log:       cfg.Logger,
-		transport: t2,
 		agents:    newRegistry(),
 		baseCtx:   ctx,
 		cancelAll: cancel,
@@ -495,7 +474,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		h2conn = &bufferedConn{Conn: conn, r: br}
 	}
 	wc := newWatchedConn(h2conn)
-	cc, err := s.transport.NewClientConn(wc)
+	cc, err := newLink(wc, s.cfg.KeepAlive, s.cfg.PingTimeout, s.goroutine)
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
 		wc.Close()

@@ -1,0 +1,959 @@
+package tunnel
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// link is the server's end of one agent connection: the HTTP/2 client side,
+// written for this one job instead of x/net's general Transport.
+//
+// Why not x/net's ClientConn: it parks a goroutine per stream with a 64 KiB
+// scratch buffer for the request body (a pooled, hence resident, buffer for
+// every open tunnel), adds a goroutine hand-off to every request, and keeps
+// a 4 KiB reader and writer per connection. Here the caller writes HEADERS
+// itself, a tunnel's upload pump holds a 4 KiB buffer while idle, and the
+// connection holds no buffers of its own beyond the framer's.
+//
+// The rules that keep it simple: the read loop never blocks on a write
+// (control frames it must send go through a queue that whoever holds the
+// write lock flushes), every frame write is one call on the connection, and
+// a stream is removed once both halves have ended or either side reset it.
+type link struct {
+	conn     net.Conn
+	fr       *http2.Framer // reads: the read loop only; writes: under wmu
+	spawn    func(func())  // runs an owned goroutine
+	writeTTL time.Duration // a write that makes no progress this long breaks the link
+
+	wmu  sync.Mutex
+	henc *hpack.Encoder
+	hbuf bytes.Buffer
+
+	ctlMu    sync.Mutex
+	ctlQueue []func(*http2.Framer) error
+
+	mu             sync.Mutex
+	windowCond     *sync.Cond // send windows grew, or the link or a stream ended
+	streams        map[uint32]*linkStream
+	nextID         uint32
+	closed         bool
+	closeErr       error
+	goAway         bool          // no new streams: we or the agent said GOAWAY
+	idle           chan struct{} // closed when goAway is set and no stream is left
+	peerMaxStreams uint32
+	peerWindow     int32 // SETTINGS_INITIAL_WINDOW_SIZE of the agent
+	peerMaxFrame   uint32
+	connSendWindow int64
+	connRecvUnack  int64
+
+	lastRead   atomic.Int64 // unix nanoseconds of the last frame read
+	keepAlive  time.Duration
+	pingWait   time.Duration
+	pingTimer  *time.Timer
+	pingData   [8]byte
+	pingOut    bool // a PING is outstanding
+	readerDone chan struct{}
+}
+
+// Errors of the link. A dial that meets errLinkClosed or errGoAway before
+// the agent answered is retried on another agent: nothing was sent.
+var (
+	errLinkClosed  = errors.New("agent connection closed")
+	errGoAway      = errors.New("agent connection is going away")
+	errStreamReset = errors.New("tunnel reset")
+	errPingTimeout = errors.New("no answer to PING")
+)
+
+// Receive windows this end announces; see streamWindow for why 1 MiB.
+const (
+	linkConnWindow    = 1 << 30
+	linkRefillAt      = streamWindow / 8 // send WINDOW_UPDATE once this much was consumed
+	initialPeerWindow = 65535            // HTTP/2 defaults until the agent's SETTINGS
+	initialPeerFrame  = 16 << 10
+)
+
+// newLink starts HTTP/2 on conn (the agent is the server) and its read loop
+// through spawn. keepAlive and pingWait set the PING that finds dead peers.
+func newLink(conn net.Conn, keepAlive, pingWait time.Duration, spawn func(func())) (*link, error) {
+	l := &link{
+		conn:           conn,
+		spawn:          spawn,
+		writeTTL:       keepAlive + pingWait,
+		streams:        make(map[uint32]*linkStream),
+		nextID:         1,
+		peerMaxStreams: math.MaxUint32,
+		peerWindow:     initialPeerWindow,
+		peerMaxFrame:   initialPeerFrame,
+		connSendWindow: initialPeerWindow,
+		keepAlive:      keepAlive,
+		pingWait:       pingWait,
+		readerDone:     make(chan struct{}),
+	}
+	l.windowCond = sync.NewCond(&l.mu)
+	l.fr = http2.NewFramer(conn, conn)
+	l.fr.SetMaxReadFrameSize(maxFrameSize)
+	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	l.fr.MaxHeaderListSize = 64 << 10
+	l.henc = hpack.NewEncoder(&l.hbuf)
+	l.lastRead.Store(time.Now().UnixNano())
+
+	l.armWrite()
+	if _, err := io.WriteString(conn, http2.ClientPreface); err != nil {
+		return nil, fmt.Errorf("write HTTP/2 preface: %w", err)
+	}
+	err := l.fr.WriteSettings(
+		http2.Setting{ID: http2.SettingEnablePush, Val: 0},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: streamWindow},
+		http2.Setting{ID: http2.SettingMaxFrameSize, Val: maxFrameSize},
+	)
+	if err == nil {
+		err = l.fr.WriteWindowUpdate(0, linkConnWindow-initialPeerWindow)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("write HTTP/2 settings: %w", err)
+	}
+	if keepAlive > 0 {
+		l.pingTimer = time.AfterFunc(keepAlive, l.keepAliveTick)
+	}
+	spawn(l.readLoop)
+	return l, nil
+}
+
+// --- writing ---
+
+// lockWrite takes the write lock and arms the write deadline.
+func (l *link) lockWrite() {
+	l.wmu.Lock()
+	l.armWrite()
+}
+
+// armWrite bounds the next write: a peer that stops reading breaks the
+// link instead of holding a writer forever.
+func (l *link) armWrite() {
+	if l.writeTTL > 0 {
+		l.conn.SetWriteDeadline(time.Now().Add(l.writeTTL))
+	}
+}
+
+// unlockWrite sends queued control frames, then releases the write lock. A
+// control frame queued while the lock was held is sent by its holder; one
+// queued just after the holder looked is sent by whoever gets the lock next.
+func (l *link) unlockWrite() {
+	for {
+		err := l.flushControlLocked()
+		l.wmu.Unlock()
+		if err != nil {
+			l.closeWith(fmt.Errorf("write: %w", err))
+			return
+		}
+		l.ctlMu.Lock()
+		pending := len(l.ctlQueue) > 0
+		l.ctlMu.Unlock()
+		if !pending || !l.wmu.TryLock() {
+			return
+		}
+	}
+}
+
+func (l *link) flushControlLocked() error {
+	l.ctlMu.Lock()
+	q := l.ctlQueue
+	l.ctlQueue = nil
+	l.ctlMu.Unlock()
+	for _, f := range q {
+		if err := f(l.fr); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeControl sends a control frame without ever blocking: the read loop
+// uses it, and must not wait for a data write stuck on a slow peer.
+func (l *link) writeControl(f func(*http2.Framer) error) {
+	l.ctlMu.Lock()
+	l.ctlQueue = append(l.ctlQueue, f)
+	l.ctlMu.Unlock()
+	if l.wmu.TryLock() {
+		l.armWrite()
+		l.unlockWrite()
+	}
+}
+
+// --- the client API the server uses ---
+
+// RoundTrip opens one stream: a CONNECT tunnel (req.Body is the upload) or
+// the GET of the control stream. It returns once the agent answered. The
+// request's context ends the stream at any time.
+func (l *link) RoundTrip(req *http.Request) (*http.Response, error) {
+	ctx := req.Context()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	noBody := req.Body == nil
+	st := &linkStream{link: l, body: req.Body, respReady: make(chan struct{}), sentEnd: noBody}
+	st.recvCond = sync.NewCond(&st.rmu)
+
+	l.wmu.Lock()
+	l.mu.Lock()
+	switch {
+	case l.closed:
+		l.mu.Unlock()
+		l.wmu.Unlock()
+		return nil, l.closeErr
+	case l.goAway:
+		l.mu.Unlock()
+		l.wmu.Unlock()
+		return nil, errGoAway
+	}
+	st.id = l.nextID
+	l.nextID += 2
+	st.sendWindow = int64(l.peerWindow)
+	st.recvWindow = streamWindow
+	l.streams[st.id] = st
+	l.mu.Unlock()
+
+	l.hbuf.Reset()
+	l.henc.WriteField(hpack.HeaderField{Name: ":method", Value: req.Method})
+	host := req.Host
+	if host == "" {
+		host = req.URL.Host
+	}
+	l.henc.WriteField(hpack.HeaderField{Name: ":authority", Value: host})
+	if req.Method != http.MethodConnect {
+		path := req.URL.RequestURI()
+		l.henc.WriteField(hpack.HeaderField{Name: ":scheme", Value: "https"})
+		l.henc.WriteField(hpack.HeaderField{Name: ":path", Value: path})
+	}
+	l.armWrite()
+	err := l.fr.WriteHeaders(http2.HeadersFrameParam{
+		StreamID: st.id, BlockFragment: l.hbuf.Bytes(), EndStream: noBody, EndHeaders: true,
+	})
+	if err != nil {
+		l.wmu.Unlock()
+		l.closeWith(fmt.Errorf("write: %w", err))
+		return nil, l.err()
+	}
+	l.unlockWrite()
+
+	if !noBody {
+		l.spawn(st.pumpUpload)
+	}
+	select {
+	case <-st.respReady:
+	case <-ctx.Done():
+		st.reset(http2.ErrCodeCancel, ctx.Err())
+		return nil, ctx.Err()
+	}
+	if st.resp == nil {
+		return nil, st.respErr
+	}
+	// Ending the request's context ends the tunnel, as with net/http.
+	stop := context.AfterFunc(ctx, func() { st.reset(http2.ErrCodeCancel, context.Canceled) })
+	st.mu().Lock()
+	st.stopCtx = stop
+	gone := st.removed
+	st.mu().Unlock()
+	if gone {
+		stop()
+	}
+	return st.resp, nil
+}
+
+// CanTakeNewRequest reports whether a new stream may be opened now.
+func (l *link) CanTakeNewRequest() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return !l.closed && !l.goAway && uint32(len(l.streams)) < l.peerMaxStreams
+}
+
+// Shutdown sends GOAWAY, lets the open streams finish, then closes. It
+// returns ctx's error if they had not finished in time (the caller closes).
+func (l *link) Shutdown(ctx context.Context) error {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return nil
+	}
+	l.goAway = true
+	if l.idle == nil {
+		l.idle = make(chan struct{})
+		if len(l.streams) == 0 {
+			close(l.idle)
+		}
+	}
+	idle := l.idle
+	l.mu.Unlock()
+	l.writeControl(func(fr *http2.Framer) error { return fr.WriteGoAway(0, http2.ErrCodeNo, nil) })
+	select {
+	case <-idle:
+		l.Close()
+		return nil
+	case <-l.readerDone:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Close ends the connection and every stream on it.
+func (l *link) Close() error {
+	l.closeWith(errLinkClosed)
+	return nil
+}
+
+func (l *link) err() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closeErr != nil {
+		return l.closeErr
+	}
+	return errLinkClosed
+}
+
+func (l *link) closeWith(err error) {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return
+	}
+	l.closed = true
+	l.closeErr = fmt.Errorf("%w: %v", errLinkClosed, err)
+	if errors.Is(err, errLinkClosed) {
+		l.closeErr = errLinkClosed
+	}
+	streams := make([]*linkStream, 0, len(l.streams))
+	for _, st := range l.streams {
+		streams = append(streams, st)
+	}
+	if l.pingTimer != nil {
+		l.pingTimer.Stop()
+	}
+	l.windowCond.Broadcast()
+	l.mu.Unlock()
+	l.conn.Close()
+	for _, st := range streams {
+		st.fail(l.closeErr)
+	}
+}
+
+// --- keepalive ---
+
+// keepAliveTick runs once nothing was read for keepAlive: it sends a PING,
+// and closes the connection if the answer does not come within pingWait.
+// It runs on the timer's goroutine, which lives only for the call.
+func (l *link) keepAliveTick() {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return
+	}
+	if l.pingOut {
+		l.mu.Unlock()
+		l.closeWith(errPingTimeout)
+		return
+	}
+	if idleFor := time.Since(time.Unix(0, l.lastRead.Load())); idleFor < l.keepAlive {
+		l.pingTimer.Reset(l.keepAlive - idleFor)
+		l.mu.Unlock()
+		return
+	}
+	l.pingOut = true
+	rand.Read(l.pingData[:])
+	data := l.pingData
+	l.pingTimer.Reset(l.pingWait)
+	l.mu.Unlock()
+	l.writeControl(func(fr *http2.Framer) error { return fr.WritePing(false, data) })
+}
+
+// --- reading ---
+
+func (l *link) readLoop() {
+	defer close(l.readerDone)
+	for {
+		f, err := l.fr.ReadFrame()
+		if err != nil {
+			var se http2.StreamError
+			if errors.As(err, &se) {
+				l.resetFromPeerError(se)
+				continue
+			}
+			l.closeWith(err)
+			return
+		}
+		l.lastRead.Store(time.Now().UnixNano())
+		if err := l.handle(f); err != nil {
+			l.writeControl(func(fr *http2.Framer) error { return fr.WriteGoAway(0, http2.ErrCodeProtocol, nil) })
+			l.closeWith(err)
+			return
+		}
+	}
+}
+
+// resetFromPeerError answers a malformed frame that concerns one stream.
+func (l *link) resetFromPeerError(se http2.StreamError) {
+	l.mu.Lock()
+	st := l.streams[se.StreamID]
+	l.mu.Unlock()
+	if st != nil {
+		st.reset(se.Code, fmt.Errorf("%w: %v", errStreamReset, se))
+	}
+}
+
+func (l *link) handle(f http2.Frame) error {
+	switch f := f.(type) {
+	case *http2.DataFrame:
+		return l.onData(f)
+	case *http2.MetaHeadersFrame:
+		l.onHeaders(f)
+	case *http2.RSTStreamFrame:
+		l.mu.Lock()
+		st := l.streams[f.StreamID]
+		l.mu.Unlock()
+		if st != nil {
+			st.resetByPeer(f.ErrCode)
+		}
+	case *http2.SettingsFrame:
+		if f.IsAck() {
+			return nil
+		}
+		if err := l.applySettings(f); err != nil {
+			return err
+		}
+		l.writeControl(func(fr *http2.Framer) error { return fr.WriteSettingsAck() })
+	case *http2.PingFrame:
+		if !f.IsAck() {
+			data := f.Data
+			l.writeControl(func(fr *http2.Framer) error { return fr.WritePing(true, data) })
+			return nil
+		}
+		l.mu.Lock()
+		if l.pingOut && f.Data == l.pingData {
+			l.pingOut = false
+			if l.pingTimer != nil {
+				l.pingTimer.Reset(l.keepAlive)
+			}
+		}
+		l.mu.Unlock()
+	case *http2.GoAwayFrame:
+		l.onGoAway(f)
+	case *http2.WindowUpdateFrame:
+		return l.onWindowUpdate(f)
+	case *http2.PushPromiseFrame:
+		return errors.New("PUSH_PROMISE though push is disabled")
+	}
+	return nil // unknown and priority frames are ignored
+}
+
+func (l *link) applySettings(f *http2.SettingsFrame) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return f.ForeachSetting(func(s http2.Setting) error {
+		if err := s.Valid(); err != nil {
+			return err
+		}
+		switch s.ID {
+		case http2.SettingMaxFrameSize:
+			l.peerMaxFrame = s.Val
+		case http2.SettingMaxConcurrentStreams:
+			l.peerMaxStreams = s.Val
+		case http2.SettingInitialWindowSize:
+			delta := int64(s.Val) - int64(l.peerWindow)
+			l.peerWindow = int32(s.Val)
+			for _, st := range l.streams {
+				st.sendWindow += delta
+			}
+			l.windowCond.Broadcast()
+		}
+		return nil
+	})
+}
+
+func (l *link) onGoAway(f *http2.GoAwayFrame) {
+	l.mu.Lock()
+	l.goAway = true
+	var refused []*linkStream
+	for id, st := range l.streams {
+		if id > f.LastStreamID {
+			refused = append(refused, st)
+		}
+	}
+	if l.idle == nil {
+		l.idle = make(chan struct{})
+		if len(l.streams) == len(refused) {
+			close(l.idle)
+		}
+	}
+	l.mu.Unlock()
+	for _, st := range refused {
+		st.fail(errGoAway) // never seen by the agent: safe to retry elsewhere
+	}
+}
+
+func (l *link) onWindowUpdate(f *http2.WindowUpdateFrame) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if f.StreamID == 0 {
+		l.connSendWindow += int64(f.Increment)
+		if l.connSendWindow > math.MaxInt32 {
+			return errors.New("connection flow-control window overflow")
+		}
+	} else if st := l.streams[f.StreamID]; st != nil {
+		st.sendWindow += int64(f.Increment)
+	}
+	l.windowCond.Broadcast()
+	return nil
+}
+
+func (l *link) onHeaders(f *http2.MetaHeadersFrame) {
+	l.mu.Lock()
+	st := l.streams[f.StreamID]
+	l.mu.Unlock()
+	if st == nil {
+		return // a stream we already ended
+	}
+	st.rmu.Lock()
+	answered := st.resp != nil || st.respErr != nil
+	st.rmu.Unlock()
+	if answered {
+		// Trailers, or an answer to a stream already failed: only
+		// END_STREAM matters here.
+		if f.StreamEnded() {
+			st.endRecv()
+		}
+		return
+	}
+	code, err := strconv.Atoi(f.PseudoValue("status"))
+	if err != nil || code < 200 {
+		if err == nil && code >= 100 {
+			return // an informational answer; the final one follows
+		}
+		st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: bad :status %q", errStreamReset, f.PseudoValue("status")))
+		return
+	}
+	header := make(http.Header, len(f.RegularFields()))
+	for _, hf := range f.RegularFields() {
+		header.Add(hf.Name, hf.Value)
+	}
+	st.rmu.Lock()
+	if st.respErr == nil { // else the stream failed meanwhile and respReady is closed
+		st.resp = &http.Response{
+			StatusCode: code, Status: strconv.Itoa(code) + " " + http.StatusText(code),
+			Proto: "HTTP/2.0", ProtoMajor: 2, Header: header, Body: &linkBody{st: st},
+		}
+		close(st.respReady)
+	}
+	st.rmu.Unlock()
+	if f.StreamEnded() {
+		st.endRecv()
+	}
+}
+
+func (l *link) onData(f *http2.DataFrame) error {
+	n := int64(f.Header().Length) // flow control counts padding too
+	l.mu.Lock()
+	st := l.streams[f.StreamID]
+	l.connRecvUnack += n
+	refill := l.connRecvUnack
+	if refill >= linkRefillAt {
+		l.connRecvUnack = 0
+	}
+	l.mu.Unlock()
+	if refill >= linkRefillAt {
+		l.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(0, uint32(refill)) })
+	}
+	if st == nil {
+		return nil // a stream we ended: its bytes are dropped, its credit returned above
+	}
+	st.rmu.Lock()
+	answered := st.resp != nil
+	st.rmu.Unlock()
+	if !answered {
+		st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: DATA before the agent's answer", errStreamReset))
+		return nil
+	}
+	if err := st.receive(f.Data(), n); err != nil {
+		st.reset(http2.ErrCodeFlowControl, err)
+		return nil
+	}
+	if f.StreamEnded() {
+		st.endRecv()
+	}
+	return nil
+}
+
+// --- streams ---
+
+// linkStream is one tunnel (or the control stream) on a link.
+type linkStream struct {
+	link *link
+	id   uint32
+	body io.ReadCloser // the upload; nil for a GET
+
+	// Guarded by link.mu.
+	sendWindow int64
+	sentEnd    bool
+	removed    bool
+	stopCtx    func() bool
+	bodyClosed bool
+
+	respReady chan struct{} // closed once resp or respErr is set
+	resp      *http.Response
+	respErr   error
+
+	// The receive side, guarded by rmu.
+	rmu        sync.Mutex
+	recvCond   *sync.Cond
+	queue      []*[]byte // received payloads, oldest first
+	head       int       // bytes of queue[0] already read
+	recvEnd    bool      // END_STREAM seen
+	recvErr    error     // the stream was reset or the link failed
+	recvWindow int64     // what the agent may still send
+	unacked    int64     // consumed but not yet returned to the agent
+	readerGone bool      // the response body was closed
+}
+
+func (st *linkStream) mu() *sync.Mutex { return &st.link.mu }
+
+// pumpUpload copies the request body into DATA frames: one goroutine per
+// tunnel, holding a small buffer while the client is quiet.
+func (st *linkStream) pumpUpload() {
+	defer st.closeBody()
+	small := smallBufs.Get().(*[]byte)
+	defer smallBufs.Put(small)
+	var large *[]byte
+	defer func() {
+		if large != nil {
+			largeBufs.Put(large)
+		}
+	}()
+	buf := *small
+	for {
+		n, err := st.body.Read(buf)
+		if n > 0 {
+			if werr := st.writeData(buf[:n], false); werr != nil {
+				return
+			}
+		}
+		switch {
+		case n == len(buf) && large == nil:
+			large = largeBufs.Get().(*[]byte)
+			buf = *large
+		case n < smallBufSize && large != nil:
+			largeBufs.Put(large)
+			large, buf = nil, *small
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				st.writeData(nil, true)
+				return
+			}
+			st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", errStreamReset, err))
+			return
+		}
+	}
+}
+
+// writeData sends p as DATA frames within the flow-control windows, the
+// last one with END_STREAM when end is set.
+func (st *linkStream) writeData(p []byte, end bool) error {
+	l := st.link
+	for {
+		l.mu.Lock()
+		for !st.removed && !l.closed && len(p) > 0 && (st.sendWindow <= 0 || l.connSendWindow <= 0) {
+			l.windowCond.Wait()
+		}
+		if st.removed || l.closed || st.sentEnd {
+			l.mu.Unlock()
+			return errStreamReset
+		}
+		n := max(0, min(int64(len(p)), st.sendWindow, l.connSendWindow, int64(l.peerMaxFrame)))
+		st.sendWindow -= n
+		l.connSendWindow -= n
+		last := end && n == int64(len(p))
+		if last {
+			st.sentEnd = true
+		}
+		l.mu.Unlock()
+
+		l.lockWrite()
+		err := l.fr.WriteData(st.id, last, p[:n])
+		l.unlockWrite()
+		if err != nil {
+			l.closeWith(fmt.Errorf("write: %w", err))
+			return err
+		}
+		p = p[n:]
+		if last {
+			st.maybeRemove()
+			return nil
+		}
+		if len(p) == 0 {
+			return nil
+		}
+	}
+}
+
+// receive queues a DATA payload for the reader.
+func (st *linkStream) receive(data []byte, flow int64) error {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	st.recvWindow -= flow
+	if st.recvWindow < 0 {
+		return fmt.Errorf("%w: the agent overran the stream window", errStreamReset)
+	}
+	if padding := flow - int64(len(data)); padding > 0 {
+		st.unacked += padding // padding is never read: return its credit now
+	}
+	if len(data) == 0 || st.readerGone || st.recvErr != nil {
+		st.unacked += int64(len(data))
+		st.refillLocked()
+		return nil
+	}
+	// Small payloads share the last chunk while it has room, so a window
+	// full of tiny frames costs its bytes, not a chunk each.
+	if n := len(st.queue); n > 0 {
+		if tail := st.queue[n-1]; cap(*tail)-len(*tail) >= len(data) {
+			*tail = append(*tail, data...)
+			st.recvCond.Broadcast()
+			return nil
+		}
+	}
+	b := getChunk(len(data))
+	*b = append((*b)[:0], data...)
+	st.queue = append(st.queue, b)
+	st.recvCond.Broadcast()
+	return nil
+}
+
+// refillLocked returns consumed credit to the agent in batches.
+func (st *linkStream) refillLocked() {
+	if st.unacked < linkRefillAt {
+		return
+	}
+	n := st.unacked
+	st.unacked = 0
+	st.recvWindow += n
+	id := st.id
+	st.link.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(id, uint32(n)) })
+}
+
+// endRecv records END_STREAM from the agent.
+func (st *linkStream) endRecv() {
+	st.rmu.Lock()
+	st.recvEnd = true
+	st.recvCond.Broadcast()
+	st.rmu.Unlock()
+	st.maybeRemove()
+}
+
+// maybeRemove removes the stream once both halves have ended.
+func (st *linkStream) maybeRemove() {
+	st.rmu.Lock()
+	recvDone := st.recvEnd
+	st.rmu.Unlock()
+	l := st.link
+	l.mu.Lock()
+	done := st.sentEnd && recvDone
+	l.mu.Unlock()
+	if done {
+		st.remove()
+	}
+}
+
+// remove takes the stream off the link; idempotent.
+func (st *linkStream) remove() {
+	l := st.link
+	l.mu.Lock()
+	if st.removed {
+		l.mu.Unlock()
+		return
+	}
+	st.removed = true
+	delete(l.streams, st.id)
+	if l.idle != nil && len(l.streams) == 0 {
+		select {
+		case <-l.idle:
+		default:
+			close(l.idle)
+		}
+	}
+	stop := st.stopCtx
+	l.windowCond.Broadcast()
+	l.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+	// Whoever still waits learns the stream is gone (a no-op once answered
+	// and fully received).
+	st.finish(fmt.Errorf("%w: the stream ended before the agent answered", errStreamReset))
+	st.closeBody()
+}
+
+// closeBody tells the upload it is no longer read, once.
+func (st *linkStream) closeBody() {
+	if st.body == nil {
+		return
+	}
+	l := st.link
+	l.mu.Lock()
+	done := st.bodyClosed
+	st.bodyClosed = true
+	l.mu.Unlock()
+	if !done {
+		st.body.Close()
+	}
+}
+
+// fail ends the stream because of the link: no frame is sent.
+func (st *linkStream) fail(err error) {
+	st.finish(err)
+	st.remove()
+}
+
+// reset ends the stream from this side with RST_STREAM.
+func (st *linkStream) reset(code http2.ErrCode, err error) {
+	l := st.link
+	l.mu.Lock()
+	already := st.removed
+	l.mu.Unlock()
+	if already {
+		return
+	}
+	st.finish(err)
+	id := st.id
+	l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, code) })
+	st.remove()
+}
+
+// resetByPeer handles RST_STREAM from the agent. After its END_STREAM a
+// reset (NO_ERROR: "stop sending") loses nothing that was received.
+func (st *linkStream) resetByPeer(code http2.ErrCode) {
+	st.finish(fmt.Errorf("%w by the agent (%v)", errStreamReset, code))
+	st.remove()
+}
+
+// finish delivers err to whoever waits on the stream: the RoundTrip caller
+// if no answer came yet, else the reader once it has read what arrived.
+func (st *linkStream) finish(err error) {
+	st.rmu.Lock()
+	answered := st.resp != nil
+	if !answered && st.respErr == nil {
+		st.respErr = err
+		close(st.respReady)
+	}
+	if !st.recvEnd && st.recvErr == nil {
+		st.recvErr = err
+	}
+	st.recvCond.Broadcast()
+	st.rmu.Unlock()
+}
+
+// linkBody is the response body: the bytes the agent sends.
+type linkBody struct {
+	st *linkStream
+}
+
+func (b *linkBody) Read(p []byte) (int, error) {
+	st := b.st
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	for len(st.queue) == 0 && !st.recvEnd && st.recvErr == nil && !st.readerGone {
+		st.recvCond.Wait()
+	}
+	if st.readerGone {
+		return 0, errors.New("read on a closed response body")
+	}
+	if len(st.queue) == 0 {
+		if st.recvErr != nil {
+			return 0, st.recvErr
+		}
+		return 0, io.EOF
+	}
+	n := 0
+	for n < len(p) && len(st.queue) > 0 {
+		chunk := *st.queue[0]
+		c := copy(p[n:], chunk[st.head:])
+		n += c
+		st.head += c
+		if st.head == len(chunk) {
+			putChunk(st.queue[0])
+			st.queue[0] = nil
+			st.queue = st.queue[1:]
+			st.head = 0
+		}
+	}
+	if len(st.queue) == 0 {
+		st.queue = nil // let the slice's array go while idle
+	}
+	st.unacked += int64(n)
+	st.refillLocked()
+	return n, nil
+}
+
+// Close stops reading; a stream still open is reset (CANCEL).
+func (b *linkBody) Close() error {
+	st := b.st
+	st.rmu.Lock()
+	if st.readerGone {
+		st.rmu.Unlock()
+		return nil
+	}
+	st.readerGone = true
+	for _, c := range st.queue {
+		putChunk(c)
+	}
+	st.queue = nil
+	complete := st.recvEnd
+	st.recvCond.Broadcast()
+	st.rmu.Unlock()
+	if complete {
+		l := st.link
+		l.mu.Lock()
+		sent := st.sentEnd
+		l.mu.Unlock()
+		if sent {
+			st.remove()
+			return nil
+		}
+	}
+	st.reset(http2.ErrCodeCancel, errStreamReset)
+	return nil
+}
+
+// Received payloads are copied into pooled chunks: a small one for the
+// short writes of interactive streams, a frame-sized one for bulk.
+var (
+	smallChunks = sync.Pool{New: func() any { b := make([]byte, 0, smallBufSize); return &b }}
+	frameChunks = sync.Pool{New: func() any { b := make([]byte, 0, maxFrameSize); return &b }}
+)
+
+func getChunk(n int) *[]byte {
+	if n <= smallBufSize {
+		return smallChunks.Get().(*[]byte)
+	}
+	return frameChunks.Get().(*[]byte)
+}
+
+func putChunk(b *[]byte) {
+	switch cap(*b) {
+	case smallBufSize:
+		smallChunks.Put(b)
+	case maxFrameSize:
+		frameChunks.Put(b)
+	}
+}

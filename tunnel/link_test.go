@@ -1,0 +1,428 @@
+package tunnel
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// fakeAgent is the agent's end of a link, driven frame by frame by a test.
+type fakeAgent struct {
+	t    *testing.T
+	conn net.Conn
+	fr   *http2.Framer
+	henc *hpack.Encoder
+	hbuf bytes.Buffer
+}
+
+// newLinkPair returns a link and the fake agent on the other end of a
+// loopback TCP connection. The fake agent has read the preface and the
+// link's SETTINGS and answered with settings of its own.
+func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...http2.Setting) (*link, *fakeAgent) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		accepted <- c
+	}()
+	client, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	server := <-accepted
+	if server == nil {
+		t.Fatal("accept failed")
+	}
+	var wg sync.WaitGroup
+	spawn := func(f func()) { wg.Add(1); go func() { defer wg.Done(); f() }() }
+	l, err := newLink(client, keepAlive, pingWait, spawn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		l.Close()
+		server.Close()
+		wg.Wait()
+	})
+	a := &fakeAgent{t: t, conn: server, fr: http2.NewFramer(server, server)}
+	a.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	a.henc = hpack.NewEncoder(&a.hbuf)
+	preface := make([]byte, len(http2.ClientPreface))
+	server.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(server, preface); err != nil || string(preface) != http2.ClientPreface {
+		t.Fatalf("preface %q, %v", preface, err)
+	}
+	if err := a.fr.WriteSettings(settings...); err != nil {
+		t.Fatal(err)
+	}
+	a.fr.WriteWindowUpdate(0, 1<<30)
+	return l, a
+}
+
+// next returns the next frame that is not SETTINGS, WINDOW_UPDATE or PING ACK.
+func (a *fakeAgent) next() http2.Frame {
+	a.t.Helper()
+	for {
+		a.conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		f, err := a.fr.ReadFrame()
+		if err != nil {
+			a.t.Fatalf("fake agent read: %v", err)
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame, *http2.WindowUpdateFrame:
+			continue
+		case *http2.PingFrame:
+			if f.IsAck() {
+				continue
+			}
+		}
+		return f
+	}
+}
+
+func (a *fakeAgent) respond(id uint32, status string, end bool) {
+	a.hbuf.Reset()
+	a.henc.WriteField(hpack.HeaderField{Name: ":status", Value: status})
+	if err := a.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: a.hbuf.Bytes(), EndHeaders: true, EndStream: end}); err != nil {
+		a.t.Fatal(err)
+	}
+}
+
+func connectRequest(ctx context.Context, body io.ReadCloser) *http.Request {
+	req := &http.Request{Method: http.MethodConnect, URL: &url.URL{Host: "10.0.0.1:443"}, Host: "10.0.0.1:443", Header: http.Header{}, Body: body}
+	return req.WithContext(ctx)
+}
+
+// trackedBody is an upload that records its Close.
+type trackedBody struct {
+	io.Reader
+	closed chan struct{}
+	once   sync.Once
+}
+
+func newTrackedBody(r io.Reader) *trackedBody {
+	return &trackedBody{Reader: r, closed: make(chan struct{})}
+}
+
+func (b *trackedBody) Close() error { b.once.Do(func() { close(b.closed) }); return nil }
+
+// roundTripAsync runs RoundTrip on a goroutine the test waits for.
+func roundTripAsync(t *testing.T, l *link, req *http.Request) <-chan rtResult {
+	ch := make(chan rtResult, 1)
+	go func() {
+		resp, err := l.RoundTrip(req)
+		ch <- rtResult{resp, err}
+	}()
+	return ch
+}
+
+type rtResult struct {
+	resp *http.Response
+	err  error
+}
+
+func TestLinkConnectHeadersAndEndToEnd(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	body := newTrackedBody(bytes.NewReader([]byte("upload")))
+	res := roundTripAsync(t, l, connectRequest(context.Background(), body))
+
+	h, ok := a.next().(*http2.MetaHeadersFrame)
+	if !ok {
+		t.Fatal("first frame is not HEADERS")
+	}
+	if h.PseudoValue("method") != "CONNECT" || h.PseudoValue("authority") != "10.0.0.1:443" || h.PseudoValue("path") != "" || h.StreamEnded() {
+		t.Fatalf("CONNECT headers: method %q authority %q path %q end %v", h.PseudoValue("method"), h.PseudoValue("authority"), h.PseudoValue("path"), h.StreamEnded())
+	}
+	a.respond(h.StreamID, "200", false)
+	r := <-res
+	if r.err != nil || r.resp.StatusCode != 200 {
+		t.Fatalf("RoundTrip: %v %v", r.resp, r.err)
+	}
+	// The upload arrives, then END_STREAM.
+	var got []byte
+	for {
+		d, ok := a.next().(*http2.DataFrame)
+		if !ok {
+			t.Fatal("expected DATA")
+		}
+		got = append(got, d.Data()...)
+		if d.StreamEnded() {
+			break
+		}
+	}
+	if string(got) != "upload" {
+		t.Fatalf("upload %q", got)
+	}
+	// The download, END_STREAM, then RST_STREAM(NO_ERROR) as Go's server
+	// sends: nothing received is lost.
+	a.fr.WriteData(h.StreamID, false, []byte("down"))
+	a.fr.WriteData(h.StreamID, true, []byte("load"))
+	a.fr.WriteRSTStream(h.StreamID, http2.ErrCodeNo)
+	all, err := io.ReadAll(r.resp.Body)
+	if err != nil || string(all) != "download" {
+		t.Fatalf("download %q, %v", all, err)
+	}
+	select {
+	case <-body.closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("upload body not closed when the stream ended")
+	}
+	r.resp.Body.Close()
+	if l.CanTakeNewRequest() != true {
+		t.Fatal("link refuses new streams after a clean one")
+	}
+}
+
+func TestLinkResetBeforeAnswerIsRetryable(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	body := newTrackedBody(bytes.NewReader(nil))
+	res := roundTripAsync(t, l, connectRequest(context.Background(), body))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.fr.WriteRSTStream(h.StreamID, http2.ErrCodeRefusedStream)
+	r := <-res
+	var se *StatusError
+	if r.err == nil || errors.As(r.err, &se) {
+		t.Fatalf("RoundTrip after RST_STREAM: %v (want a plain error the server retries)", r.err)
+	}
+	<-body.closed
+}
+
+func TestLinkGoAwayRefusesUnseenStreams(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.fr.WriteGoAway(h.StreamID-1, http2.ErrCodeNo, nil) // the stream was never seen
+	r := <-res
+	if !errors.Is(r.err, errGoAway) {
+		t.Fatalf("err %v, want errGoAway", r.err)
+	}
+	if l.CanTakeNewRequest() {
+		t.Fatal("link takes new streams after GOAWAY")
+	}
+}
+
+func TestLinkContextCancelResetsStream(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	ctx, cancel := context.WithCancel(context.Background())
+	body := newTrackedBody(bytes.NewReader(nil))
+	res := roundTripAsync(t, l, connectRequest(ctx, body))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.respond(h.StreamID, "200", false)
+	r := <-res
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	cancel()
+	for {
+		f := a.next()
+		if rst, ok := f.(*http2.RSTStreamFrame); ok {
+			if rst.StreamID != h.StreamID || rst.ErrCode != http2.ErrCodeCancel {
+				t.Fatalf("RST_STREAM %v %v", rst.StreamID, rst.ErrCode)
+			}
+			break
+		}
+	}
+	if _, err := r.resp.Body.Read(make([]byte, 1)); err == nil {
+		t.Fatal("read after cancel succeeded")
+	}
+}
+
+func TestLinkHonoursSmallSendWindow(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 100})
+	payload := bytes.Repeat([]byte("0123456789"), 100) // 1000 bytes
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(payload))))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.respond(h.StreamID, "200", false)
+	if r := <-res; r.err != nil {
+		t.Fatal(r.err)
+	}
+	var got []byte
+	for {
+		d := a.next().(*http2.DataFrame)
+		if len(d.Data()) > 100 {
+			t.Fatalf("a %d-byte DATA frame in a 100-byte window", len(d.Data()))
+		}
+		got = append(got, d.Data()...)
+		if d.StreamEnded() {
+			break
+		}
+		if len(d.Data()) > 0 {
+			a.fr.WriteWindowUpdate(h.StreamID, uint32(len(d.Data())))
+		}
+	}
+	if !bytes.Equal(got, payload) {
+		t.Fatal("upload damaged under flow control")
+	}
+}
+
+func TestLinkOverrunWindowResetsStreamOnly(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.respond(h.StreamID, "200", false)
+	r := <-res
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	chunk := make([]byte, maxFrameSize)
+	for range streamWindow/maxFrameSize + 1 { // one frame past the window, nobody reading
+		a.fr.WriteData(h.StreamID, false, chunk)
+	}
+	for {
+		if rst, ok := a.next().(*http2.RSTStreamFrame); ok {
+			if rst.ErrCode != http2.ErrCodeFlowControl {
+				t.Fatalf("reset with %v", rst.ErrCode)
+			}
+			break
+		}
+	}
+	if !l.CanTakeNewRequest() {
+		t.Fatal("the link died with the stream")
+	}
+}
+
+func TestLinkTinyFramesShareChunks(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.respond(h.StreamID, "200", false)
+	r := <-res
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	const frames = 2000
+	for i := range frames {
+		a.fr.WriteData(h.StreamID, i == frames-1, []byte{byte(i)})
+	}
+	st := r.resp.Body.(*linkBody).st
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st.rmu.Lock()
+		end, chunks := st.recvEnd, len(st.queue)
+		st.rmu.Unlock()
+		if end {
+			if chunks > 1 {
+				t.Fatalf("%d one-byte frames took %d chunks", frames, chunks)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("frames did not arrive")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	all, err := io.ReadAll(r.resp.Body)
+	if err != nil || len(all) != frames || all[frames-1] != byte((frames-1)%256) {
+		t.Fatalf("read %d bytes, %v", len(all), err)
+	}
+}
+
+func TestLinkUnansweredPingClosesLink(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 100*time.Millisecond, 200*time.Millisecond)
+	_ = a // the fake agent reads nothing more and answers nothing
+	start := time.Now()
+	select {
+	case <-l.readerDone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("link with a silent peer still open after 5s")
+	}
+	if took := time.Since(start); took < 250*time.Millisecond {
+		t.Fatalf("closed after %v, before keepalive + ping timeout", took)
+	}
+	if l.CanTakeNewRequest() {
+		t.Fatal("closed link takes new streams")
+	}
+}
+
+func TestLinkAnsweredPingKeepsLink(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 50*time.Millisecond, 100*time.Millisecond)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { // answer PINGs like a live agent
+		defer close(done)
+		for {
+			a.conn.SetReadDeadline(time.Now().Add(time.Second))
+			f, err := a.fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
+				a.fr.WritePing(true, p.Data)
+			}
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	}()
+	time.Sleep(600 * time.Millisecond)
+	close(stop)
+	<-done
+	if !l.CanTakeNewRequest() {
+		t.Fatal("a link whose PINGs are answered was closed")
+	}
+}
+
+// FuzzLinkFrames feeds arbitrary bytes to a link as the agent's side of
+// the connection, with one tunnel open: nothing may panic or hang, and the
+// tunnel ends with a response or an error.
+func FuzzLinkFrames(f *testing.F) {
+	var seed bytes.Buffer
+	fr := http2.NewFramer(&seed, nil)
+	fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 10})
+	fr.WriteWindowUpdate(1, 100)
+	fr.WriteData(1, true, []byte("x"))
+	fr.WriteRSTStream(1, http2.ErrCodeNo)
+	fr.WritePing(false, [8]byte{1})
+	fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+	f.Add(seed.Bytes())
+	f.Add([]byte("\x00\x00\x04\x00\x01\x00\x00\x00\x01abcd"))
+	f.Add([]byte("\x00\x00\x00\x04\x00\x00\x00\x00\x00"))
+	f.Add([]byte("\xff\xff\xff\x01\x05\x00\x00\x00\x01"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		l, a := newLinkPair(t, 0, 0)
+		res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader([]byte("up")))))
+		a.conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
+		a.conn.Write(data)
+		a.conn.Close() // then the connection ends
+		select {
+		case r := <-res:
+			if r.err == nil {
+				io.Copy(io.Discard, r.resp.Body)
+				r.resp.Body.Close()
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("RoundTrip hung")
+		}
+		select {
+		case <-l.readerDone:
+		case <-time.After(5 * time.Second):
+			t.Fatal("link did not end with its connection")
+		}
+	})
+}
