@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 x/net/http2's Server.ServeConn and Transport.NewClientConn are the only APIs that run HTTP/2 on a connection we already hold with the roles flipped; net/http's replacements dial or accept their own connections.
-
 package tunnel
 
 import (
@@ -17,8 +15,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.
@@ -107,8 +103,6 @@ func (c *AgentConfig) setDefaults() {
 type Agent struct {
 	cfg AgentConfig
 	log *slog.Logger
-	h1  *http.Server // only carries graceful shutdown to the HTTP/2 connections
-	h2  *http2.Server
 
 	mu       sync.Mutex
 	links    map[*serverLink]struct{}
@@ -153,23 +147,6 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		maxCount: 1,
 		changed:  make(chan struct{}),
 		quiet:    newLogLimiter(10 * time.Second),
-	}
-	a.h1 = &http.Server{ErrorLog: slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug), HTTP2: &http.HTTP2Config{
-		MaxReceiveBufferPerConnection: 1 << 30,
-		MaxReceiveBufferPerStream:     streamWindow,
-		MaxReadFrameSize:              maxFrameSize,
-	}}
-	a.h2 = &http2.Server{
-		MaxConcurrentStreams:         cfg.MaxStreams,
-		MaxReadFrameSize:             maxFrameSize,
-		MaxUploadBufferPerConnection: 1 << 30,
-		MaxUploadBufferPerStream:     streamWindow,
-		ReadIdleTimeout:              cfg.KeepAlive,
-		PingTimeout:                  cfg.PingTimeout,
-		WriteByteTimeout:             cfg.KeepAlive + cfg.PingTimeout,
-	}
-	if err := http2.ConfigureServer(a.h1, a.h2); err != nil {
-		return nil, fmt.Errorf("configure HTTP/2 server: %w", err)
 	}
 	a.metrics = newAgentMetrics(cfg.Metrics, a)
 	return a, nil
@@ -223,7 +200,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	stopConnecting()
 	managers.Wait()
 	// GOAWAY on every server connection, then close what is left.
-	a.h1.Shutdown(context.Background())
+	a.goAwayLinks()
 	a.closeLinks()
 	a.linkWG.Wait()
 	a.streams.Wait()
@@ -242,6 +219,16 @@ func (a *Agent) beginDrain() {
 		l.sendDrain()
 	}
 	a.log.Info("draining: servers told to prefer other agents", "servers", len(links), "open_tunnels", a.Stats.OpenStreams.Load())
+}
+
+func (a *Agent) goAwayLinks() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for l := range a.links {
+		if lk := l.link.Load(); lk != nil {
+			lk.goAwayNow()
+		}
+	}
 }
 
 func (a *Agent) closeLinks() {

@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 x/net/http2's Server.ServeConn is the only API that serves HTTP/2 on a connection we dialled ourselves.
-
 package tunnel
 
 import (
@@ -16,8 +14,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // target is one address the agent dials. serverName is the name the
@@ -37,6 +33,7 @@ type serverLink struct {
 	conn  *watchedConn
 	done  chan struct{} // closed when the link has stopped serving
 
+	link      atomic.Pointer[link] // set once HTTP/2 runs on conn
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
 	streams   atomic.Int64  // open tunnels on this link
@@ -318,18 +315,28 @@ func (a *Agent) startLink(l *serverLink) bool {
 
 func (a *Agent) serveLink(l *serverLink) {
 	defer close(l.done)
-	a.h2.ServeConn(l.conn, &http2.ServeConnOpts{
-		BaseConfig: a.h1,
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.Method == http.MethodGet && r.URL.Path == controlPath {
-				a.serveControl(l, w, r)
-				return
-			}
-			l.streams.Add(1)
-			defer l.streams.Add(-1)
-			a.serveStream(w, r)
-		}),
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet && r.URL.Path == controlPath {
+			a.serveControl(l, w, r)
+			return
+		}
+		l.streams.Add(1)
+		defer l.streams.Add(-1)
+		a.serveStream(w, r)
 	})
+	// Handlers are counted before their goroutine starts, so Run's wait
+	// for them cannot pass one that is about to begin.
+	spawn := func(f func()) {
+		a.streams.Add(1)
+		go func() { defer a.streams.Done(); f() }()
+	}
+	lk, err := newAgentLink(l.conn, a.cfg.KeepAlive, a.cfg.PingTimeout, a.cfg.MaxStreams, handler, context.Background(), spawn)
+	if err != nil {
+		a.log.Debug("HTTP/2 set-up failed", "server_id", l.id, "addr", l.addr, "err", err)
+	} else {
+		l.link.Store(lk)
+		lk.serve()
+	}
 	l.conn.Close()
 	a.mu.Lock()
 	delete(a.links, l)

@@ -10,7 +10,9 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,15 +21,18 @@ import (
 	"golang.org/x/net/http2/hpack"
 )
 
-// link is the server's end of one agent connection: the HTTP/2 client side,
-// written for this one job instead of x/net's general Transport.
+// link is one agent connection's HTTP/2, written for this one job instead
+// of x/net's general Transport and Server. On the server it is the client
+// end (newLink): RoundTrip opens a tunnel. On the agent it is the server end
+// (newAgentLink): each stream the server opens runs an http.Handler.
 //
-// Why not x/net's ClientConn: it parks a goroutine per stream with a 64 KiB
-// scratch buffer for the request body (a pooled, hence resident, buffer for
-// every open tunnel), adds a goroutine hand-off to every request, and keeps
-// a 4 KiB reader and writer per connection. Here the caller writes HEADERS
-// itself, a tunnel's upload pump holds a 4 KiB buffer while idle, and the
-// connection holds no buffers of its own beyond the framer's.
+// Why not x/net: its Transport parks a goroutine per stream holding a
+// 64 KiB scratch buffer for the request body (pooled, hence resident, for
+// every open tunnel) and hands every request to another goroutine; its
+// Server passes every frame and every handler write through its serve loop
+// goroutine and writes large frames from yet another. Here whoever has
+// bytes writes the frame itself, under one lock, in one system call, and
+// the read loop hands a DATA payload straight to the stream's reader.
 //
 // The rules that keep it simple: the read loop never blocks on a write
 // (control frames it must send go through a queue that whoever holds the
@@ -43,8 +48,11 @@ type link struct {
 	henc *hpack.Encoder
 	hbuf bytes.Buffer
 
-	ctlMu    sync.Mutex
-	ctlQueue []func(*http2.Framer) error
+	ctlMu       sync.Mutex
+	ctlQueue    []func(*http2.Framer) error
+	ctlFlushing bool // a flusher goroutine runs
+	ctlClosed   bool // the link is closed: nothing more is queued
+	flushers    sync.WaitGroup
 
 	mu             sync.Mutex
 	windowCond     *sync.Cond // send windows grew, or the link or a stream ended
@@ -59,6 +67,13 @@ type link struct {
 	peerMaxFrame   uint32
 	connSendWindow int64
 	connRecvUnack  int64
+
+	// The agent's end only: streams are opened by the server and served
+	// by handler, each on its own goroutine.
+	handler    http.Handler
+	baseCtx    context.Context
+	maxStreams uint32 // streams the server may have open at once
+	lastPeerID uint32
 
 	lastRead   atomic.Int64 // unix nanoseconds of the last frame read
 	keepAlive  time.Duration
@@ -149,23 +164,13 @@ func (l *link) armWrite() {
 	}
 }
 
-// unlockWrite sends queued control frames, then releases the write lock. A
-// control frame queued while the lock was held is sent by its holder; one
-// queued just after the holder looked is sent by whoever gets the lock next.
+// unlockWrite sends the control frames queued meanwhile, then releases the
+// write lock.
 func (l *link) unlockWrite() {
-	for {
-		err := l.flushControlLocked()
-		l.wmu.Unlock()
-		if err != nil {
-			l.closeWith(fmt.Errorf("write: %w", err))
-			return
-		}
-		l.ctlMu.Lock()
-		pending := len(l.ctlQueue) > 0
-		l.ctlMu.Unlock()
-		if !pending || !l.wmu.TryLock() {
-			return
-		}
+	err := l.flushControlLocked()
+	l.wmu.Unlock()
+	if err != nil {
+		l.closeWith(fmt.Errorf("write: %w", err))
 	}
 }
 
@@ -182,15 +187,49 @@ func (l *link) flushControlLocked() error {
 	return nil
 }
 
-// writeControl sends a control frame without ever blocking: the read loop
-// uses it, and must not wait for a data write stuck on a slow peer.
+// writeControl queues a control frame (SETTINGS ACK, PING, WINDOW_UPDATE,
+// RST_STREAM, GOAWAY) and returns at once. It never writes itself: its
+// callers are the read loop, which must not wait for a write that waits
+// for the peer to read, and readers holding a stream's lock. A flusher
+// goroutine, one at a time, sends the queue unless a data writer holding
+// the write lock sends it first.
 func (l *link) writeControl(f func(*http2.Framer) error) {
 	l.ctlMu.Lock()
+	if l.ctlClosed {
+		l.ctlMu.Unlock()
+		return
+	}
 	l.ctlQueue = append(l.ctlQueue, f)
+	start := !l.ctlFlushing
+	l.ctlFlushing = true
+	if start {
+		l.flushers.Add(1)
+	}
 	l.ctlMu.Unlock()
-	if l.wmu.TryLock() {
-		l.armWrite()
-		l.unlockWrite()
+	if start {
+		go l.flushControl()
+	}
+}
+
+// flushControl sends queued control frames until the queue is empty. The
+// read loop waits for it before it ends, so it has an owner.
+func (l *link) flushControl() {
+	defer l.flushers.Done()
+	for {
+		l.lockWrite()
+		err := l.flushControlLocked()
+		l.wmu.Unlock()
+		if err != nil {
+			l.closeWith(fmt.Errorf("write: %w", err))
+		}
+		l.ctlMu.Lock()
+		if len(l.ctlQueue) == 0 || l.ctlClosed {
+			l.ctlFlushing = false
+			l.ctlQueue = nil
+			l.ctlMu.Unlock()
+			return
+		}
+		l.ctlMu.Unlock()
 	}
 }
 
@@ -345,6 +384,9 @@ func (l *link) closeWith(err error) {
 	}
 	l.windowCond.Broadcast()
 	l.mu.Unlock()
+	l.ctlMu.Lock()
+	l.ctlClosed = true
+	l.ctlMu.Unlock()
 	l.conn.Close()
 	for _, st := range streams {
 		st.fail(l.closeErr)
@@ -384,6 +426,7 @@ func (l *link) keepAliveTick() {
 
 func (l *link) readLoop() {
 	defer close(l.readerDone)
+	defer l.flushers.Wait() // after closeWith: no flusher starts any more
 	for {
 		f, err := l.fr.ReadFrame()
 		if err != nil {
@@ -419,7 +462,7 @@ func (l *link) handle(f http2.Frame) error {
 	case *http2.DataFrame:
 		return l.onData(f)
 	case *http2.MetaHeadersFrame:
-		l.onHeaders(f)
+		return l.onHeaders(f)
 	case *http2.RSTStreamFrame:
 		l.mu.Lock()
 		st := l.streams[f.StreamID]
@@ -486,9 +529,11 @@ func (l *link) applySettings(f *http2.SettingsFrame) error {
 func (l *link) onGoAway(f *http2.GoAwayFrame) {
 	l.mu.Lock()
 	l.goAway = true
+	// The last stream ID counts streams this end opened; on the agent's end
+	// the server opened them all, and they go on.
 	var refused []*linkStream
 	for id, st := range l.streams {
-		if id > f.LastStreamID {
+		if l.handler == nil && id > f.LastStreamID {
 			refused = append(refused, st)
 		}
 	}
@@ -519,7 +564,15 @@ func (l *link) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 	return nil
 }
 
-func (l *link) onHeaders(f *http2.MetaHeadersFrame) {
+func (l *link) onHeaders(f *http2.MetaHeadersFrame) error {
+	if l.handler != nil {
+		return l.onRequest(f)
+	}
+	l.onResponse(f)
+	return nil
+}
+
+func (l *link) onResponse(f *http2.MetaHeadersFrame) {
 	l.mu.Lock()
 	st := l.streams[f.StreamID]
 	l.mu.Unlock()
@@ -580,7 +633,7 @@ func (l *link) onData(f *http2.DataFrame) error {
 		return nil // a stream we ended: its bytes are dropped, its credit returned above
 	}
 	st.rmu.Lock()
-	answered := st.resp != nil
+	answered := st.resp != nil || l.handler != nil
 	st.rmu.Unlock()
 	if !answered {
 		st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: DATA before the agent's answer", errStreamReset))
@@ -610,6 +663,8 @@ type linkStream struct {
 	removed    bool
 	stopCtx    func() bool
 	bodyClosed bool
+
+	cancelCtx context.CancelFunc // the agent's end: ends the handler's request context
 
 	respReady chan struct{} // closed once resp or respErr is set
 	resp      *http.Response
@@ -802,6 +857,9 @@ func (st *linkStream) remove() {
 	// and fully received).
 	st.finish(fmt.Errorf("%w: the stream ended before the agent answered", errStreamReset))
 	st.closeBody()
+	if st.cancelCtx != nil {
+		st.cancelCtx()
+	}
 }
 
 // closeBody tells the upload it is no longer read, once.
@@ -921,6 +979,11 @@ func (b *linkBody) Close() error {
 	complete := st.recvEnd
 	st.recvCond.Broadcast()
 	st.rmu.Unlock()
+	if st.link.handler != nil {
+		// The agent's handler stops reading its request: what still comes
+		// is dropped and credited, and its end says RST_STREAM(NO_ERROR).
+		return nil
+	}
 	if complete {
 		l := st.link
 		l.mu.Lock()
@@ -956,4 +1019,247 @@ func putChunk(b *[]byte) {
 	case maxFrameSize:
 		frameChunks.Put(b)
 	}
+}
+
+// --- the agent's end ---
+
+// newAgentLink serves HTTP/2 on conn for the server at the other end, which
+// opens the streams. It reads the client preface and sends this end's
+// settings; serve then runs the read loop.
+func newAgentLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams uint32, handler http.Handler, baseCtx context.Context, spawn func(func())) (*link, error) {
+	l := &link{
+		conn:           conn,
+		spawn:          spawn,
+		writeTTL:       keepAlive + pingWait,
+		streams:        make(map[uint32]*linkStream),
+		peerMaxStreams: math.MaxUint32,
+		peerWindow:     initialPeerWindow,
+		peerMaxFrame:   initialPeerFrame,
+		connSendWindow: initialPeerWindow,
+		keepAlive:      keepAlive,
+		pingWait:       pingWait,
+		readerDone:     make(chan struct{}),
+		handler:        handler,
+		baseCtx:        baseCtx,
+		maxStreams:     maxStreams,
+	}
+	l.windowCond = sync.NewCond(&l.mu)
+	l.fr = http2.NewFramer(conn, conn)
+	l.fr.SetMaxReadFrameSize(maxFrameSize)
+	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	l.fr.MaxHeaderListSize = 64 << 10
+	l.henc = hpack.NewEncoder(&l.hbuf)
+	l.lastRead.Store(time.Now().UnixNano())
+
+	preface := make([]byte, len(http2.ClientPreface))
+	if keepAlive > 0 {
+		conn.SetReadDeadline(time.Now().Add(keepAlive + pingWait))
+	}
+	if _, err := io.ReadFull(conn, preface); err != nil {
+		return nil, fmt.Errorf("read HTTP/2 preface: %w", err)
+	}
+	conn.SetReadDeadline(time.Time{})
+	if string(preface) != http2.ClientPreface {
+		return nil, errors.New("not an HTTP/2 client preface")
+	}
+	l.armWrite()
+	err := l.fr.WriteSettings(
+		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: maxStreams},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: streamWindow},
+		http2.Setting{ID: http2.SettingMaxFrameSize, Val: maxFrameSize},
+	)
+	if err == nil {
+		err = l.fr.WriteWindowUpdate(0, linkConnWindow-initialPeerWindow)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("write HTTP/2 settings: %w", err)
+	}
+	return l, nil
+}
+
+// serve runs the read loop until the connection ends.
+func (l *link) serve() {
+	if l.keepAlive > 0 {
+		l.mu.Lock()
+		l.pingTimer = time.AfterFunc(l.keepAlive, l.keepAliveTick)
+		l.mu.Unlock()
+	}
+	l.readLoop()
+}
+
+// goAwayNow tells the server this end opens nothing more and takes no new
+// stream; the connection is closed by whoever ends it next.
+func (l *link) goAwayNow() {
+	l.mu.Lock()
+	l.goAway = true
+	last := l.lastPeerID
+	l.mu.Unlock()
+	// Written here rather than queued: the caller closes the connection next.
+	l.lockWrite()
+	err := l.fr.WriteGoAway(last, http2.ErrCodeNo, nil)
+	l.unlockWrite()
+	if err != nil {
+		l.closeWith(fmt.Errorf("write: %w", err))
+	}
+}
+
+// onRequest starts a stream the server opened.
+func (l *link) onRequest(f *http2.MetaHeadersFrame) error {
+	id := f.StreamID
+	l.mu.Lock()
+	if st := l.streams[id]; st != nil {
+		// Trailers on an open request: only END_STREAM matters.
+		l.mu.Unlock()
+		if f.StreamEnded() {
+			st.endRecv()
+		}
+		return nil
+	}
+	if id%2 == 0 || id <= l.lastPeerID {
+		l.mu.Unlock()
+		return fmt.Errorf("HEADERS on stream %d: not a new client stream", id)
+	}
+	l.lastPeerID = id
+	if l.closed || l.goAway || uint32(len(l.streams)) >= l.maxStreams {
+		l.mu.Unlock()
+		l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, http2.ErrCodeRefusedStream) })
+		return nil
+	}
+	st := &linkStream{link: l, id: id, respReady: make(chan struct{}), sendWindow: int64(l.peerWindow), recvWindow: streamWindow}
+	st.recvCond = sync.NewCond(&st.rmu)
+	l.streams[id] = st
+	l.mu.Unlock()
+
+	ctx, cancel := context.WithCancel(l.baseCtx)
+	st.cancelCtx = cancel
+	authority := f.PseudoValue("authority")
+	method := f.PseudoValue("method")
+	path := f.PseudoValue("path")
+	u := &url.URL{Host: authority}
+	if method != http.MethodConnect {
+		parsed, err := url.ParseRequestURI(path)
+		if err != nil {
+			st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: bad :path", errStreamReset))
+			return nil
+		}
+		u = parsed
+	}
+	header := make(http.Header, len(f.RegularFields()))
+	for _, hf := range f.RegularFields() {
+		header.Add(hf.Name, hf.Value)
+	}
+	req := &http.Request{
+		Method: method, URL: u, Host: authority, RequestURI: path,
+		Proto: "HTTP/2.0", ProtoMajor: 2, Header: header, ContentLength: -1,
+		Body: &linkBody{st: st}, RemoteAddr: l.conn.RemoteAddr().String(),
+	}
+	if f.StreamEnded() {
+		st.recvEnd = true
+	}
+	req = req.WithContext(ctx)
+	l.spawn(func() { l.runHandler(st, req) })
+	return nil
+}
+
+// runHandler serves one stream. A handler that returns ends the response
+// (END_STREAM, then RST_STREAM(NO_ERROR) if the server is still sending: it
+// is not read any more); one that panics, as with http.ErrAbortHandler,
+// resets the stream.
+func (l *link) runHandler(st *linkStream, req *http.Request) {
+	w := &linkResponse{st: st, header: make(http.Header)}
+	completed := false
+	defer func() {
+		if !completed {
+			recover() // http.ErrAbortHandler, or a handler's own panic: this stream only
+			st.reset(http2.ErrCodeInternal, errStreamReset)
+			return
+		}
+		w.finish()
+	}()
+	l.handler.ServeHTTP(w, req)
+	completed = true
+}
+
+// linkResponse is the http.ResponseWriter of a stream on the agent's end.
+// Every Write is sent at once; Flush has nothing to do.
+type linkResponse struct {
+	st          *linkStream
+	header      http.Header
+	wroteHeader bool
+}
+
+func (w *linkResponse) Header() http.Header { return w.header }
+
+func (w *linkResponse) WriteHeader(code int) {
+	if w.wroteHeader {
+		return
+	}
+	w.wroteHeader = true
+	w.st.writeHeaders(code, w.header, false)
+}
+
+func (w *linkResponse) Write(p []byte) (int, error) {
+	if !w.wroteHeader {
+		w.WriteHeader(http.StatusOK)
+	}
+	if err := w.st.writeData(p, false); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+func (w *linkResponse) Flush() {}
+
+func (w *linkResponse) finish() {
+	st := w.st
+	if !w.wroteHeader {
+		w.wroteHeader = true
+		st.writeHeaders(http.StatusOK, w.header, true)
+	} else {
+		st.writeData(nil, true)
+	}
+	st.rmu.Lock()
+	received := st.recvEnd
+	st.rmu.Unlock()
+	if !received {
+		st.reset(http2.ErrCodeNo, errStreamReset)
+		return
+	}
+	st.maybeRemove()
+}
+
+// writeHeaders sends the response head, with END_STREAM if end is set.
+func (st *linkStream) writeHeaders(code int, header http.Header, end bool) error {
+	l := st.link
+	l.mu.Lock()
+	if st.removed || l.closed || st.sentEnd {
+		l.mu.Unlock()
+		return errStreamReset
+	}
+	if end {
+		st.sentEnd = true
+	}
+	l.mu.Unlock()
+	l.lockWrite()
+	l.hbuf.Reset()
+	l.henc.WriteField(hpack.HeaderField{Name: ":status", Value: strconv.Itoa(code)})
+	for k, vs := range header {
+		name := strings.ToLower(k)
+		if name == "connection" || name == "transfer-encoding" || name == "keep-alive" {
+			continue // connection-specific: not allowed in HTTP/2
+		}
+		for _, v := range vs {
+			l.henc.WriteField(hpack.HeaderField{Name: name, Value: v})
+		}
+	}
+	err := l.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: st.id, BlockFragment: l.hbuf.Bytes(), EndStream: end, EndHeaders: true})
+	l.unlockWrite()
+	if err != nil {
+		l.closeWith(fmt.Errorf("write: %w", err))
+		return err
+	}
+	if end {
+		st.maybeRemove()
+	}
+	return nil
 }

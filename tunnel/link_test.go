@@ -426,3 +426,111 @@ func FuzzLinkFrames(f *testing.F) {
 		}
 	})
 }
+
+// TestLinkPeerVanishesMidDownload resets the connection while a reader is
+// consuming a download and returning window credit: the reader must see
+// the end, never hang (a failed write of that credit once deadlocked it).
+func TestLinkPeerVanishesMidDownload(t *testing.T) {
+	checkNoLeaks(t)
+	for range 20 {
+		l, a := newLinkPair(t, 0, 0)
+		res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+		h := a.next().(*http2.MetaHeadersFrame)
+		a.respond(h.StreamID, "200", false)
+		r := <-res
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		done := make(chan error, 1)
+		go func() {
+			_, err := io.Copy(io.Discard, r.resp.Body)
+			done <- err
+		}()
+		chunk := make([]byte, 16<<10)
+		for range 32 { // 512 KiB: several window refills
+			a.fr.WriteData(h.StreamID, false, chunk)
+		}
+		a.conn.(*net.TCPConn).SetLinger(0)
+		a.conn.Close()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatal("reader still blocked 5s after the agent's connection was reset")
+		}
+		select {
+		case <-l.readerDone:
+		case <-time.After(5 * time.Second):
+			t.Fatal("link still open 5s after its connection was reset")
+		}
+	}
+}
+
+// FuzzAgentLinkFrames feeds arbitrary bytes to the agent's end after the
+// client preface: nothing may panic or hang, and every handler ends.
+func FuzzAgentLinkFrames(f *testing.F) {
+	var seed bytes.Buffer
+	fr := http2.NewFramer(&seed, nil)
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	enc.WriteField(hpack.HeaderField{Name: ":method", Value: "CONNECT"})
+	enc.WriteField(hpack.HeaderField{Name: ":authority", Value: "10.0.0.1:80"})
+	fr.WriteSettings()
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+	fr.WriteData(1, false, []byte("hello"))
+	fr.WriteWindowUpdate(1, 10)
+	fr.WriteRSTStream(1, http2.ErrCodeCancel)
+	fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+	f.Add(seed.Bytes())
+	f.Add([]byte("\x00\x00\x00\x04\x00\x00\x00\x00\x00"))
+	f.Add([]byte("\x00\x00\x05\x01\x04\x00\x00\x00\x02hello"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		accepted := make(chan net.Conn, 1)
+		go func() { c, _ := ln.Accept(); accepted <- c }()
+		peer, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer peer.Close()
+		conn := <-accepted
+		if conn == nil {
+			t.Fatal("accept failed")
+		}
+		var handlers sync.WaitGroup
+		spawn := func(f func()) { handlers.Add(1); go func() { defer handlers.Done(); f() }() }
+		echo := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(200)
+			io.Copy(w, r.Body)
+		})
+		go func() { // the peer: preface, the fuzz bytes, then gone
+			peer.Write([]byte(http2.ClientPreface))
+			peer.Write(data)
+			time.Sleep(10 * time.Millisecond)
+			peer.Close()
+		}()
+		go io.Copy(io.Discard, peer)
+		l, err := newAgentLink(conn, time.Second, time.Second, 100, echo, context.Background(), spawn)
+		if err != nil {
+			conn.Close()
+			return
+		}
+		served := make(chan struct{})
+		go func() { l.serve(); close(served) }()
+		select {
+		case <-served:
+		case <-time.After(5 * time.Second):
+			t.Fatal("agent link did not end with its connection")
+		}
+		handlersDone := make(chan struct{})
+		go func() { handlers.Wait(); close(handlersDone) }()
+		select {
+		case <-handlersDone:
+		case <-time.After(5 * time.Second):
+			t.Fatal("a handler outlived its link")
+		}
+	})
+}
