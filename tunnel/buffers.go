@@ -3,8 +3,13 @@ package tunnel
 import (
 	"errors"
 	"io"
+	"net"
 	"net/http"
+	"os"
 	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Copy buffers come in two sizes. A tunnel starts with a small one, which
@@ -26,6 +31,12 @@ var (
 // cleanly (io.EOF). When flush is non-nil it is called after every write, so
 // interactive streams (exec, logs -f) see bytes at once.
 func copyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err error) {
+	if body, ok := src.(*linkBody); ok && flush == nil {
+		return body.WriteTo(dst) // no buffer of our own: the received chunks are written
+	}
+	if rc := rawSocket(src); rc != nil {
+		return copyFromSocket(dst, rc, flush)
+	}
 	small := smallBufs.Get().(*[]byte)
 	defer smallBufs.Put(small)
 	var large *[]byte
@@ -69,4 +80,96 @@ func flusherOf(w http.ResponseWriter) func() {
 		return f.Flush
 	}
 	return nil
+}
+
+// rawSocket returns the raw connection of a plain TCP or Unix socket, for
+// copyFromSocket; nil for anything else (TLS, pipes, HTTP bodies).
+func rawSocket(r io.Reader) syscall.RawConn {
+	var sc syscall.Conn
+	switch c := r.(type) {
+	case *net.TCPConn:
+		sc = c
+	case *net.UnixConn:
+		sc = c
+	default:
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
+}
+
+// copyFromSocket is copyStream for a socket source. It takes a buffer only
+// once the socket has bytes: a read that would block puts the buffer back
+// before it waits, so a quiet tunnel holds none. It makes the same system
+// calls as net.Conn.Read (a read, and on EAGAIN a wait in the poller).
+func copyFromSocket(dst io.Writer, rc syscall.RawConn, flush func()) (written int64, err error) {
+	size := smallBufSize
+	for {
+		var buf *[]byte
+		var n int
+		var rerr error
+		err := rc.Read(func(fd uintptr) bool {
+			buf = getBuf(size)
+			for {
+				n, rerr = unix.Read(int(fd), *buf)
+				if rerr != unix.EINTR {
+					break
+				}
+			}
+			if rerr == unix.EAGAIN {
+				putBuf(buf)
+				buf = nil
+				return false // wait for the socket without the buffer
+			}
+			return true
+		})
+		if err != nil { // closed, or a deadline
+			if buf != nil {
+				putBuf(buf)
+			}
+			return written, err
+		}
+		if rerr != nil {
+			putBuf(buf)
+			return written, os.NewSyscallError("read", rerr)
+		}
+		if n == 0 {
+			putBuf(buf)
+			return written, nil // end of stream
+		}
+		w, werr := dst.Write((*buf)[:n])
+		written += int64(w)
+		if werr == nil && flush != nil {
+			flush()
+		}
+		full := n == len(*buf)
+		putBuf(buf)
+		if werr != nil {
+			return written, werr
+		}
+		switch {
+		case full:
+			size = largeBufSize // bulk: read more at once
+		case n < smallBufSize:
+			size = smallBufSize
+		}
+	}
+}
+
+func getBuf(size int) *[]byte {
+	if size == largeBufSize {
+		return largeBufs.Get().(*[]byte)
+	}
+	return smallBufs.Get().(*[]byte)
+}
+
+func putBuf(b *[]byte) {
+	if len(*b) == largeBufSize {
+		largeBufs.Put(b)
+		return
+	}
+	smallBufs.Put(b)
 }

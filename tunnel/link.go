@@ -688,6 +688,15 @@ func (st *linkStream) mu() *sync.Mutex { return &st.link.mu }
 // tunnel, holding a small buffer while the client is quiet.
 func (st *linkStream) pumpUpload() {
 	defer st.closeBody()
+	if ub, ok := st.body.(*uploadBody); ok && ub.u.raw != nil {
+		// A plain client socket: no buffer held while the client is quiet.
+		if err := ub.copyTo(streamWriter{st}); err != nil {
+			st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", errStreamReset, err))
+			return
+		}
+		st.writeData(nil, true)
+		return
+	}
 	small := smallBufs.Get().(*[]byte)
 	defer smallBufs.Put(small)
 	var large *[]byte
@@ -721,6 +730,16 @@ func (st *linkStream) pumpUpload() {
 			return
 		}
 	}
+}
+
+// streamWriter writes DATA frames on a stream.
+type streamWriter struct{ st *linkStream }
+
+func (w streamWriter) Write(p []byte) (int, error) {
+	if err := w.st.writeData(p, false); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }
 
 // writeData sends p as DATA frames within the flow-control windows, the
@@ -961,6 +980,49 @@ func (b *linkBody) Read(p []byte) (int, error) {
 	st.unacked += int64(n)
 	st.refillLocked()
 	return n, nil
+}
+
+// WriteTo writes what the agent sends to w as it arrives, straight from the
+// received chunks: no copy buffer, and none held while the stream is quiet.
+// It returns nil at the stream's clean end.
+func (b *linkBody) WriteTo(w io.Writer) (int64, error) {
+	st := b.st
+	var written int64
+	for {
+		st.rmu.Lock()
+		for len(st.queue) == 0 && !st.recvEnd && st.recvErr == nil && !st.readerGone {
+			st.recvCond.Wait()
+		}
+		if st.readerGone {
+			st.rmu.Unlock()
+			return written, errors.New("read on a closed response body")
+		}
+		if len(st.queue) == 0 {
+			err := st.recvErr
+			st.rmu.Unlock()
+			return written, err // nil at END_STREAM
+		}
+		chunk, head := st.queue[0], st.head
+		st.queue[0] = nil
+		st.queue = st.queue[1:]
+		if len(st.queue) == 0 {
+			st.queue = nil
+		}
+		st.head = 0
+		st.rmu.Unlock()
+
+		taken := len(*chunk) - head
+		n, err := w.Write((*chunk)[head:])
+		written += int64(n)
+		putChunk(chunk)
+		st.rmu.Lock()
+		st.unacked += int64(taken) // off the queue, written or not: credit it all
+		st.refillLocked()
+		st.rmu.Unlock()
+		if err != nil {
+			return written, err
+		}
+	}
 }
 
 // Close stops reading; a stream still open is reset (CANCEL).

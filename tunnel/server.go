@@ -605,6 +605,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	conn.SetDeadline(time.Time{})
 
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
+	up.raw = rawSocket(conn)
 	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	st, err := s.open(addr, up)
 	release()

@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"io"
 	"sync"
 	"sync/atomic"
+	"syscall"
 )
 
 // upload is the client-to-agent direction of one frontend connection. The
@@ -24,6 +26,7 @@ type upload struct {
 	done          chan struct{} // the upload ended: EOF, error, or the transport let go
 	doneOnce      sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
+	raw           syscall.RawConn // the client's socket, when it is a plain one: see copyTo
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -84,19 +87,28 @@ func (b *uploadBody) isAbandoned() bool {
 	}
 }
 
-func (b *uploadBody) Read(p []byte) (int, error) {
+// ready waits until this attempt may read: the client was told 200 and the
+// watcher's Peek returned.
+func (b *uploadBody) ready() error {
 	select {
 	case <-b.u.established:
 	case <-b.abandoned:
-		return 0, errAbandoned
+		return errAbandoned
 	}
 	if b.isAbandoned() {
-		return 0, errAbandoned
+		return errAbandoned
 	}
 	select {
 	case <-b.u.peeked:
 	case <-b.abandoned:
-		return 0, errAbandoned
+		return errAbandoned
+	}
+	return nil
+}
+
+func (b *uploadBody) Read(p []byte) (int, error) {
+	if err := b.ready(); err != nil {
+		return 0, err
 	}
 	n, err := b.u.br.Read(p)
 	for _, c := range b.u.counters {
@@ -120,4 +132,36 @@ func (b *uploadBody) Close() error {
 	b.u.unblock()
 	b.u.finish()
 	return nil
+}
+
+// copyTo sends the upload to w until the client's end, without a buffer of
+// the caller's: first what the head's reader still holds, then straight
+// from the socket with a buffer taken only while bytes are there (see
+// copyFromSocket), so a quiet tunnel holds neither. It needs u.raw and
+// returns nil at the client's clean end.
+func (b *uploadBody) copyTo(w io.Writer) error {
+	if err := b.ready(); err != nil {
+		return err
+	}
+	u := b.u
+	count := func(n int) {
+		for _, c := range u.counters {
+			c.Add(int64(n))
+		}
+	}
+	if n := u.br.Buffered(); n > 0 {
+		p, _ := u.br.Peek(n)
+		_, err := w.Write(p)
+		u.br.Discard(n)
+		count(n)
+		if err != nil {
+			u.finish()
+			return err
+		}
+	}
+	u.br = nil // drained: let its buffer go
+	n, err := copyFromSocket(w, u.raw, nil)
+	count(int(n))
+	u.finish()
+	return err
 }
