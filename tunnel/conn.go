@@ -169,10 +169,11 @@ func (b *recordBatcher) end() error {
 	return b.flushLocked()
 }
 
-// batchFlushAt bounds a batch: a whole DATA frame of maxFrameSize with its
-// header and the TLS overhead of its records fits, so a frame is one write.
+// batchFlushAt bounds a batch: two whole DATA frames of maxFrameSize (what
+// one large copy buffer holds) with their headers and the TLS overhead of
+// their records fit, so they leave in one write.
 const (
-	batchFlushAt = maxFrameSize + 4<<10
+	batchFlushAt = 2*maxFrameSize + 4<<10
 	tlsRecordMax = 16<<10 + 256 // a record's plaintext limit plus its overhead
 )
 

@@ -40,9 +40,10 @@ import (
 // a stream is removed once both halves have ended or either side reset it.
 type link struct {
 	conn     net.Conn
-	fr       *http2.Framer // reads: the read loop only; writes: under wmu
-	spawn    func(func())  // runs an owned goroutine
-	writeTTL time.Duration // a write that makes no progress this long breaks the link
+	batch    *recordBatcher // under TLS: gathers a write's records into one system call
+	fr       *http2.Framer  // reads: the read loop only; writes: under wmu
+	spawn    func(func())   // runs an owned goroutine
+	writeTTL time.Duration  // a write that makes no progress this long breaks the link
 
 	wmu  sync.Mutex
 	henc *hpack.Encoder
@@ -119,6 +120,7 @@ func newLink(conn net.Conn, keepAlive, pingWait time.Duration, spawn func(func()
 		readerDone:     make(chan struct{}),
 	}
 	l.windowCond = sync.NewCond(&l.mu)
+	l.batch = batcherOf(conn)
 	l.fr = http2.NewFramer(conn, conn)
 	l.fr.SetMaxReadFrameSize(maxFrameSize)
 	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
@@ -732,6 +734,42 @@ func (st *linkStream) pumpUpload() {
 	}
 }
 
+// writeFrames writes p as DATA frames of at most frame bytes, the last with
+// END_STREAM when end is set. Under TLS the frames' records are gathered
+// and leave in one write.
+func (l *link) writeFrames(id uint32, p []byte, frame int, end bool) error {
+	l.lockWrite()
+	if l.batch != nil {
+		l.batch.begin()
+	}
+	var err error
+	for first := true; err == nil && (first || len(p) > 0); first = false {
+		n := min(len(p), frame)
+		err = l.fr.WriteData(id, end && n == len(p), p[:n])
+		p = p[n:]
+	}
+	if l.batch != nil {
+		if berr := l.batch.end(); err == nil {
+			err = berr
+		}
+	}
+	l.unlockWrite()
+	return err
+}
+
+// batcherOf finds the record batcher under a link's connection, if any.
+func batcherOf(c net.Conn) *recordBatcher {
+	switch c := c.(type) {
+	case *watchedConn:
+		return batcherOf(c.Conn)
+	case *bufferedConn:
+		return batcherOf(c.Conn)
+	case *batchedTLS:
+		return c.raw
+	}
+	return nil
+}
+
 // streamWriter writes DATA frames on a stream.
 type streamWriter struct{ st *linkStream }
 
@@ -755,19 +793,19 @@ func (st *linkStream) writeData(p []byte, end bool) error {
 			l.mu.Unlock()
 			return errStreamReset
 		}
-		n := max(0, min(int64(len(p)), st.sendWindow, l.connSendWindow, int64(l.peerMaxFrame)))
+		// Take what the windows allow now, up to two frames, and send it
+		// in one system call (see writeFrames).
+		n := max(0, min(int64(len(p)), st.sendWindow, l.connSendWindow, 2*int64(l.peerMaxFrame)))
 		st.sendWindow -= n
 		l.connSendWindow -= n
 		last := end && n == int64(len(p))
 		if last {
 			st.sentEnd = true
 		}
+		frame := int(l.peerMaxFrame)
 		l.mu.Unlock()
 
-		l.lockWrite()
-		err := l.fr.WriteData(st.id, last, p[:n])
-		l.unlockWrite()
-		if err != nil {
+		if err := l.writeFrames(st.id, p[:n], frame, last); err != nil {
 			l.closeWith(fmt.Errorf("write: %w", err))
 			return err
 		}
@@ -1002,19 +1040,26 @@ func (b *linkBody) WriteTo(w io.Writer) (int64, error) {
 			st.rmu.Unlock()
 			return written, err // nil at END_STREAM
 		}
-		chunk, head := st.queue[0], st.head
-		st.queue[0] = nil
-		st.queue = st.queue[1:]
-		if len(st.queue) == 0 {
-			st.queue = nil
-		}
-		st.head = 0
+		// Take everything queued: several chunks leave in one writev.
+		chunks, head := st.queue, st.head
+		st.queue, st.head = nil, 0
 		st.rmu.Unlock()
 
-		taken := len(*chunk) - head
-		n, err := w.Write((*chunk)[head:])
-		written += int64(n)
-		putChunk(chunk)
+		taken := -head
+		bufs := make(net.Buffers, 0, len(chunks))
+		for i, c := range chunks {
+			taken += len(*c)
+			if i == 0 {
+				bufs = append(bufs, (*c)[head:])
+			} else {
+				bufs = append(bufs, *c)
+			}
+		}
+		n, err := bufs.WriteTo(w)
+		written += n
+		for _, c := range chunks {
+			putChunk(c)
+		}
 		st.rmu.Lock()
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
 		st.refillLocked()
@@ -1106,6 +1151,7 @@ func newAgentLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams u
 		maxStreams:     maxStreams,
 	}
 	l.windowCond = sync.NewCond(&l.mu)
+	l.batch = batcherOf(conn)
 	l.fr = http2.NewFramer(conn, conn)
 	l.fr.SetMaxReadFrameSize(maxFrameSize)
 	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)

@@ -250,12 +250,16 @@ func TestLinkHonoursSmallSendWindow(t *testing.T) {
 	checkNoLeaks(t)
 	l, a := newLinkPair(t, 0, 0, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 100})
 	payload := bytes.Repeat([]byte("0123456789"), 100) // 1000 bytes
-	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(payload))))
+	// The upload starts after the answer, as a tunnel's does: by then the
+	// agent's SETTINGS (sent before it) have arrived.
+	pr, pw := io.Pipe()
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(pr)))
 	h := a.next().(*http2.MetaHeadersFrame)
 	a.respond(h.StreamID, "200", false)
 	if r := <-res; r.err != nil {
 		t.Fatal(r.err)
 	}
+	go func() { pw.Write(payload); pw.Close() }()
 	var got []byte
 	for {
 		d := a.next().(*http2.DataFrame)
