@@ -47,8 +47,13 @@ func releaseStartupPages(log *slog.Logger) {
 		if _, err := fmt.Sscanf(fields[0], "%x-%x", &start, &end); err != nil || end <= start {
 			continue
 		}
-		// A raw madvise: the range is a mapping of the executable, not Go memory.
-		if _, _, errno := unix.Syscall(unix.SYS_MADVISE, start, end-start, unix.MADV_PAGEOUT); errno != 0 {
+		// A raw madvise: the range is a mapping of the executable, not Go
+		// memory. MADV_DONTNEED, not MADV_PAGEOUT: it unmaps the pages from
+		// this process even when another process (the agent beside a server,
+		// on one node) maps the same file, which PAGEOUT skips. The mapping
+		// is private and read-only, so nothing is lost: a page in use faults
+		// back in from the page cache.
+		if _, _, errno := unix.Syscall(unix.SYS_MADVISE, start, end-start, unix.MADV_DONTNEED); errno != 0 {
 			log.Debug("release start-up pages", "err", errno)
 			return
 		}
