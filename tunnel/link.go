@@ -567,6 +567,23 @@ func (l *link) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 }
 
 func (l *link) onHeaders(f *http2.MetaHeadersFrame) error {
+	if f.Truncated {
+		// Past MaxHeaderListSize (far past it closes the connection in the
+		// framer): refuse this stream, keep the connection.
+		l.mu.Lock()
+		st := l.streams[f.StreamID]
+		if l.handler != nil && st == nil && f.StreamID > l.lastPeerID && f.StreamID%2 == 1 {
+			l.lastPeerID = f.StreamID
+		}
+		l.mu.Unlock()
+		if st != nil {
+			st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: header list too large", errStreamReset))
+		} else {
+			id := f.StreamID
+			l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, http2.ErrCodeRefusedStream) })
+		}
+		return nil
+	}
 	if l.handler != nil {
 		return l.onRequest(f)
 	}

@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -537,4 +539,33 @@ func FuzzAgentLinkFrames(f *testing.F) {
 			t.Fatal("a handler outlived its link")
 		}
 	})
+}
+
+func TestLinkTruncatedHeadersRefuseOnlyThatStream(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+	h := a.next().(*http2.MetaHeadersFrame)
+	// 80 KiB of headers in one block: past the 64 KiB list limit but not
+	// twice past it, so the framer truncates instead of failing the link.
+	a.hbuf.Reset()
+	a.henc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+	for i := range 20 {
+		a.henc.WriteField(hpack.HeaderField{Name: fmt.Sprintf("x-pad-%d", i), Value: strings.Repeat("p", 4<<10)})
+	}
+	block := a.hbuf.Bytes()
+	first := min(len(block), 16<<10)
+	a.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: h.StreamID, BlockFragment: block[:first]})
+	for rest := block[first:]; len(rest) > 0; {
+		n := min(len(rest), 16<<10)
+		a.fr.WriteContinuation(h.StreamID, n == len(rest), rest[:n])
+		rest = rest[n:]
+	}
+	r := <-res
+	if r.err == nil {
+		t.Fatal("a truncated header block was taken as an answer")
+	}
+	if !l.CanTakeNewRequest() {
+		t.Fatal("the link died with the stream")
+	}
 }
