@@ -40,6 +40,7 @@ type config struct {
 	keep         bool // keep the work dir (certs, logs)
 	phases       string
 	linger       time.Duration // idle wait before a last RSS reading
+	idleSteady   time.Duration // extra wait with the idle tunnels open before a second reading
 }
 
 // wants reports whether phase key runs: --phases if given, else all but the
@@ -124,6 +125,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.timeout, "timeout", c.timeout, "bound on the whole run")
 	fs.StringVar(&c.phases, "phases", "", "comma list of phases to run: idle,latency,throughput,concurrent,hol,10k (default all; 10k only with --tunnels10k)")
 	fs.DurationVar(&c.linger, "linger", 0, "after the phases, stay idle this long and read RSS again (is memory returned?)")
+	fs.DurationVar(&c.idleSteady, "idle-steady", 0, "keep the idle tunnels open this much longer and read their RSS again (steady state)")
 	fs.BoolVar(&c.keep, "keep", false, "keep the work directory (certificates, server and agent logs)")
 	if err := fs.Parse(args); err != nil {
 		return c, err

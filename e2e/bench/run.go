@@ -407,6 +407,15 @@ func (b *bench) phaseIdle(ctx context.Context) error {
 	b.addRow(fmt.Sprintf("RSS per idle tunnel, agent (%d open)", len(conns)), fmt.Sprintf("%.1f KiB", pa), "", "",
 		"<= 10 KiB", ptr(pa <= 10))
 	b.note("RSS with %d idle tunnels: server %s, agent %s", len(conns), kibStr(s1), kibStr(a1))
+	if d := b.cfg.idleSteady; d > 0 {
+		// The same tunnels after the daemons' periodic memory trim (every
+		// 15 s) has had a chance to collect: the steady state of a quiet node.
+		settle(ctx, d)
+		if s2, a2, err := b.rss(); err == nil {
+			b.note("RSS per idle tunnel %v later: server %.1f KiB, agent %.1f KiB (%s and %s in all)", d,
+				per(s2, s0), per(a2, a0), kibStr(s2), kibStr(a2))
+		}
+	}
 	if gs, ga, err := b.goroutines(ctx); err == nil {
 		b.note("goroutines with %d idle tunnels: server %d, agent %d (%.1f and %.1f per tunnel)", len(conns), gs, ga,
 			float64(gs-b.idleG[0])/float64(max(len(conns), 1)), float64(ga-b.idleG[1])/float64(max(len(conns), 1)))
