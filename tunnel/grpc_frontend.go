@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 x/net/http2's Server.ServeConn serves HTTP/2 with prior knowledge on a connection we accepted ourselves.
-
 package tunnel
 
 import (
@@ -16,8 +14,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // The gRPC front door: kube-apiserver's proxyProtocol GRPC. Each dial is a
@@ -72,26 +68,33 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", refused)
 		}
 	}
-	h2 := &http2.Server{
-		MaxUploadBufferPerConnection: 1 << 30,
-		MaxUploadBufferPerStream:     streamWindow,
-		MaxReadFrameSize:             maxFrameSize,
-		IdleTimeout:                  5 * time.Minute,
-		ReadIdleTimeout:              s.cfg.KeepAlive,
-		PingTimeout:                  s.cfg.PingTimeout,
-	}
-	h2.ServeConn(conn, &http2.ServeConnOpts{
-		Context: s.baseCtx,
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			defer release()
-			if refused != nil {
-				grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
-				return
-			}
-			s.serveGRPCStream(w, r, release)
-		}),
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer release()
+		if refused != nil {
+			grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
+			return
+		}
+		s.serveGRPCStream(w, r, release)
 	})
+	// The same HTTP/2 link as an agent connection, in the serving role:
+	// every frame written by whoever has it, two DATA frames per system
+	// call (the batcher also gathers frames on a plain socket).
+	var h2conn net.Conn = conn
+	if _, isTLS := conn.(*tls.Conn); !isTLS {
+		h2conn = &recordBatcher{Conn: conn}
+	}
+	l, err := newAgentLink(h2conn, s.cfg.KeepAlive, s.cfg.PingTimeout, grpcMaxStreams, handler, s.baseCtx, s.goroutine)
+	if err != nil {
+		s.log.Debug("gRPC frontend: no HTTP/2 connection", "err", err)
+		release()
+		return
+	}
+	l.serve()
 }
+
+// grpcMaxStreams bounds the calls open at once on one frontend connection;
+// kube-apiserver opens one per connection.
+const grpcMaxStreams = 1000
 
 // grpcTrailersOnly ends a call before any message, as gRPC's
 // "Trailers-Only" response: status in the only HEADERS frame.

@@ -783,6 +783,8 @@ func batcherOf(c net.Conn) *recordBatcher {
 		return batcherOf(c.Conn)
 	case *batchedTLS:
 		return c.raw
+	case *recordBatcher:
+		return c
 	}
 	return nil
 }
@@ -1305,27 +1307,49 @@ func (l *link) runHandler(st *linkStream, req *http.Request) {
 	completed = true
 }
 
-// linkResponse is the http.ResponseWriter of a stream on the agent's end.
-// Every Write is sent at once; Flush has nothing to do.
+// linkResponse is the http.ResponseWriter of a stream served by a link.
+// As with net/http, the head is sent with the first Write or Flush, or when
+// the handler returns: a handler that writes nothing ends the stream with
+// that one HEADERS frame (gRPC's trailers-only answer). Header keys with
+// http.TrailerPrefix, set before the handler returns, are sent as trailers.
+// Every Write is sent at once.
 type linkResponse struct {
 	st          *linkStream
 	header      http.Header
-	wroteHeader bool
+	status      int  // set by WriteHeader
+	headersSent bool // the head has gone out
+	err         error
 }
 
 func (w *linkResponse) Header() http.Header { return w.header }
 
 func (w *linkResponse) WriteHeader(code int) {
-	if w.wroteHeader {
-		return
+	if w.status == 0 {
+		w.status = code
 	}
-	w.wroteHeader = true
-	w.st.writeHeaders(code, w.header, false)
+}
+
+func (w *linkResponse) sendHead(end bool) error {
+	if w.headersSent {
+		return w.err
+	}
+	w.headersSent = true
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	head := make(http.Header, len(w.header))
+	for k, v := range w.header {
+		if !strings.HasPrefix(k, http.TrailerPrefix) && k != "Trailer" {
+			head[k] = v
+		}
+	}
+	w.err = w.st.writeHeaders(w.status, head, end)
+	return w.err
 }
 
 func (w *linkResponse) Write(p []byte) (int, error) {
-	if !w.wroteHeader {
-		w.WriteHeader(http.StatusOK)
+	if err := w.sendHead(false); err != nil {
+		return 0, err
 	}
 	if err := w.st.writeData(p, false); err != nil {
 		return 0, err
@@ -1333,14 +1357,24 @@ func (w *linkResponse) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func (w *linkResponse) Flush() {}
+func (w *linkResponse) Flush() { w.sendHead(false) }
 
 func (w *linkResponse) finish() {
 	st := w.st
-	if !w.wroteHeader {
-		w.wroteHeader = true
-		st.writeHeaders(http.StatusOK, w.header, true)
-	} else {
+	trailers := make(http.Header)
+	for k, v := range w.header {
+		if name, ok := strings.CutPrefix(k, http.TrailerPrefix); ok {
+			trailers[http.CanonicalHeaderKey(name)] = v
+		}
+	}
+	switch {
+	case !w.headersSent && len(trailers) == 0:
+		w.sendHead(true)
+	case len(trailers) > 0:
+		if w.sendHead(false) == nil {
+			st.writeTrailers(trailers)
+		}
+	default:
 		st.writeData(nil, true)
 	}
 	st.rmu.Lock()
@@ -1353,8 +1387,19 @@ func (w *linkResponse) finish() {
 	st.maybeRemove()
 }
 
+// writeTrailers ends the stream with a HEADERS frame of trailers.
+func (st *linkStream) writeTrailers(trailers http.Header) error {
+	return st.writeHeaderBlock(0, trailers, true)
+}
+
 // writeHeaders sends the response head, with END_STREAM if end is set.
 func (st *linkStream) writeHeaders(code int, header http.Header, end bool) error {
+	return st.writeHeaderBlock(code, header, end)
+}
+
+// writeHeaderBlock sends one HEADERS frame: a response head (code > 0) or
+// trailers (code 0).
+func (st *linkStream) writeHeaderBlock(code int, header http.Header, end bool) error {
 	l := st.link
 	l.mu.Lock()
 	if st.removed || l.closed || st.sentEnd {
@@ -1367,7 +1412,9 @@ func (st *linkStream) writeHeaders(code int, header http.Header, end bool) error
 	l.mu.Unlock()
 	l.lockWrite()
 	l.hbuf.Reset()
-	l.henc.WriteField(hpack.HeaderField{Name: ":status", Value: strconv.Itoa(code)})
+	if code > 0 {
+		l.henc.WriteField(hpack.HeaderField{Name: ":status", Value: strconv.Itoa(code)})
+	}
 	for k, vs := range header {
 		name := strings.ToLower(k)
 		if name == "connection" || name == "transfer-encoding" || name == "keep-alive" {
