@@ -75,6 +75,7 @@ type link struct {
 	baseCtx    context.Context
 	maxStreams uint32 // streams the server may have open at once
 	lastPeerID uint32
+	window     int64 // the receive window this end gives each stream
 
 	lastRead   atomic.Int64 // unix nanoseconds of the last frame read
 	keepAlive  time.Duration
@@ -97,7 +98,7 @@ var (
 // Receive windows this end announces; see streamWindow for why 1 MiB.
 const (
 	linkConnWindow    = 1 << 30
-	linkRefillAt      = streamWindow / 8 // send WINDOW_UPDATE once this much was consumed
+	linkRefillAt      = streamWindow / 8 // connection credit is returned in steps of this much
 	initialPeerWindow = 65535            // HTTP/2 defaults until the agent's SETTINGS
 	initialPeerFrame  = 16 << 10
 )
@@ -118,6 +119,7 @@ func newLink(conn net.Conn, keepAlive, pingWait time.Duration, spawn func(func()
 		keepAlive:      keepAlive,
 		pingWait:       pingWait,
 		readerDone:     make(chan struct{}),
+		window:         streamWindow,
 	}
 	l.windowCond = sync.NewCond(&l.mu)
 	l.batch = batcherOf(conn)
@@ -264,7 +266,7 @@ func (l *link) RoundTrip(req *http.Request) (*http.Response, error) {
 	st.id = l.nextID
 	l.nextID += 2
 	st.sendWindow = int64(l.peerWindow)
-	st.recvWindow = streamWindow
+	st.recvWindow = l.window
 	l.streams[st.id] = st
 	l.mu.Unlock()
 
@@ -873,7 +875,7 @@ func (st *linkStream) receive(data []byte, flow int64) error {
 
 // refillLocked returns consumed credit to the agent in batches.
 func (st *linkStream) refillLocked() {
-	if st.unacked < linkRefillAt {
+	if st.unacked < st.link.window/8 {
 		return
 	}
 	n := st.unacked
@@ -1153,6 +1155,11 @@ func putChunk(b *[]byte) {
 // opens the streams. It reads the client preface and sends this end's
 // settings; serve then runs the read loop.
 func newAgentLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams uint32, handler http.Handler, baseCtx context.Context, spawn func(func())) (*link, error) {
+	return newServingLink(conn, keepAlive, pingWait, maxStreams, streamWindow, handler, baseCtx, spawn)
+}
+
+// newServingLink is newAgentLink with the receive window given per stream.
+func newServingLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams uint32, window int64, handler http.Handler, baseCtx context.Context, spawn func(func())) (*link, error) {
 	l := &link{
 		conn:           conn,
 		spawn:          spawn,
@@ -1168,6 +1175,7 @@ func newAgentLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams u
 		handler:        handler,
 		baseCtx:        baseCtx,
 		maxStreams:     maxStreams,
+		window:         window,
 	}
 	l.windowCond = sync.NewCond(&l.mu)
 	l.batch = batcherOf(conn)
@@ -1192,7 +1200,7 @@ func newAgentLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams u
 	l.armWrite()
 	err := l.fr.WriteSettings(
 		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: maxStreams},
-		http2.Setting{ID: http2.SettingInitialWindowSize, Val: streamWindow},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: uint32(window)},
 		http2.Setting{ID: http2.SettingMaxFrameSize, Val: maxFrameSize},
 	)
 	if err == nil {
@@ -1252,7 +1260,7 @@ func (l *link) onRequest(f *http2.MetaHeadersFrame) error {
 		l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, http2.ErrCodeRefusedStream) })
 		return nil
 	}
-	st := &linkStream{link: l, id: id, respReady: make(chan struct{}), sendWindow: int64(l.peerWindow), recvWindow: streamWindow}
+	st := &linkStream{link: l, id: id, respReady: make(chan struct{}), sendWindow: int64(l.peerWindow), recvWindow: l.window}
 	st.recvCond = sync.NewCond(&st.rmu)
 	l.streams[id] = st
 	l.mu.Unlock()

@@ -1,5 +1,3 @@
-//lint:file-ignore SA1019 x/net/http2's Server.ServeConn serves the upstream agents' gRPC on a connection the agent listener accepted.
-
 package tunnel
 
 import (
@@ -17,8 +15,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // Upstream konnectivity agents (the proxy-agent image) speak gRPC on the
@@ -41,20 +37,18 @@ var errUpstreamGone = errors.New("upstream agent stream ended")
 // serveUpstreamAgent runs the gRPC server side of one upstream agent
 // connection until it ends.
 func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string) {
-	h2 := &http2.Server{
-		MaxUploadBufferPerConnection: 1 << 30,
-		MaxUploadBufferPerStream:     16 << 20, // one stream carries all the agent's tunnels
-		MaxReadFrameSize:             maxFrameSize,
-		ReadIdleTimeout:              s.cfg.KeepAlive,
-		PingTimeout:                  s.cfg.PingTimeout,
-		MaxConcurrentStreams:         4,
-	}
-	h2.ServeConn(conn, &http2.ServeConnOpts{
-		Context: s.baseCtx,
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			s.serveUpstreamConnect(w, r, tlsState, remote)
-		}),
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.serveUpstreamConnect(w, r, tlsState, remote)
 	})
+	// One stream carries all the agent's tunnels: a 16 MiB window for it.
+	l, err := newServingLink(conn, s.cfg.KeepAlive, s.cfg.PingTimeout, 4, 16<<20, handler, s.baseCtx, s.goroutine)
+	if err != nil {
+		s.log.Debug("upstream agent: no HTTP/2 connection", "remote", remote, "err", err)
+		conn.Close()
+		return
+	}
+	l.serve()
+	conn.Close()
 }
 
 func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string) {
