@@ -106,29 +106,8 @@ const (
 // newLink starts HTTP/2 on conn (the agent is the server) and its read loop
 // through spawn. keepAlive and pingWait set the PING that finds dead peers.
 func newLink(conn net.Conn, keepAlive, pingWait time.Duration, spawn func(func())) (*link, error) {
-	l := &link{
-		conn:           conn,
-		spawn:          spawn,
-		writeTTL:       keepAlive + pingWait,
-		streams:        make(map[uint32]*linkStream),
-		nextID:         1,
-		peerMaxStreams: math.MaxUint32,
-		peerWindow:     initialPeerWindow,
-		peerMaxFrame:   initialPeerFrame,
-		connSendWindow: initialPeerWindow,
-		keepAlive:      keepAlive,
-		pingWait:       pingWait,
-		readerDone:     make(chan struct{}),
-		window:         streamWindow,
-	}
-	l.windowCond = sync.NewCond(&l.mu)
-	l.batch = batcherOf(conn)
-	l.fr = http2.NewFramer(conn, conn)
-	l.fr.SetMaxReadFrameSize(maxFrameSize)
-	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	l.fr.MaxHeaderListSize = 64 << 10
-	l.henc = hpack.NewEncoder(&l.hbuf)
-	l.lastRead.Store(time.Now().UnixNano())
+	l := newLinkState(conn, keepAlive, pingWait, streamWindow, spawn)
+	l.nextID = 1
 
 	l.armWrite()
 	if _, err := io.WriteString(conn, http2.ClientPreface); err != nil {
@@ -150,6 +129,33 @@ func newLink(conn net.Conn, keepAlive, pingWait time.Duration, spawn func(func()
 	}
 	spawn(l.readLoop)
 	return l, nil
+}
+
+// newLinkState is what both ends share before their first frame.
+func newLinkState(conn net.Conn, keepAlive, pingWait time.Duration, window int64, spawn func(func())) *link {
+	l := &link{
+		conn:           conn,
+		spawn:          spawn,
+		writeTTL:       keepAlive + pingWait,
+		streams:        make(map[uint32]*linkStream),
+		peerMaxStreams: math.MaxUint32,
+		peerWindow:     initialPeerWindow,
+		peerMaxFrame:   initialPeerFrame,
+		connSendWindow: initialPeerWindow,
+		keepAlive:      keepAlive,
+		pingWait:       pingWait,
+		readerDone:     make(chan struct{}),
+		window:         window,
+	}
+	l.windowCond = sync.NewCond(&l.mu)
+	l.batch = batcherOf(conn)
+	l.fr = http2.NewFramer(conn, conn)
+	l.fr.SetMaxReadFrameSize(maxFrameSize)
+	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	l.fr.MaxHeaderListSize = 64 << 10
+	l.henc = hpack.NewEncoder(&l.hbuf)
+	l.lastRead.Store(time.Now().UnixNano())
+	return l
 }
 
 // --- writing ---
@@ -709,48 +715,17 @@ func (st *linkStream) mu() *sync.Mutex { return &st.link.mu }
 // tunnel, holding a small buffer while the client is quiet.
 func (st *linkStream) pumpUpload() {
 	defer st.closeBody()
+	var err error
 	if ub, ok := st.body.(*uploadBody); ok && ub.u.raw != nil {
-		// A plain client socket: no buffer held while the client is quiet.
-		if err := ub.copyTo(streamWriter{st}); err != nil {
-			st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", errStreamReset, err))
-			return
-		}
-		st.writeData(nil, true)
+		err = ub.copyTo(streamWriter{st}) // a plain client socket: no buffer held while quiet
+	} else {
+		_, err = copyStream(streamWriter{st}, st.body, nil)
+	}
+	if err != nil {
+		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", errStreamReset, err))
 		return
 	}
-	small := smallBufs.Get().(*[]byte)
-	defer smallBufs.Put(small)
-	var large *[]byte
-	defer func() {
-		if large != nil {
-			largeBufs.Put(large)
-		}
-	}()
-	buf := *small
-	for {
-		n, err := st.body.Read(buf)
-		if n > 0 {
-			if werr := st.writeData(buf[:n], false); werr != nil {
-				return
-			}
-		}
-		switch {
-		case n == len(buf) && large == nil:
-			large = largeBufs.Get().(*[]byte)
-			buf = *large
-		case n < smallBufSize && large != nil:
-			largeBufs.Put(large)
-			large, buf = nil, *small
-		}
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				st.writeData(nil, true)
-				return
-			}
-			st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", errStreamReset, err))
-			return
-		}
-	}
+	st.writeData(nil, true)
 }
 
 // writeFrames writes p as DATA frames of at most frame bytes, the last with
@@ -1160,31 +1135,8 @@ func newAgentLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams u
 
 // newServingLink is newAgentLink with the receive window given per stream.
 func newServingLink(conn net.Conn, keepAlive, pingWait time.Duration, maxStreams uint32, window int64, handler http.Handler, baseCtx context.Context, spawn func(func())) (*link, error) {
-	l := &link{
-		conn:           conn,
-		spawn:          spawn,
-		writeTTL:       keepAlive + pingWait,
-		streams:        make(map[uint32]*linkStream),
-		peerMaxStreams: math.MaxUint32,
-		peerWindow:     initialPeerWindow,
-		peerMaxFrame:   initialPeerFrame,
-		connSendWindow: initialPeerWindow,
-		keepAlive:      keepAlive,
-		pingWait:       pingWait,
-		readerDone:     make(chan struct{}),
-		handler:        handler,
-		baseCtx:        baseCtx,
-		maxStreams:     maxStreams,
-		window:         window,
-	}
-	l.windowCond = sync.NewCond(&l.mu)
-	l.batch = batcherOf(conn)
-	l.fr = http2.NewFramer(conn, conn)
-	l.fr.SetMaxReadFrameSize(maxFrameSize)
-	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	l.fr.MaxHeaderListSize = 64 << 10
-	l.henc = hpack.NewEncoder(&l.hbuf)
-	l.lastRead.Store(time.Now().UnixNano())
+	l := newLinkState(conn, keepAlive, pingWait, window, spawn)
+	l.handler, l.baseCtx, l.maxStreams = handler, baseCtx, maxStreams
 
 	preface := make([]byte, len(http2.ClientPreface))
 	if keepAlive > 0 {

@@ -133,6 +133,19 @@ func roundTripAsync(t *testing.T, l *link, req *http.Request) <-chan rtResult {
 	return ch
 }
 
+// openAnswered opens a tunnel with an empty upload and answers it 200.
+func openAnswered(t *testing.T, l *link, a *fakeAgent) (*http2.MetaHeadersFrame, *http.Response) {
+	t.Helper()
+	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+	h := a.next().(*http2.MetaHeadersFrame)
+	a.respond(h.StreamID, "200", false)
+	r := <-res
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	return h, r.resp
+}
+
 type rtResult struct {
 	resp *http.Response
 	err  error
@@ -284,13 +297,7 @@ func TestLinkHonoursSmallSendWindow(t *testing.T) {
 func TestLinkOverrunWindowResetsStreamOnly(t *testing.T) {
 	checkNoLeaks(t)
 	l, a := newLinkPair(t, 0, 0)
-	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
-	h := a.next().(*http2.MetaHeadersFrame)
-	a.respond(h.StreamID, "200", false)
-	r := <-res
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	h, resp := openAnswered(t, l, a)
 	chunk := make([]byte, maxFrameSize)
 	for range streamWindow/maxFrameSize + 1 { // one frame past the window, nobody reading
 		a.fr.WriteData(h.StreamID, false, chunk)
@@ -303,6 +310,9 @@ func TestLinkOverrunWindowResetsStreamOnly(t *testing.T) {
 			break
 		}
 	}
+	if _, err := io.ReadAll(resp.Body); err == nil {
+		t.Fatal("the overrun stream read to a clean end")
+	}
 	if !l.CanTakeNewRequest() {
 		t.Fatal("the link died with the stream")
 	}
@@ -311,18 +321,12 @@ func TestLinkOverrunWindowResetsStreamOnly(t *testing.T) {
 func TestLinkTinyFramesShareChunks(t *testing.T) {
 	checkNoLeaks(t)
 	l, a := newLinkPair(t, 0, 0)
-	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
-	h := a.next().(*http2.MetaHeadersFrame)
-	a.respond(h.StreamID, "200", false)
-	r := <-res
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
+	h, resp := openAnswered(t, l, a)
 	const frames = 2000
 	for i := range frames {
 		a.fr.WriteData(h.StreamID, i == frames-1, []byte{byte(i)})
 	}
-	st := r.resp.Body.(*linkBody).st
+	st := resp.Body.(*linkBody).st
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		st.rmu.Lock()
@@ -339,7 +343,7 @@ func TestLinkTinyFramesShareChunks(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	all, err := io.ReadAll(r.resp.Body)
+	all, err := io.ReadAll(resp.Body)
 	if err != nil || len(all) != frames || all[frames-1] != byte((frames-1)%256) {
 		t.Fatalf("read %d bytes, %v", len(all), err)
 	}
@@ -440,16 +444,10 @@ func TestLinkPeerVanishesMidDownload(t *testing.T) {
 	checkNoLeaks(t)
 	for range 20 {
 		l, a := newLinkPair(t, 0, 0)
-		res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
-		h := a.next().(*http2.MetaHeadersFrame)
-		a.respond(h.StreamID, "200", false)
-		r := <-res
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
+		h, resp := openAnswered(t, l, a)
 		done := make(chan error, 1)
 		go func() {
-			_, err := io.Copy(io.Discard, r.resp.Body)
+			_, err := io.Copy(io.Discard, resp.Body)
 			done <- err
 		}()
 		chunk := make([]byte, 16<<10)
