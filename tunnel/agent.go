@@ -378,10 +378,23 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		}
 	default:
 		// The destination finished first while the client is still sending.
-		// Go's HTTP/2 server cannot half-close a stream it still reads, so
-		// it ends the response (END_STREAM) and resets the request side.
-		// The rest of the upload is lost: close the destination with a
-		// reset, so it sees an error and not a clean end of the upload.
+		// A clean finish is a half-close: end the response (END_STREAM, the
+		// client reads EOF) and keep carrying the upload until the client
+		// ends it too, so a destination that still reads loses nothing.
+		if hc, ok := w.(halfCloser); ok && downErr == nil {
+			if err := hc.CloseWrite(); err == nil {
+				upErr := <-upDone
+				if upErr == nil {
+					return // the client finished too
+				}
+				r.Body.Close()
+				a.metrics.resets.Inc()
+				panic(http.ErrAbortHandler)
+			}
+		}
+		// No half-close (or a broken download): the rest of the upload is
+		// lost. Close the destination with a reset, so it sees an error and
+		// not a clean end of the upload.
 		if tc, ok := dest.(*net.TCPConn); ok {
 			tc.SetLinger(0)
 		}
@@ -398,5 +411,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)
 }
+
+// halfCloser is a response that can end while its request is still read:
+// the link's responses can.
+type halfCloser interface{ CloseWrite() error }
 
 var _ io.Reader = (*bufferedConn)(nil)

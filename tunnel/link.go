@@ -910,6 +910,13 @@ func (st *linkStream) remove() {
 	// and fully received).
 	st.finish(fmt.Errorf("%w: the stream ended before the agent answered", errStreamReset))
 	st.closeBody()
+}
+
+// abort ends the handler's request context (the agent's end) when the
+// stream ends abnormally. A stream that ended cleanly keeps it until the
+// handler returns: after both END_STREAMs the handler may still be
+// writing what it read to its destination.
+func (st *linkStream) abort() {
 	if st.cancelCtx != nil {
 		st.cancelCtx()
 	}
@@ -934,6 +941,7 @@ func (st *linkStream) closeBody() {
 func (st *linkStream) fail(err error) {
 	st.finish(err)
 	st.remove()
+	st.abort()
 }
 
 // reset ends the stream from this side with RST_STREAM.
@@ -949,6 +957,9 @@ func (st *linkStream) reset(code http2.ErrCode, err error) {
 	id := st.id
 	l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, code) })
 	st.remove()
+	if code != http2.ErrCodeNo {
+		st.abort()
+	}
 }
 
 // resetByPeer handles RST_STREAM from the agent. After its END_STREAM a
@@ -956,6 +967,7 @@ func (st *linkStream) reset(code http2.ErrCode, err error) {
 func (st *linkStream) resetByPeer(code http2.ErrCode) {
 	st.finish(fmt.Errorf("%w by the agent (%v)", errStreamReset, code))
 	st.remove()
+	st.abort()
 }
 
 // finish delivers err to whoever waits on the stream: the RoundTrip caller
@@ -1255,6 +1267,7 @@ func (l *link) onRequest(f *http2.MetaHeadersFrame) error {
 func (l *link) runHandler(st *linkStream, req *http.Request) {
 	w := &linkResponse{st: st, header: make(http.Header)}
 	completed := false
+	defer st.abort() // the request context ends with the handler, as in net/http
 	defer func() {
 		if !completed {
 			recover() // http.ErrAbortHandler, or a handler's own panic: this stream only
@@ -1319,6 +1332,15 @@ func (w *linkResponse) Write(p []byte) (int, error) {
 
 func (w *linkResponse) Flush() { w.sendHead(false) }
 
+// CloseWrite ends the response (END_STREAM) while the request is still
+// read: the agent's half of a half-closed tunnel.
+func (w *linkResponse) CloseWrite() error {
+	if err := w.sendHead(false); err != nil {
+		return err
+	}
+	return w.st.writeData(nil, true)
+}
+
 func (w *linkResponse) finish() {
 	st := w.st
 	trailers := make(http.Header)
@@ -1327,7 +1349,11 @@ func (w *linkResponse) finish() {
 			trailers[http.CanonicalHeaderKey(name)] = v
 		}
 	}
+	st.link.mu.Lock()
+	ended := st.sentEnd
+	st.link.mu.Unlock()
 	switch {
+	case ended: // CloseWrite ended the response already
 	case !w.headersSent && len(trailers) == 0:
 		w.sendHead(true)
 	case len(trailers) > 0:
