@@ -33,6 +33,9 @@ func addProcessMetrics(m *tunnel.Metrics, prefix string) {
 	start := float64(time.Now().UnixNano()) / 1e9
 	m.GaugeFunc("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", nil, nil, func() float64 { return start })
 	m.GaugeFunc(prefix+"build_info", "Build of the running binary; the value is always 1.", []string{"version", "goversion"}, []string{versionString(), runtime.Version()}, func() float64 { return 1 })
+	// The Go collector's name, so existing leak alerts work; two per open
+	// tunnel and a few per connection, so a count that only grows is a leak.
+	m.GaugeFunc("go_goroutines", "Number of goroutines that currently exist.", nil, nil, func() float64 { return float64(runtime.NumGoroutine()) })
 }
 
 // serviceMux is a health mux with /metrics, and on the admin port also
