@@ -62,6 +62,7 @@ type link struct {
 	closed         bool
 	closeErr       error
 	goAway         bool          // no new streams: we or the agent said GOAWAY
+	retiring       bool          // stream IDs ran out: see retire
 	idle           chan struct{} // closed when goAway is set and no stream is left
 	peerMaxStreams uint32
 	peerWindow     int32 // SETTINGS_INITIAL_WINDOW_SIZE of the agent
@@ -269,6 +270,13 @@ func (l *link) RoundTrip(req *http.Request) (*http.Response, error) {
 		l.wmu.Unlock()
 		return nil, errGoAway
 	}
+	if l.nextID > maxStreamID {
+		// A billion dials on one connection: its stream IDs are spent.
+		l.mu.Unlock()
+		l.wmu.Unlock()
+		l.retire()
+		return nil, errGoAway
+	}
 	st.id = l.nextID
 	l.nextID += 2
 	st.sendWindow = int64(l.peerWindow)
@@ -323,11 +331,38 @@ func (l *link) RoundTrip(req *http.Request) (*http.Response, error) {
 	return st.resp, nil
 }
 
+// HTTP/2 stream IDs are 31 bits; the client's are odd.
+const maxStreamID = 1<<31 - 1
+
+// retireGrace bounds how long a connection whose stream IDs ran out keeps
+// its open tunnels before it is closed and the agent dials a fresh one.
+const retireGrace = time.Minute
+
+// retire ends a connection that can open no more streams: GOAWAY now (new
+// dials go to other agents), close once its tunnels ended or after
+// retireGrace; the agent then redials at once.
+func (l *link) retire() {
+	l.mu.Lock()
+	first := !l.retiring
+	l.retiring = true
+	l.mu.Unlock()
+	if !first {
+		return
+	}
+	l.spawn(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), retireGrace)
+		defer cancel()
+		if l.Shutdown(ctx) != nil {
+			l.Close()
+		}
+	})
+}
+
 // CanTakeNewRequest reports whether a new stream may be opened now.
 func (l *link) CanTakeNewRequest() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return !l.closed && !l.goAway && uint32(len(l.streams)) < l.peerMaxStreams
+	return !l.closed && !l.goAway && l.nextID <= maxStreamID && uint32(len(l.streams)) < l.peerMaxStreams
 }
 
 // Shutdown sends GOAWAY, lets the open streams finish, then closes. It

@@ -567,3 +567,23 @@ func TestLinkTruncatedHeadersRefuseOnlyThatStream(t *testing.T) {
 		t.Fatal("the link died with the stream")
 	}
 }
+
+func TestLinkRetiresWhenStreamIDsRunOut(t *testing.T) {
+	checkNoLeaks(t)
+	l, _ := newLinkPair(t, 0, 0)
+	l.mu.Lock()
+	l.nextID = maxStreamID + 2
+	l.mu.Unlock()
+	if l.CanTakeNewRequest() {
+		t.Fatal("a link with no stream IDs left takes new streams")
+	}
+	_, err := l.RoundTrip(connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
+	if !errors.Is(err, errGoAway) {
+		t.Fatalf("RoundTrip: %v, want errGoAway (retried on another agent)", err)
+	}
+	select {
+	case <-l.readerDone: // no tunnel open: closed at once, the agent redials
+	case <-time.After(5 * time.Second):
+		t.Fatal("a link with no stream IDs left and no tunnel stayed open")
+	}
+}
