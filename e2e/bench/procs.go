@@ -176,57 +176,45 @@ func waitHTTP(ctx context.Context, p *proc, port int, path string) error {
 	}
 }
 
-// goroutineCount reads "goroutine profile: total N" from pprof.
+// goroutineCount reads a process's goroutine count from its admin port:
+// go_goroutines from /metrics, else the total of a pprof goroutine profile
+// (for binaries without the gauge). The gauge comes first because a
+// goroutine profile symbolizes every stack, which pages in much of the
+// binary and would show up in the idle memory the bench measures.
 func goroutineCount(ctx context.Context, port int) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	// go_goroutines from /metrics first: a goroutine profile symbolizes
-	// every stack, which pages in much of the binary and would show up in
-	// the idle memory the bench measures.
-	if n, err := metricsGoroutines(ctx, port); err == nil {
-		return n, nil
+	if v, err := adminLine(ctx, port, "/metrics", "go_goroutines "); err == nil {
+		f, err := strconv.ParseFloat(v, 64)
+		return int(f), err
 	}
-	url := "http://127.0.0.1:" + strconv.Itoa(port) + "/debug/pprof/goroutine?debug=1"
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	v, err := adminLine(ctx, port, "/debug/pprof/goroutine?debug=1", "goroutine profile: total ")
 	if err != nil {
 		return 0, err
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, fmt.Errorf("get %s: %w", url, err)
-	}
-	defer resp.Body.Close()
-	line, err := bufio.NewReader(io.LimitReader(resp.Body, 4096)).ReadString('\n')
-	if err != nil {
-		return 0, fmt.Errorf("read %s: %w", url, err)
-	}
-	const prefix = "goroutine profile: total "
-	if !strings.HasPrefix(line, prefix) {
-		return 0, fmt.Errorf("%s: unexpected first line %q", url, line)
-	}
-	return strconv.Atoi(strings.TrimSpace(line[len(prefix):]))
+	return strconv.Atoi(v)
 }
 
-// metricsGoroutines reads the go_goroutines gauge from /metrics on port.
-func metricsGoroutines(ctx context.Context, port int) (int, error) {
-	url := "http://127.0.0.1:" + strconv.Itoa(port) + "/metrics"
+// adminLine fetches path from 127.0.0.1:port and returns what follows
+// prefix on the first line that starts with it.
+func adminLine(ctx context.Context, port int, path, prefix string) (string, error) {
+	url := "http://127.0.0.1:" + strconv.Itoa(port) + path
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return 0, err
+		return "", err
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return 0, err
+		return "", fmt.Errorf("get %s: %w", url, err)
 	}
 	defer resp.Body.Close()
 	sc := bufio.NewScanner(io.LimitReader(resp.Body, 4<<20))
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "go_goroutines "); ok {
-			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-			return int(f), err
+		if v, ok := strings.CutPrefix(sc.Text(), prefix); ok {
+			return strings.TrimSpace(v), nil
 		}
 	}
-	return 0, fmt.Errorf("%s: no go_goroutines", url)
+	return "", fmt.Errorf("%s: no line starting %q", url, prefix)
 }
 
 // cpuTicks returns utime+stime of pid in clock ticks, from /proc/PID/stat.
