@@ -100,10 +100,12 @@ func releaseWhenReady(ctx context.Context, ready func() bool, log *slog.Logger) 
 // thousand concurrent tunnels then left a server holding 150 MiB for
 // minutes after they closed. Every trimInterval the daemon compares what it
 // holds with what it needs and, past trimSlack, collects and returns the
-// rest (debug.FreeOSMemory). The check reads runtime/metrics and stops
-// nothing; a trim costs two collections, about a millisecond per 10 MiB live.
+// rest (debug.FreeOSMemory); it does the same once a burst of new tunnels
+// has gone quiet (see shouldTrim). The check reads runtime/metrics and
+// stops nothing; a trim costs two collections, about a millisecond per
+// 10 MiB live.
 const (
-	trimInterval = 15 * time.Second
+	trimInterval = 5 * time.Second
 	trimSlack    = 16 << 20
 )
 
@@ -114,6 +116,10 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 	defer tick.Stop()
 	last := readHeap()
 	heldAfterTrim := last.held
+	// The fewest goroutines seen since the last trim: tunnels opened since
+	// then are the difference, whatever collections ran meanwhile (one in
+	// the middle of a burst leaves the tunnels opened after it unshrunk).
+	goroutinesBase := last.goroutines
 	for {
 		select {
 		case <-ctx.Done():
@@ -121,7 +127,8 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 		case <-tick.C:
 		}
 		now := readHeap()
-		if shouldTrim(now, last, heldAfterTrim) {
+		goroutinesBase = min(goroutinesBase, now.goroutines)
+		if shouldTrim(now, last, heldAfterTrim, goroutinesBase) {
 			// Two collections: the first moves sync.Pool contents (copy
 			// buffers) to the pools' victim caches, the second frees them.
 			runtime.GC()
@@ -129,6 +136,7 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 			after := readHeap()
 			log.Debug("returned free memory to the OS", "held_before_bytes", now.held, "held_after_bytes", after.held)
 			heldAfterTrim, now = after.held, after
+			goroutinesBase = after.goroutines
 		}
 		last = now
 	}
@@ -136,20 +144,32 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 
 // shouldTrim decides from two samples one interval apart. When a collection
 // ran in between, its live figure is fresh: trim if the heap holds much more
-// than the collector's own goal (twice the live heap) would. When none ran (an idle process, as after a burst), the heap may be
-// full of garbage nobody has looked at: trim if it grew past what the last
-// trim left.
-func shouldTrim(now, last heapSample, heldAfterTrim uint64) bool {
+// than the collector's own goal (twice the live heap) would. When none ran
+// (an idle process, as after a burst), the heap may be full of garbage
+// nobody has looked at: trim if it grew past what the last trim left, or
+// if many goroutines started since the last trim (goroutinesBase is the
+// fewest seen since) and are now quiet.
+// Those are new tunnels, parked with the stacks their dial and first write
+// grew; only a collection shrinks a parked goroutine's stack (to half,
+// 4 KiB per tunnel on a 64-bit machine), and the daemon's own allocation
+// may not start one for minutes.
+func shouldTrim(now, last heapSample, heldAfterTrim, goroutinesBase uint64) bool {
 	if now.gcCycles != last.gcCycles {
 		return now.held > 2*now.live+trimSlack
 	}
-	return now.held > heldAfterTrim+trimSlack
+	return now.held > heldAfterTrim+trimSlack || now.goroutines >= goroutinesBase+trimGoroutines
 }
+
+// trimGoroutines is how many new goroutines since the last trim make
+// a trim worth its cost: their stacks hold at least 2 MiB that a collection
+// can halve.
+const trimGoroutines = 512
 
 // heapSample is the memory the runtime holds for the heap and goroutine
 // stacks (not yet returned to the OS), and what the last collection found live.
 type heapSample struct {
 	held, live, gcCycles uint64
+	goroutines           uint64
 }
 
 func readHeap() heapSample {
@@ -160,6 +180,7 @@ func readHeap() heapSample {
 		{Name: "/memory/classes/heap/unused:bytes"},
 		{Name: "/gc/heap/live:bytes"},
 		{Name: "/gc/cycles/total:gc-cycles"},
+		{Name: "/sched/goroutines:goroutines"},
 	}
 	metrics.Read(s)
 	v := func(i int) uint64 {
@@ -168,5 +189,5 @@ func readHeap() heapSample {
 		}
 		return s[i].Value.Uint64()
 	}
-	return heapSample{held: v(0) + v(1) + v(2) + v(3), live: v(4), gcCycles: v(5)}
+	return heapSample{held: v(0) + v(1) + v(2) + v(3), live: v(4), gcCycles: v(5), goroutines: v(6)}
 }

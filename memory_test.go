@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -16,16 +17,20 @@ func TestShouldTrim(t *testing.T) {
 		name          string
 		now, last     heapSample
 		heldAfterTrim uint64
+		base          uint64 // fewest goroutines since the last trim
 		want          bool
 	}{
-		{"fresh collection, heap near its goal", heapSample{held: 40 * mib, live: 20 * mib, gcCycles: 5}, heapSample{gcCycles: 4}, 4 * mib, false},
-		{"fresh collection, far more held than the goal", heapSample{held: 120 * mib, live: 10 * mib, gcCycles: 5}, heapSample{gcCycles: 4}, 4 * mib, true},
-		{"no collection, grown since the last trim", heapSample{held: 150 * mib, live: 140 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 5 * mib, true},
-		{"no collection, no growth since the last trim", heapSample{held: 40 * mib, live: 35 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 38 * mib, false},
-		{"small idle daemon", heapSample{held: 6 * mib, live: 2 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 4 * mib, false},
+		{"fresh collection, heap near its goal", heapSample{held: 40 * mib, live: 20 * mib, gcCycles: 5}, heapSample{gcCycles: 4}, 4 * mib, 0, false},
+		{"fresh collection, far more held than the goal", heapSample{held: 120 * mib, live: 10 * mib, gcCycles: 5}, heapSample{gcCycles: 4}, 4 * mib, 0, true},
+		{"no collection, grown since the last trim", heapSample{held: 150 * mib, live: 140 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 5 * mib, 0, true},
+		{"no collection, no growth since the last trim", heapSample{held: 40 * mib, live: 35 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 38 * mib, 0, false},
+		{"small idle daemon", heapSample{held: 6 * mib, live: 2 * mib, gcCycles: 4, goroutines: 20}, heapSample{gcCycles: 4}, 4 * mib, 18, false},
+		{"quiet, 1000 tunnels opened since the last trim", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 4, goroutines: 1020}, heapSample{gcCycles: 4}, 25 * mib, 20, true},
+		{"quiet, a few tunnels opened since the last trim", heapSample{held: 8 * mib, live: 4 * mib, gcCycles: 4, goroutines: 120}, heapSample{gcCycles: 4}, 6 * mib, 20, false},
+		{"1000 tunnels opened, a collection ran: not quiet yet", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 5, goroutines: 1020}, heapSample{gcCycles: 4}, 25 * mib, 20, false},
 	}
 	for _, c := range cases {
-		if got := shouldTrim(c.now, c.last, c.heldAfterTrim); got != c.want {
+		if got := shouldTrim(c.now, c.last, c.heldAfterTrim, c.base); got != c.want {
 			t.Errorf("%s: shouldTrim = %v, want %v", c.name, got, c.want)
 		}
 	}
@@ -97,4 +102,63 @@ func TestReleaseWhenReadyWaitsForReadyAndEndsWithItsContext(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("releaseWhenReady did not end with its context")
 	}
+}
+
+// TestTrimMemoryShrinksParkedStacks starts goroutines that grow their
+// stacks and then wait, as new tunnels do, and checks that the trimmer
+// collects once they are quiet (no collection of its own would come for
+// minutes), which halves their stacks.
+func TestTrimMemoryShrinksParkedStacks(t *testing.T) {
+	runtime.GC()
+	// The trimmer runs first, as in the daemons: the goroutines are new to it.
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		trimMemory(ctx, 50*time.Millisecond, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	}()
+	defer func() { cancel(); <-done }()
+	time.Sleep(100 * time.Millisecond) // its first sample
+
+	release := make(chan struct{})
+	var parked sync.WaitGroup
+	var ended sync.WaitGroup
+	const n = 2 * trimGoroutines
+	for range n {
+		parked.Add(1)
+		ended.Add(1)
+		go func() {
+			defer ended.Done()
+			growStack(12) // about 6 KiB deep: the stack becomes 8 KiB
+			parked.Done()
+			<-release
+		}()
+	}
+	parked.Wait()
+	defer func() { close(release); ended.Wait() }()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	before := ms.StackInuse
+
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		runtime.ReadMemStats(&ms)
+		if ms.StackInuse+n*2<<10 <= before { // at least 2 KiB back per goroutine
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("stacks in use %d KiB, %d KiB before the trimmer ran: not shrunk", ms.StackInuse>>10, before>>10)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+//go:noinline
+func growStack(depth int) byte {
+	var pad [480]byte
+	pad[depth%len(pad)] = byte(depth)
+	if depth == 0 {
+		return pad[0]
+	}
+	return growStack(depth-1) + pad[1]
 }

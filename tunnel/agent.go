@@ -289,27 +289,53 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 
 // serveStream answers one CONNECT stream from the server: it dials the
 // destination, answers 200 only once that worked, then carries bytes both
-// ways. Each tunnel has its own goroutines and its own HTTP/2 window.
+// ways. A tunnel has one goroutine here (this one, reading the
+// destination) and its own HTTP/2 window.
 func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
-	defer func() {
-		if e := recover(); e != nil {
-			if e != http.ErrAbortHandler {
-				a.metrics.panics.Inc()
-				a.log.Error("panic recovered; only this tunnel is affected", "where", "agent stream", "panic", e, "stack", string(debug.Stack()))
-			}
-			panic(http.ErrAbortHandler) // reset this stream, quietly
-		}
+	defer a.recoverStream()
+	dest := a.openDestination(w, r)
+	if dest == nil {
+		return
+	}
+	a.Stats.OpenStreams.Add(1)
+	// When the stream ends from the server's side (reset, connection lost,
+	// drain timeout) the destination is closed, so a silent destination
+	// cannot hold this handler, and with it a shutdown, forever.
+	stopWatch := context.AfterFunc(r.Context(), func() { dest.Close() })
+	defer func() { // one defer, not three: see carry on frame sizes
+		stopWatch()
+		dest.Close()
+		a.Stats.OpenStreams.Add(-1)
 	}()
+	w.WriteHeader(http.StatusOK)
+	a.carry(w, r, dest)
+}
+
+// recoverStream keeps a panic in one tunnel from ending the agent: the
+// stream is reset and the rest carry on.
+func (a *Agent) recoverStream() {
+	if e := recover(); e != nil {
+		if e != http.ErrAbortHandler {
+			a.metrics.panics.Inc()
+			a.log.Error("panic recovered; only this tunnel is affected", "where", "agent stream", "panic", e, "stack", string(debug.Stack()))
+		}
+		panic(http.ErrAbortHandler) // reset this stream, quietly
+	}
+}
+
+// openDestination checks the request and dials its destination; on
+// failure it answers the error itself and returns nil.
+func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
-		return
+		return nil
 	}
 	addr := r.Host
 	if _, err := splitDialAddress(addr); err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
+		return nil
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
@@ -332,64 +358,44 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		}
 		a.log.Debug("destination dial failed", "addr", addr, "err", err)
 		http.Error(w, fmt.Sprintf("dial %s: %v", addr, err), code)
-		return
+		return nil
 	}
 	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
 	a.Stats.DialsOK.Add(1)
-	a.Stats.OpenStreams.Add(1)
-	defer a.Stats.OpenStreams.Add(-1)
-	defer dest.Close()
-	// When the stream ends from the server's side (reset, connection lost,
-	// drain timeout) the destination is closed, so a silent destination
-	// cannot hold this handler, and with it a shutdown, forever.
-	stopWatch := context.AfterFunc(r.Context(), func() { dest.Close() })
-	defer stopWatch()
-	w.WriteHeader(http.StatusOK)
+	return dest
+}
+
+// carry moves the tunnel's bytes once the destination answered: the link
+// delivers the upload to the destination (see deliverUpload) while this
+// goroutine sends what the destination says. Its frames are kept small on
+// purpose: an idle tunnel parks here, and the collector shrinks a parked
+// goroutine's stack only while it uses under a quarter of it.
+func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
 	flush()
-
-	upDone := make(chan error, 1)
-	go func() {
-		defer func() {
-			if e := recover(); e != nil {
-				a.metrics.panics.Inc()
-				a.log.Error("panic recovered; only this tunnel is affected", "where", "agent upload", "panic", e, "stack", string(debug.Stack()))
-				dest.Close()
-				upDone <- fmt.Errorf("panic: %v", e)
-			}
-		}()
-		n, err := copyStream(dest, r.Body, nil)
-		a.Stats.BytesToDest.Add(n)
-		if err == nil {
-			err = closeWrite(dest) // the client half-closed: pass it on
-		}
-		if err != nil {
-			dest.Close() // unblocks the download side too
-		}
-		upDone <- err
-	}()
-	n, downErr := copyStream(w, dest, flush)
+	up := a.deliverUpload(r.Body, dest)
+	var n int64
+	var downErr error
+	if rc := rawSocket(dest); rc != nil {
+		n, downErr = copyFromSocket(w, rc, flush) // one frame less than copyStream
+	} else {
+		n, downErr = copyStream(w, dest, flush)
+	}
 	a.Stats.BytesFromDest.Add(n)
-
 	select {
-	case upErr := <-upDone:
-		if downErr == nil && upErr == nil {
+	case <-up.Done():
+		if _, upErr := up.Result(); downErr == nil && upErr == nil {
+			a.countUpload(up)
 			return // both directions ended cleanly: END_STREAM
 		}
 	default:
-		// The destination finished first while the client is still sending.
-		// A clean finish is a half-close: end the response (END_STREAM, the
-		// client reads EOF) and keep carrying the upload until the client
-		// ends it too, so a destination that still reads loses nothing.
-		if hc, ok := w.(halfCloser); ok && downErr == nil {
-			if err := hc.CloseWrite(); err == nil {
-				upErr := <-upDone
+		if downErr == nil {
+			if closed, upErr := halfClose(w, up); closed {
 				if upErr == nil {
+					a.countUpload(up)
 					return // the client finished too
 				}
-				r.Body.Close()
-				a.metrics.resets.Inc()
-				panic(http.ErrAbortHandler)
+				break // the upload broke after the half-close: reset
 			}
 		}
 		// No half-close (or a broken download): the rest of the upload is
@@ -398,18 +404,65 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		if tc, ok := dest.(*net.TCPConn); ok {
 			tc.SetLinger(0)
 		}
-		dest.Close() // also releases an upload blocked writing to it
+		dest.Close() // also ends a delivery stuck writing to it
 		r.Body.Close()
-		<-upDone
+		<-up.Done()
 		if downErr == nil {
+			a.countUpload(up)
 			return
 		}
 	}
+	a.countUpload(up)
 	r.Body.Close()
 	a.metrics.resets.Inc()
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)
+}
+
+// halfClose handles a destination that finished first while the client is
+// still sending: the response ends (END_STREAM, the client reads EOF) and
+// the upload goes on until the client ends it too, so a destination that
+// still reads loses nothing. closed is false when no half-close was
+// possible (the upload still runs); otherwise upErr is how the upload ended.
+func halfClose(w http.ResponseWriter, up *delivery) (closed bool, upErr error) {
+	hc, ok := w.(halfCloser)
+	if !ok || hc.CloseWrite() != nil {
+		return false, nil
+	}
+	<-up.Done()
+	_, upErr = up.Result()
+	return true, upErr
+}
+
+func (a *Agent) countUpload(up *delivery) {
+	n, _ := up.Result()
+	a.Stats.BytesToDest.Add(n)
+}
+
+// deliverUpload carries what the server sends on a stream to the
+// destination and passes the client's half-close on. A failed delivery
+// closes the destination, which ends the download side too.
+func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *delivery {
+	after := func(err error) error {
+		if err == nil {
+			err = closeWrite(dest) // the client half-closed: pass it on
+		}
+		if err != nil {
+			dest.Close()
+		}
+		return err
+	}
+	if lb, ok := body.(*linkBody); ok {
+		return lb.deliverTo(dest, after)
+	}
+	d := &delivery{done: make(chan struct{})}
+	go func() {
+		n, err := copyStream(dest, body, nil)
+		d.written.Add(n)
+		d.complete(after(err))
+	}()
+	return d
 }
 
 // halfCloser is a response that can end while its request is still read:

@@ -37,6 +37,13 @@ func copyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err 
 	if rc := rawSocket(src); rc != nil {
 		return copyFromSocket(dst, rc, flush)
 	}
+	return copyBuffered(dst, src, flush)
+}
+
+// copyBuffered is copyStream for any other source: through a pooled buffer
+// that grows while reads fill it. (Its own function so that the frames of
+// the tunnels parked in copyStream stay small: see (*Agent).carry.)
+func copyBuffered(dst io.Writer, src io.Reader, flush func()) (written int64, err error) {
 	small := smallBufs.Get().(*[]byte)
 	defer smallBufs.Put(small)
 	var large *[]byte

@@ -307,7 +307,7 @@ func (l *link) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	l.unlockWrite()
 
-	if !noBody {
+	if !noBody && !sentByCaller(req.Body) {
 		l.spawn(st.pumpUpload)
 	}
 	select {
@@ -735,24 +735,42 @@ type linkStream struct {
 	// The receive side, guarded by rmu.
 	rmu        sync.Mutex
 	recvCond   *sync.Cond
-	queue      []*[]byte // received payloads, oldest first
-	head       int       // bytes of queue[0] already read
-	recvEnd    bool      // END_STREAM seen
-	recvErr    error     // the stream was reset or the link failed
-	recvWindow int64     // what the agent may still send
-	unacked    int64     // consumed but not yet returned to the agent
-	readerGone bool      // the response body was closed
+	queue      []*[]byte   // received payloads, oldest first
+	head       int         // bytes of queue[0] already read
+	recvEnd    bool        // END_STREAM seen
+	recvErr    error       // the stream was reset or the link failed
+	recvWindow int64       // what the agent may still send
+	unacked    int64       // consumed but not yet returned to the agent
+	readerGone bool        // the response body was closed
+	sink       *socketSink // set by deliverTo: bytes go straight to a socket
 }
 
 func (st *linkStream) mu() *sync.Mutex { return &st.link.mu }
 
-// pumpUpload copies the request body into DATA frames: one goroutine per
-// tunnel, holding a small buffer while the client is quiet.
+// sentByCaller reports a request body that the caller sends itself once
+// it has the answer (linkBody.sendUpload), on the goroutine it has anyway,
+// rather than on one more per tunnel that waits through the dial.
+func sentByCaller(body io.Reader) bool {
+	b, ok := body.(interface{ sentByCaller() bool })
+	return ok && b.sentByCaller()
+}
+
+// sendUpload sends the request body of a stream whose caller sends it (see
+// sentByCaller), until the body ends or the stream does.
+func (b *linkBody) sendUpload() { b.st.pumpUpload() }
+
+// pumpUpload copies the request body into DATA frames, holding a small
+// buffer while the client is quiet.
 func (st *linkStream) pumpUpload() {
 	defer st.closeBody()
 	var err error
 	if ub, ok := st.body.(*uploadBody); ok && ub.u.raw != nil {
-		err = ub.copyTo(streamWriter{st}) // a plain client socket: no buffer held while quiet
+		// A plain client socket: no buffer held while quiet. Two calls
+		// rather than one that does both, to keep the frames of an idle
+		// tunnel small (see (*Agent).carry).
+		if err = ub.sendBuffered(streamWriter{st}); err == nil {
+			err = ub.sendFromSocket(streamWriter{st})
+		}
 	} else {
 		_, err = copyStream(streamWriter{st}, st.body, nil)
 	}
@@ -851,13 +869,20 @@ func (st *linkStream) writeData(p []byte, end bool) error {
 	}
 }
 
-// receive queues a DATA payload for the reader.
+// receive queues a DATA payload for the reader, or hands it straight to
+// the stream's socket (see sink.go).
 func (st *linkStream) receive(data []byte, flow int64) error {
+	next, err := st.receiveLocked(data, flow)
+	next()
+	return err
+}
+
+func (st *linkStream) receiveLocked(data []byte, flow int64) (next func(), err error) {
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
 	st.recvWindow -= flow
 	if st.recvWindow < 0 {
-		return fmt.Errorf("%w: the agent overran the stream window", errStreamReset)
+		return noop, fmt.Errorf("%w: the agent overran the stream window", errStreamReset)
 	}
 	if padding := flow - int64(len(data)); padding > 0 {
 		st.unacked += padding // padding is never read: return its credit now
@@ -865,7 +890,21 @@ func (st *linkStream) receive(data []byte, flow int64) error {
 	if len(data) == 0 || st.readerGone || st.recvErr != nil {
 		st.unacked += int64(len(data))
 		st.refillLocked()
-		return nil
+		return noop, nil
+	}
+	if st.sink != nil {
+		n, ferr := st.writeToSinkLocked(data)
+		if ferr != nil {
+			st.unacked += int64(len(data))
+			st.refillLocked()
+			return func() { st.sinkFailed(ferr) }, nil
+		}
+		st.unacked += int64(n)
+		data = data[n:]
+		if len(data) == 0 {
+			st.refillLocked()
+			return noop, nil
+		}
 	}
 	// Small payloads share the last chunk while it has room, so a window
 	// full of tiny frames costs its bytes, not a chunk each.
@@ -873,14 +912,14 @@ func (st *linkStream) receive(data []byte, flow int64) error {
 		if tail := st.queue[n-1]; cap(*tail)-len(*tail) >= len(data) {
 			*tail = append(*tail, data...)
 			st.recvCond.Broadcast()
-			return nil
+			return st.sinkStepLocked(), nil
 		}
 	}
 	b := getChunk(len(data))
 	*b = append((*b)[:0], data...)
 	st.queue = append(st.queue, b)
 	st.recvCond.Broadcast()
-	return nil
+	return st.sinkStepLocked(), nil
 }
 
 // refillLocked returns consumed credit to the agent in batches.
@@ -900,7 +939,9 @@ func (st *linkStream) endRecv() {
 	st.rmu.Lock()
 	st.recvEnd = true
 	st.recvCond.Broadcast()
+	next := st.sinkStepLocked()
 	st.rmu.Unlock()
+	next()
 	st.maybeRemove()
 }
 
@@ -1018,7 +1059,9 @@ func (st *linkStream) finish(err error) {
 		st.recvErr = err
 	}
 	st.recvCond.Broadcast()
+	next := st.sinkStepLocked()
 	st.rmu.Unlock()
+	next()
 }
 
 // linkBody is the response body: the bytes the agent sends.
@@ -1088,21 +1131,8 @@ func (b *linkBody) WriteTo(w io.Writer) (int64, error) {
 		st.queue, st.head = nil, 0
 		st.rmu.Unlock()
 
-		taken := -head
-		bufs := make(net.Buffers, 0, len(chunks))
-		for i, c := range chunks {
-			taken += len(*c)
-			if i == 0 {
-				bufs = append(bufs, (*c)[head:])
-			} else {
-				bufs = append(bufs, *c)
-			}
-		}
-		n, err := bufs.WriteTo(w)
+		n, taken, err := writeChunks(w, chunks, head)
 		written += n
-		for _, c := range chunks {
-			putChunk(c)
-		}
 		st.rmu.Lock()
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
 		st.refillLocked()
@@ -1125,10 +1155,12 @@ func (b *linkBody) Close() error {
 	for _, c := range st.queue {
 		putChunk(c)
 	}
-	st.queue = nil
+	st.queue, st.head = nil, 0
 	complete := st.recvEnd
 	st.recvCond.Broadcast()
+	next := st.sinkStepLocked()
 	st.rmu.Unlock()
+	next()
 	if st.link.handler != nil {
 		// The agent's handler stops reading its request: what still comes
 		// is dropped and credited, and its end says RST_STREAM(NO_ERROR).

@@ -572,6 +572,30 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		s.trackFrontend(conn, false)
 		conn.Close()
 	}()
+	st, up := s.openFrontendTunnel(conn, release)
+	if st == nil {
+		return
+	}
+	defer st.close()
+	s.hangups.add(conn, func() {
+		s.log.Debug("client closed its socket; ending the tunnel")
+		st.close()
+		conn.Close()
+	})
+	defer s.hangups.remove(conn)
+	up.start()
+	if body, ok := st.body.(*linkBody); ok && up.callerSends {
+		s.carryDirect(conn, st, body, up)
+		return
+	}
+	s.carryCopy(conn, st, up)
+}
+
+// openFrontendTunnel reads the CONNECT request, checks the peer, opens a
+// stream through an agent and tells the client 200. On failure it answers
+// the error itself and returns nil. (Apart from serveFrontendConn so that
+// the frames of an idle tunnel's goroutine stay small: see (*Agent).carry.)
+func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *upload) {
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
 	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
@@ -587,7 +611,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		s.log.Debug("bad CONNECT request", "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, StatusCode(err), errMsg(err))
-		return
+		return nil, nil
 	}
 	// The peer is checked after its request is read: closing a Unix socket
 	// with unread data resets it, and the client would never see the 403.
@@ -598,7 +622,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 			writeStatus(conn, http.StatusForbidden, errMsg(err))
-			return
+			return nil, nil
 		}
 	}
 	lim.limited = false
@@ -606,6 +630,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
 	up.raw = rawSocket(conn)
+	up.callerSends = up.raw != nil // a link sends it from here: see carryDirect
 	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	st, err := s.open(addr, up)
 	release()
@@ -615,20 +640,20 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		s.log.Debug("dial failed", "addr", addr, "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, StatusCode(err), errMsg(err))
-		return
+		return nil, nil
 	}
 	s.Stats.DialsOK.Add(1)
-	defer st.close()
 	if _, err := io.WriteString(conn, connectEstablished); err != nil {
-		return
-	}
-	s.hangups.add(conn, func() {
-		s.log.Debug("client closed its socket; ending the tunnel")
 		st.close()
-		conn.Close()
-	})
-	defer s.hangups.remove(conn)
-	up.start()
+		return nil, nil
+	}
+	return st, up
+}
+
+// carryCopy carries a tunnel whose stream sends the upload itself (an
+// upstream agent) or whose client is not a plain socket: this goroutine
+// copies what the agent sends to the client.
+func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 	n, err := copyStream(conn, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
@@ -643,6 +668,38 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	select {
 	case <-up.done:
 	case <-s.baseCtx.Done():
+	}
+}
+
+// carryDirect carries a tunnel on a link between a plain client socket
+// and the stream with this one goroutine: it sends the upload itself while
+// the link's read loop writes what the agent sends straight to the socket
+// (see sink.go).
+func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody, up *upload) {
+	down := body.deliverTo(conn, func(err error) error {
+		if err != nil {
+			conn.SetReadDeadline(time.Now()) // the upload ends too
+			return err
+		}
+		// The destination finished sending: pass the half-close on; the
+		// client may still send.
+		closeWrite(conn)
+		return nil
+	})
+	body.sendUpload()
+	// The client finished sending (or the stream ended): wait for the
+	// destination's end.
+	select {
+	case <-down.Done():
+	case <-s.baseCtx.Done():
+		st.close()
+		<-down.Done()
+	}
+	n, err := down.Result()
+	s.Stats.BytesFromAgent.Add(n)
+	st.agent.bytesFrom.Add(n)
+	if err != nil {
+		s.metrics.resets.Inc()
 	}
 }
 

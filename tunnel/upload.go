@@ -27,6 +27,7 @@ type upload struct {
 	doneOnce      sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
 	raw           syscall.RawConn // the client's socket, when it is a plain one: see copyTo
+	callerSends   bool            // the frontend sends the body itself (see sentByCaller)
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -73,6 +74,8 @@ type uploadBody struct {
 	abandoned chan struct{}
 	once      sync.Once
 }
+
+func (b *uploadBody) sentByCaller() bool { return b.u.callerSends }
 
 // abandon ends this attempt's body; it must happen before another attempt
 // can be established, so that only one reader ever touches the connection.
@@ -134,34 +137,40 @@ func (b *uploadBody) Close() error {
 	return nil
 }
 
-// copyTo sends the upload to w until the client's end, without a buffer of
-// the caller's: first what the head's reader still holds, then straight
-// from the socket with a buffer taken only while bytes are there (see
-// copyFromSocket), so a quiet tunnel holds neither. It needs u.raw and
-// returns nil at the client's clean end.
-func (b *uploadBody) copyTo(w io.Writer) error {
+// sendBuffered and sendFromSocket send the upload to w until the client's
+// end, without a buffer of the caller's: first what the head's reader
+// still holds, then straight from the socket with a buffer taken only
+// while bytes are there (see copyFromSocket), so a quiet tunnel holds
+// neither. They need u.raw; sendFromSocket returns nil at the client's
+// clean end.
+func (b *uploadBody) sendBuffered(w io.Writer) error {
 	if err := b.ready(); err != nil {
 		return err
 	}
 	u := b.u
-	count := func(n int) {
-		for _, c := range u.counters {
-			c.Add(int64(n))
-		}
-	}
 	if n := u.br.Buffered(); n > 0 {
 		p, _ := u.br.Peek(n)
 		_, err := w.Write(p)
 		u.br.Discard(n)
-		count(n)
+		u.count(n)
 		if err != nil {
 			u.finish()
 			return err
 		}
 	}
 	u.br = nil // drained: let its buffer go
-	n, err := copyFromSocket(w, u.raw, nil)
-	count(int(n))
-	u.finish()
+	return nil
+}
+
+func (b *uploadBody) sendFromSocket(w io.Writer) error {
+	n, err := copyFromSocket(w, b.u.raw, nil)
+	b.u.count(int(n))
+	b.u.finish()
 	return err
+}
+
+func (u *upload) count(n int) {
+	for _, c := range u.counters {
+		c.Add(int64(n))
+	}
 }

@@ -91,6 +91,9 @@ func applyQuick(c *config, set map[string]bool) {
 	if !set["stall-bytes"] {
 		c.stallBytes = 16 << 20
 	}
+	if !set["idle-steady"] {
+		c.idleSteady = 0
+	}
 	if !set["pprof-seconds"] {
 		c.pprofSeconds = 1
 	}
@@ -125,7 +128,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.timeout, "timeout", c.timeout, "bound on the whole run")
 	fs.StringVar(&c.phases, "phases", "", "comma list of phases to run: idle,latency,throughput,concurrent,hol,10k (default all; 10k only with --tunnels10k)")
 	fs.DurationVar(&c.linger, "linger", 0, "after the phases, stay idle this long and read RSS again (is memory returned?)")
-	fs.DurationVar(&c.idleSteady, "idle-steady", 0, "keep the idle tunnels open this much longer and read their RSS again (steady state)")
+	fs.DurationVar(&c.idleSteady, "idle-steady", 20*time.Second, "keep the idle tunnels open this much longer and read their RSS again: the steady state, after the daemons' memory trim (checked every 5 s) (0: one reading at once)")
 	fs.BoolVar(&c.keep, "keep", false, "keep the work directory (certificates, server and agent logs)")
 	if err := fs.Parse(args); err != nil {
 		return c, err

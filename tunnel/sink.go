@@ -1,0 +1,228 @@
+package tunnel
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/sys/unix"
+)
+
+// A stream's received bytes usually go to a plain socket: the client's Unix
+// socket on the server, the destination's TCP socket on the agent. Rather
+// than keep a goroutine per tunnel parked until they come, the link's read
+// loop writes them itself while the socket takes them without waiting, and
+// only when it would wait does a writer goroutine take over; it ends once
+// it has caught up. A quiet tunnel then costs one goroutine per process
+// (the one reading its socket) instead of two, and a byte passing through
+// wakes one goroutine fewer in each process.
+//
+// The read loop never blocks: its write is one non-blocking system call,
+// and whatever the socket did not take is queued for the writer.
+
+// delivery is the progress of a stream's bytes into a socket.
+type delivery struct {
+	done    chan struct{} // closed when delivery ended
+	written atomic.Int64
+	err     error // set before done is closed: nil after a clean END_STREAM
+}
+
+// Done is closed once everything was delivered, or delivery failed.
+func (d *delivery) Done() <-chan struct{} { return d.done }
+
+// Result is what was written and why delivery ended; valid after Done.
+func (d *delivery) Result() (int64, error) { return d.written.Load(), d.err }
+
+func (d *delivery) complete(err error) {
+	d.err = err
+	close(d.done)
+}
+
+// socketSink is a delivery in progress on a plain socket. Guarded by the
+// stream's rmu.
+type socketSink struct {
+	conn   net.Conn
+	raw    syscall.RawConn
+	after  func(error) error // runs once at the end, outside every lock; must not block
+	d      *delivery
+	writer bool // a writer goroutine drains the queue: the read loop only queues
+	ended  bool // the end was reported (or is being)
+}
+
+// deliverTo sends everything the peer sends on the stream to conn. At the
+// stream's clean end after gets nil (it passes the half-close on); when
+// the stream was reset, the link failed or conn refused a write, it gets
+// that error. Its result is the delivery's. after runs from the link's read
+// loop or a writer goroutine, so it must not block. For a connection that
+// is not a plain socket (TLS) an owned goroutine copies instead.
+func (b *linkBody) deliverTo(conn net.Conn, after func(error) error) *delivery {
+	d := &delivery{done: make(chan struct{})}
+	st := b.st
+	raw := rawSocket(conn)
+	if raw == nil {
+		st.link.spawn(func() {
+			n, err := b.WriteTo(conn)
+			d.written.Add(n)
+			d.complete(after(err))
+		})
+		return d
+	}
+	st.rmu.Lock()
+	st.sink = &socketSink{conn: conn, raw: raw, after: after, d: d}
+	next := st.sinkStepLocked()
+	st.rmu.Unlock()
+	next()
+	return d
+}
+
+// sinkStepLocked moves a stream's socket delivery on after its state
+// changed (bytes queued, END_STREAM, reset, reader gone): a writer takes
+// over queued bytes, or the end is reported. It returns what must run once
+// rmu is released.
+func (st *linkStream) sinkStepLocked() func() {
+	s := st.sink
+	if s == nil || s.writer || s.ended {
+		return noop
+	}
+	switch {
+	case st.readerGone:
+		s.ended = true
+		return func() { st.endSink(errors.New("delivery stopped: the body was closed")) }
+	case len(st.queue) > 0:
+		s.writer = true
+		return func() { st.link.spawn(st.drainSink) }
+	case st.recvErr != nil:
+		s.ended = true
+		err := st.recvErr
+		return func() { st.endSink(err) }
+	case st.recvEnd:
+		s.ended = true
+		return func() { st.endSink(nil) }
+	}
+	return noop
+}
+
+func noop() {}
+
+// endSink reports the end of delivery: after runs, then Done is closed.
+func (st *linkStream) endSink(err error) {
+	s := st.sink
+	s.d.complete(s.after(err))
+}
+
+// writeToSinkLocked is the read loop's attempt to hand data straight to the
+// socket: one non-blocking write, and only while nothing is queued and no
+// writer is busy (bytes must stay in order). It returns how much the
+// socket took; a failed socket ends the delivery.
+func (st *linkStream) writeToSinkLocked(data []byte) (n int, failed error) {
+	s := st.sink
+	if s == nil || s.writer || s.ended || len(st.queue) > 0 {
+		return 0, nil
+	}
+	var werr error
+	err := s.raw.Write(func(fd uintptr) bool {
+		for {
+			n, werr = unix.Write(int(fd), data)
+			if werr != unix.EINTR {
+				break
+			}
+		}
+		return true // never wait here: the read loop serves every stream
+	})
+	if n < 0 {
+		n = 0
+	}
+	switch {
+	case err != nil:
+		return 0, err
+	case werr == unix.EAGAIN:
+		return 0, nil
+	case werr != nil:
+		return 0, os.NewSyscallError("write", werr)
+	}
+	s.d.written.Add(int64(n))
+	return n, nil
+}
+
+// drainSink is the writer goroutine: it writes what is queued, waiting for
+// the socket as long as it must, and ends once the queue is empty.
+func (st *linkStream) drainSink() {
+	s := st.sink
+	for {
+		st.rmu.Lock()
+		if len(st.queue) == 0 || st.readerGone {
+			s.writer = false
+			next := st.sinkStepLocked()
+			st.rmu.Unlock()
+			next()
+			return
+		}
+		chunks, head := st.queue, st.head
+		st.queue, st.head = nil, 0
+		st.rmu.Unlock()
+
+		n, taken, err := writeChunks(s.conn, chunks, head)
+		s.d.written.Add(n)
+		st.rmu.Lock()
+		st.unacked += int64(taken) // off the queue, written or not: credit it all
+		st.refillLocked()
+		if err != nil {
+			st.rmu.Unlock()
+			st.sinkFailed(err)
+			return
+		}
+		st.rmu.Unlock()
+	}
+}
+
+// writeChunks writes queued chunks (the first from head on) in one writev
+// and returns them to their pool. taken is how many bytes left the queue.
+func writeChunks(w io.Writer, chunks []*[]byte, head int) (written int64, taken int, err error) {
+	taken = -head
+	bufs := make(net.Buffers, 0, len(chunks))
+	for i, c := range chunks {
+		taken += len(*c)
+		if i == 0 {
+			bufs = append(bufs, (*c)[head:])
+		} else {
+			bufs = append(bufs, *c)
+		}
+	}
+	written, err = bufs.WriteTo(w)
+	for _, c := range chunks {
+		putChunk(c)
+	}
+	return written, taken, err
+}
+
+// sinkFailed ends a delivery whose socket refused a write. What still
+// comes is dropped and credited; the server's end also resets the stream,
+// so the agent stops sending (the agent's end closes its destination in
+// after, and its handler then resets).
+func (st *linkStream) sinkFailed(err error) {
+	st.rmu.Lock()
+	s := st.sink
+	s.writer = false
+	already := s.ended
+	s.ended = true
+	st.readerGone = true
+	for _, c := range st.queue {
+		putChunk(c)
+	}
+	st.queue, st.head = nil, 0
+	st.recvCond.Broadcast()
+	st.rmu.Unlock()
+	if already {
+		return
+	}
+	err = fmt.Errorf("write to %s: %w", s.conn.RemoteAddr(), err)
+	if st.link.handler == nil {
+		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: %v", errStreamReset, err))
+	}
+	st.endSink(err)
+}

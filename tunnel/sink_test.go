@@ -1,0 +1,281 @@
+package tunnel
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// tcpPair returns both ends of a loopback TCP connection, closed at cleanup.
+func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		accepted <- c
+	}()
+	near, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	far := <-accepted
+	if far == nil {
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() { near.Close(); far.Close() })
+	return near.(*net.TCPConn), far.(*net.TCPConn)
+}
+
+// unixPair returns both ends of a Unix stream socket, closed at cleanup.
+// Slow-reader tests use it: loopback TCP with tiny buffers stalls on its
+// own (windows below one segment wait for the persist timer).
+func unixPair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
+	t.Helper()
+	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		accepted <- c
+	}()
+	near, err := net.Dial("unix", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	far := <-accepted
+	if far == nil {
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() { near.Close(); far.Close() })
+	return near.(*net.UnixConn), far.(*net.UnixConn)
+}
+
+// countSpawns makes the link count the goroutines it starts from now on.
+func countSpawns(l *link) *atomic.Int64 {
+	var n atomic.Int64
+	inner := l.spawn
+	l.spawn = func(f func()) { n.Add(1); inner(f) }
+	return &n
+}
+
+// sinkEnd records what a delivery's after hook was told.
+type sinkEnd struct {
+	called atomic.Int64
+	err    atomic.Value
+}
+
+func (e *sinkEnd) after(err error) error {
+	e.called.Add(1)
+	if err != nil {
+		e.err.Store(err)
+	}
+	return err
+}
+
+func waitDelivery(t *testing.T, d *delivery) (int64, error) {
+	t.Helper()
+	select {
+	case <-d.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("delivery did not end within 5s")
+	}
+	return d.Result()
+}
+
+// A small payload on a socket with room goes out from the read loop: no
+// goroutine is started, and END_STREAM reaches the far side as a half-close.
+func TestSinkWritesInlineAndPassesHalfClose(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	h, resp := openAnswered(t, l, a)
+	spawns := countSpawns(l)
+	near, far := tcpPair(t)
+	var end sinkEnd
+	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+		if err == nil {
+			near.CloseWrite()
+		}
+		return end.after(err)
+	})
+	a.fr.WriteData(h.StreamID, false, []byte("hello, "))
+	a.fr.WriteData(h.StreamID, true, []byte("world"))
+	far.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(far) // EOF: the half-close arrived
+	if err != nil || string(got) != "hello, world" {
+		t.Fatalf("far side read %q, %v", got, err)
+	}
+	n, err := waitDelivery(t, d)
+	if err != nil || n != 12 || end.called.Load() != 1 {
+		t.Fatalf("delivery: %d bytes, %v, after called %d times", n, err, end.called.Load())
+	}
+	if s := spawns.Load(); s != 0 {
+		t.Fatalf("%d goroutines started for a socket with room", s)
+	}
+	// The far side can still send: only one direction ended.
+	if _, err := far.Write([]byte("x")); err != nil {
+		t.Fatalf("far side write after the half-close: %v", err)
+	}
+}
+
+// A socket that does not keep up gets a writer goroutine: every byte
+// arrives in order, and the writer ends once it caught up.
+func TestSinkSlowSocketKeepsOrderAndEndsWriter(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	h, resp := openAnswered(t, l, a)
+	spawns := countSpawns(l)
+	near, far := unixPair(t)
+	near.SetWriteBuffer(4 << 10)
+	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+		if err == nil {
+			near.CloseWrite()
+		}
+		return err
+	})
+	want := make([]byte, 768<<10) // within the 1 MiB stream window: the fake agent never waits
+	for i := range want {
+		want[i] = byte(i*7 + i>>11)
+	}
+	for p := want; len(p) > 0; {
+		n := min(len(p), 16<<10)
+		if err := a.fr.WriteData(h.StreamID, n == len(p), p[:n]); err != nil {
+			t.Fatal(err)
+		}
+		p = p[n:]
+	}
+	// Nobody reads yet: the socket fills and the rest waits in the queue.
+	time.Sleep(100 * time.Millisecond)
+	if spawns.Load() == 0 {
+		t.Fatal("no writer goroutine although the socket was full")
+	}
+	select {
+	case <-d.Done():
+		t.Fatal("delivery ended while bytes were still queued")
+	default:
+	}
+	far.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(far)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("far side read %d bytes (equal %v), %v", len(got), bytes.Equal(got, want), err)
+	}
+	if n, err := waitDelivery(t, d); err != nil || n != int64(len(want)) {
+		t.Fatalf("delivery: %d bytes, %v", n, err)
+	}
+	// The stream's credit came back: the agent may send a full window again.
+	st := resp.Body.(*linkBody).st
+	st.rmu.Lock()
+	window, unacked := st.recvWindow, st.unacked
+	st.rmu.Unlock()
+	if window+unacked != streamWindow {
+		t.Fatalf("window %d + unacked %d, want %d", window, unacked, streamWindow)
+	}
+}
+
+// A socket that refuses a write (its peer reset it) ends the delivery with
+// that error and resets the stream, so the agent stops sending.
+func TestSinkBrokenSocketResetsStream(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	h, resp := openAnswered(t, l, a)
+	near, far := tcpPair(t)
+	var end sinkEnd
+	d := resp.Body.(*linkBody).deliverTo(near, end.after)
+	far.SetLinger(0)
+	far.Close() // RST: the next write fails
+	time.Sleep(20 * time.Millisecond)
+	chunk := make([]byte, 16<<10)
+	for range 4 {
+		a.fr.WriteData(h.StreamID, false, chunk)
+	}
+	if _, err := waitDelivery(t, d); err == nil {
+		t.Fatal("delivery to a reset socket ended without an error")
+	}
+	for {
+		f := a.next()
+		if rst, ok := f.(*http2.RSTStreamFrame); ok {
+			if rst.StreamID != h.StreamID || rst.ErrCode != http2.ErrCodeCancel {
+				t.Fatalf("RST_STREAM %d %v, want %d CANCEL", rst.StreamID, rst.ErrCode, h.StreamID)
+			}
+			break
+		}
+	}
+	if end.called.Load() != 1 {
+		t.Fatalf("after called %d times", end.called.Load())
+	}
+	if !l.CanTakeNewRequest() {
+		t.Fatal("one broken socket took the link down")
+	}
+}
+
+// An agent reset ends the delivery with an error once what was queued
+// before it was written: the socket's reader gets every byte the agent
+// sent, then the error is reported.
+func TestSinkAgentResetAfterQueuedBytes(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	h, resp := openAnswered(t, l, a)
+	near, far := unixPair(t)
+	near.SetWriteBuffer(4 << 10)
+	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+		if err != nil {
+			near.Close() // what the callers do: the far side sees the end
+		}
+		return err
+	})
+	want := bytes.Repeat([]byte("0123456789abcdef"), 16<<10) // 256 KiB
+	for p := want; len(p) > 0; p = p[16<<10:] {
+		a.fr.WriteData(h.StreamID, false, p[:16<<10])
+	}
+	a.fr.WriteRSTStream(h.StreamID, http2.ErrCodeInternal)
+	time.Sleep(50 * time.Millisecond)
+	far.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, _ := io.ReadAll(far)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("far side read %d of %d bytes before the reset", len(got), len(want))
+	}
+	_, err := waitDelivery(t, d)
+	if !errors.Is(err, errStreamReset) {
+		t.Fatalf("delivery ended with %v, want a stream reset", err)
+	}
+}
+
+// A destination that is not a plain socket is served by a copying goroutine
+// with the same contract.
+func TestSinkFallbackForOtherConns(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	h, resp := openAnswered(t, l, a)
+	near, far := net.Pipe()
+	defer near.Close()
+	defer far.Close()
+	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+		if err == nil {
+			near.Close()
+		}
+		return err
+	})
+	a.fr.WriteData(h.StreamID, true, []byte("piped"))
+	far.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(far)
+	if err != nil || string(got) != "piped" {
+		t.Fatalf("far side read %q, %v", got, err)
+	}
+	if n, err := waitDelivery(t, d); err != nil || n != 5 {
+		t.Fatalf("delivery: %d bytes, %v", n, err)
+	}
+}
