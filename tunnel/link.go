@@ -99,8 +99,8 @@ var (
 // Receive windows this end announces; see streamWindow for why 1 MiB.
 const (
 	linkConnWindow    = 1 << 30
-	linkRefillAt      = streamWindow / 8 // connection credit is returned in steps of this much
-	initialPeerWindow = 65535            // HTTP/2 defaults until the agent's SETTINGS
+	linkRefillAt      = 16 << 20 // connection credit is returned in steps of this much: 1/64 of the window, so seldom
+	initialPeerWindow = 65535    // HTTP/2 defaults until the agent's SETTINGS
 	initialPeerFrame  = 16 << 10
 )
 
@@ -228,7 +228,15 @@ func (l *link) flushControl() {
 	defer l.flushers.Done()
 	for {
 		l.lockWrite()
+		if l.batch != nil {
+			l.batch.begin() // all queued frames in one system call
+		}
 		err := l.flushControlLocked()
+		if l.batch != nil {
+			if berr := l.batch.end(); err == nil {
+				err = berr
+			}
+		}
 		l.wmu.Unlock()
 		if err != nil {
 			l.closeWith(fmt.Errorf("write: %w", err))
@@ -795,12 +803,15 @@ func (l *link) writeFrames(id uint32, p []byte, frame int, end bool) error {
 		err = l.fr.WriteData(id, end && n == len(p), p[:n])
 		p = p[n:]
 	}
+	if err == nil {
+		err = l.flushControlLocked() // queued WINDOW_UPDATEs ride along
+	}
 	if l.batch != nil {
 		if berr := l.batch.end(); err == nil {
 			err = berr
 		}
 	}
-	l.unlockWrite()
+	l.wmu.Unlock()
 	return err
 }
 
@@ -924,7 +935,7 @@ func (st *linkStream) receiveLocked(data []byte, flow int64) (next func(), err e
 
 // refillLocked returns consumed credit to the agent in batches.
 func (st *linkStream) refillLocked() {
-	if st.unacked < st.link.window/8 {
+	if st.unacked < st.link.window/4 { // a quarter: fewer WINDOW_UPDATEs, three quarters still in flight
 		return
 	}
 	n := st.unacked
