@@ -41,6 +41,7 @@ type config struct {
 	phases       string
 	linger       time.Duration // idle wait before a last RSS reading
 	idleSteady   time.Duration // extra wait with the idle tunnels open before a second reading
+	plainRelay   bool          // measure the plain TLS relay in the throughput phase
 }
 
 // wants reports whether phase key runs: --phases if given, else all but the
@@ -91,6 +92,9 @@ func applyQuick(c *config, set map[string]bool) {
 	if !set["stall-bytes"] {
 		c.stallBytes = 16 << 20
 	}
+	if !set["plain-relay"] {
+		c.plainRelay = false
+	}
 	if !set["idle-steady"] {
 		c.idleSteady = 0
 	}
@@ -128,6 +132,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.timeout, "timeout", c.timeout, "bound on the whole run")
 	fs.StringVar(&c.phases, "phases", "", "comma list of phases to run: idle,latency,throughput,concurrent,hol,10k (default all; 10k only with --tunnels10k)")
 	fs.DurationVar(&c.linger, "linger", 0, "after the phases, stay idle this long and read RSS again (is memory returned?)")
+	fs.BoolVar(&c.plainRelay, "plain-relay", true, "in the throughput phase, also measure two plain Go TLS relays in the tunnel's shape (a reference: what io.Copy and crypto/tls give for three socket hops and two TLS ends)")
 	fs.DurationVar(&c.idleSteady, "idle-steady", 20*time.Second, "keep the idle tunnels open this much longer and read their RSS again: the steady state, after the daemons' memory trim (checked every 5 s) (0: one reading at once)")
 	fs.BoolVar(&c.keep, "keep", false, "keep the work directory (certificates, server and agent logs)")
 	if err := fs.Parse(args); err != nil {
@@ -169,6 +174,12 @@ func main() {
 	}
 	if os.Getenv(grpcNullEnv) != "" {
 		os.Exit(runGRPCNullHelper())
+	}
+	if os.Getenv(relayFarEnv) != "" {
+		os.Exit(runRelayFar())
+	}
+	if spec := os.Getenv(relayNearEnv); spec != "" {
+		os.Exit(runRelayNear(spec))
 	}
 	cfg, err := parseFlags(os.Args[1:], os.Stderr)
 	if err != nil {

@@ -610,6 +610,43 @@ func fetchPprof(ctx context.Context, port int, what, path string) error {
 	return f.Close()
 }
 
+// plainRelayResult is the plain TLS relay's run: see plain_relay.go.
+type plainRelayResult struct {
+	ok       bool
+	down, up time.Duration
+	cpu      float64 // both relays, seconds per GiB moved
+}
+
+// measurePlainRelay runs the same download and upload through two plain Go
+// TLS relays (plain_relay.go) in their own processes, outside the
+// daemons' CPU window.
+func (b *bench) measurePlainRelay(ctx context.Context, src, sink string, n int64) plainRelayResult {
+	var r plainRelayResult
+	if !b.cfg.plainRelay {
+		return r
+	}
+	rf, err := startPlainRelay(ctx, filepath.Join(b.dir, "plain-relay.sock"))
+	b.check("plain TLS relay started", err == nil, errStr(err))
+	if err != nil {
+		return r
+	}
+	defer rf.stop()
+	c0, cerr0 := rf.cpuTicks()
+	via := tunnelDialer(rf.sock)
+	var errD, errU error
+	r.down, errD = download(ctx, via, b.pat, src, n)
+	b.check("download through the plain TLS relay intact (CRC-32C)", errD == nil, errStr(errD))
+	r.up, errU = upload(ctx, via, b.pat, sink, n)
+	b.check("upload through the plain TLS relay intact (CRC-32C)", errU == nil, errStr(errU))
+	c1, cerr1 := rf.cpuTicks()
+	if errD != nil || errU != nil || cerr0 != nil || cerr1 != nil {
+		return r
+	}
+	r.ok = true
+	r.cpu = float64(c1-c0) / float64(clockTicks()) / (2 * float64(n) / gib)
+	return r
+}
+
 // phaseThroughput: figures 2 and 3.
 func (b *bench) phaseThroughput(ctx context.Context) error {
 	n := b.cfg.bytes
@@ -638,6 +675,8 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 				float64(c1-c0)/float64(clockTicks())/(2*float64(n)/gib), c1-c0, 2*float64(n)/gib)
 		}
 	}
+
+	floor := b.measurePlainRelay(ctx, src, sink, n)
 
 	hz := clockTicks()
 	s0, err1 := cpuTicks(b.server.pid())
@@ -688,6 +727,18 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 		b.addRow("CPU s per GiB, server + agent", fmt.Sprintf("%.2f s (server %.2f + agent %.2f)", srv+agt, srv, agt), "", "",
 			"<= 1.5 s", ptr(srv+agt <= 1.5))
 		b.note("CPU: %d ticks at %d/s over %.2f GiB moved through the tunnel", (s1-s0)+(a1-a0), hz, moved)
+		if floor.ok {
+			b.addRow("CPU s per GiB, plain TLS relay", fmt.Sprintf("%.2f s", floor.cpu), "", fmt.Sprintf("tunnel %.2fx", (srv+agt)/floor.cpu), "", nil)
+		}
+	}
+	if floor.ok && errTD == nil && errTU == nil && errDD == nil && errDU == nil {
+		for _, r := range []struct {
+			name            string
+			floor, tun, dir time.Duration
+		}{{"download", floor.down, tDown, dDown}, {"upload", floor.up, tUp, dUp}} {
+			b.addRow("throughput, "+r.name+", plain TLS relay", fmt.Sprintf("%.0f MB/s", mbps(r.floor)), fmt.Sprintf("%.0f MB/s", mbps(r.dir)),
+				fmt.Sprintf("%.1f %% (tunnel %.0f %% of it)", 100*mbps(r.floor)/mbps(r.dir), 100*mbps(r.tun)/mbps(r.floor)), "", nil)
+		}
 	}
 	if b.nullTun != nil {
 		for _, r := range []struct {
