@@ -115,11 +115,7 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	last := readHeap()
-	heldAfterTrim := last.held
-	// The fewest goroutines seen since the last trim: tunnels opened since
-	// then are the difference, whatever collections ran meanwhile (one in
-	// the middle of a burst leaves the tunnels opened after it unshrunk).
-	goroutinesBase := last.goroutines
+	since := newTrimState(last)
 	for {
 		select {
 		case <-ctx.Done():
@@ -127,19 +123,37 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 		case <-tick.C:
 		}
 		now := readHeap()
-		goroutinesBase = min(goroutinesBase, now.goroutines)
-		if shouldTrim(now, last, heldAfterTrim, goroutinesBase) {
+		since.observe(now)
+		if shouldTrim(now, last, since) {
 			// Two collections: the first moves sync.Pool contents (copy
 			// buffers) to the pools' victim caches, the second frees them.
 			runtime.GC()
 			debug.FreeOSMemory()
 			after := readHeap()
 			log.Debug("returned free memory to the OS", "held_before_bytes", now.held, "held_after_bytes", after.held)
-			heldAfterTrim, now = after.held, after
-			goroutinesBase = after.goroutines
+			since, now = newTrimState(after), after
 		}
 		last = now
 	}
+}
+
+// trimState is what the trimmer remembers of its last trim.
+type trimState struct {
+	held uint64 // what the heap held right after it
+	// The fewest and the most goroutines seen since: tunnels opened or
+	// closed since are the difference, whatever collections ran meanwhile
+	// (one in the middle of a burst leaves the tunnels opened after it
+	// unshrunk).
+	fewestGoroutines, mostGoroutines uint64
+}
+
+func newTrimState(s heapSample) trimState {
+	return trimState{held: s.held, fewestGoroutines: s.goroutines, mostGoroutines: s.goroutines}
+}
+
+func (t *trimState) observe(s heapSample) {
+	t.fewestGoroutines = min(t.fewestGoroutines, s.goroutines)
+	t.mostGoroutines = max(t.mostGoroutines, s.goroutines)
 }
 
 // shouldTrim decides from two samples one interval apart. When a collection
@@ -147,22 +161,24 @@ func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
 // than the collector's own goal (twice the live heap) would. When none ran
 // (an idle process, as after a burst), the heap may be full of garbage
 // nobody has looked at: trim if it grew past what the last trim left, or
-// if many goroutines started since the last trim (goroutinesBase is the
-// fewest seen since) and are now quiet.
-// Those are new tunnels, parked with the stacks their dial and first write
-// grew; only a collection shrinks a parked goroutine's stack (to half,
-// 4 KiB per tunnel on a 64-bit machine), and the daemon's own allocation
-// may not start one for minutes.
-func shouldTrim(now, last heapSample, heldAfterTrim, goroutinesBase uint64) bool {
+// if many goroutines started or ended since the last trim and all is quiet
+// now. Started ones are new tunnels, parked with the stacks their dial and
+// first write grew: only a collection shrinks a parked goroutine's stack
+// (to half, 4 KiB per tunnel on a 64-bit machine), and the daemon's own
+// allocation may not start one for minutes. Ended ones are closed tunnels,
+// whose memory is garbage that the last trim could not return.
+func shouldTrim(now, last heapSample, since trimState) bool {
 	if now.gcCycles != last.gcCycles {
 		return now.held > 2*now.live+trimSlack
 	}
-	return now.held > heldAfterTrim+trimSlack || now.goroutines >= goroutinesBase+trimGoroutines
+	return now.held > since.held+trimSlack ||
+		now.goroutines >= since.fewestGoroutines+trimGoroutines ||
+		now.goroutines+trimGoroutines <= since.mostGoroutines
 }
 
-// trimGoroutines is how many new goroutines since the last trim make
-// a trim worth its cost: their stacks hold at least 2 MiB that a collection
-// can halve.
+// trimGoroutines is how many goroutines started or ended since the last
+// trim make a trim worth its cost: at least 2 MiB of stacks to halve, or
+// of tunnels' memory to return.
 const trimGoroutines = 512
 
 // heapSample is the memory the runtime holds for the heap and goroutine

@@ -13,24 +13,25 @@ import (
 
 func TestShouldTrim(t *testing.T) {
 	const mib = 1 << 20
+	quiet := heapSample{gcCycles: 4} // the previous sample: no collection since
 	cases := []struct {
-		name          string
-		now, last     heapSample
-		heldAfterTrim uint64
-		base          uint64 // fewest goroutines since the last trim
-		want          bool
+		name  string
+		now   heapSample
+		since trimState
+		want  bool
 	}{
-		{"fresh collection, heap near its goal", heapSample{held: 40 * mib, live: 20 * mib, gcCycles: 5}, heapSample{gcCycles: 4}, 4 * mib, 0, false},
-		{"fresh collection, far more held than the goal", heapSample{held: 120 * mib, live: 10 * mib, gcCycles: 5}, heapSample{gcCycles: 4}, 4 * mib, 0, true},
-		{"no collection, grown since the last trim", heapSample{held: 150 * mib, live: 140 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 5 * mib, 0, true},
-		{"no collection, no growth since the last trim", heapSample{held: 40 * mib, live: 35 * mib, gcCycles: 4}, heapSample{gcCycles: 4}, 38 * mib, 0, false},
-		{"small idle daemon", heapSample{held: 6 * mib, live: 2 * mib, gcCycles: 4, goroutines: 20}, heapSample{gcCycles: 4}, 4 * mib, 18, false},
-		{"quiet, 1000 tunnels opened since the last trim", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 4, goroutines: 1020}, heapSample{gcCycles: 4}, 25 * mib, 20, true},
-		{"quiet, a few tunnels opened since the last trim", heapSample{held: 8 * mib, live: 4 * mib, gcCycles: 4, goroutines: 120}, heapSample{gcCycles: 4}, 6 * mib, 20, false},
-		{"1000 tunnels opened, a collection ran: not quiet yet", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 5, goroutines: 1020}, heapSample{gcCycles: 4}, 25 * mib, 20, false},
+		{"fresh collection, heap near its goal", heapSample{held: 40 * mib, live: 20 * mib, gcCycles: 5}, trimState{held: 4 * mib}, false},
+		{"fresh collection, far more held than the goal", heapSample{held: 120 * mib, live: 10 * mib, gcCycles: 5}, trimState{held: 4 * mib}, true},
+		{"no collection, grown since the last trim", heapSample{held: 150 * mib, live: 140 * mib, gcCycles: 4}, trimState{held: 5 * mib}, true},
+		{"no collection, no growth since the last trim", heapSample{held: 40 * mib, live: 35 * mib, gcCycles: 4}, trimState{held: 38 * mib}, false},
+		{"small idle daemon", heapSample{held: 6 * mib, live: 2 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 4 * mib, fewestGoroutines: 18, mostGoroutines: 22}, false},
+		{"quiet, 1000 tunnels opened since the last trim", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 4, goroutines: 1020}, trimState{held: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, true},
+		{"quiet, a few tunnels opened since the last trim", heapSample{held: 8 * mib, live: 4 * mib, gcCycles: 4, goroutines: 120}, trimState{held: 6 * mib, fewestGoroutines: 20, mostGoroutines: 120}, false},
+		{"1000 tunnels opened, a collection ran: not quiet yet", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 5, goroutines: 1020}, trimState{held: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, false},
+		{"quiet, 10,000 tunnels closed since the last trim", heapSample{held: 100 * mib, live: 90 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 100 * mib, fewestGoroutines: 20, mostGoroutines: 10020}, true},
 	}
 	for _, c := range cases {
-		if got := shouldTrim(c.now, c.last, c.heldAfterTrim, c.base); got != c.want {
+		if got := shouldTrim(c.now, quiet, c.since); got != c.want {
 			t.Errorf("%s: shouldTrim = %v, want %v", c.name, got, c.want)
 		}
 	}

@@ -158,6 +158,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if c.quick {
 		applyQuick(&c, set)
 	}
+	if c.frontend == "grpc" && !set["plain-relay"] {
+		c.plainRelay = false // an HTTP CONNECT reference: the gRPC floor is the null proxy
+	}
 	if c.phases != "" && c.wants("10k") {
 		c.tunnels10k = true
 	}
