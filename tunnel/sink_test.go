@@ -279,3 +279,89 @@ func TestSinkFallbackForOtherConns(t *testing.T) {
 		t.Fatalf("delivery: %d bytes, %v", n, err)
 	}
 }
+
+// sinkFrameSeeds are FuzzSinkFrames' seeds: DATA on the answered stream
+// (with END_STREAM, padding, empty, more than the socket holds) and
+// RST_STREAM. Small, because the fuzzer minimizes what it finds byte by
+// byte; the window overrun has its own test (TestLinkOverrunWindowResetsStreamOnly).
+func sinkFrameSeeds() [][]byte {
+	var out [][]byte
+	seed := func(write func(fr *http2.Framer)) []byte {
+		var b bytes.Buffer
+		write(http2.NewFramer(&b, nil))
+		return b.Bytes()
+	}
+	big := bytes.Repeat([]byte("0123456789abcdef"), 1024) // 16 KiB
+	out = append(out, seed(func(fr *http2.Framer) {
+		fr.WriteData(1, false, []byte("hello"))
+		fr.WriteData(1, true, []byte("world"))
+	}))
+	out = append(out, seed(func(fr *http2.Framer) {
+		for range 12 { // more than the socket holds: a writer takes over
+			fr.WriteData(1, false, big)
+		}
+		fr.WriteRSTStream(1, http2.ErrCodeCancel)
+	}))
+	out = append(out, seed(func(fr *http2.Framer) {
+		fr.WriteDataPadded(1, false, []byte("padded"), make([]byte, 200))
+		fr.WriteData(1, false, nil)
+		fr.WriteData(1, true, big)
+		fr.WriteData(1, false, []byte("after the end"))
+	}))
+	return out
+}
+
+// FuzzSinkFrames feeds arbitrary frames to a link whose answered stream
+// delivers into a socket with a small buffer (so both the read loop's
+// inline writes and the writer goroutine run): nothing may panic or hang,
+// the delivery always ends, and the socket receives no more than the
+// agent's DATA carried.
+func FuzzSinkFrames(f *testing.F) {
+	for _, s := range sinkFrameSeeds() {
+		f.Add(s)
+	}
+	f.Fuzz(sinkFramesOnce)
+}
+
+// sinkFramesOnce is one FuzzSinkFrames input.
+func sinkFramesOnce(t *testing.T, data []byte) {
+	l, a := newLinkPair(t, 0, 0)
+	_, resp := openAnswered(t, l, a)
+	near, far := unixPair(t)
+	near.SetWriteBuffer(4 << 10)
+	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+		if err == nil {
+			near.CloseWrite()
+		} else {
+			near.Close()
+		}
+		return err
+	})
+	got := make(chan int64, 1)
+	go func() {
+		far.SetReadDeadline(time.Now().Add(10 * time.Second))
+		n, _ := io.Copy(io.Discard, far)
+		got <- n
+	}()
+	a.conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
+	a.conn.Write(data)
+	a.conn.Close() // then the connection ends
+	select {
+	case <-d.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("delivery did not end after the link's connection closed")
+	}
+	near.Close()
+	written, _ := d.Result()
+	if n := <-got; n != written {
+		t.Fatalf("the socket received %d bytes, the delivery counted %d", n, written)
+	}
+	if written > int64(len(data)) {
+		t.Fatalf("%d bytes delivered from %d bytes of frames", written, len(data))
+	}
+	select {
+	case <-l.readerDone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("link did not end with its connection")
+	}
+}
