@@ -94,6 +94,10 @@ var (
 	errGoAway      = errors.New("agent connection is going away")
 	errStreamReset = errors.New("tunnel reset")
 	errPingTimeout = errors.New("no answer to PING")
+
+	// What remove tells a caller still waiting for the answer; made once,
+	// as every stream's end passes it (a no-op for the answered ones).
+	errEndedUnanswered = fmt.Errorf("%w: the stream ended before the agent answered", errStreamReset)
 )
 
 // Receive windows this end announces; see streamWindow for why 1 MiB.
@@ -995,7 +999,7 @@ func (st *linkStream) remove() {
 	}
 	// Whoever still waits learns the stream is gone (a no-op once answered
 	// and fully received).
-	st.finish(fmt.Errorf("%w: the stream ended before the agent answered", errStreamReset))
+	st.finish(errEndedUnanswered)
 	st.closeBody()
 }
 

@@ -158,7 +158,11 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 			return err
 		}
 	}
-	u.br = nil // drained: let its buffer go
+	// Drained, and the watcher's Peek has returned (ready): nothing else
+	// holds the reader, so it goes back for the next dial.
+	u.br.Reset(nil)
+	headReaders.Put(u.br)
+	u.br = nil
 	return nil
 }
 
