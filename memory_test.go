@@ -42,20 +42,7 @@ func TestShouldTrim(t *testing.T) {
 // with its context.
 func TestTrimMemoryReturnsABurst(t *testing.T) {
 	runtime.GC()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		trimMemory(ctx, 20*time.Millisecond, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	}()
-	defer func() {
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			t.Error("trimMemory did not end with its context")
-		}
-	}()
+	startTrimmer(t, 20*time.Millisecond)
 
 	burst := make([][]byte, 64)
 	for i := range burst {
@@ -112,13 +99,7 @@ func TestReleaseWhenReadyWaitsForReadyAndEndsWithItsContext(t *testing.T) {
 func TestTrimMemoryShrinksParkedStacks(t *testing.T) {
 	runtime.GC()
 	// The trimmer runs first, as in the daemons: the goroutines are new to it.
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		trimMemory(ctx, 50*time.Millisecond, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	}()
-	defer func() { cancel(); <-done }()
+	startTrimmer(t, 50*time.Millisecond)
 	time.Sleep(100 * time.Millisecond) // its first sample
 
 	release := make(chan struct{})
@@ -162,4 +143,23 @@ func growStack(depth int) byte {
 		return pad[0]
 	}
 	return growStack(depth-1) + pad[1]
+}
+
+// startTrimmer runs trimMemory for the rest of the test and checks at the
+// end that it stops with its context.
+func startTrimmer(t *testing.T, interval time.Duration) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		trimMemory(ctx, interval, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Error("trimMemory did not end with its context")
+		}
+	})
 }

@@ -1,8 +1,6 @@
 package tunnel
 
 import (
-	"io"
-	"net"
 	"runtime"
 	"testing"
 	"time"
@@ -16,26 +14,9 @@ import (
 //
 //	go test -run '^$' -bench DialEcho -benchmem ./tunnel/
 func BenchmarkDialEcho(b *testing.B) {
-	e := newEnv(b, nil)
+	e, addr := newEchoEnv(b)
 	defer e.stop()
-	e.startAgent("a1", "", nil)
-	e.waitAgents(1)
-	addr := echoServer(b)
-	one := []byte("x")
-	got := make([]byte, 1)
-	dial := func() {
-		c, br, resp := e.connect(addr)
-		if resp.StatusCode != 200 {
-			b.Fatalf("CONNECT: %s", resp.Status)
-		}
-		if _, err := c.Write(one); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := io.ReadFull(br, got); err != nil {
-			b.Fatal(err)
-		}
-		c.Close()
-	}
+	dial := func() { e.echoOne(addr).Close() }
 	dial() // the first dial sets up pools and the HTTP/2 state
 	waitTunnelsClosed(b, e)
 	runtime.GC()
@@ -58,5 +39,3 @@ func waitTunnelsClosed(b *testing.B, e *env) {
 		time.Sleep(time.Millisecond)
 	}
 }
-
-var _ net.Conn = (*net.UnixConn)(nil)

@@ -211,6 +211,36 @@ func (e *env) connect(addr string) (net.Conn, *bufio.Reader, *http.Response) {
 	return conn, br, resp
 }
 
+// newEchoEnv is a server with one agent and an echo destination, whose
+// address it returns. The caller stops the env.
+func newEchoEnv(tb testing.TB) (*env, string) {
+	e := newEnv(tb, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	return e, echoServer(tb)
+}
+
+// echoOne opens a tunnel to an echo destination and sends one byte there
+// and back; it returns the open tunnel.
+func (e *env) echoOne(addr string) net.Conn {
+	e.t.Helper()
+	c, br, resp := e.connect(addr)
+	if resp.StatusCode != 200 {
+		c.Close()
+		e.t.Fatalf("CONNECT: %s", resp.Status)
+	}
+	got := make([]byte, 1)
+	if _, err := c.Write([]byte("x")); err != nil {
+		c.Close()
+		e.t.Fatal(err)
+	}
+	if _, err := io.ReadFull(br, got); err != nil {
+		c.Close()
+		e.t.Fatal(err)
+	}
+	return c
+}
+
 // echoServer echoes every connection until it is closed.
 func echoServer(t testing.TB) string {
 	t.Helper()

@@ -32,24 +32,7 @@ type fakeAgent struct {
 // link's SETTINGS and answered with settings of its own.
 func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...http2.Setting) (*link, *fakeAgent) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, _ := ln.Accept()
-		accepted <- c
-	}()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	server := <-accepted
-	if server == nil {
-		t.Fatal("accept failed")
-	}
+	client, server := connPair(t, "tcp", "127.0.0.1:0")
 	var wg sync.WaitGroup
 	spawn := func(f func()) { wg.Add(1); go func() { defer wg.Done(); f() }() }
 	l, err := newLink(client, keepAlive, pingWait, spawn)
@@ -74,6 +57,32 @@ func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...ht
 	}
 	a.fr.WriteWindowUpdate(0, 1<<30)
 	return l, a
+}
+
+// connPair listens on network and address, dials it and returns both ends
+// (the dialled one first); the caller closes them.
+func connPair(t *testing.T, network, address string) (near, far net.Conn) {
+	t.Helper()
+	ln, err := net.Listen(network, address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		accepted <- c
+	}()
+	near, err = net.Dial(network, ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	far = <-accepted
+	if far == nil {
+		near.Close()
+		t.Fatal("accept failed")
+	}
+	return near, far
 }
 
 // next returns the next frame that is not SETTINGS, WINDOW_UPDATE or PING ACK.

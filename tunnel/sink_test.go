@@ -16,24 +16,7 @@ import (
 // tcpPair returns both ends of a loopback TCP connection, closed at cleanup.
 func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, _ := ln.Accept()
-		accepted <- c
-	}()
-	near, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	far := <-accepted
-	if far == nil {
-		t.Fatal("accept failed")
-	}
+	near, far := connPair(t, "tcp", "127.0.0.1:0")
 	t.Cleanup(func() { near.Close(); far.Close() })
 	return near.(*net.TCPConn), far.(*net.TCPConn)
 }
@@ -43,24 +26,7 @@ func tcpPair(t *testing.T) (*net.TCPConn, *net.TCPConn) {
 // own (windows below one segment wait for the persist timer).
 func unixPair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
 	t.Helper()
-	ln, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, _ := ln.Accept()
-		accepted <- c
-	}()
-	near, err := net.Dial("unix", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	far := <-accepted
-	if far == nil {
-		t.Fatal("accept failed")
-	}
+	near, far := connPair(t, "unix", filepath.Join(t.TempDir(), "s"))
 	t.Cleanup(func() { near.Close(); far.Close() })
 	return near.(*net.UnixConn), far.(*net.UnixConn)
 }

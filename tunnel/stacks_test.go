@@ -21,11 +21,8 @@ import (
 // fails this test: move the work into a function that returns before the
 // tunnel parks (see (*Agent).carry).
 func TestIdleTunnelStacksShrink(t *testing.T) {
-	e := newEnv(t, nil)
+	e, addr := newEchoEnv(t)
 	defer e.stop()
-	e.startAgent("a1", "", nil)
-	e.waitAgents(1)
-	addr := echoServer(t)
 
 	stacks := func() (inUse uint64, goroutines int) {
 		runtime.GC()
@@ -42,19 +39,8 @@ func TestIdleTunnelStacksShrink(t *testing.T) {
 			c.Close()
 		}
 	}()
-	one := make([]byte, 1)
 	for range n {
-		c, br, resp := e.connect(addr)
-		if resp.StatusCode != 200 {
-			t.Fatalf("CONNECT: %s", resp.Status)
-		}
-		conns = append(conns, c)
-		if _, err := c.Write([]byte("x")); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := br.Read(one); err != nil {
-			t.Fatal(err)
-		}
+		conns = append(conns, e.echoOne(addr))
 	}
 	after, g1 := stacks()
 	added := g1 - g0 // per tunnel: the server's, the agent's and the echo server's

@@ -50,31 +50,23 @@ func runRelayFar() int {
 		return 1
 	}
 	fmt.Println(ln.Addr().String())
-	go func() { _, _ = io.Copy(io.Discard, os.Stdin); ln.Close() }()
-	for {
-		c, err := ln.Accept()
+	return serveUntilStdinCloses(ln, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		addr, err := br.ReadString('\n')
 		if err != nil {
-			return 0
+			return
 		}
-		go func() {
-			defer c.Close()
-			br := bufio.NewReader(c)
-			addr, err := br.ReadString('\n')
-			if err != nil {
-				return
-			}
-			dest, err := net.Dial("tcp", strings.TrimSpace(addr))
-			if err != nil {
-				io.WriteString(c, "ERR\n")
-				return
-			}
-			defer dest.Close()
-			if _, err := io.WriteString(c, "OK\n"); err != nil {
-				return
-			}
-			relayBoth(bufferedConn{br, c}, bufferedConn{dest, dest})
-		}()
-	}
+		dest, err := net.Dial("tcp", strings.TrimSpace(addr))
+		if err != nil {
+			io.WriteString(c, "ERR\n")
+			return
+		}
+		defer dest.Close()
+		if _, err := io.WriteString(c, "OK\n"); err != nil {
+			return
+		}
+		relayBoth(bufferedConn{br, c}, bufferedConn{dest, dest})
+	})
 }
 
 // runRelayNear serves HTTP CONNECT on a Unix socket through the far relay.
@@ -90,8 +82,39 @@ func runRelayNear(spec string) int {
 		return 1
 	}
 	fmt.Println(sock)
-	go func() { _, _ = io.Copy(io.Discard, os.Stdin); ln.Close() }()
 	cfg := &tls.Config{InsecureSkipVerify: true} // a reference on loopback: the cipher is what matters
+	return serveUntilStdinCloses(ln, func(c net.Conn) {
+		br := bufio.NewReader(c)
+		req, err := http.ReadRequest(br)
+		if err != nil || req.Method != http.MethodConnect {
+			io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n")
+			return
+		}
+		up, err := tls.Dial("tcp", far, cfg)
+		if err != nil {
+			io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\n\r\n")
+			return
+		}
+		defer up.Close()
+		ur := bufio.NewReader(up)
+		if _, err := fmt.Fprintf(up, "%s\n", req.Host); err != nil {
+			return
+		}
+		if line, err := ur.ReadString('\n'); err != nil || line != "OK\n" {
+			io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\n\r\n")
+			return
+		}
+		if _, err := io.WriteString(c, connectOK); err != nil {
+			return
+		}
+		relayBoth(bufferedConn{br, c}, bufferedConn{ur, up})
+	})
+}
+
+// serveUntilStdinCloses serves each connection on ln on its own goroutine
+// until the bench closes the helper's stdin (however the bench ended).
+func serveUntilStdinCloses(ln net.Listener, serve func(net.Conn)) int {
+	go func() { _, _ = io.Copy(io.Discard, os.Stdin); ln.Close() }()
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -99,30 +122,7 @@ func runRelayNear(spec string) int {
 		}
 		go func() {
 			defer c.Close()
-			br := bufio.NewReader(c)
-			req, err := http.ReadRequest(br)
-			if err != nil || req.Method != http.MethodConnect {
-				io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n")
-				return
-			}
-			up, err := tls.Dial("tcp", far, cfg)
-			if err != nil {
-				io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\n\r\n")
-				return
-			}
-			defer up.Close()
-			ur := bufio.NewReader(up)
-			if _, err := fmt.Fprintf(up, "%s\n", req.Host); err != nil {
-				return
-			}
-			if line, err := ur.ReadString('\n'); err != nil || line != "OK\n" {
-				io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\n\r\n")
-				return
-			}
-			if _, err := io.WriteString(c, connectOK); err != nil {
-				return
-			}
-			relayBoth(bufferedConn{br, c}, bufferedConn{ur, up})
+			serve(c)
 		}()
 	}
 }
