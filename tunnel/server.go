@@ -585,7 +585,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	defer s.hangups.remove(conn)
 	up.start()
 	if body, ok := st.body.(*linkBody); ok && up.callerSends {
-		s.carryDirect(conn, st, body, up)
+		s.carryDirect(conn, st, body)
 		return
 	}
 	s.carryCopy(conn, st, up)
@@ -676,7 +676,7 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
 // (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody, up *upload) {
+func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody) {
 	down := body.deliverTo(conn, func(err error) error {
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too
