@@ -232,15 +232,7 @@ func (l *link) flushControl() {
 	defer l.flushers.Done()
 	for {
 		l.lockWrite()
-		if l.batch != nil {
-			l.batch.begin() // all queued frames in one system call
-		}
-		err := l.flushControlLocked()
-		if l.batch != nil {
-			if berr := l.batch.end(); err == nil {
-				err = berr
-			}
-		}
+		err := l.batched(l.flushControlLocked) // all queued frames in one system call
 		l.wmu.Unlock()
 		if err != nil {
 			l.closeWith(fmt.Errorf("write: %w", err))
@@ -798,24 +790,31 @@ func (st *linkStream) pumpUpload() {
 // and leave in one write.
 func (l *link) writeFrames(id uint32, p []byte, frame int, end bool) error {
 	l.lockWrite()
-	if l.batch != nil {
-		l.batch.begin()
-	}
-	var err error
-	for first := true; err == nil && (first || len(p) > 0); first = false {
-		n := min(len(p), frame)
-		err = l.fr.WriteData(id, end && n == len(p), p[:n])
-		p = p[n:]
-	}
-	if err == nil {
-		err = l.flushControlLocked() // queued WINDOW_UPDATEs ride along
-	}
-	if l.batch != nil {
-		if berr := l.batch.end(); err == nil {
-			err = berr
+	err := l.batched(func() error {
+		for first := true; first || len(p) > 0; first = false {
+			n := min(len(p), frame)
+			if err := l.fr.WriteData(id, end && n == len(p), p[:n]); err != nil {
+				return err
+			}
+			p = p[n:]
 		}
-	}
+		return l.flushControlLocked() // queued WINDOW_UPDATEs ride along
+	})
 	l.wmu.Unlock()
+	return err
+}
+
+// batched runs write, which holds the write lock, with the TLS records it
+// makes gathered into one system call (see recordBatcher).
+func (l *link) batched(write func() error) error {
+	if l.batch == nil {
+		return write()
+	}
+	l.batch.begin()
+	err := write()
+	if berr := l.batch.end(); err == nil {
+		err = berr
+	}
 	return err
 }
 

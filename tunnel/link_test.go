@@ -85,6 +85,17 @@ func connPair(t *testing.T, network, address string) (near, far net.Conn) {
 	return near, far
 }
 
+// waitLinkEnded fails the test with failure unless the link's read loop
+// ends within 5 s.
+func waitLinkEnded(t *testing.T, l *link, failure string) {
+	t.Helper()
+	select {
+	case <-l.readerDone:
+	case <-time.After(5 * time.Second):
+		t.Fatal(failure)
+	}
+}
+
 // next returns the next frame that is not SETTINGS, WINDOW_UPDATE or PING ACK.
 func (a *fakeAgent) next() http2.Frame {
 	a.t.Helper()
@@ -363,11 +374,7 @@ func TestLinkUnansweredPingClosesLink(t *testing.T) {
 	l, a := newLinkPair(t, 100*time.Millisecond, 200*time.Millisecond)
 	_ = a // the fake agent reads nothing more and answers nothing
 	start := time.Now()
-	select {
-	case <-l.readerDone:
-	case <-time.After(5 * time.Second):
-		t.Fatal("link with a silent peer still open after 5s")
-	}
+	waitLinkEnded(t, l, "link with a silent peer still open after 5s")
 	if took := time.Since(start); took < 250*time.Millisecond {
 		t.Fatalf("closed after %v, before keepalive + ping timeout", took)
 	}
@@ -438,11 +445,7 @@ func FuzzLinkFrames(f *testing.F) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("RoundTrip hung")
 		}
-		select {
-		case <-l.readerDone:
-		case <-time.After(5 * time.Second):
-			t.Fatal("link did not end with its connection")
-		}
+		waitLinkEnded(t, l, "link did not end with its connection")
 	})
 }
 
@@ -470,11 +473,7 @@ func TestLinkPeerVanishesMidDownload(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("reader still blocked 5s after the agent's connection was reset")
 		}
-		select {
-		case <-l.readerDone:
-		case <-time.After(5 * time.Second):
-			t.Fatal("link still open 5s after its connection was reset")
-		}
+		waitLinkEnded(t, l, "link still open 5s after its connection was reset")
 	}
 }
 
@@ -590,9 +589,6 @@ func TestLinkRetiresWhenStreamIDsRunOut(t *testing.T) {
 	if !errors.Is(err, errGoAway) {
 		t.Fatalf("RoundTrip: %v, want errGoAway (retried on another agent)", err)
 	}
-	select {
-	case <-l.readerDone: // no tunnel open: closed at once, the agent redials
-	case <-time.After(5 * time.Second):
-		t.Fatal("a link with no stream IDs left and no tunnel stayed open")
-	}
+	// No tunnel open: closed at once, and the agent redials.
+	waitLinkEnded(t, l, "a link with no stream IDs left and no tunnel stayed open")
 }

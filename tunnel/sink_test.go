@@ -325,9 +325,5 @@ func sinkFramesOnce(t *testing.T, data []byte) {
 	if written > int64(len(data)) {
 		t.Fatalf("%d bytes delivered from %d bytes of frames", written, len(data))
 	}
-	select {
-	case <-l.readerDone:
-	case <-time.After(5 * time.Second):
-		t.Fatal("link did not end with its connection")
-	}
+	waitLinkEnded(t, l, "link did not end with its connection")
 }
