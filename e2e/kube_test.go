@@ -233,6 +233,7 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 		"--service-account-token-path=" + tokenFile,
 		"--agent-identifiers=host=" + kubeNode,
 		"--sync-interval=200ms", "--sync-interval-cap=1s",
+		"--drain-timeout=2s",
 	}
 	e.startAgent(t)
 
@@ -297,6 +298,20 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 
 	// --- SIGHUP restarts of the server in the middle of webhook calls.
 	e.webhookLoopAcrossRestarts(t)
+
+	// --- Orderly stop: kube-apiserver holds idle keep-alive connections
+	// through the tunnel; SIGTERM must still end agent and server within
+	// their grace periods.
+	for _, p := range []*proc{e.agent.proc, e.s.proc} {
+		t0 := time.Now()
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+			t.Logf("%s: %s exited %v after SIGTERM (%v)", mode, p.name, time.Since(t0).Round(10*time.Millisecond), p.waitErr)
+		case <-time.After(10 * time.Second):
+			t.Errorf("%s: %s still running 10s after SIGTERM; output tail:\n%s", mode, p.name, tail(p.out.String(), 3000))
+		}
+	}
 	t.Logf("%s: done in %v", mode, time.Since(start).Round(100*time.Millisecond))
 }
 
@@ -555,9 +570,12 @@ func (e *kubeEnv) checkKubeletRequests(t *testing.T) {
 	}
 }
 
+// kubeRestarts is how many SIGHUP restarts webhookLoopAcrossRestarts makes.
+const kubeRestarts = 2
+
 // webhookLoopAcrossRestarts sends webhook-checked creates from two
-// goroutines while the server re-executes itself three times on SIGHUP;
-// every call must succeed.
+// goroutines while the server re-executes itself on SIGHUP, kubeRestarts
+// times, each restart complete before the next; every call must succeed.
 func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	t.Helper()
 	var (
@@ -594,10 +612,17 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 		}()
 	}
 	pid := e.s.proc.cmd.Process.Pid
-	for i := range 3 {
+	for i := range kubeRestarts {
 		time.Sleep(time.Second)
+		execs := strings.Count(e.s.proc.out.String(), "re-executing in place")
 		e.s.proc.signal(t, syscall.SIGHUP)
-		// The same process comes back and the agent rejoins it.
+		// kube-apiserver keeps idle keep-alive connections through the
+		// tunnel, so the drain lasts the whole --restart-grace (10s by
+		// default); then the same process re-executes and the agent
+		// rejoins it.
+		waitFor(t, 30*time.Second, fmt.Sprintf("re-exec after SIGHUP #%d", i+1), func() bool {
+			return strings.Count(e.s.proc.out.String(), "re-executing in place") > execs
+		})
 		waitFor(t, 20*time.Second, fmt.Sprintf("agent back after SIGHUP #%d", i+1), func() bool {
 			return e.s.agentCount() == 1
 		})
@@ -608,8 +633,8 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	if e.s.proc.exited() || e.s.proc.cmd.Process.Pid != pid {
 		t.Fatalf("server process changed across SIGHUP")
 	}
-	t.Logf("%s: %d webhook-checked creates across 3 SIGHUP restarts, %d failed, webhook answered %d",
-		e.mode, ok.Load(), failed.Load(), e.reviews.Load()-reviews0)
+	t.Logf("%s: %d webhook-checked creates across %d SIGHUP restarts, %d failed, webhook answered %d",
+		e.mode, ok.Load(), kubeRestarts, failed.Load(), e.reviews.Load()-reviews0)
 	if failed.Load() != 0 || ok.Load() < 10 {
 		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed: %s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
 	}
