@@ -51,6 +51,11 @@ type ServerConfig struct {
 	KeepAlive          time.Duration // idle time before an HTTP/2 PING (default 30s)
 	PingTimeout        time.Duration // how long a PING may go unanswered (default 15s)
 	MaxStreamsPerAgent int           // open tunnels per agent before it is skipped (default 10000)
+	// MaxUnadmitted bounds the agent-port connections accepted and not yet
+	// admitted (default 64); MaxReviews the AuthenticateAgent calls in
+	// flight (default 32). See admission.go.
+	MaxUnadmitted int
+	MaxReviews    int
 
 	// Metrics receives the server's metrics; nil makes a private registry.
 	Metrics *Metrics
@@ -69,6 +74,12 @@ func (c *ServerConfig) setDefaults() {
 	}
 	if c.Count < 1 {
 		c.Count = 1
+	}
+	if c.MaxUnadmitted <= 0 {
+		c.MaxUnadmitted = defaultMaxUnadmitted
+	}
+	if c.MaxReviews <= 0 {
+		c.MaxReviews = defaultMaxReviews
 	}
 	if len(c.Strategies) == 0 {
 		c.Strategies = []Strategy{StrategyDefault}
@@ -104,6 +115,7 @@ type Server struct {
 
 	Stats         ServerStats
 	metrics       *serverMetrics
+	gate          *admission   // agent-port connections before they are admitted
 	quiet         *logLimiter  // repeated warnings: one line per key per 10s
 	hangups       hangups      // open Unix-socket tunnels, swept for clients that left
 	spareFD       *os.File     // released to answer 503 when out of file descriptors
@@ -136,6 +148,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		frontends: make(map[net.Conn]struct{}),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
+	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.quiet = newLogLimiter(10 * time.Second)
 	s.hangups.tunnels = map[net.Conn]*hangupEntry{}
 	s.spareFD, _ = os.Open(os.DevNull)
@@ -411,6 +424,13 @@ func (s *Server) Close() error {
 // HTTP/2 with this server as the client, until the connection ends.
 func (s *Server) serveAgentConn(raw net.Conn) {
 	remote := raw.RemoteAddr().String()
+	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
+	if pc == nil {
+		s.Stats.AgentsRefused.Add(1)
+		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted)
+		return
+	}
+	defer pc.release()
 	conn := raw
 	var tlsState tls.ConnectionState
 	deadline := time.Now().Add(s.cfg.HeaderTimeout)
@@ -432,7 +452,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		if tlsState.NegotiatedProtocol == "h2" {
 			// Upstream's agent: gRPC AgentService/Connect on the same port.
 			raw.SetDeadline(time.Time{})
-			s.serveUpstreamAgent(conn, tlsState, remote)
+			s.serveUpstreamAgent(conn, tlsState, remote, pc)
 			return
 		}
 	}
@@ -440,7 +460,9 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	br := bufio.NewReaderSize(lim, 4096)
 	hello, err := readHello(br)
 	if err == nil {
-		err = s.admit(hello, tlsState)
+		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		err = s.admit(ctx, hello, tlsState, remote)
+		cancel()
 	}
 	if err != nil {
 		code := StatusCode(err)
@@ -460,6 +482,10 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ids, _ := ParseIdentifiers(hello.Identifiers) // checked in admit
+	if !pc.admit() {
+		conn.Close() // the header timeout came first
+		return
+	}
 	if err := writeSwitching(conn, s.cfg.ID, s.cfg.Count); err != nil {
 		conn.Close()
 		return
@@ -530,8 +556,9 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate
-// connection costs no token review.
-func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) error {
+// connection costs no token review. ctx bounds the review: the
+// connection's deadline, or the login stream's life.
+func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) error {
 	if slices.Contains(h.Held, s.cfg.ID) {
 		return statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
 	}
@@ -544,9 +571,7 @@ func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) error {
 	if s.cfg.AuthenticateAgent == nil {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
-	defer cancel()
-	return s.cfg.AuthenticateAgent(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState})
+	return s.review(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState}, remote)
 }
 
 func errMsg(err error) string {

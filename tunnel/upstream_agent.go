@@ -29,16 +29,35 @@ const agentConnectMethod = "/AgentService/Connect"
 
 // gRPC status codes for refusals on the agent port.
 const (
-	grpcUnauthenticated = 16
+	grpcResourceExhausted = 8
+	grpcUnauthenticated   = 16
 )
 
 var errUpstreamGone = errors.New("upstream agent stream ended")
 
 // serveUpstreamAgent runs the gRPC server side of one upstream agent
-// connection until it ends.
-func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string) {
+// connection until it ends. pc is the connection's admission: until its
+// one login stream is admitted, the connection keeps the header deadline
+// and every other stream is refused (see login).
+func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string, pc *pendingConn) {
+	var l *link // set before serve starts any handler
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		s.serveUpstreamConnect(w, r, tlsState, remote)
+		if !pc.beginLogin() {
+			// A second stream while the login runs, or any stream after
+			// it: upstream agents use one stream per connection.
+			grpcTrailersOnly(w, grpcResourceExhausted, "one agent login per connection")
+			return
+		}
+		if !s.serveUpstreamConnect(w, r, tlsState, remote, pc) {
+			// A refused login ends the connection once its answer is out:
+			// a peer gets one review per connection.
+			s.goroutine(func() {
+				ctx, cancel := context.WithTimeout(s.baseCtx, time.Second)
+				defer cancel()
+				l.Shutdown(ctx)
+				l.Close()
+			})
+		}
 	})
 	// One stream carries all the agent's tunnels: a 16 MiB window for it.
 	l, err := newServingLink(conn, s.cfg.KeepAlive, s.cfg.PingTimeout, 4, 16<<20, handler, s.baseCtx, s.goroutine)
@@ -51,23 +70,28 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 	conn.Close()
 }
 
-func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string) {
+// serveUpstreamConnect serves the login stream: it admits the agent and
+// then carries its tunnels until the stream ends. False means the login
+// was refused.
+func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string, pc *pendingConn) bool {
 	if r.Method != http.MethodPost || r.URL.Path != agentConnectMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
-		return
+		return false
 	}
 	hello := agentHello{ID: r.Header.Get("agentid"), Identifiers: r.Header.Get("agentidentifiers")}
 	if auth := r.Header.Get("Authorization"); auth != "" {
 		token, ok := strings.CutPrefix(auth, "Bearer ")
 		if !ok {
 			grpcTrailersOnly(w, grpcUnauthenticated, "authorization is not a bearer token")
-			return
+			return false
 		}
 		hello.Token = strings.TrimSpace(token)
 	}
 	err := validID(hello.ID)
 	if err == nil {
-		err = s.admit(hello, tlsState)
+		// The stream's context: a reset stream or a closed connection
+		// (the header deadline included) cancels the review.
+		err = s.admit(r.Context(), hello, tlsState, remote)
 	}
 	if err != nil {
 		s.Stats.AgentsRefused.Add(1)
@@ -82,7 +106,10 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		}
 		s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "protocol", "grpc", "reason", errMsg(err))
 		grpcTrailersOnly(w, code, errMsg(err))
-		return
+		return false
+	}
+	if !pc.admit() {
+		return true // the header deadline came first: the connection is closed
 	}
 	ids, _ := ParseIdentifiers(hello.Identifiers)
 
@@ -133,6 +160,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	}
 	g.finish(grpcOK, "")
 	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "protocol", "grpc", "err", why, "agents", s.agents.len())
+	return true
 }
 
 // upstreamAgent is the server's view of one upstream agent's stream.
