@@ -1,11 +1,14 @@
 package tunnel
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -459,4 +462,80 @@ func TestHostileUnadmittedLimit(t *testing.T) {
 		slowest = max(slowest, d)
 	}
 	t.Logf("%d connections past the limit of %d closed, the slowest after %s; good agent joined once slots freed", extra, limit, slowest.Round(time.Microsecond))
+}
+
+// A review that cannot be done (the apiserver is down) answers both kinds
+// of agent "authentication unavailable" and nothing more; the cause, with
+// the apiserver's address, is in the log, once per line and without the
+// token.
+func TestHostileReviewUnavailable(t *testing.T) {
+	checkNoLeaks(t)
+	const secret = "tok-unavailable-5b1e"
+	fake := newFakeReviews(t, 0)
+	reviewer := fake.reviewer(t)
+	apiserver := strings.TrimPrefix(fake.srv.URL, "http://")
+	fake.srv.Close() // down
+	var logBuf lockedBuf
+	e := newEnv(t, func(c *ServerConfig) {
+		c.AgentTLS.ClientAuth = tls.NoClientCert
+		c.AuthenticateAgent = tokenAuth(reviewer)
+		c.Logger = slog.New(slog.NewTextHandler(&logBuf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+
+	// Our agents' handshake.
+	c, err := tls.Dial("tcp", e.agentAddr, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	writeHello(c, "127.0.0.1", agentHello{ID: "a1", Token: secret})
+	_, err = readReply(bufio.NewReader(c))
+	c.Close()
+	var se *StatusError
+	if !errors.As(err, &se) || se.Code != http.StatusServiceUnavailable || se.Msg != "authentication unavailable" {
+		t.Fatalf("handshake answer: %v, want 503 authentication unavailable", err)
+	}
+
+	// Upstream agents' gRPC login.
+	raw, err := tls.Dial("tcp", e.agentAddr, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", NextProtos: []string{"h2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer raw.Close()
+	//lint:ignore SA1019 an HTTP/2 client on a TLS connection it dialled, as grpc-go's would be
+	cc, err := (&http2.Transport{}).NewClientConn(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	req, _ := http.NewRequest(http.MethodPost, "https://server"+agentConnectMethod, http.NoBody)
+	req.Header.Set("Content-Type", "application/grpc")
+	req.Header.Set("agentid", "a2")
+	req.Header.Set("Authorization", "Bearer "+secret)
+	resp, err := cc.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if st, msg := resp.Header.Get("Grpc-Status"), resp.Header.Get("Grpc-Message"); st != fmt.Sprint(grpcUnavailable) || msg != "authentication unavailable" {
+		t.Fatalf("gRPC login answer: status %q message %q, want %d authentication unavailable", st, msg, grpcUnavailable)
+	}
+
+	e.stop()
+	logs := logBuf.String()
+	if strings.Contains(logs, secret) {
+		t.Fatalf("token in the log:\n%s", logs)
+	}
+	var lines []string
+	for _, l := range strings.Split(logs, "\n") {
+		if strings.Contains(l, "agent authentication unavailable") {
+			lines = append(lines, l)
+		}
+	}
+	// Both refusals come from one address: the second line may be held
+	// back by the rate limit, never the first.
+	if len(lines) == 0 || !strings.Contains(lines[0], apiserver) {
+		t.Fatalf("no warning naming the apiserver %s:\n%s", apiserver, logs)
+	}
+	t.Logf("peer saw 503/UNAVAILABLE \"authentication unavailable\"; log: %s", lines[0])
 }

@@ -49,9 +49,12 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 			return
 		}
 		if !s.serveUpstreamConnect(w, r, tlsState, remote, pc) {
-			// A refused login ends the connection once its answer is out:
-			// a peer gets one review per connection.
+			// A refused login ends the connection once its answer is out
+			// (the request context ends after the link has sent it): a
+			// peer gets one review per connection.
+			done := r.Context().Done()
 			s.goroutine(func() {
+				<-done
 				ctx, cancel := context.WithTimeout(s.baseCtx, time.Second)
 				defer cancel()
 				l.Shutdown(ctx)
