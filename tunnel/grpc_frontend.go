@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // The gRPC front door: kube-apiserver's proxyProtocol GRPC. Each dial is a
@@ -81,15 +83,18 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 	// call (the batcher also gathers frames on a plain socket).
 	var h2conn net.Conn = conn
 	if _, isTLS := conn.(*tls.Conn); !isTLS {
-		h2conn = &recordBatcher{Conn: conn}
+		h2conn = h2link.NewBatcher(conn)
 	}
-	l, err := newAgentLink(h2conn, s.cfg.KeepAlive, s.cfg.PingTimeout, grpcMaxStreams, handler, s.baseCtx, s.goroutine)
+	l, err := h2link.NewServer(h2conn, h2link.Config{
+		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
+		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(h2conn),
+	}, handler)
 	if err != nil {
 		s.log.Debug("gRPC frontend: no HTTP/2 connection", "err", err)
 		release()
 		return
 	}
-	l.serve()
+	l.Serve()
 }
 
 // grpcMaxStreams bounds the calls open at once on one frontend connection;

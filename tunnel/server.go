@@ -18,6 +18,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // AgentCredentials is what an agent presented when it connected.
@@ -179,14 +181,6 @@ func withH2(c *tls.Config) *tls.Config {
 	}
 	return c
 }
-
-// Window and frame sizes on both HTTP/2 ends. A stream window bounds what one
-// stalled tunnel can hold in memory; 1 MiB keeps loopback and LAN streams at
-// full speed (window/RTT).
-const (
-	streamWindow = 1 << 20
-	maxFrameSize = 64 << 10
-)
 
 // ErrServerClosed is returned by the Serve methods after Shutdown or Close.
 var ErrServerClosed = errors.New("server closed")
@@ -500,7 +494,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		h2conn = &bufferedConn{Conn: conn, r: br}
 	}
 	wc := newWatchedConn(h2conn)
-	cc, err := newLink(wc, s.cfg.KeepAlive, s.cfg.PingTimeout, s.goroutine)
+	cc, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc)})
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
 		wc.Close()
@@ -609,7 +603,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	})
 	defer s.hangups.remove(conn)
 	up.start()
-	if body, ok := st.body.(*linkBody); ok && up.callerSends {
+	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
 		s.carryDirect(conn, st, body)
 		return
 	}
@@ -701,8 +695,8 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
 // (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody) {
-	down := body.deliverTo(conn, func(err error) error {
+func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
+	down := body.DeliverTo(conn, func(err error) error {
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too
 			return err
@@ -712,7 +706,7 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody) {
 		closeWrite(conn)
 		return nil
 	})
-	body.sendUpload()
+	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.
 	select {

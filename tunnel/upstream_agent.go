@@ -15,6 +15,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // Upstream konnectivity agents (the proxy-agent image) speak gRPC on the
@@ -63,13 +65,16 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 		}
 	})
 	// One stream carries all the agent's tunnels: a 16 MiB window for it.
-	l, err := newServingLink(conn, s.cfg.KeepAlive, s.cfg.PingTimeout, 4, 16<<20, handler, s.baseCtx, s.goroutine)
+	l, err := h2link.NewServer(conn, h2link.Config{
+		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: 4, StreamWindow: 16 << 20,
+		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(conn),
+	}, handler)
 	if err != nil {
 		s.log.Debug("upstream agent: no HTTP/2 connection", "remote", remote, "err", err)
 		conn.Close()
 		return
 	}
-	l.serve()
+	l.Serve()
 	conn.Close()
 }
 
