@@ -42,7 +42,7 @@ var errUpstreamGone = errors.New("upstream agent stream ended")
 // one login stream is admitted, the connection keeps the header deadline
 // and every other stream is refused (see login).
 func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string, pc *pendingConn) {
-	var l *link // set before serve starts any handler
+	var l *h2link.Conn // set before Serve starts any handler
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !pc.beginLogin() {
 			// A second stream while the login runs, or any stream after
@@ -50,7 +50,7 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 			grpcTrailersOnly(w, grpcResourceExhausted, "one agent login per connection")
 			return
 		}
-		if !s.serveUpstreamConnect(w, r, tlsState, remote, pc) {
+		if !s.serveUpstreamConnect(w, r, tlsState, remote, pc, l) {
 			// A refused login ends the connection once its answer is out
 			// (the request context ends after the link has sent it): a
 			// peer gets one review per connection.
@@ -64,9 +64,11 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 			})
 		}
 	})
-	// One stream carries all the agent's tunnels: a 16 MiB window for it.
+	// One stream carries all the agent's tunnels: a 16 MiB window for it,
+	// once admitted; until then the peer may make this end hold little.
 	l, err := h2link.NewServer(conn, h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: 4, StreamWindow: 16 << 20,
+		PreAdmitStreamWindow: preAdmitStreamWindow, PreAdmitConnWindow: preAdmitConnWindow,
 		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(conn),
 	}, handler)
 	if err != nil {
@@ -78,10 +80,18 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 	conn.Close()
 }
 
-// serveUpstreamConnect serves the login stream: it admits the agent and
-// then carries its tunnels until the stream ends. False means the login
-// was refused.
-func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string, pc *pendingConn) bool {
+// Receive windows of an upstream agent's connection before its login is
+// admitted: the login's request body is empty until the answer, so a
+// peer that has not logged in may make the server hold at most these.
+const (
+	preAdmitStreamWindow = 16 << 10
+	preAdmitConnWindow   = 64 << 10
+)
+
+// serveUpstreamConnect serves the login stream: it admits the agent, gives
+// its connection the full windows, and then carries its tunnels until the
+// stream ends. False means the login was refused.
+func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string, pc *pendingConn, l *h2link.Conn) bool {
 	if r.Method != http.MethodPost || r.URL.Path != agentConnectMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
 		return false
@@ -119,6 +129,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	if !pc.admit() {
 		return true // the header deadline came first: the connection is closed
 	}
+	l.RaiseWindows()
 	ids, _ := ParseIdentifiers(hello.Identifiers)
 
 	h := w.Header()
