@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -191,4 +192,27 @@ func (s *Server) review(ctx context.Context, c AgentCredentials, remote string) 
 	a.refused.Inc()
 	s.quiet.log(s.log, slog.LevelWarn, "review unavailable", "agent authentication unavailable", "agent", c.AgentID, "remote", remote, "err", errMsg(err))
 	return authUnavailable()
+}
+
+// watchHangup cancels cancel if the peer closes conn while its login is
+// reviewed, so a peer that leaves takes its review with it. Our agents
+// send nothing between their handshake and the answer, so a byte that
+// arrives meanwhile also ends the login. stop ends the watch (the caller
+// sets the read deadline again afterwards) and reports whether the peer
+// is still there and silent; it must be called once.
+func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
+	ended := make(chan error, 1)
+	go func() { // owned by the caller: stop waits for it
+		var b [1]byte
+		_, err := conn.Read(b[:])
+		if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+			cancel()
+		}
+		ended <- err
+	}()
+	return func() bool {
+		conn.SetReadDeadline(time.Unix(1, 0)) // wakes the read
+		err := <-ended
+		return err != nil && errors.Is(err, os.ErrDeadlineExceeded)
+	}
 }

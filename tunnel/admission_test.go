@@ -539,3 +539,46 @@ func TestHostileReviewUnavailable(t *testing.T) {
 	}
 	t.Logf("peer saw 503/UNAVAILABLE \"authentication unavailable\"; log: %s", lines[0])
 }
+
+// A peer that sends its handshake and hangs up while its login is
+// reviewed cancels the review at once, not at the header timeout; a
+// good agent's handshake is not disturbed by the watch.
+func TestHostileHandshakeHangupCancelsReview(t *testing.T) {
+	checkNoLeaks(t)
+	reviewEnded := make(chan error, 1)
+	e := newEnv(t, func(c *ServerConfig) {
+		c.AgentTLS.ClientAuth = tls.VerifyClientCertIfGiven
+		c.HeaderTimeout = time.Minute
+		c.AuthenticateAgent = func(ctx context.Context, cr AgentCredentials) error {
+			if len(cr.TLS.VerifiedChains) > 0 {
+				return nil
+			}
+			<-ctx.Done() // an apiserver that never answers
+			reviewEnded <- ctx.Err()
+			return &StatusError{Code: http.StatusServiceUnavailable, Msg: "review: " + ctx.Err().Error()}
+		}
+	})
+	echo := echoServer(t)
+	c, err := tls.Dial("tcp", e.agentAddr, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := writeHello(c, "127.0.0.1", agentHello{ID: "leaver", Token: "some-token"}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, func() bool { return e.srv.gate.inflight.Load() == 1 }, "the review to start")
+	start := time.Now()
+	c.Close()
+	select {
+	case err := <-reviewEnded:
+		t.Logf("review ended %s after the peer hung up (header timeout 1m): %v", time.Since(start).Round(time.Millisecond), err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the review outlived the connection that asked for it")
+	}
+	waitUntil(t, func() bool { return e.srv.gate.open.Load() == 0 }, "the connection to stop counting")
+	e.startAgent("good", "", nil)
+	e.waitAgents(1)
+	if err := e.echoOnce(echo); err != nil {
+		t.Fatal(err)
+	}
+}

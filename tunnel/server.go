@@ -455,8 +455,13 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	hello, err := readHello(br)
 	if err == nil {
 		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		stop := watchHangup(conn, cancel)
 		err = s.admit(ctx, hello, tlsState, remote)
+		if !stop() && err == nil {
+			err = statusErrorf(http.StatusBadRequest, "the agent hung up or sent data before the handshake answer")
+		}
 		cancel()
+		conn.SetReadDeadline(deadline)
 	}
 	if err != nil {
 		code := StatusCode(err)
