@@ -582,3 +582,57 @@ func TestHostileHandshakeHangupCancelsReview(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A peer the gRPC front door refuses (its Unix credentials) is answered
+// PERMISSION_DENIED and its connection is closed at the header timeout,
+// however it behaves; an accepted client is not.
+func TestHostileRefusedFrontendPeerClosed(t *testing.T) {
+	checkNoLeaks(t)
+	const headerTimeout = time.Second
+	var refuse atomic.Bool
+	refuse.Store(true)
+	e := newEnv(t, func(c *ServerConfig) {
+		c.HeaderTimeout = headerTimeout
+		c.CheckFrontendPeer = func(net.Conn) error {
+			if refuse.Load() {
+				return &StatusError{Code: http.StatusForbidden, Msg: "uid 4242 is not allowed"}
+			}
+			return nil
+		}
+	})
+	sock := e.grpcSocket(t)
+	call := openGRPC(t, sock, grpcProxyMethod)
+	if st := call.status(); st != fmt.Sprint(grpcPermissionDenied) {
+		t.Fatalf("refused peer's call: status %q, want %d", st, grpcPermissionDenied)
+	}
+	// The same peer, raw: preface and SETTINGS, then silence.
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	start := time.Now()
+	io.WriteString(c, http2.ClientPreface)
+	http2.NewFramer(c, nil).WriteSettings()
+	c.SetReadDeadline(time.Now().Add(headerTimeout + 10*time.Second))
+	_, err = io.Copy(io.Discard, c)
+	if isTimeout(err) {
+		t.Fatal("a refused front-door peer kept its connection past the header timeout")
+	}
+	t.Logf("refused front-door peer closed after %s (header timeout %s)", time.Since(start).Round(time.Millisecond), headerTimeout)
+
+	// An accepted client keeps an idle connection past the header timeout.
+	refuse.Store(false)
+	ok, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ok.Close()
+	io.WriteString(ok, http2.ClientPreface)
+	http2.NewFramer(ok, nil).WriteSettings()
+	ok.SetReadDeadline(time.Now().Add(2 * headerTimeout))
+	_, err = io.Copy(io.Discard, ok)
+	if !isTimeout(err) {
+		t.Fatalf("an accepted front-door client was cut: %v", err)
+	}
+}
