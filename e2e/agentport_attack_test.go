@@ -421,3 +421,31 @@ func goroutinesOf(adminPort int) (int64, error) {
 	line, _, _ := strings.Cut(body, "\n")
 	return strconv.ParseInt(strings.TrimPrefix(line, "goroutine profile: total "), 10, 64)
 }
+
+// TestAgentPortAdmittedKeepsConnection: the header timeout bounds only
+// the time to admission. A grpc-go agent (as upstream's proxy-agent)
+// that logged in with a token keeps its connection and serves long after
+// it, and the server counts no connection closed for time.
+func TestAgentPortAdmittedKeepsConnection(t *testing.T) {
+	p := newPKI(t, t.TempDir())
+	m := startReviewMeter(t, p, 0)
+	const headerTimeout = time.Second
+	s := attackServer(t, p, m, "--frontend-header-timeout="+headerTimeout.String())
+	up, err := connectUpstreamAgent(t, s.agentPort, upstreamTLS(t, p, false), "token-agent", "", goodToken)
+	if err != nil {
+		t.Fatalf("good token: %v", err)
+	}
+	defer up.checkClean(t)
+	s.waitAgents(t, 1, startTimeout)
+	// Past the header timeout three times over (nothing to wait on: the
+	// event checked is one that must not happen).
+	time.Sleep(3 * headerTimeout)
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	checkReachable(t, s.egressDialer(t), backend, "b1", 10)
+	if got := up.dialsOK.Load(); got != 10 {
+		t.Errorf("the admitted agent dialled %d, want 10", got)
+	}
+	if n := metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections_closed_total", "reason", "timeout"); n != 0 {
+		t.Errorf("%v connections closed for time, want 0", n)
+	}
+}
