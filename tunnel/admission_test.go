@@ -636,3 +636,82 @@ func TestHostileRefusedFrontendPeerClosed(t *testing.T) {
 		t.Fatalf("an accepted front-door client was cut: %v", err)
 	}
 }
+
+// Before its login is admitted, an h2 peer on the agent port gets small
+// receive windows: what it can make the server hold is bounded.
+func TestHostilePreAdmitWindows(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, func(c *ServerConfig) { c.AgentTLS.ClientAuth = tls.VerifyClientCertIfGiven })
+	c, err := tls.Dial("tcp", e.agentAddr, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", NextProtos: []string{"h2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	io.WriteString(c, http2.ClientPreface)
+	fr := http2.NewFramer(c, c)
+	fr.WriteSettings()
+	streamWin, connWin := uint32(65535), uint32(65535)
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("read the server's SETTINGS: %v", err)
+		}
+		if sf, ok := f.(*http2.SettingsFrame); ok && !sf.IsAck() {
+			if v, ok := sf.Value(http2.SettingInitialWindowSize); ok {
+				streamWin = v
+			}
+			continue
+		}
+		if wu, ok := f.(*http2.WindowUpdateFrame); ok && wu.StreamID == 0 {
+			connWin += wu.Increment
+			continue
+		}
+		if sf, ok := f.(*http2.SettingsFrame); ok && sf.IsAck() {
+			break
+		}
+	}
+	if streamWin > preAdmitStreamWindow || connWin > preAdmitConnWindow {
+		t.Fatalf("before login: stream window %d, connection window %d; want at most %d and %d", streamWin, connWin, preAdmitStreamWindow, preAdmitConnWindow)
+	}
+	t.Logf("before login: stream window %d, connection window %d", streamWin, connWin)
+}
+
+// The deadline and admission race for every connection: each ends exactly
+// one way (admitted, or closed and counted as timed out), and the count of
+// waiting connections goes back to zero.
+func TestAdmissionDeadlineRace(t *testing.T) {
+	a := newAdmission(NewMetrics(), 1000, 1)
+	var admitted, closed atomic.Int64
+	var wg sync.WaitGroup
+	for i := range 1000 {
+		c1, c2 := net.Pipe()
+		p := a.enter(c1, time.Duration(i%50)*time.Microsecond)
+		if p == nil {
+			t.Fatal("refused under the limit")
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer c2.Close()
+			if p.admit() {
+				admitted.Add(1)
+				c1.Close()
+				return
+			}
+			// The deadline won: the connection is closed.
+			if _, err := c2.Read(make([]byte, 1)); err == nil {
+				t.Error("a connection that was not admitted is still open")
+			}
+			closed.Add(1)
+		}()
+	}
+	wg.Wait()
+	if n := a.open.Load(); n != 0 {
+		t.Fatalf("%d connections still counted as waiting", n)
+	}
+	t.Logf("1000 races: %d admitted, %d closed at the deadline", admitted.Load(), closed.Load())
+	if admitted.Load()+closed.Load() != 1000 || int64(a.timedOut.Value()) != closed.Load() {
+		t.Fatalf("%d admitted + %d closed (%d counted as timed out), want 1000", admitted.Load(), closed.Load(), a.timedOut.Value())
+	}
+}
