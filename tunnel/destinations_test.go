@@ -58,11 +58,11 @@ func TestDestinationPolicy(t *testing.T) {
 		{DestinationRules{Deny: "127.0.0.0/8:1-1000"}, "0.0.0.0", 80, "denied"},
 		{DestinationRules{Deny: "127.0.0.0/8:1-1000"}, "0.0.0.0", 8080, ""},
 		{DestinationRules{Deny: "127.0.0.0/8"}, "::ffff:127.0.0.1", 80, "denied by rule 127.0.0.0/8"},
-		{DestinationRules{Allow: "127.0.0.1"}, "0.0.0.0", 80, ""},                                // dialled as 127.0.0.1
-		{DestinationRules{Allow: "10.0.0.0/8"}, "0.0.0.0", 80, "not in the allowed"},            // the local host is not 10/8
-		{DestinationRules{Allow: "0.0.0.0/32"}, "0.0.0.0", 80, "not in the allowed"},            // allowed means what is dialled
-		{DestinationRules{}, "0.0.0.0", 80, ""},                                                 // no rule about the local host
-		{DestinationRules{Deny: "10.0.0.0/8"}, "0.0.0.0", 80, ""},                               // nor here
+		{DestinationRules{Allow: "127.0.0.1"}, "0.0.0.0", 80, ""},                    // dialled as 127.0.0.1
+		{DestinationRules{Allow: "10.0.0.0/8"}, "0.0.0.0", 80, "not in the allowed"}, // the local host is not 10/8
+		{DestinationRules{Allow: "0.0.0.0/32"}, "0.0.0.0", 80, "not in the allowed"}, // allowed means what is dialled
+		{DestinationRules{}, "0.0.0.0", 80, ""},                                      // no rule about the local host
+		{DestinationRules{Deny: "10.0.0.0/8"}, "0.0.0.0", 80, ""},                    // nor here
 		{DestinationRules{Deny: "127.0.0.0/8"}, "127.255.255.254", 80, "denied by rule 127.0.0.0/8"},
 
 		// The built-in denied ranges, by default.
