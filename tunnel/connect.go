@@ -125,8 +125,8 @@ func checkDialTarget(addr string) error {
 // printable prefix.
 func cleanErr(err error) string {
 	s := err.Error()
-	if len(s) > 120 {
-		s = s[:120] + "..."
+	if len(s) > 240 {
+		s = s[:240] + "..."
 	}
 	return strings.Map(func(r rune) rune {
 		if r < 0x20 || r == 0x7f {

@@ -46,13 +46,16 @@ type destRule struct {
 // builtinDenied are refused unless an Open rule names them. Instance
 // metadata and credential services hand out cloud credentials: reaching
 // them through the tunnel would turn egress into a credential leak. The
-// link-local ranges hold most of them and nothing a kube-apiserver dials.
+// link-local ranges hold most of them (AWS, GCE, Azure, OpenStack and
+// Oracle metadata at 169.254.169.254, ECS task metadata at 169.254.170.2,
+// EKS Pod Identity at 169.254.170.23) and nothing a kube-apiserver dials.
+// The reasons are short: a refusal's text travels back to the client.
 var builtinDenied = []struct{ prefix, why string }{
-	{"169.254.0.0/16", "IPv4 link-local: AWS, GCE, Azure, OpenStack metadata at 169.254.169.254, ECS at 169.254.170.2, EKS Pod Identity at 169.254.170.23"},
+	{"169.254.0.0/16", "IPv4 link-local, cloud metadata"},
 	{"fe80::/10", "IPv6 link-local"},
-	{"fd00:ec2::254/128", "AWS instance metadata over IPv6"},
-	{"fd00:ec2::23/128", "EKS Pod Identity agent over IPv6"},
-	{"100.100.100.200/32", "Alibaba Cloud instance metadata"},
+	{"fd00:ec2::254/128", "AWS metadata, IPv6"},
+	{"fd00:ec2::23/128", "EKS Pod Identity, IPv6"},
+	{"100.100.100.200/32", "Alibaba Cloud metadata"},
 	{"168.63.129.16/32", "Azure WireServer"},
 }
 
