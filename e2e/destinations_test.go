@@ -158,7 +158,7 @@ type nsPair struct {
 	serverAdmin   int
 }
 
-func startNsPair(t *testing.T, ns *netns, agentFlags ...string) *nsPair {
+func startNsPair(t *testing.T, ns *netns, mode string, agentFlags ...string) *nsPair {
 	t.Helper()
 	ipPath, _ := exec.LookPath("ip")
 	dir, err := os.MkdirTemp("", "kse2e")
@@ -173,7 +173,7 @@ func startNsPair(t *testing.T, ns *netns, agentFlags ...string) *nsPair {
 	inNs := func(args ...string) []string {
 		return append([]string{"netns", "exec", ns.name, konnectivityBin}, args...)
 	}
-	pr.server = startProcBin(t, ipPath, "server", inNs("server", "--mode=http-connect",
+	pr.server = startProcBin(t, ipPath, "server", inNs("server", "--mode="+mode,
 		"--uds-name="+pr.sock, "--server-port=0",
 		"--agent-bind-address=127.0.0.1", "--agent-port="+strconv.Itoa(agentPort),
 		"--cluster-cert="+p.serverCert, "--cluster-key="+p.serverKey, "--cluster-ca-cert="+p.caCert,
@@ -265,7 +265,8 @@ func TestDestinationForms(t *testing.T) {
 	}
 	good := ns.listen(t, "127.0.0.1:8080", func(c net.Conn) { io.Copy(c, c) })
 
-	pr := startNsPair(t, ns, "--deny-destinations=127.0.0.0/8:1-1000,[::1]:1-1000")
+	const deny = "--deny-destinations=127.0.0.0/8:1-1000,[::1]:1-1000"
+	pr := startNsPair(t, ns, "http-connect", deny)
 	d := pr.egressDialerFor(t)
 	// Ready once a dial to the allowed listener goes through.
 	deadline := time.Now().Add(startTimeout)
@@ -364,10 +365,53 @@ func TestDestinationForms(t *testing.T) {
 		t.Errorf("the allowed listener got %d connections, want 5", n)
 	}
 
+	// The same forms through the gRPC front door, with konnectivity-client
+	// (kube-apiserver's proxyProtocol GRPC): each DIAL_REQ is answered with
+	// the reason. A "%" that is not "%25" is no URI matter here: the
+	// address is a zoned one.
+	t.Run("grpc", func(t *testing.T) {
+		pr.agent.stop(t)
+		pr.server.stop(t)
+		pr = startNsPair(t, ns, "grpc", deny)
+		g := grpcDialer(pr.sock)
+		deadline := time.Now().Add(startTimeout)
+		for {
+			c, err := g(context.Background(), "tcp", "127.0.0.1:8080")
+			if err == nil {
+				c.Close()
+				break
+			}
+			if pr.agent.exited() || time.Now().After(deadline) {
+				t.Fatalf("no gRPC tunnel to the allowed listener: %v", err)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		for _, c := range refused {
+			reason := c.reason
+			if c.code == 400 {
+				reason = "zoned address"
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			conn, err := g(ctx, "tcp", c.target)
+			cancel()
+			if err == nil {
+				conn.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), reason) {
+				t.Errorf("gRPC dial %s: %v, want a refusal saying %q", c.target, err, reason)
+			}
+		}
+		for _, tr := range traps {
+			if n := tr.accepted.Load(); n != 0 {
+				t.Errorf("the listener on %s got %d connections", tr.addr, n)
+			}
+		}
+	})
+
 	t.Run("open-destinations", func(t *testing.T) {
 		pr.agent.stop(t)
 		pr.server.stop(t)
-		pr2 := startNsPair(t, ns, "--open-destinations=169.254.170.2:80")
+		pr2 := startNsPair(t, ns, "http-connect", "--open-destinations=169.254.170.2:80")
 		d2 := pr2.egressDialerFor(t)
 		ecs := traps[3]
 		deadline := time.Now().Add(startTimeout)
