@@ -23,6 +23,9 @@ import (
 // kernel connects to the local host, as the loopback address it reaches.
 // A Deny rule that covers either loopback address (127.0.0.1 or ::1) also
 // refuses both unspecified addresses.
+//
+// A policy is not changed once made, so any number of dials may check it
+// at once.
 type DestinationPolicy struct {
 	allow, deny, open []destRule
 }
@@ -224,7 +227,8 @@ func dialAddr(ip netip.Addr) netip.Addr {
 }
 
 // Check returns nil when ip:port may be dialled, else the reason it may
-// not. The address that may be dialled is dialAddr(ip).
+// not. The address that may be dialled is dialAddr(ip). A nil policy
+// allows everything; an agent always has one (see AgentConfig).
 func (p *DestinationPolicy) Check(ip netip.Addr, port int) error {
 	if p == nil {
 		return nil
