@@ -56,6 +56,7 @@ func newNetns(t *testing.T, addrs []string, hosts string) *netns {
 	t.Cleanup(func() {
 		exec.Command(ipPath, "netns", "del", ns.name).Run()
 		os.RemoveAll("/etc/netns/" + ns.name)
+		os.Remove("/etc/netns") // only if no other namespace uses it
 	})
 	run("-n", ns.name, "link", "set", "lo", "up")
 	for _, a := range addrs {
