@@ -235,8 +235,16 @@ func TestIdentityDuplicateLogin(t *testing.T) {
 	if err := e.echoOnce(echoServer(t)); err != nil {
 		t.Fatalf("dial through the connected agent: %v", err)
 	}
-	// The same pod's credential comes back: it replaces the old link.
-	if err := rawLogin(t, e, "node-a", "host=node-a", "tok-a-same-pod", false); err != nil {
+	// The same pod's credential comes back: it replaces the old link. The
+	// connection stays open so the server gets as far as registering it.
+	c, err := tls.Dial("tcp", e.agentAddr, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	writeHello(c, "127.0.0.1", agentHello{ID: "node-a", Identifiers: "host=node-a", Token: "tok-a-same-pod"})
+	if _, err := readReply(bufio.NewReader(c)); err != nil {
 		t.Fatalf("same pod: %v", err)
 	}
 	// The server registers the new link just after its 101.
