@@ -1,3 +1,5 @@
+//lint:file-ignore SA1019 the upstream agent test uses x/net/http2's Transport on a TLS connection it dialled, as grpc-go would.
+
 package tunnel
 
 import (
@@ -5,6 +7,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/netip"
@@ -13,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
 )
 
 // fakeTokens stands in for the TokenReview the server's IdentifyAgent
@@ -347,4 +352,63 @@ func TestReadControlLine(t *testing.T) {
 
 func logTo(b *lockedBuf) *slog.Logger {
 	return slog.New(slog.NewTextHandler(b, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// upstreamLogin opens an upstream agent's Connect stream with a bearer
+// token and no client certificate; it returns the response (grpc-status
+// in its header when refused) and a func that ends the connection.
+func upstreamLogin(t *testing.T, e *env, id, identifiers, token string) (*http.Response, func()) {
+	t.Helper()
+	tc, err := tls.Dial("tcp", e.agentAddr, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", NextProtos: []string{"h2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc, err := (&http2.Transport{}).NewClientConn(tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pr, pw := io.Pipe()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "https://server"+agentConnectMethod, pr)
+	req.Header.Set("Content-Type", "application/grpc")
+	req.Header.Set("agentid", id)
+	req.Header.Set("agentidentifiers", identifiers)
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := cc.RoundTrip(req)
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	return resp, func() { cancel(); pw.Close(); resp.Body.Close(); cc.Close() }
+}
+
+// Upstream (gRPC) agents are bound and re-checked the same way.
+func TestIdentityUpstreamAgent(t *testing.T) {
+	checkNoLeaks(t)
+	f := newFakeTokens()
+	f.add("tok-a", "node-a", "uid-a")
+	e := tokenEnv(t, f, nil, func(c *ServerConfig) { c.Identity.Recheck = 100 * time.Millisecond })
+
+	resp, end := upstreamLogin(t, e, "node-b", "host=node-b", "tok-a")
+	end()
+	if got := resp.Header.Get("grpc-status"); got != "7" || !strings.Contains(resp.Header.Get("grpc-message"), "node") {
+		t.Errorf("node-a's token as node-b: grpc-status %q message %q, want 7 (PERMISSION_DENIED)", got, resp.Header.Get("grpc-message"))
+	}
+	if refusals(e, identityNodeMismatch) != 1 {
+		t.Errorf("node_mismatch counted %d times", refusals(e, identityNodeMismatch))
+	}
+
+	resp, end = upstreamLogin(t, e, "node-a", "host=node-a&ipv4=127.0.0.1", "tok-a")
+	defer end()
+	if resp.StatusCode != 200 || resp.Header.Get("grpc-status") != "" {
+		t.Fatalf("node-a: %s %v", resp.Status, resp.Header)
+	}
+	e.waitAgents(1)
+	f.revoke("tok-a")
+	start := time.Now()
+	e.waitAgents(0)
+	if refusals(e, identityTokenInvalid) != 1 {
+		t.Errorf("token_invalid counted %d times", refusals(e, identityTokenInvalid))
+	}
+	t.Logf("upstream agent's link closed %s after its token was revoked (recheck 100ms)", time.Since(start).Round(time.Millisecond))
 }
