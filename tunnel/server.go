@@ -44,7 +44,8 @@ type ServerConfig struct {
 	// also says what the credential proves, which Identity binds the
 	// agent's ID and identifiers to.
 	IdentifyAgent func(ctx context.Context, c AgentCredentials) (Principal, error)
-	Identity      IdentityPolicy
+	// Identity says what an agent may claim given its Principal.
+	Identity IdentityPolicy
 	// CheckFrontendPeer may refuse a frontend connection (403) before its
 	// request is read, for example by the peer's Unix credentials.
 	CheckFrontendPeer func(net.Conn) error
