@@ -420,6 +420,7 @@ func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Reque
 			}
 			flush()
 			last = token
+			a.log.Debug("presented a rotated token to the server", "server_id", l.id)
 		case <-r.Context().Done():
 			return
 		}
