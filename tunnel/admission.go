@@ -161,12 +161,12 @@ func (p *pendingConn) beginLogin() bool {
 	return true
 }
 
-// review runs authenticate with one of the server's review slots, under
-// ctx (the connection's or the stream's: a peer that leaves frees its slot
-// and cancels its review). A failure on our side (anything but 401, 403 or
-// a refusal the authenticator chose) is logged with its cause and becomes
-// authUnavailable.
-func (s *Server) review(ctx context.Context, c AgentCredentials, remote string) error {
+// review runs check (authentication, then the identity checks) with one
+// of the server's review slots, under ctx (the connection's or the
+// stream's: a peer that leaves frees its slot and cancels its review). A
+// failure on our side (anything but a refusal below 500 the checks chose)
+// is logged with its cause and becomes authUnavailable.
+func (s *Server) review(ctx context.Context, agentID, remote string, check func(context.Context) error) error {
 	a := s.gate
 	select {
 	case a.reviews <- struct{}{}:
@@ -174,23 +174,23 @@ func (s *Server) review(ctx context.Context, c AgentCredentials, remote string) 
 		return authUnavailable()
 	}
 	a.inflight.Add(1)
-	err := s.cfg.AuthenticateAgent(ctx, c)
+	err := check(ctx)
 	a.inflight.Add(-1)
 	<-a.reviews
 	if err == nil {
 		return nil
 	}
 	var se *StatusError
-	if errors.As(err, &se) && se.Code != http.StatusServiceUnavailable && se.Code < 500 {
+	if errors.As(err, &se) && se.Code < 500 {
 		return err
 	}
 	if ctx.Err() != nil {
 		// The peer left, or its time was up: nobody to tell.
-		s.log.Debug("agent review abandoned", "agent", c.AgentID, "remote", remote, "err", errMsg(err))
+		s.log.Debug("agent review abandoned", "agent", agentID, "remote", remote, "err", errMsg(err))
 		return authUnavailable()
 	}
 	a.refused.Inc()
-	s.quiet.log(s.log, slog.LevelWarn, "review unavailable", "agent authentication unavailable", "agent", c.AgentID, "remote", remote, "err", errMsg(err))
+	s.quiet.log(s.log, slog.LevelWarn, "review unavailable", "agent authentication unavailable", "agent", agentID, "remote", remote, "err", errMsg(err))
 	return authUnavailable()
 }
 
