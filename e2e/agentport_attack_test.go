@@ -187,8 +187,17 @@ func TestAgentPortPingFlood(t *testing.T) {
 	s := attackServer(t, p, m) // default header timeout: 10 s
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
 	pid := s.proc.cmd.Process.Pid
-	time.Sleep(time.Second) // let the server's start-up heap settle
+	// The baseline once start-up is over: RSS unchanged (within 256 KiB)
+	// over 200 ms, or after 3 s.
 	rss0 := faultRSSKiB(t, pid)
+	for settle := time.Now().Add(3 * time.Second); time.Now().Before(settle); {
+		time.Sleep(200 * time.Millisecond)
+		now := faultRSSKiB(t, pid)
+		if now-rss0 < 256 && rss0-now < 256 {
+			break
+		}
+		rss0 = now
+	}
 
 	// Flood for 10 s, 1,000 PINGs per write, as fast as the socket takes
 	// them; when the server drops the connection, open another.
