@@ -27,11 +27,13 @@ demo: build
 	./$(BIN) demo
 
 tools:
-	@test -x "$(STATICCHECK)" || $(GO) install honnef.co/go/tools/cmd/staticcheck@2025.1.1
+	@test -x "$(STATICCHECK)" || $(GO) install honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 lint: tools
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 		if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) mod tidy -diff
+	cd e2e && $(GO) mod tidy -diff
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
 	cd e2e && $(GO) vet ./...

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.
@@ -43,6 +45,10 @@ type AgentConfig struct {
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
+	// TokenRefresh is how often each link reads the token again and, when
+	// it changed, presents it to its server on the control stream, so a
+	// rotated token never drops a tunnel (default 30s).
+	TokenRefresh time.Duration
 
 	DialTimeout  time.Duration // destination dial bound (default 5s)
 	KeepAlive    time.Duration // idle time before an HTTP/2 PING (default 30s)
@@ -58,8 +64,8 @@ type AgentConfig struct {
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 	// Metrics receives the agent's metrics; nil makes a private registry.
 	Metrics *Metrics
-	// Destinations limits what the agent dials; nil denies only the cloud
-	// metadata addresses.
+	// Destinations limits what the agent dials; nil denies only the
+	// built-in ranges (link-local, cloud metadata) and zoned addresses.
 	Destinations *DestinationPolicy
 
 	Logger *slog.Logger
@@ -72,6 +78,7 @@ func (c *AgentConfig) setDefaults() {
 	defaultDuration(&c.DrainTimeout, 30*time.Second)
 	defaultDuration(&c.SyncInterval, time.Second)
 	defaultDuration(&c.SyncCap, 10*time.Second)
+	defaultDuration(&c.TokenRefresh, 30*time.Second)
 	if c.SyncCap < c.SyncInterval {
 		c.SyncCap = c.SyncInterval
 	}
@@ -89,7 +96,7 @@ func (c *AgentConfig) setDefaults() {
 		c.Metrics = NewMetrics()
 	}
 	if c.Destinations == nil {
-		c.Destinations, _ = NewDestinationPolicy("", "")
+		c.Destinations, _ = NewDestinationPolicy(DestinationRules{})
 	}
 	if c.Resolver == nil {
 		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
@@ -226,7 +233,7 @@ func (a *Agent) goAwayLinks() {
 	defer a.mu.Unlock()
 	for l := range a.links {
 		if lk := l.link.Load(); lk != nil {
-			lk.goAwayNow()
+			lk.GoAwayNow()
 		}
 	}
 }
@@ -269,7 +276,8 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 		}
 		// Allowed addresses are tried in the resolver's order, as a
 		// plain dial of the name would.
-		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(ip.Unmap(), uint16(port)).String())
+		// The checked address, as Check saw it, is the one dialled.
+		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(dialAddr(ip), uint16(port)).String())
 		if err == nil {
 			return conn, nil
 		}
@@ -425,7 +433,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 // the upload goes on until the client ends it too, so a destination that
 // still reads loses nothing. closed is false when no half-close was
 // possible (the upload still runs); otherwise upErr is how the upload ended.
-func halfClose(w http.ResponseWriter, up *delivery) (closed bool, upErr error) {
+func halfClose(w http.ResponseWriter, up *h2link.Delivery) (closed bool, upErr error) {
 	hc, ok := w.(halfCloser)
 	if !ok || hc.CloseWrite() != nil {
 		return false, nil
@@ -435,7 +443,7 @@ func halfClose(w http.ResponseWriter, up *delivery) (closed bool, upErr error) {
 	return true, upErr
 }
 
-func (a *Agent) countUpload(up *delivery) {
+func (a *Agent) countUpload(up *h2link.Delivery) {
 	n, _ := up.Result()
 	a.Stats.BytesToDest.Add(n)
 }
@@ -443,7 +451,7 @@ func (a *Agent) countUpload(up *delivery) {
 // deliverUpload carries what the server sends on a stream to the
 // destination and passes the client's half-close on. A failed delivery
 // closes the destination, which ends the download side too.
-func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *delivery {
+func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	after := func(err error) error {
 		if err == nil {
 			err = closeWrite(dest) // the client half-closed: pass it on
@@ -453,14 +461,14 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *delivery {
 		}
 		return err
 	}
-	if lb, ok := body.(*linkBody); ok {
-		return lb.deliverTo(dest, after)
+	if lb, ok := body.(*h2link.Body); ok {
+		return lb.DeliverTo(dest, after)
 	}
-	d := &delivery{done: make(chan struct{})}
+	d := h2link.NewDelivery()
 	go func() {
 		n, err := copyStream(dest, body, nil)
-		d.written.Add(n)
-		d.complete(after(err))
+		d.Add(n)
+		d.Complete(after(err))
 	}()
 	return d
 }

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // Strategy is one way of choosing an agent for a dial; the server tries its
@@ -46,7 +48,7 @@ type agentConn struct {
 	ids      Identifiers
 	remote   string
 	since    time.Time
-	cc       *link
+	cc       *h2link.Conn
 	conn     *watchedConn
 	streams  atomic.Int64
 	draining atomic.Bool
@@ -54,6 +56,8 @@ type agentConn struct {
 	bytesTo, bytesFrom atomic.Int64
 
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
+	principal   Principal          // what the agent's credential proves; fixed at login
+	cred        *linkCredential    // the credential the link stands on; set before it is registered
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no cc
 }
 
