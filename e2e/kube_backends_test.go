@@ -19,6 +19,10 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/httpstream"
+	"k8s.io/apimachinery/pkg/util/httpstream/spdy"
 )
 
 // kubeBackend is one TLS HTTP server on addr.
@@ -146,6 +150,8 @@ func (k *kubeletStandIn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			case <-time.After(100 * time.Millisecond):
 			}
 		}
+	case strings.HasPrefix(r.URL.Path, "/exec/") && strings.HasSuffix(r.URL.Path, "/"+kubeExecContainer):
+		serveSPDYExec(w, r)
 	case strings.HasPrefix(r.URL.Path, "/exec/"), strings.HasPrefix(r.URL.Path, "/portForward/"):
 		if !strings.EqualFold(r.Header.Get("Connection"), "Upgrade") && !strings.Contains(strings.ToLower(r.Header.Get("Connection")), "upgrade") {
 			http.Error(w, "upgrade required", http.StatusBadRequest)
@@ -270,4 +276,40 @@ type upgradeRefused struct {
 
 func (e *upgradeRefused) Error() string {
 	return "upgrade refused: status " + strconv.Itoa(e.code) + ": " + e.body
+}
+
+// kubeExecContainer is the container whose exec the stand-in serves as a
+// kubelet does: SPDY streams of the channel.k8s.io protocols, here a `cat`
+// (stdin copied to stdout, then a success status on the error stream).
+const kubeExecContainer = "shell"
+
+func serveSPDYExec(w http.ResponseWriter, r *http.Request) {
+	if _, err := httpstream.Handshake(r, w, []string{"v4.channel.k8s.io"}); err != nil {
+		return // Handshake answered the client
+	}
+	streams := make(chan httpstream.Stream, 8)
+	conn := spdy.NewResponseUpgrader().UpgradeResponse(w, r, func(s httpstream.Stream, _ <-chan struct{}) error {
+		streams <- s
+		return nil
+	})
+	if conn == nil {
+		return
+	}
+	defer conn.Close()
+	byType := map[string]httpstream.Stream{}
+	timeout := time.After(10 * time.Second)
+	for byType[corev1.StreamTypeError] == nil || byType[corev1.StreamTypeStdin] == nil || byType[corev1.StreamTypeStdout] == nil {
+		select {
+		case s := <-streams:
+			byType[s.Headers().Get(corev1.StreamType)] = s
+		case <-timeout:
+			return
+		}
+	}
+	_, _ = io.Copy(byType[corev1.StreamTypeStdout], byType[corev1.StreamTypeStdin])
+	byType[corev1.StreamTypeStdout].Close()
+	_ = json.NewEncoder(byType[corev1.StreamTypeError]).Encode(map[string]any{
+		"kind": "Status", "apiVersion": "v1", "status": "Success",
+	})
+	byType[corev1.StreamTypeError].Close()
 }

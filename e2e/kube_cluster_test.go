@@ -175,6 +175,8 @@ type kubeCluster struct {
 	etcd      *proc
 	admin     *http.Client
 	adminTLS  *tls.Config
+	adminCert string // the admin's client certificate and key files
+	adminKey  string
 }
 
 // startKubeCluster starts etcd and kube-apiserver. egressConfig is the
@@ -209,7 +211,8 @@ func startKubeCluster(t *testing.T, apiserverBin, etcdBin, egressConfig string, 
 		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
 		[]net.IP{net.IPv4(127, 0, 0, 1), advertise, net.IPv4(10, 96, 0, 1)})
 	kubeletCert, kubeletKey, _ := k.issue(t, "apiserver-kubelet-client", true, "kube-apiserver-kubelet-client", nil, nil, nil)
-	_, _, adminPair := k.issue(t, "admin", true, "e2e-admin", []string{"system:masters"}, nil, nil)
+	var adminPair tls.Certificate
+	c.adminCert, c.adminKey, adminPair = k.issue(t, "admin", true, "e2e-admin", []string{"system:masters"}, nil, nil)
 	saKey := newKey(t)
 	saKeyDER, err := x509.MarshalPKCS8PrivateKey(saKey)
 	if err != nil {

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -20,6 +21,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/remotecommand"
 )
 
 // TestKubeAPIServer runs the server under a real kube-apiserver and etcd:
@@ -333,7 +337,10 @@ func pod(name, ns, sa string) map[string]any {
 		"nodeName":                     kubeNode,
 		"serviceAccountName":           sa,
 		"automountServiceAccountToken": false,
-		"containers":                   []any{map[string]any{"name": "app", "image": "example.invalid/app"}},
+		"containers": []any{
+			map[string]any{"name": "app", "image": "example.invalid/app"},
+			map[string]any{"name": kubeExecContainer, "image": "example.invalid/shell"},
+		},
 	}
 	return p
 }
@@ -401,6 +408,7 @@ var kubeChecks = []kubeCheck{
 		return upgradeEcho(e.c, "/api/v1/namespaces/"+kubeNS+"/pods/target/exec?command=cat&stdin=true&stdout=true&container=app",
 			"v4.channel.k8s.io", 256<<10)
 	}},
+	{"pods/exec (kubectl's WebSocket)", (*kubeEnv).checkExecWebSocket},
 	{"pods/portforward", func(e *kubeEnv, _ int) error {
 		return upgradeEcho(e.c, "/api/v1/namespaces/"+kubeNS+"/pods/target/portforward?ports=8080",
 			"portforward.k8s.io", 256<<10)
@@ -564,6 +572,7 @@ func (e *kubeEnv) checkKubeletRequests(t *testing.T) {
 	want := []string{
 		"/containerLogs/" + kubeNS + "/target/app",
 		"/exec/" + kubeNS + "/target/app?",
+		"/exec/" + kubeNS + "/target/" + kubeExecContainer + "?",
 		"/portForward/" + kubeNS + "/target",
 	}
 	seen := strings.Join(e.kubelet.seen(), "\n")
@@ -642,4 +651,34 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	if failed.Load() != 0 || ok.Load() < 10 {
 		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed: %s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
 	}
+}
+
+// checkExecWebSocket runs exec as kubectl 1.37 does (client-go's WebSocket
+// executor, v5.channel.k8s.io): kube-apiserver translates it into SPDY
+// streams toward a kubelet that does not declare ExtendWebSocketsToKubelet,
+// through the tunnel. 128 KiB go to stdin and must come back on stdout.
+func (e *kubeEnv) checkExecWebSocket(int) error {
+	cfg := &rest.Config{
+		Host: e.c.url,
+		TLSClientConfig: rest.TLSClientConfig{
+			CAFile: e.c.pki.caFile, CertFile: e.c.adminCert, KeyFile: e.c.adminKey,
+		},
+	}
+	u := e.c.url + "/api/v1/namespaces/" + kubeNS + "/pods/target/exec?container=" + kubeExecContainer +
+		"&command=cat&stdin=true&stdout=true"
+	ex, err := remotecommand.NewWebSocketExecutor(cfg, http.MethodGet, u)
+	if err != nil {
+		return err
+	}
+	want := pattern(128 << 10)
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: bytes.NewReader(want), Stdout: &out}); err != nil {
+		return fmt.Errorf("websocket exec: %w", err)
+	}
+	if sha(out.Bytes()) != sha(want) {
+		return fmt.Errorf("websocket exec: stdout %d bytes (sha %s), want %d (sha %s)", out.Len(), sha(out.Bytes()), len(want), sha(want))
+	}
+	return nil
 }
