@@ -196,6 +196,9 @@ func (p *selParser) requirement() (requirement, error) {
 			return requirement{}, fmt.Errorf("key %q: expected ',' or ')' in the value set", key)
 		}
 	}
+	if len(values) == 1 && values[0] == "" {
+		return requirement{}, fmt.Errorf("key %q: the value set of %s must not be empty", key, op)
+	}
 	sort.Strings(values)
 	return requirement{key: key, op: op, values: values}, nil
 }
