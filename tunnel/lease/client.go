@@ -129,11 +129,8 @@ func NewClient(cfg *auth.RESTConfig, namespace string) (*Client, error) {
 	if cfg == nil {
 		return nil, errors.New("lease client: no apiserver config")
 	}
-	if err := validName(namespace, 63); err != nil || strings.Contains(namespace, ".") {
-		if err == nil {
-			err = errors.New("must not contain '.'")
-		}
-		return nil, fmt.Errorf("lease namespace %q: %w", namespace, err)
+	if err := CheckName(namespace, ""); err != nil {
+		return nil, err
 	}
 	return &Client{
 		http:      cfg.HTTPClient(),
@@ -409,6 +406,25 @@ func (b *budgetReader) Read(p []byte) (int, error) {
 	n, err := b.r.Read(p)
 	b.budget -= int64(n)
 	return n, err
+}
+
+// CheckName checks that namespace (and name, unless empty) are what the
+// apiserver accepts for a Lease, so a bad flag fails at start, not at every
+// renewal.
+func CheckName(namespace, name string) error {
+	if err := validName(namespace, 63); err != nil || strings.Contains(namespace, ".") {
+		if err == nil {
+			err = errors.New("must not contain '.'")
+		}
+		return fmt.Errorf("lease namespace %q: %w", truncate(namespace, 64), err)
+	}
+	if name == "" {
+		return nil
+	}
+	if err := validName(name, 253); err != nil {
+		return fmt.Errorf("lease name %q: %w", truncate(name, 260), err)
+	}
+	return nil
 }
 
 // validName checks a DNS-1123 subdomain (a Lease or namespace name), up to
