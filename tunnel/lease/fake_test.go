@@ -147,18 +147,6 @@ func (f *fakeAPI) get(ns, name string) (*Lease, bool) {
 	return l, true
 }
 
-func (f *fakeAPI) names(ns string) []string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	var out []string
-	for key := range f.objects {
-		if n, ok := strings.CutPrefix(key, ns+"/"); ok {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
 // compact makes watches from any resourceVersion seen so far fail with 410.
 func (f *fakeAPI) compact() {
 	f.mu.Lock()
