@@ -119,7 +119,8 @@ func (c *Controller) Run(ctx context.Context) {
 // Release deletes the server's Lease, so agents stop counting this server at
 // once instead of when it expires. Call it after Run returned.
 func (c *Controller) Release(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	// Short: the process is stopping, and an unreleased Lease expires.
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	err := c.cfg.Client.Delete(ctx, c.name, "")
 	if err != nil && !isCode(err, http.StatusNotFound) {

@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
@@ -11,6 +12,11 @@ import (
 
 	"github.com/spinifex/konnectivity/tunnel"
 )
+
+// maxLeases bounds the Leases a Counter tracks: a selector that matches
+// far more than any set of server replicas is a mistake, and the map must
+// not grow without bound.
+const maxLeases = 10000
 
 // CounterConfig configures an agent's Counter.
 type CounterConfig struct {
@@ -101,6 +107,11 @@ func (c *Counter) Run(ctx context.Context) {
 				return
 			}
 			c.listLog.failed(err)
+			// Without the apiserver, go on counting what was last seen:
+			// Leases that run out stop counting, as with upstream's cache.
+			if c.reported != 0 {
+				c.recount()
+			}
 			if !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
 				return
 			}
@@ -108,19 +119,23 @@ func (c *Counter) Run(ctx context.Context) {
 		}
 		c.listLog.ok("servers", c.Count())
 		// Follow the list with watches until one cannot continue from
-		// where the last ended; then list again after a pause.
-		for ctx.Err() == nil {
-			var ok bool
-			rv, ok = c.watch(ctx, rv)
-			if !ok {
-				break
-			}
+		// where the last ended; then list again, at once or after a pause.
+		next := watchAgain
+		for next == watchAgain && ctx.Err() == nil {
+			rv, next = c.watch(ctx, rv)
 		}
-		if !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
+		if next == listLater && !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
 			return
 		}
 	}
 }
+
+// What follows a watch.
+const (
+	watchAgain = iota // the watch ran its time: continue from its last resourceVersion
+	listNow           // the resourceVersion is too old, or a Lease ran out: list again at once
+	listLater         // the watch failed: list again after PollInterval
+)
 
 func (c *Counter) list(ctx context.Context) (string, error) {
 	lctx, cancel := context.WithTimeout(ctx, callTimeout)
@@ -130,6 +145,9 @@ func (c *Counter) list(ctx context.Context) (string, error) {
 	c.metrics.observeList(err, time.Since(start))
 	if err != nil {
 		return "", err
+	}
+	if len(leases) > maxLeases {
+		return "", fmt.Errorf("%d server leases match; more than %d is not a konnectivity deployment (check --lease-label-selector)", len(leases), maxLeases)
 	}
 	clear(c.leases)
 	for _, l := range leases {
@@ -142,8 +160,13 @@ func (c *Counter) list(ctx context.Context) (string, error) {
 }
 
 // watch follows one watch from rv. It returns the resourceVersion to go on
-// from and whether a new watch may continue from it (false: list again).
-func (c *Counter) watch(ctx context.Context, rv string) (string, bool) {
+// from and what to do next.
+//
+// When a counted Lease runs out the watch ends for a new list, which
+// recounts: a Lease expires without an event, and the list tells a server
+// that stopped renewing from a watch that silently stopped delivering
+// renewals (without a list, the count drops then anyway).
+func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	timeout := c.cfg.WatchTimeout + time.Duration(rand.Int64N(int64(c.cfg.WatchTimeout)))
@@ -153,7 +176,10 @@ func (c *Counter) watch(ctx context.Context, rv string) (string, bool) {
 		if ctx.Err() == nil && !isCode(err, http.StatusGone) {
 			c.watchLog.failed(err)
 		}
-		return rv, false
+		if isCode(err, http.StatusGone) {
+			return rv, listNow
+		}
+		return rv, listLater
 	}
 	c.watchLog.ok()
 	// Drain the channel on the way out so the watch's reader ends.
@@ -168,24 +194,28 @@ func (c *Counter) watch(ctx context.Context, rv string) (string, bool) {
 		c.armExpiry(expiry)
 		select {
 		case <-ctx.Done():
-			return rv, false
+			return rv, listLater
 		case <-expiry.C:
-			c.recount()
+			return rv, listNow
 		case ev, open := <-events:
 			if !open {
 				err := werr()
 				switch {
 				case err == nil:
-					return rv, true // the watch ran its time
+					return rv, watchAgain
 				case isCode(err, http.StatusGone):
-					return rv, false // too old: list again
+					return rv, listNow
 				default:
 					c.watchLog.failed(err)
-					return rv, false
+					return rv, listLater
 				}
 			}
 			rv = ev.ResourceVersion
 			if ev.Lease != nil {
+				if _, known := c.leases[ev.Lease.Name]; !known && ev.Type != "DELETED" && len(c.leases) >= maxLeases {
+					c.watchLog.failed(fmt.Errorf("more than %d server leases match (check --lease-label-selector)", maxLeases))
+					return rv, listLater
+				}
 				if ev.Type == "DELETED" || !c.cfg.Selector.Matches(ev.Lease.Labels) {
 					delete(c.leases, ev.Lease.Name)
 				} else {
