@@ -613,6 +613,7 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 // and deletes the server's Lease. Without apiserver access it logs why and
 // the server runs without a Lease: leases never stop the data path.
 func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func()) {
+	lease.RegisterServerMetrics(metrics)
 	if !o.leases.enable {
 		return func() {}
 	}

@@ -471,6 +471,11 @@ func TestLeaseCountWithoutAPI(t *testing.T) {
 	if !strings.Contains(out, "--lease-label is deprecated") {
 		t.Errorf("no deprecation warning for --lease-label:\n%s", out)
 	}
+	// Upstream exports the unlabelled lease counter whether or not the
+	// controller runs; so does this server.
+	if v := metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_culled_leases_count"); v != 0 {
+		t.Errorf("culled_leases_count = %v, want 0", v)
+	}
 	if n := strings.Count(s.proc.out.String(), "lease controller off"); n != 1 {
 		t.Errorf("server said %d times that it keeps no lease, want once:\n%s", n, s.proc.out.String())
 	}

@@ -29,6 +29,15 @@ type serverMetrics struct {
 	renewErr *tunnel.Counter
 }
 
+// RegisterServerMetrics registers the server's unlabelled lease series, so
+// that they are exported (at 0) with the lease controller off too, as
+// upstream's are.
+func RegisterServerMetrics(m *tunnel.Metrics) { culledCounter(m) }
+
+func culledCounter(m *tunnel.Metrics) *tunnel.Counter {
+	return m.Counter(serverPrefix+"culled_leases_count", "Count of expired leases that the lease garbage collection controller has culled.", nil)
+}
+
 func newServerMetrics(m *tunnel.Metrics) *serverMetrics {
 	if m == nil {
 		m = tunnel.NewMetrics()
@@ -37,7 +46,7 @@ func newServerMetrics(m *tunnel.Metrics) *serverMetrics {
 	const renewalsHelp = "Attempts to create or renew this server's own Lease, by result."
 	return &serverMetrics{
 		m:        m,
-		culled:   m.Counter(serverPrefix+"culled_leases_count", "Count of expired leases that the lease garbage collection controller has culled.", nil),
+		culled:   culledCounter(m),
 		renewOK:  m.Counter(renewals, renewalsHelp, []string{"result"}, "success"),
 		renewErr: m.Counter(renewals, renewalsHelp, []string{"result"}, "failure"),
 	}
