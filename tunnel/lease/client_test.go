@@ -74,6 +74,7 @@ func TestClientBoundsAnswers(t *testing.T) {
 // A watch whose apiserver never ends it is ended by the client's own
 // deadline, and cancelling the context ends it at once.
 func TestClientWatchEnds(t *testing.T) {
+	checkNoLeaks(t)
 	hold := make(chan struct{})
 	defer close(hold)
 	c := rawClient(t, func(w http.ResponseWriter, r *http.Request) {

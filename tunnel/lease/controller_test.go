@@ -128,6 +128,7 @@ func metricsText(m *tunnel.Metrics) string {
 }
 
 func TestControllerCreatesRenewsAndReleases(t *testing.T) {
+	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	rc := startController(t, client, "server-a", nil)
 	name := "konnectivity-proxy-server-server-a"
@@ -187,6 +188,7 @@ func TestControllerRecreatesDeletedLease(t *testing.T) {
 }
 
 func TestControllerCullsExpiredLeases(t *testing.T) {
+	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	now := time.Now()
 	f.put(testNS, leaseObject(NamePrefix+"dead", "dead", testLabels, now.Add(-time.Minute), 30))
@@ -252,6 +254,7 @@ func TestControllerCullSparesRenewedLease(t *testing.T) {
 // API failures are retried and logged once, never fatal; the recovery is
 // logged once too.
 func TestControllerLogsFailuresOnce(t *testing.T) {
+	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	var mu sync.Mutex
 	failing := true

@@ -68,6 +68,7 @@ func (rc *runningCounter) quiet(t *testing.T, d time.Duration) {
 }
 
 func TestCounterFollowsLeases(t *testing.T) {
+	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	now := time.Now()
 	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, now, 30))
@@ -138,6 +139,7 @@ func TestCounterExpiresLeases(t *testing.T) {
 
 // A watch from a compacted resourceVersion (410) leads to a new list.
 func TestCounterRelistsAfterGone(t *testing.T) {
+	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, time.Now(), 30))
 	var mu sync.Mutex
@@ -162,6 +164,7 @@ func TestCounterRelistsAfterGone(t *testing.T) {
 // Without the watch verb the counter falls back to listing every poll
 // interval, and says so once.
 func TestCounterPollsWhenWatchForbidden(t *testing.T) {
+	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, time.Now(), 30))
 	f.setFail(func(r *http.Request) (int, string) {

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -457,4 +458,23 @@ func leaseObject(name, holder string, labels map[string]string, renew time.Time,
 			"renewTime":            formatTime(renew),
 		},
 	}
+}
+
+// checkNoLeaks fails the test if goroutines started during it still run
+// once its cleanups (the fake's Close among them) are done.
+func checkNoLeaks(t *testing.T) {
+	t.Helper()
+	base := runtime.NumGoroutine()
+	t.Cleanup(func() {
+		deadline := time.Now().Add(5 * time.Second)
+		for runtime.NumGoroutine() > base {
+			if time.Now().After(deadline) {
+				buf := make([]byte, 1<<20)
+				buf = buf[:runtime.Stack(buf, true)]
+				t.Errorf("goroutines: %d at start, %d after cleanup\n%s", base, runtime.NumGoroutine(), buf)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
 }
