@@ -261,7 +261,8 @@ func (c *Counter) recount() {
 	c.mu.Unlock()
 	if n != c.reported {
 		if c.reported != 0 {
-			c.log.Info("server lease count changed", "servers", n, "was", c.reported)
+			// The user of the count logs what it changes.
+			c.log.Debug("server lease count changed", "servers", n, "was", c.reported)
 		} else {
 			c.log.Info("counting server leases", "servers", n)
 		}
