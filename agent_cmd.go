@@ -22,6 +22,7 @@ type agentOptions struct {
 	agentCert, agentKey    string
 	agentID, identifiers   string
 	tokenPath              string
+	tokenRefresh           time.Duration
 	healthHost             string
 	healthPort             int
 	adminBindAddress       string
@@ -40,6 +41,7 @@ type agentOptions struct {
 	tlsMinVersion          string
 	allowDestinations      string
 	denyDestinations       string
+	openDestinations       string
 	destinations           *tunnel.DestinationPolicy
 	leases                 agentLeaseOptions
 }
@@ -89,8 +91,9 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.StringVar(&o.agentCert, "agent-cert", "", "client certificate for mTLS (read again on every connect)")
 	f.StringVar(&o.agentKey, "agent-key", "", "client key for mTLS")
 	f.StringVar(&o.agentID, "agent-id", "", "agent ID (default: $PROXY_AGENT_ID, else the host name)")
-	f.StringVar(&o.identifiers, "agent-identifiers", "", "identifiers for destHost routing, e.g. host=node1&ipv4=10.0.0.5&default-route=true")
+	f.StringVar(&o.identifiers, "agent-identifiers", "", "identifiers for destHost routing, e.g. host=node1&ipv4=10.0.0.5 (cidr= and default-route=true need the server's --route-agents)")
 	f.StringVar(&o.tokenPath, "service-account-token-path", "", "ServiceAccount token file sent as a bearer token (read again on every connect)")
+	f.DurationVar(&o.tokenRefresh, "token-refresh-interval", 30*time.Second, "how often the token file is read again; a new token is presented to every server without dropping tunnels")
 	f.StringVar(&o.healthHost, "health-server-host", "", "address the health server binds to (default all)")
 	f.IntVar(&o.healthPort, "health-server-port", 8093, "port of /healthz, /livez and /readyz; 0 disables it")
 	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
@@ -105,7 +108,8 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
-	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); the cloud metadata addresses are always denied unless allowed by a /24 or narrower rule")
+	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")
+	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
 	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 
@@ -153,7 +157,9 @@ func (o *agentOptions) complete() error {
 		return err
 	}
 	var err error
-	if o.destinations, err = tunnel.NewDestinationPolicy(o.allowDestinations, o.denyDestinations); err != nil {
+	if o.destinations, err = tunnel.NewDestinationPolicy(tunnel.DestinationRules{
+		Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations,
+	}); err != nil {
 		return err
 	}
 	if o.leases.parsed, err = lease.ParseSelector(o.leases.selector); err != nil {
@@ -242,6 +248,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	if o.tokenPath != "" {
 		cfg.Token = o.token
+		cfg.TokenRefresh = o.tokenRefresh
 	}
 	metrics := tunnel.NewMetrics()
 	addProcessMetrics(metrics, "konnectivity_network_proxy_agent_")

@@ -47,6 +47,10 @@ type AgentConfig struct {
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
+	// TokenRefresh is how often each link reads the token again and, when
+	// it changed, presents it to its server on the control stream, so a
+	// rotated token never drops a tunnel (default 30s).
+	TokenRefresh time.Duration
 
 	DialTimeout  time.Duration // destination dial bound (default 5s)
 	KeepAlive    time.Duration // idle time before an HTTP/2 PING (default 30s)
@@ -62,8 +66,8 @@ type AgentConfig struct {
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 	// Metrics receives the agent's metrics; nil makes a private registry.
 	Metrics *Metrics
-	// Destinations limits what the agent dials; nil denies only the cloud
-	// metadata addresses.
+	// Destinations limits what the agent dials; nil denies only the
+	// built-in ranges (link-local, cloud metadata) and zoned addresses.
 	Destinations *DestinationPolicy
 
 	Logger *slog.Logger
@@ -76,6 +80,7 @@ func (c *AgentConfig) setDefaults() {
 	defaultDuration(&c.DrainTimeout, 30*time.Second)
 	defaultDuration(&c.SyncInterval, time.Second)
 	defaultDuration(&c.SyncCap, 10*time.Second)
+	defaultDuration(&c.TokenRefresh, 30*time.Second)
 	if c.SyncCap < c.SyncInterval {
 		c.SyncCap = c.SyncInterval
 	}
@@ -93,7 +98,7 @@ func (c *AgentConfig) setDefaults() {
 		c.Metrics = NewMetrics()
 	}
 	if c.Destinations == nil {
-		c.Destinations, _ = NewDestinationPolicy("", "")
+		c.Destinations, _ = NewDestinationPolicy(DestinationRules{})
 	}
 	if c.Resolver == nil {
 		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
@@ -308,7 +313,8 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 		}
 		// Allowed addresses are tried in the resolver's order, as a
 		// plain dial of the name would.
-		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(ip.Unmap(), uint16(port)).String())
+		// The checked address, as Check saw it, is the one dialled.
+		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(dialAddr(ip), uint16(port)).String())
 		if err == nil {
 			return conn, nil
 		}
