@@ -53,6 +53,7 @@ type serverOptions struct {
 	adminBindAddress      string
 	enableProfiling       bool
 	serverID              string
+	serverIDFixed         bool // from --server-id or $PROXY_SERVER_ID: the same after a self-restart
 	serverCount           int
 	proxyStrategies       string
 	agentWait             time.Duration
@@ -200,6 +201,7 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.serverID == "" {
 		o.serverID = os.Getenv("PROXY_SERVER_ID")
 	}
+	o.serverIDFixed = o.serverID != ""
 	if o.serverID == "" {
 		var b [8]byte
 		rand.Read(b[:])
@@ -442,7 +444,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	defer func() { stopMem(); <-pagesDone; <-trimDone }()
 
 	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
-	defer func() { stopLeases() }()
+	defer func() { stopLeases(true) }()
 
 	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
 	var runErr error
@@ -460,8 +462,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			log.Info("restarting in place: draining tunnels", "trigger", why, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
 			o.stopServing(srv, o.restartGrace, log, serving, nServing)
-			stopLeases() // the new image keeps its own Lease
-			stopLeases = func() {}
+			// With a fixed server ID the new image renews the same Lease,
+			// so agents never see the count dip; a random ID is a new
+			// server, and the old one's Lease goes now.
+			stopLeases(!o.serverIDFixed)
+			stopLeases = func(bool) {}
 			for _, s := range services {
 				s.stop()
 			}
@@ -474,8 +479,8 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
 	o.stopServing(srv, o.gracefulShutdown, log, serving, nServing)
-	stopLeases()
-	stopLeases = func() {}
+	stopLeases(true)
+	stopLeases = func(bool) {}
 	if o.udsName != "" {
 		// An adopted socket does not unlink itself on close.
 		if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -680,17 +685,18 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 	return auth.InClusterConfig()
 }
 
-// startLeases runs the lease controller until ctx ends; stop waits for it
-// and deletes the server's Lease. Without apiserver access it logs why and
-// the server runs without a Lease: leases never stop the data path.
-func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func()) {
+// startLeases runs the lease controller until stop is called; stop waits
+// for it and, if release, deletes the server's Lease. Without apiserver
+// access it logs why and the server runs without a Lease: leases never stop
+// the data path.
+func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func(release bool)) {
 	lease.RegisterServerMetrics(metrics)
 	if !o.leases.enable {
-		return func() {}
+		return func(bool) {}
 	}
-	fail := func(err error) func() {
+	fail := func(err error) func(bool) {
 		log.Error("lease controller off: this server keeps no Lease, so agents that count leases do not count it", "err", err)
-		return func() {}
+		return func(bool) {}
 	}
 	rc, err := o.restConfig()
 	if err != nil {
@@ -718,9 +724,12 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics
 	lctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); ctl.Run(lctx) }()
-	return func() {
+	return func(release bool) {
 		cancel()
 		<-done
+		if !release {
+			return
+		}
 		if err := ctl.Release(context.Background()); err != nil {
 			log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
 			return

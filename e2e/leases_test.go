@@ -319,7 +319,8 @@ func (f *fakeLeaseAPI) watch(w http.ResponseWriter, r *http.Request, ns string, 
 // TestLeaseServerCount: three servers keep Leases, an agent that only
 // knows a load balancer counts them. Scaling to two and back to three is
 // followed by the agent within one sync interval of the Lease change; a
-// server that dies without deleting its Lease is culled by the others.
+// server that re-executes itself keeps its Lease; a server that dies
+// without deleting its Lease is culled by the others.
 func TestLeaseServerCount(t *testing.T) {
 	dir := t.TempDir()
 	p := newPKI(t, dir)
@@ -408,6 +409,28 @@ func TestLeaseServerCount(t *testing.T) {
 		}
 		waitMesh(t, servers, []*agent{ag}, 3, convergeBound)
 		checkReachable(t, servers[2].egressDialer(t), backend, "b1", 5)
+	})
+
+	t.Run("self-restart-keeps-lease", func(t *testing.T) {
+		// With a fixed server ID the re-executed image renews the same
+		// Lease: it is never deleted, so agents never count one less.
+		s := servers[0]
+		metricsURL := s.healthURL("/metrics")
+		before := startTime(metricsURL)
+		s.proc.signal(t, syscall.SIGHUP)
+		waitNewImage(t, s.proc, metricsURL, before, 20*time.Second)
+		restarted := time.Now()
+		cs := api.clientset(t)
+		waitFor(t, 10*time.Second, "s1's lease renewed by the new image", func() bool {
+			l, err := cs.Leases("kube-system").Get(context.Background(), "konnectivity-proxy-server-s1", metav1.GetOptions{})
+			return err == nil && l.Spec.RenewTime != nil && l.Spec.RenewTime.After(restarted)
+		})
+		if _, deleted := api.times("konnectivity-proxy-server-s1"); !deleted.IsZero() {
+			t.Errorf("s1's lease was deleted during the self-restart")
+		}
+		if n := knownCount(); n != 3 {
+			t.Errorf("agent wants %v servers after s1's restart, want 3", n)
+		}
 	})
 
 	t.Run("crashed-server-culled", func(t *testing.T) {
