@@ -2,6 +2,7 @@ package lease
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -287,5 +288,20 @@ func TestCounterExpiresDuringOutage(t *testing.T) {
 	rc.next(t, 1, 5*time.Second)
 	if n := rc.logs.count("count server leases failed"); n != 1 {
 		t.Fatalf("%d failure lines, want 1:\n%s", n, rc.logs)
+	}
+}
+
+// A selector that matches far more Leases than any set of servers is
+// refused with a clear error, not tracked without bound.
+func TestCounterBoundsTrackedLeases(t *testing.T) {
+	f, client, _ := newTestClient(t)
+	now := time.Now()
+	for i := range maxLeases + 1 {
+		f.put(testNS, leaseObject(fmt.Sprintf("l-%d", i), "h", testLabels, now, 30))
+	}
+	rc := startCounter(t, client, "k8s-app=konnectivity-server", nil)
+	waitFake(t, f, "the refusal", func() bool { return rc.logs.count("more than 10000 is not a konnectivity deployment") == 1 })
+	if rc.c.Count() != 0 {
+		t.Fatalf("count %d from an oversized list", rc.c.Count())
 	}
 }
