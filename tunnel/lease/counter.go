@@ -52,8 +52,9 @@ type Counter struct {
 	watchLog stateLog
 
 	// Owned by Run's goroutine.
-	leases   map[string]*Lease // matching Leases by name
-	reported int               // last count given to OnChange; 0 before the first
+	leases              map[string]*Lease // matching Leases by name
+	reported            int               // last count given to OnChange; 0 before the first
+	lastList, lastWatch time.Time         // when each call was last started (see pace)
 
 	mu    sync.Mutex
 	count int // guarded by mu; 0 until the first successful list
@@ -137,7 +138,25 @@ const (
 	listLater         // the watch failed: list again after PollInterval
 )
 
+// minCallGap keeps list and watch calls at least this far apart each, so
+// an apiserver that ends every watch at once, or answers every watch with
+// 410, is not called in a tight loop.
+const minCallGap = time.Second
+
+// pace waits until last is minCallGap ago and records the new call; false
+// means ctx ended.
+func pace(ctx context.Context, last *time.Time) bool {
+	if wait := minCallGap - time.Since(*last); wait > 0 && !sleep(ctx, wait) {
+		return false
+	}
+	*last = time.Now()
+	return true
+}
+
 func (c *Counter) list(ctx context.Context) (string, error) {
+	if !pace(ctx, &c.lastList) {
+		return "", ctx.Err()
+	}
 	lctx, cancel := context.WithTimeout(ctx, callTimeout)
 	defer cancel()
 	start := time.Now()
@@ -167,6 +186,9 @@ func (c *Counter) list(ctx context.Context) (string, error) {
 // that stopped renewing from a watch that silently stopped delivering
 // renewals (without a list, the count drops then anyway).
 func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
+	if !pace(ctx, &c.lastWatch) {
+		return rv, listLater
+	}
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	timeout := c.cfg.WatchTimeout + time.Duration(rand.Int64N(int64(c.cfg.WatchTimeout)))

@@ -305,3 +305,24 @@ func TestCounterBoundsTrackedLeases(t *testing.T) {
 		t.Fatalf("count %d from an oversized list", rc.c.Count())
 	}
 }
+
+// An apiserver that answers every watch with 410 is not called in a tight
+// loop: lists and watches are each at least a second apart.
+func TestCounterPacesCalls(t *testing.T) {
+	f, client, _ := newTestClient(t)
+	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, time.Now(), 30))
+	f.setFail(func(r *http.Request) (int, string) {
+		if r.URL.Query().Get("watch") == "true" {
+			return http.StatusGone, "Expired"
+		}
+		return 0, ""
+	})
+	start := time.Now()
+	rc := startCounter(t, client, "k8s-app=konnectivity-server", nil)
+	rc.next(t, 1, 5*time.Second)
+	waitFake(t, f, "a third list", func() bool { return f.requests("LIST") >= 3 })
+	el := time.Since(start)
+	if lists := f.requests("LIST"); float64(lists) > el.Seconds()/minCallGap.Seconds()+1 {
+		t.Fatalf("%d lists in %v", lists, el)
+	}
+}
