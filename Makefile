@@ -57,7 +57,7 @@ e2e: build
 # build cache). Needs root for a private network namespace (unshare) and
 # iproute2; .ci/run installs them.
 e2e-kube: build
-	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 60m -run '^TestKubeAPIServer$$' -v .
+	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 75m -run '^TestKubeAPIServer$$' -v .
 
 OVERLAY          ?= bin/eks-node-overlay.tar.gz
 AGENT_IMAGE      ?= bin/konnectivity-agent-image.tar

@@ -39,7 +39,7 @@ const (
 	shippedSocket       = "/run/konnectivity/konnectivity-server.socket"
 	// kubeBuildTimeout bounds a cold build of kube-apiserver on a loaded
 	// 2-core machine.
-	kubeBuildTimeout = 40 * time.Minute
+	kubeBuildTimeout = 60 * time.Minute
 	// apiserverStartTimeout bounds kube-apiserver's start to /readyz.
 	apiserverStartTimeout = 3 * time.Minute
 )
