@@ -152,6 +152,8 @@ func (k *kubeletStandIn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	case strings.HasPrefix(r.URL.Path, "/exec/") && strings.HasSuffix(r.URL.Path, "/"+kubeExecContainer):
 		serveSPDYExec(w, r)
+	case r.URL.Path == "/portForward/"+kubeNS+"/"+kubeForwardPod:
+		serveSPDYPortForward(w, r)
 	case strings.HasPrefix(r.URL.Path, "/exec/"), strings.HasPrefix(r.URL.Path, "/portForward/"):
 		if !strings.EqualFold(r.Header.Get("Connection"), "Upgrade") && !strings.Contains(strings.ToLower(r.Header.Get("Connection")), "upgrade") {
 			http.Error(w, "upgrade required", http.StatusBadRequest)
@@ -312,4 +314,44 @@ func serveSPDYExec(w http.ResponseWriter, r *http.Request) {
 		"kind": "Status", "apiVersion": "v1", "status": "Success",
 	})
 	byType[corev1.StreamTypeError].Close()
+}
+
+// kubeForwardPod is the Pod whose port-forward the stand-in serves as a
+// kubelet does (portforward.k8s.io SPDY streams), echoing every data
+// stream whatever its port.
+const kubeForwardPod = "fwd"
+
+func serveSPDYPortForward(w http.ResponseWriter, r *http.Request) {
+	if _, err := httpstream.Handshake(r, w, []string{"portforward.k8s.io"}); err != nil {
+		return
+	}
+	streams := make(chan httpstream.Stream, 8)
+	conn := spdy.NewResponseUpgrader().UpgradeResponse(w, r, func(s httpstream.Stream, _ <-chan struct{}) error {
+		streams <- s
+		return nil
+	})
+	if conn == nil {
+		return
+	}
+	defer conn.Close()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		select {
+		case s := <-streams:
+			if s.Headers().Get(corev1.StreamType) != corev1.StreamTypeData {
+				continue // the error stream stays open, unused
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, _ = io.Copy(s, s)
+				s.Close()
+			}()
+		case <-conn.CloseChan():
+			return
+		case <-time.After(time.Minute):
+			return
+		}
+	}
 }

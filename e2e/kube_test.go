@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,6 +24,7 @@ import (
 	"time"
 
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/portforward"
 	"k8s.io/client-go/tools/remotecommand"
 )
 
@@ -178,6 +180,7 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 	// whose logs, exec and port-forward go to the kubelet stand-in.
 	c.create(t, "/api/v1/namespaces/kube-system/pods", pod("konnectivity-agent-"+kubeNode, "kube-system", "konnectivity-agent"))
 	c.create(t, "/api/v1/namespaces/"+kubeNS+"/pods", pod("target", kubeNS, "default"))
+	c.create(t, "/api/v1/namespaces/"+kubeNS+"/pods", pod(kubeForwardPod, kubeNS, "default"))
 
 	// --- The agent's token from the real TokenRequest API, bound to its Pod.
 	tr := c.create(t, "/api/v1/namespaces/kube-system/serviceaccounts/konnectivity-agent/token", map[string]any{
@@ -413,6 +416,7 @@ var kubeChecks = []kubeCheck{
 		return upgradeEcho(e.c, "/api/v1/namespaces/"+kubeNS+"/pods/target/portforward?ports=8080",
 			"portforward.k8s.io", 256<<10)
 	}},
+	{"pods/portforward (kubectl's WebSocket)", (*kubeEnv).checkPortForwardWebSocket},
 	{"aggregated API", (*kubeEnv).checkAggregated},
 }
 
@@ -574,6 +578,7 @@ func (e *kubeEnv) checkKubeletRequests(t *testing.T) {
 		"/exec/" + kubeNS + "/target/app?",
 		"/exec/" + kubeNS + "/target/" + kubeExecContainer + "?",
 		"/portForward/" + kubeNS + "/target",
+		"/portForward/" + kubeNS + "/" + kubeForwardPod,
 	}
 	seen := strings.Join(e.kubelet.seen(), "\n")
 	for _, w := range want {
@@ -658,12 +663,7 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 // streams toward a kubelet that does not declare ExtendWebSocketsToKubelet,
 // through the tunnel. 128 KiB go to stdin and must come back on stdout.
 func (e *kubeEnv) checkExecWebSocket(int) error {
-	cfg := &rest.Config{
-		Host: e.c.url,
-		TLSClientConfig: rest.TLSClientConfig{
-			CAFile: e.c.pki.caFile, CertFile: e.c.adminCert, KeyFile: e.c.adminKey,
-		},
-	}
+	cfg := e.restConfig()
 	u := e.c.url + "/api/v1/namespaces/" + kubeNS + "/pods/target/exec?container=" + kubeExecContainer +
 		"&command=cat&stdin=true&stdout=true"
 	ex, err := remotecommand.NewWebSocketExecutor(cfg, http.MethodGet, u)
@@ -679,6 +679,78 @@ func (e *kubeEnv) checkExecWebSocket(int) error {
 	}
 	if sha(out.Bytes()) != sha(want) {
 		return fmt.Errorf("websocket exec: stdout %d bytes (sha %s), want %d (sha %s)", out.Len(), sha(out.Bytes()), len(want), sha(want))
+	}
+	return nil
+}
+
+// restConfig is the admin's client-go configuration.
+func (e *kubeEnv) restConfig() *rest.Config {
+	return &rest.Config{
+		Host: e.c.url,
+		TLSClientConfig: rest.TLSClientConfig{
+			CAFile: e.c.pki.caFile, CertFile: e.c.adminCert, KeyFile: e.c.adminKey,
+		},
+	}
+}
+
+// checkPortForwardWebSocket forwards a local port as kubectl 1.37 does
+// (SPDY tunnelled in a WebSocket to kube-apiserver, which passes the SPDY
+// connection on to the kubelet stand-in through the tunnel) and echoes
+// 128 KiB through it.
+func (e *kubeEnv) checkPortForwardWebSocket(int) error {
+	u, err := url.Parse(e.c.url + "/api/v1/namespaces/" + kubeNS + "/pods/" + kubeForwardPod + "/portforward")
+	if err != nil {
+		return err
+	}
+	d, err := portforward.NewSPDYOverWebsocketDialer(u, e.restConfig())
+	if err != nil {
+		return err
+	}
+	stop, ready := make(chan struct{}), make(chan struct{})
+	var errOut bytes.Buffer
+	pf, err := portforward.NewOnAddresses(d, []string{"127.0.0.1"}, []string{"0:8080"}, stop, ready, io.Discard, &errOut)
+	if err != nil {
+		return err
+	}
+	done := make(chan error, 1)
+	go func() { done <- pf.ForwardPorts() }()
+	defer func() {
+		close(stop)
+		<-done
+	}()
+	select {
+	case <-ready:
+	case err := <-done:
+		done <- err // for the deferred receive
+		return fmt.Errorf("websocket port-forward: %w", err)
+	case <-time.After(30 * time.Second):
+		return fmt.Errorf("websocket port-forward: not ready in 30s")
+	}
+	ports, err := pf.GetPorts()
+	if err != nil || len(ports) != 1 {
+		return fmt.Errorf("websocket port-forward: ports %v, %v", ports, err)
+	}
+	c, err := net.DialTimeout("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))), 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	want := pattern(128 << 10)
+	werr := make(chan error, 1)
+	go func() {
+		_, err := c.Write(want)
+		werr <- err
+	}()
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return fmt.Errorf("websocket port-forward: read echo: %w (write: %v; %s)", err, <-werr, errOut.String())
+	}
+	if err := <-werr; err != nil {
+		return fmt.Errorf("websocket port-forward: write: %w", err)
+	}
+	if sha(got) != sha(want) {
+		return fmt.Errorf("websocket port-forward: echo differs")
 	}
 	return nil
 }
