@@ -295,7 +295,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
+	a.metrics.packets.inc(segToAgent, pktDialReq)
 	dest := a.openDestination(w, r)
+	a.metrics.packets.inc(segFromAgent, pktDialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
 	}
@@ -376,12 +378,17 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	up := a.deliverUpload(r.Body, dest)
 	var n int64
 	var downErr error
+	// Each read from the destination is sent as one DATA Packet.
+	to := &packetWriter{w: w, c: packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}}
 	if rc := rawSocket(dest); rc != nil {
-		n, downErr = copyFromSocket(w, rc, flush) // one frame less than copyStream
+		n, downErr = copyFromSocket(to, rc, flush) // one frame less than copyStream
 	} else {
-		n, downErr = copyStream(w, dest, flush)
+		n, downErr = copyStream(to, dest, flush)
 	}
 	a.Stats.BytesFromDest.Add(n)
+	if downErr == nil {
+		a.metrics.packets.inc(segFromAgent, pktCloseRsp) // the destination's end, as END_STREAM
+	}
 	select {
 	case <-up.Done():
 		if _, upErr := up.Result(); downErr == nil && upErr == nil {
@@ -415,6 +422,11 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	a.countUpload(up)
 	r.Body.Close()
 	a.metrics.resets.Inc()
+	if downErr != nil {
+		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), pktData)
+	} else {
+		a.metrics.streamErrs.inc(segToAgent, codeCanceled, pktData)
+	}
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)
@@ -446,7 +458,8 @@ func (a *Agent) countUpload(up *delivery) {
 func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *delivery {
 	after := func(err error) error {
 		if err == nil {
-			err = closeWrite(dest) // the client half-closed: pass it on
+			a.metrics.packets.inc(segToAgent, pktCloseReq) // END_STREAM from the server
+			err = closeWrite(dest)                         // the client half-closed: pass it on
 		}
 		if err != nil {
 			dest.Close()

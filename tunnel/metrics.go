@@ -217,9 +217,12 @@ var (
 func escapeLabel(s string) string { return labelEscaper.Replace(s) }
 func escapeHelp(s string) string  { return helpEscaper.Replace(s) }
 
-// Buckets used by the upstream metrics of the same names.
+// Buckets of the upstream metrics of the same names, so that recorded
+// dashboards keep their meaning: the server's latencies (dial_duration_seconds,
+// frontend_write_duration_seconds), the server's connection_duration_seconds
+// and the agent's dial_duration_seconds.
 var (
-	dialBuckets       = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
-	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 12.5, 30}
-	connectionBuckets = []float64{1, 10, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600}
+	latencyBuckets    = []float64{0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
+	connectionBuckets = []float64{1, 5, 15, 30, 60, 300, 900, 1800, 3600, 14400, 43200, 86400}
+	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
 )

@@ -523,6 +523,7 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 		}
 		switch strings.TrimSpace(line) {
 		case controlDrain:
+			s.metrics.packets.inc(segFromAgent, pktDrain)
 			a.draining.Store(true)
 			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
 		}
@@ -606,6 +607,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		// net/http reports a line cut short by the deadline as malformed.
 		err = statusErrorf(http.StatusRequestTimeout, "request head not received in time")
 	}
+	s.metrics.packets.inc(segFromClient, pktDialReq)
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
@@ -640,14 +642,20 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		s.metrics.packets.inc(segToClient, pktDialRsp)
 		writeStatus(conn, StatusCode(err), errMsg(err))
 		return nil, nil
 	}
 	s.Stats.DialsOK.Add(1)
-	if _, err := io.WriteString(conn, connectEstablished); err != nil {
+	s.metrics.packets.inc(segToClient, pktDialRsp)
+	written := time.Now()
+	_, err = io.WriteString(conn, connectEstablished)
+	s.metrics.frontendWrite.ObserveDuration(time.Since(written))
+	if err != nil {
 		st.close()
 		return nil, nil
 	}
+	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][pktData], &s.metrics.packets.n[segToAgent][pktData]}
 	return st, up
 }
 
@@ -655,14 +663,19 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 // upstream agent) or whose client is not a plain socket: this goroutine
 // copies what the agent sends to the client.
 func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
-	n, err := copyStream(conn, st.body, nil)
+	// Each write to the client is a DATA Packet received from the agent and
+	// sent on to the client.
+	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData]}}
+	n, err := copyStream(to, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		// The agent reset the stream or the client went away: abort both.
 		s.metrics.resets.Inc()
+		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
 		return
 	}
+	s.metrics.countEnd()
 	// The destination finished sending. Pass the half-close on and wait for
 	// the client to finish sending too (or for the agent to stop reading).
 	closeWrite(conn)
@@ -701,7 +714,10 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody) {
 	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		s.metrics.resets.Inc()
+		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
+		return
 	}
+	s.metrics.countEnd()
 }
 
 // maxConnectHead bounds a CONNECT request head; kube-apiserver's is ~50 bytes.
@@ -850,10 +866,16 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)
+	s.metrics.packets.inc(segToAgent, pktDialReq)
 	resp, err := a.roundTrip(req)
 	timer.Stop()
 	stopGone()
 	if err != nil {
+		if why.Load() == reasonFrontendClosed {
+			s.metrics.packets.inc(segToAgent, pktDialCls) // RST_STREAM before the answer
+		} else {
+			s.metrics.streamErrs.inc(segToAgent, streamErrorCode(err), pktDialReq)
+		}
 		body.abandon()
 		a.streams.Add(-1)
 		cancel()
@@ -865,6 +887,7 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		}
 		return nil, fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
 	}
+	s.metrics.packets.inc(segFromAgent, pktDialRsp)
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()

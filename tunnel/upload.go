@@ -28,6 +28,10 @@ type upload struct {
 	counters      []*atomic.Int64 // bytes read are added to each
 	raw           syscall.RawConn // the client's socket, when it is a plain one: see copyTo
 	callerSends   bool            // the frontend sends the body itself (see sentByCaller)
+	// packets counts each chunk sent on as one DATA Packet (see packets.go)
+	// in each counter that is set; set before start, read after it.
+	packets packetCounter
+	sender  packetWriter // sendFromSocket's counting writer, kept here so it costs no allocation
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -117,6 +121,9 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 	for _, c := range b.u.counters {
 		c.Add(int64(n))
 	}
+	if n > 0 {
+		b.u.packets.inc()
+	}
 	if err != nil {
 		b.u.finish()
 	}
@@ -153,6 +160,7 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 		_, err := w.Write(p)
 		u.br.Discard(n)
 		u.count(n)
+		u.packets.inc()
 		if err != nil {
 			u.finish()
 			return err
@@ -167,7 +175,8 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 }
 
 func (b *uploadBody) sendFromSocket(w io.Writer) error {
-	n, err := copyFromSocket(w, b.u.raw, nil)
+	b.u.sender = packetWriter{w: w, c: b.u.packets}
+	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
 	b.u.finish()
 	return err
