@@ -656,6 +656,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		return nil, nil
 	}
 	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][pktData], &s.metrics.packets.n[segToAgent][pktData]}
+	up.closes = packetCounter{&s.metrics.packets.n[segFromClient][pktCloseReq], &s.metrics.packets.n[segToAgent][pktCloseReq]}
 	return st, up
 }
 

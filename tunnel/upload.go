@@ -31,7 +31,8 @@ type upload struct {
 	// packets counts each chunk sent on as one DATA Packet (see packets.go)
 	// in each counter that is set; set before start, read after it.
 	packets packetCounter
-	sender  packetWriter // sendFromSocket's counting writer, kept here so it costs no allocation
+	closes  packetCounter // the client's clean end of sending (EOF)
+	sender  packetWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -124,6 +125,9 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 	if n > 0 {
 		b.u.packets.inc()
 	}
+	if err == io.EOF {
+		b.u.closes.inc()
+	}
 	if err != nil {
 		b.u.finish()
 	}
@@ -178,6 +182,9 @@ func (b *uploadBody) sendFromSocket(w io.Writer) error {
 	b.u.sender = packetWriter{w: w, c: b.u.packets}
 	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
+	if err == nil {
+		b.u.closes.inc()
+	}
 	b.u.finish()
 	return err
 }
