@@ -379,12 +379,13 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	var n int64
 	var downErr error
 	// Each read from the destination is sent as one DATA Packet.
-	to := &packetWriter{w: w, c: packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}}
+	to := a.countingWriter(w)
 	if rc := rawSocket(dest); rc != nil {
 		n, downErr = copyFromSocket(to, rc, flush) // one frame less than copyStream
 	} else {
 		n, downErr = copyStream(to, dest, flush)
 	}
+	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
 	if downErr == nil {
 		a.metrics.packets.inc(segFromAgent, pktCloseRsp) // the destination's end, as END_STREAM
@@ -430,6 +431,13 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)
+}
+
+// countingWriter counts each write to w as a DATA Packet from the agent.
+func (a *Agent) countingWriter(w io.Writer) *packetWriter {
+	pw := packetWriters.Get().(*packetWriter)
+	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}
+	return pw
 }
 
 // halfClose handles a destination that finished first while the client is

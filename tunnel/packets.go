@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"io"
+	"sync"
 	"sync/atomic"
 )
 
@@ -99,6 +100,15 @@ type packetWriter struct {
 func (p *packetWriter) Write(b []byte) (int, error) {
 	p.c.inc()
 	return p.w.Write(b)
+}
+
+// packetWriters recycles the counting writers of tunnels that ended, so
+// that counting costs no allocation per tunnel.
+var packetWriters = sync.Pool{New: func() any { return new(packetWriter) }}
+
+func putPacketWriter(p *packetWriter) {
+	*p = packetWriter{}
+	packetWriters.Put(p)
 }
 
 // packetCounter is the counts one event adds to: up to two, since one
