@@ -35,7 +35,15 @@ var identifierKeys = []string{"host", "ipv4", "ipv6", "cidr", "default-route"}
 // ParseIdentifiers parses upstream's --agent-identifiers syntax. Bad query
 // syntax and unknown keys are errors, as upstream's agent refuses them; a
 // value that cannot be used is dropped and listed in Ignored.
-func ParseIdentifiers(s string) (Identifiers, error) {
+func ParseIdentifiers(s string) (Identifiers, error) { return parseIdentifiers(s, true) }
+
+// parseFromAgent reads the identifiers an agent sent as upstream's server
+// does: an unknown key is dropped (listed in Ignored) rather than refused,
+// so an agent newer than the server, with a key the server does not know,
+// still connects.
+func parseFromAgent(s string) (Identifiers, error) { return parseIdentifiers(s, false) }
+
+func parseIdentifiers(s string, strictKeys bool) (Identifiers, error) {
 	var ids Identifiers
 	if len(s) > maxIdentifiersLen {
 		return ids, fmt.Errorf("agent identifiers: %d bytes, more than the %d allowed", len(s), maxIdentifiersLen)
@@ -59,6 +67,10 @@ func ParseIdentifiers(s string) (Identifiers, error) {
 			return Identifiers{}, fmt.Errorf("agent identifiers %q: %w", s, err)
 		}
 		if !slices.Contains(identifierKeys, key) {
+			if !strictKeys {
+				ids.Ignored = append(ids.Ignored, fmt.Sprintf("%s=%s: unknown key", key, value))
+				continue
+			}
 			return Identifiers{}, fmt.Errorf("agent identifiers: unknown identifier %q (want host, ipv4, ipv6, cidr or default-route)", key)
 		}
 		if why := ids.add(key, value); why != "" {

@@ -79,3 +79,17 @@ func TestParseIdentifiersRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestParseFromAgent: the server, as upstream's, drops what it does not
+// know instead of refusing the agent; bad syntax and size are still refused.
+func TestParseFromAgent(t *testing.T) {
+	ids, err := parseFromAgent("host=n1&zone=a&ipv4=${HOST_IP}")
+	if err != nil || !slices.Equal(ids.Hosts, []string{"n1"}) || len(ids.Ignored) != 2 {
+		t.Errorf("got %+v, %v", ids, err)
+	}
+	for _, in := range []string{"host=%zz", strings.Repeat("h", maxIdentifiersLen+1)} {
+		if _, err := parseFromAgent(in); err == nil {
+			t.Errorf("%q: accepted", in)
+		}
+	}
+}

@@ -459,7 +459,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		conn.Close()
 		return
 	}
-	ids, _ := ParseIdentifiers(hello.Identifiers) // checked in admit
+	ids, _ := parseFromAgent(hello.Identifiers) // checked in admit
 	if err := writeSwitching(conn, s.cfg.ID, s.cfg.Count); err != nil {
 		conn.Close()
 		return
@@ -539,7 +539,7 @@ func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) error {
 	if s.isShutting() {
 		return statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
 	}
-	if _, err := ParseIdentifiers(h.Identifiers); err != nil {
+	if _, err := parseFromAgent(h.Identifiers); err != nil {
 		return statusErrorf(http.StatusBadRequest, "%v", err)
 	}
 	if s.cfg.AuthenticateAgent == nil {

@@ -84,7 +84,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		grpcTrailersOnly(w, code, errMsg(err))
 		return
 	}
-	ids, _ := ParseIdentifiers(hello.Identifiers)
+	ids, _ := parseFromAgent(hello.Identifiers)
 
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")
