@@ -345,6 +345,9 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	cancel()
 	if err != nil {
 		a.Stats.DialsFailed.Add(1)
+		if r.Context().Err() != nil {
+			a.metrics.packets.inc(segToAgent, pktDialCls) // the server gave the dial up (RST_STREAM)
+		}
 		code := http.StatusBadGateway
 		var ne net.Error
 		var denied *deniedError

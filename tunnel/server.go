@@ -641,6 +641,9 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
+		if failureReason(err) == reasonFrontendClosed {
+			s.metrics.packets.inc(segFromClient, pktDialCls) // the client hung up during the dial
+		}
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		s.metrics.packets.inc(segToClient, pktDialRsp)
 		writeStatus(conn, StatusCode(err), errMsg(err))
