@@ -466,6 +466,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
+	s.metrics.packets.inc(segFromClient, pktDialReq) // a CONNECT request read and admitted
 
 	// The agent sends nothing more until it has read the 101, so the
 	// handshake's buffer is normally empty and can be let go.
@@ -607,7 +608,6 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		// net/http reports a line cut short by the deadline as malformed.
 		err = statusErrorf(http.StatusRequestTimeout, "request head not received in time")
 	}
-	s.metrics.packets.inc(segFromClient, pktDialReq)
 	if err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
