@@ -466,7 +466,6 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
-	s.metrics.packets.inc(segFromClient, pktDialReq) // a CONNECT request read and admitted
 
 	// The agent sends nothing more until it has read the 101, so the
 	// handshake's buffer is normally empty and can be let go.
@@ -630,6 +629,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
+	s.metrics.packets.inc(segFromClient, pktDialReq) // a CONNECT request read and its peer admitted
 
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
 	up.raw = rawSocket(conn)
