@@ -40,6 +40,12 @@ type ServerConfig struct {
 	// cheap checks (duplicate server, malformed hello); a *StatusError sets
 	// the status the agent sees. Nil admits every agent.
 	AuthenticateAgent func(ctx context.Context, c AgentCredentials) error
+	// IdentifyAgent, when set, is used instead of AuthenticateAgent: it
+	// also says what the credential proves, which Identity binds the
+	// agent's ID and identifiers to.
+	IdentifyAgent func(ctx context.Context, c AgentCredentials) (Principal, error)
+	// Identity says what an agent may claim given its Principal.
+	Identity IdentityPolicy
 	// CheckFrontendPeer may refuse a frontend connection (403) before its
 	// request is read, for example by the peer's Unix credentials.
 	CheckFrontendPeer func(net.Conn) error
@@ -104,6 +110,7 @@ type Server struct {
 
 	Stats         ServerStats
 	metrics       *serverMetrics
+	identity      *identityState
 	quiet         *logLimiter  // repeated warnings: one line per key per 10s
 	hangups       hangups      // open Unix-socket tunnels, swept for clients that left
 	spareFD       *os.File     // released to answer 503 when out of file descriptors
@@ -136,6 +143,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		frontends: make(map[net.Conn]struct{}),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
+	s.identity = newIdentityState(cfg.Metrics)
 	s.quiet = newLogLimiter(10 * time.Second)
 	s.hangups.tunnels = map[net.Conn]*hangupEntry{}
 	s.spareFD, _ = os.Open(os.DevNull)
@@ -439,8 +447,9 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
 	hello, err := readHello(br)
+	var principal Principal
 	if err == nil {
-		err = s.admit(hello, tlsState)
+		principal, err = s.admit(hello, tlsState)
 	}
 	if err != nil {
 		code := StatusCode(err)
@@ -481,8 +490,17 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl}
-	if old := s.agents.add(a); old != nil {
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl, principal: principal}
+	s.watchCredential(a, hello.Token, tlsState)
+	old, ok := s.agents.claim(a)
+	if !ok {
+		stopControl()
+		a.endCredential()
+		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote)
+		cc.Close()
+		return
+	}
+	if old != nil {
 		// The same agent reconnected; its old connection may be half-dead.
 		// Let its tunnels finish, but route new dials to the new one.
 		old.draining.Store(true)
@@ -497,6 +515,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	// what it holds, not a parked stack): closing it unregisters the agent.
 	wc.onClose(func() {
 		stopControl()
+		a.endCredential()
 		s.agents.remove(a)
 		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.closeReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
 	})
@@ -515,13 +534,18 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 	}
 	defer resp.Body.Close()
 	// A small reader: this sits idle on every agent connection.
-	lines := bufio.NewReaderSize(io.LimitReader(resp.Body, 1<<20), 64)
+	lines := bufio.NewReaderSize(resp.Body, 64)
 	for {
-		line, err := lines.ReadString('\n')
+		line, err := readControlLine(lines)
 		if err != nil {
 			return
 		}
-		switch strings.TrimSpace(line) {
+		line = strings.TrimSpace(line)
+		if token, ok := strings.CutPrefix(line, controlToken+" "); ok {
+			s.newToken(a, strings.TrimSpace(token))
+			continue
+		}
+		switch line {
 		case controlDrain:
 			s.metrics.packets.inc(segFromAgent, pktDrain)
 			a.draining.Store(true)
@@ -531,23 +555,26 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate
-// connection costs no token review.
-func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) error {
+// connection costs no token review; then it checks that the credential
+// backs the agent's ID and identifiers (identity.go).
+func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) (Principal, error) {
 	if slices.Contains(h.Held, s.cfg.ID) {
-		return statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
+		return Principal{}, statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
 	}
 	if s.isShutting() {
-		return statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
+		return Principal{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
 	}
-	if _, err := parseFromAgent(h.Identifiers); err != nil {
-		return statusErrorf(http.StatusBadRequest, "%v", err)
-	}
-	if s.cfg.AuthenticateAgent == nil {
-		return nil
+	ids, err := parseFromAgent(h.Identifiers)
+	if err != nil {
+		return Principal{}, statusErrorf(http.StatusBadRequest, "%v", err)
 	}
 	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
 	defer cancel()
-	return s.cfg.AuthenticateAgent(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState})
+	p, err := s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState})
+	if err != nil {
+		return Principal{}, err
+	}
+	return p, s.checkIdentity(ctx, p, h.ID, ids)
 }
 
 func errMsg(err error) string {

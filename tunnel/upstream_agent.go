@@ -66,8 +66,9 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		hello.Token = strings.TrimSpace(token)
 	}
 	err := validID(hello.ID)
+	var principal Principal
 	if err == nil {
-		err = s.admit(hello, tlsState)
+		principal, err = s.admit(hello, tlsState)
 	}
 	if err != nil {
 		s.Stats.AgentsRefused.Add(1)
@@ -102,9 +103,17 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal}
 	ua.agent = a
-	if old := s.agents.add(a); old != nil {
+	s.watchCredential(a, hello.Token, tlsState)
+	defer a.endCredential()
+	old, ok := s.agents.claim(a)
+	if !ok {
+		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote, "protocol", "grpc")
+		g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
+		return
+	}
+	if old != nil {
 		old.draining.Store(true)
 		s.goroutine(func() {
 			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
