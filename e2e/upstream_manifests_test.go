@@ -34,6 +34,9 @@ const (
 	warnLogFileIgnored = "--log-file and --log-dir are ignored while --logtostderr=true"
 	warnProbeInterval  = "flag=--probe-interval"
 	warnIdentifier     = `--agent-identifiers: value ignored; upstream checks keys only, and it names nothing a dial can match" identifier="ipv4=${HOST_IP}: an unexpanded variable`
+	// The fake apiserver answers TokenReviews as Kubernetes before 1.30
+	// does, without the token's node (README "agent identity" row).
+	warnIdentityOff = "agent identity binding is off for tokens without node claims"
 	// The lease flags are not honoured yet (README "lease flags" row).
 	warnLeaseServer = "flag=--enable-lease-controller"
 	warnLeaseAgent  = "flag=--count-server-leases"
@@ -57,7 +60,7 @@ var upstreamManifests = []upstreamManifest{
 			"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
 			"--agent-identifiers=ipv4=$(HOST_IP)",
 		},
-		serverWarns: []string{warnLogFileIgnored},
+		serverWarns: []string{warnLogFileIgnored, warnIdentityOff},
 		agentWarns:  []string{warnProbeInterval},
 	},
 	{
@@ -78,7 +81,7 @@ var upstreamManifests = []upstreamManifest{
 			"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
 			"--agent-identifiers=ipv4=${HOST_IP}", "--count-server-leases",
 		},
-		serverWarns: []string{warnLogFileIgnored, warnLeaseServer},
+		serverWarns: []string{warnLogFileIgnored, warnLeaseServer, warnIdentityOff},
 		agentWarns:  []string{warnProbeInterval, warnIdentifier, warnLeaseAgent},
 	},
 	{
@@ -96,6 +99,7 @@ var upstreamManifests = []upstreamManifest{
 			"--proxy-server-host=${CLUSTER_IP}", "--proxy-server-port=8091",
 			"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
 		},
+		serverWarns: []string{warnIdentityOff},
 	},
 	{
 		name: "anp-e2e-static-count-grpc",
@@ -114,7 +118,7 @@ var upstreamManifests = []upstreamManifest{
 			"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
 			"--agent-identifiers=ipv4=${HOST_IP}", "--admin-bind-address=",
 		},
-		serverWarns: []string{warnLogFileIgnored},
+		serverWarns: []string{warnLogFileIgnored, warnIdentityOff},
 		agentWarns:  []string{warnProbeInterval, warnIdentifier},
 	},
 	{
@@ -135,7 +139,7 @@ var upstreamManifests = []upstreamManifest{
 			"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
 			"--count-server-leases", "--agent-identifiers=ipv4=${HOST_IP}", "--admin-bind-address=",
 		},
-		serverWarns: []string{warnLogFileIgnored, warnLeaseServer},
+		serverWarns: []string{warnLogFileIgnored, warnLeaseServer, warnIdentityOff},
 		agentWarns:  []string{warnProbeInterval, warnIdentifier, warnLeaseAgent},
 	},
 	{
@@ -152,6 +156,7 @@ var upstreamManifests = []upstreamManifest{
 			"--proxy-server-host=35.225.206.7", "--proxy-server-port=8132", "--admin-server-port=8133",
 			"--health-server-port=8134", "--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
 		},
+		serverWarns: []string{warnIdentityOff},
 	},
 }
 
