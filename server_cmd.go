@@ -61,6 +61,8 @@ type serverOptions struct {
 	keepaliveTime         time.Duration
 	pingTimeout           time.Duration
 	maxStreamsPerAgent    int
+	maxUnadmitted         int
+	maxAgentReviews       int
 	tlsMinVersion         string
 	readyzRequiresAgent   bool
 	tokenReviewTimeout    time.Duration
@@ -120,7 +122,9 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: destHost, default, defaultRoute")
 	f.DurationVar(&o.agentWait, "agent-wait", 5*time.Second, "how long a dial waits for an agent to connect before 503")
 	f.DurationVar(&o.backendDialTimeout, "backend-dial-timeout", 10*time.Second, "bound from CONNECT to the agent's dial answer (504 after it); below kube-apiserver's 30s")
-	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head or an agent handshake")
+	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
+	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
+	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
 	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to an agent")
 	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before the agent is dropped")
@@ -193,6 +197,9 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	}
 	if o.serverCount < 1 {
 		return fmt.Errorf("--server-count=%d: want at least 1", o.serverCount)
+	}
+	if o.maxUnadmitted < 1 || o.maxAgentReviews < 1 {
+		return fmt.Errorf("--max-unadmitted-agent-connections=%d, --max-concurrent-agent-reviews=%d: want at least 1 each", o.maxUnadmitted, o.maxAgentReviews)
 	}
 	if _, err := tunnel.ParseStrategies(o.proxyStrategies); err != nil {
 		return fmt.Errorf("--proxy-strategies: %w", err)
@@ -316,6 +323,8 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		KeepAlive:          o.keepaliveTime,
 		PingTimeout:        o.pingTimeout,
 		MaxStreamsPerAgent: o.maxStreamsPerAgent,
+		MaxUnadmitted:      o.maxUnadmitted,
+		MaxReviews:         o.maxAgentReviews,
 		Metrics:            metrics,
 		Logger:             log,
 	}

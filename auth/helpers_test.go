@@ -118,6 +118,8 @@ type fakeAPIServer struct {
 	certPEM  []byte // a client cert the server accepts
 	keyPEM   []byte
 	requests atomic.Int64
+	hangs    atomic.Int64 // requests held by "hang"
+	hungUp   atomic.Int64 // of those, ended by the client cancelling its request
 
 	mu         sync.Mutex
 	tokens     map[string]identity
@@ -226,8 +228,10 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "internal error reviewing "+req.Spec.Token, http.StatusInternalServerError)
 		return
 	case "hang":
+		f.hangs.Add(1)
 		select {
 		case <-r.Context().Done():
+			f.hungUp.Add(1)
 		case <-release:
 		}
 		http.Error(w, "gave up", http.StatusServiceUnavailable)

@@ -134,9 +134,11 @@ type cacheEntry struct {
 // flight is one TokenReview in progress; identical concurrent requests wait
 // for it instead of sending their own.
 type flight struct {
-	done chan struct{}
-	id   Identity
-	err  error
+	done    chan struct{}
+	id      Identity           // set before done is closed
+	err     error              // set before done is closed
+	cancel  context.CancelFunc // ends the review: its last waiter left, or it is done
+	waiters int                // callers waiting for done; guarded by TokenReviewer.mu
 }
 
 // NewTokenReviewer returns a reviewer that calls the apiserver described by
@@ -205,30 +207,42 @@ func (r *TokenReviewer) Review(ctx context.Context, bearerToken string) (Identit
 	}
 	f, ok := r.inflight[key]
 	if !ok {
-		f = &flight{done: make(chan struct{})}
-		r.inflight[key] = f
 		// The review runs on its own so that a caller giving up does not
-		// fail the others waiting for it; Timeout bounds its life.
-		go r.run(context.WithoutCancel(ctx), key, bearerToken, f)
+		// fail the others waiting for it; the last one to give up cancels
+		// it, so a peer that leaves leaves no call behind. Timeout bounds
+		// its life.
+		runCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.timeout)
+		f = &flight{done: make(chan struct{}), cancel: cancel}
+		r.inflight[key] = f
+		go r.run(runCtx, key, bearerToken, f)
 	}
+	f.waiters++
 	r.mu.Unlock()
 
 	select {
 	case <-f.done:
 		return f.id, f.err
 	case <-ctx.Done():
+		r.mu.Lock()
+		f.waiters--
+		if f.waiters == 0 && r.inflight[key] == f {
+			delete(r.inflight, key) // a later caller starts afresh
+			f.cancel()
+		}
+		r.mu.Unlock()
 		return Identity{}, unavailable("authentication abandoned", ctx.Err())
 	}
 }
 
 func (r *TokenReviewer) run(ctx context.Context, key [32]byte, token string, f *flight) {
-	ctx, cancel := context.WithTimeout(ctx, r.timeout)
-	defer cancel()
+	defer f.cancel()
 	id, err := r.review(ctx, token)
 	id.Expires = tokenExpiry(token)
 
 	r.mu.Lock()
-	delete(r.inflight, key)
+	if r.inflight[key] == f {
+		delete(r.inflight, key)
+	}
 	if StatusOf(err) != http.StatusServiceUnavailable {
 		r.store(key, id, err, id.Expires)
 	}

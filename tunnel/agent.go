@@ -15,6 +15,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.
@@ -231,7 +233,7 @@ func (a *Agent) goAwayLinks() {
 	defer a.mu.Unlock()
 	for l := range a.links {
 		if lk := l.link.Load(); lk != nil {
-			lk.goAwayNow()
+			lk.GoAwayNow()
 		}
 	}
 }
@@ -454,7 +456,7 @@ func (a *Agent) countingWriter(w io.Writer) *packetWriter {
 // the upload goes on until the client ends it too, so a destination that
 // still reads loses nothing. closed is false when no half-close was
 // possible (the upload still runs); otherwise upErr is how the upload ended.
-func halfClose(w http.ResponseWriter, up *delivery) (closed bool, upErr error) {
+func halfClose(w http.ResponseWriter, up *h2link.Delivery) (closed bool, upErr error) {
 	hc, ok := w.(halfCloser)
 	if !ok || hc.CloseWrite() != nil {
 		return false, nil
@@ -464,7 +466,7 @@ func halfClose(w http.ResponseWriter, up *delivery) (closed bool, upErr error) {
 	return true, upErr
 }
 
-func (a *Agent) countUpload(up *delivery) {
+func (a *Agent) countUpload(up *h2link.Delivery) {
 	n, _ := up.Result()
 	a.Stats.BytesToDest.Add(n)
 }
@@ -472,7 +474,7 @@ func (a *Agent) countUpload(up *delivery) {
 // deliverUpload carries what the server sends on a stream to the
 // destination and passes the client's half-close on. A failed delivery
 // closes the destination, which ends the download side too.
-func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *delivery {
+func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	after := func(err error) error {
 		if err == nil {
 			a.metrics.packets.inc(segToAgent, pktCloseReq) // END_STREAM from the server
@@ -483,14 +485,14 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *delivery {
 		}
 		return err
 	}
-	if lb, ok := body.(*linkBody); ok {
-		return lb.deliverTo(dest, after)
+	if lb, ok := body.(*h2link.Body); ok {
+		return lb.DeliverTo(dest, after)
 	}
-	d := &delivery{done: make(chan struct{})}
+	d := h2link.NewDelivery()
 	go func() {
 		n, err := copyStream(dest, body, nil)
-		d.written.Add(n)
-		d.complete(after(err))
+		d.Add(n)
+		d.Complete(after(err))
 	}()
 	return d
 }

@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // target is one address the agent dials. serverName is the name the
@@ -33,7 +35,7 @@ type serverLink struct {
 	conn  *watchedConn
 	done  chan struct{} // closed when the link has stopped serving
 
-	link      atomic.Pointer[link] // set once HTTP/2 runs on conn
+	link      atomic.Pointer[h2link.Conn] // set once HTTP/2 runs on conn
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
 	streams   atomic.Int64  // open tunnels on this link
@@ -341,12 +343,15 @@ func (a *Agent) serveLink(l *serverLink) {
 		a.streams.Add(1)
 		go func() { defer a.streams.Done(); f() }()
 	}
-	lk, err := newAgentLink(l.conn, a.cfg.KeepAlive, a.cfg.PingTimeout, a.cfg.MaxStreams, handler, context.Background(), spawn)
+	lk, err := h2link.NewServer(l.conn, h2link.Config{
+		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: a.cfg.MaxStreams,
+		Spawn: spawn, Batch: batcherOf(l.conn),
+	}, handler)
 	if err != nil {
 		a.log.Debug("HTTP/2 set-up failed", "server_id", l.id, "addr", l.addr, "err", err)
 	} else {
 		l.link.Store(lk)
-		lk.serve()
+		lk.Serve()
 	}
 	l.conn.Close()
 	if brokeOff(l.conn) {

@@ -3,13 +3,14 @@ package tunnel
 import (
 	"errors"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // Copy buffers come in two sizes. A tunnel starts with a small one, which
@@ -31,7 +32,7 @@ var (
 // cleanly (io.EOF). When flush is non-nil it is called after every write, so
 // interactive streams (exec, logs -f) see bytes at once.
 func copyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err error) {
-	if body, ok := src.(*linkBody); ok && flush == nil {
+	if body, ok := src.(*h2link.Body); ok && flush == nil {
 		return body.WriteTo(dst) // no buffer of our own: the received chunks are written
 	}
 	if rc := rawSocket(src); rc != nil {
@@ -91,22 +92,7 @@ func flusherOf(w http.ResponseWriter) func() {
 
 // rawSocket returns the raw connection of a plain TCP or Unix socket, for
 // copyFromSocket; nil for anything else (TLS, pipes, HTTP bodies).
-func rawSocket(r io.Reader) syscall.RawConn {
-	var sc syscall.Conn
-	switch c := r.(type) {
-	case *net.TCPConn:
-		sc = c
-	case *net.UnixConn:
-		sc = c
-	default:
-		return nil
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return nil
-	}
-	return rc
-}
+func rawSocket(r io.Reader) syscall.RawConn { return h2link.RawSocket(r) }
 
 // copyFromSocket is copyStream for a socket source. It takes a buffer only
 // once the socket has bytes: a read that would block puts the buffer back

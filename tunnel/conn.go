@@ -9,6 +9,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // bufferedConn reads through a bufio.Reader that may already hold bytes that
@@ -104,103 +106,26 @@ func isTemporaryAccept(err error) bool {
 		errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, syscall.EINTR)
 }
 
-// recordBatcher sits under TLS and, while a write is in progress above it,
-// gathers the records TLS produces so they leave in one system call: a
-// 64 KiB HTTP/2 DATA frame is five TLS records, and a write per record was
-// the largest single cost on the byte path. The batch buffer comes from a
-// pool and goes back after each write, so an idle connection holds none.
-type recordBatcher struct {
-	net.Conn
-	mu    sync.Mutex
-	depth int
-	buf   *[]byte // nil outside a batch
-}
+// tlsClient and tlsServer wrap raw in TLS whose records leave in one
+// system call per write (see h2link.Batcher).
+func tlsClient(raw net.Conn, cfg *tls.Config) *h2link.BatchedTLS { return h2link.TLSClient(raw, cfg) }
 
-var batchBufs = sync.Pool{New: func() any { b := make([]byte, 0, batchFlushAt+tlsRecordMax); return &b }}
+func tlsServer(raw net.Conn, cfg *tls.Config) *h2link.BatchedTLS { return h2link.TLSServer(raw, cfg) }
 
-func (b *recordBatcher) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.depth == 0 {
-		return b.Conn.Write(p)
+// batcherOf finds the batcher under one of this package's connections,
+// for h2link.Config.Batch; nil if there is none.
+func batcherOf(c net.Conn) *h2link.Batcher {
+	switch c := c.(type) {
+	case *watchedConn:
+		return batcherOf(c.Conn)
+	case *bufferedConn:
+		return batcherOf(c.Conn)
+	case *h2link.BatchedTLS:
+		return c.Batcher()
+	case *h2link.Batcher:
+		return c
 	}
-	if b.buf == nil {
-		b.buf = batchBufs.Get().(*[]byte)
-	}
-	*b.buf = append(*b.buf, p...)
-	if len(*b.buf) >= batchFlushAt { // keep the batch bounded: send it now
-		if err := b.flushLocked(); err != nil {
-			return 0, err
-		}
-	}
-	return len(p), nil
-}
-
-// flushLocked writes the batch and returns its buffer to the pool.
-func (b *recordBatcher) flushLocked() error {
-	if b.buf == nil {
-		return nil
-	}
-	var err error
-	if len(*b.buf) > 0 {
-		_, err = b.Conn.Write(*b.buf)
-	}
-	*b.buf = (*b.buf)[:0]
-	batchBufs.Put(b.buf)
-	b.buf = nil
-	return err
-}
-
-func (b *recordBatcher) begin() {
-	b.mu.Lock()
-	b.depth++
-	b.mu.Unlock()
-}
-
-// end sends what was gathered. It holds the lock while writing so records
-// from a concurrent writer cannot overtake them.
-func (b *recordBatcher) end() error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.depth--
-	if b.depth > 0 {
-		return nil
-	}
-	return b.flushLocked()
-}
-
-// batchFlushAt bounds a batch: two whole DATA frames of maxFrameSize (what
-// one large copy buffer holds) with their headers and the TLS overhead of
-// their records fit, so they leave in one write.
-const (
-	batchFlushAt = 2*maxFrameSize + 4<<10
-	tlsRecordMax = 16<<10 + 256 // a record's plaintext limit plus its overhead
-)
-
-// batchedTLS is a TLS connection whose writes go out in one system call.
-type batchedTLS struct {
-	*tls.Conn
-	raw *recordBatcher
-}
-
-func (c *batchedTLS) Write(p []byte) (int, error) {
-	c.raw.begin()
-	n, err := c.Conn.Write(p)
-	if ferr := c.raw.end(); err == nil && ferr != nil {
-		err = ferr
-	}
-	return n, err
-}
-
-// tlsClient and tlsServer wrap raw in TLS with batched record writes.
-func tlsClient(raw net.Conn, cfg *tls.Config) *batchedTLS {
-	b := &recordBatcher{Conn: raw}
-	return &batchedTLS{Conn: tls.Client(b, cfg), raw: b}
-}
-
-func tlsServer(raw net.Conn, cfg *tls.Config) *batchedTLS {
-	b := &recordBatcher{Conn: raw}
-	return &batchedTLS{Conn: tls.Server(b, cfg), raw: b}
+	return nil
 }
 
 // defaultDuration sets *d to v when it is zero or negative.

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // Strategy is one way of choosing an agent for a dial; the server tries its
@@ -46,7 +48,7 @@ type agentConn struct {
 	ids      Identifiers
 	remote   string
 	since    time.Time
-	cc       *link
+	cc       *h2link.Conn
 	conn     *watchedConn
 	streams  atomic.Int64
 	draining atomic.Bool

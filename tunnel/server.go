@@ -18,6 +18,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // AgentCredentials is what an agent presented when it connected.
@@ -57,6 +59,11 @@ type ServerConfig struct {
 	KeepAlive          time.Duration // idle time before an HTTP/2 PING (default 30s)
 	PingTimeout        time.Duration // how long a PING may go unanswered (default 15s)
 	MaxStreamsPerAgent int           // open tunnels per agent before it is skipped (default 10000)
+	// MaxUnadmitted bounds the agent-port connections accepted and not yet
+	// admitted (default 64); MaxReviews the AuthenticateAgent calls in
+	// flight (default 32). See admission.go.
+	MaxUnadmitted int
+	MaxReviews    int
 
 	// Metrics receives the server's metrics; nil makes a private registry.
 	Metrics *Metrics
@@ -75,6 +82,12 @@ func (c *ServerConfig) setDefaults() {
 	}
 	if c.Count < 1 {
 		c.Count = 1
+	}
+	if c.MaxUnadmitted <= 0 {
+		c.MaxUnadmitted = defaultMaxUnadmitted
+	}
+	if c.MaxReviews <= 0 {
+		c.MaxReviews = defaultMaxReviews
 	}
 	if len(c.Strategies) == 0 {
 		c.Strategies = []Strategy{StrategyDefault}
@@ -110,6 +123,7 @@ type Server struct {
 
 	Stats         ServerStats
 	metrics       *serverMetrics
+	gate          *admission // agent-port connections before they are admitted
 	identity      *identityState
 	quiet         *logLimiter  // repeated warnings: one line per key per 10s
 	hangups       hangups      // open Unix-socket tunnels, swept for clients that left
@@ -143,6 +157,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		frontends: make(map[net.Conn]struct{}),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
+	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
 	s.quiet = newLogLimiter(10 * time.Second)
 	s.hangups.tunnels = map[net.Conn]*hangupEntry{}
@@ -174,14 +189,6 @@ func withH2(c *tls.Config) *tls.Config {
 	}
 	return c
 }
-
-// Window and frame sizes on both HTTP/2 ends. A stream window bounds what one
-// stalled tunnel can hold in memory; 1 MiB keeps loopback and LAN streams at
-// full speed (window/RTT).
-const (
-	streamWindow = 1 << 20
-	maxFrameSize = 64 << 10
-)
 
 // ErrServerClosed is returned by the Serve methods after Shutdown or Close.
 var ErrServerClosed = errors.New("server closed")
@@ -419,6 +426,13 @@ func (s *Server) Close() error {
 // HTTP/2 with this server as the client, until the connection ends.
 func (s *Server) serveAgentConn(raw net.Conn) {
 	remote := raw.RemoteAddr().String()
+	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
+	if pc == nil {
+		s.Stats.AgentsRefused.Add(1)
+		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted)
+		return
+	}
+	defer pc.release()
 	conn := raw
 	var tlsState tls.ConnectionState
 	deadline := time.Now().Add(s.cfg.HeaderTimeout)
@@ -440,7 +454,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		if tlsState.NegotiatedProtocol == "h2" {
 			// Upstream's agent: gRPC AgentService/Connect on the same port.
 			raw.SetDeadline(time.Time{})
-			s.serveUpstreamAgent(conn, tlsState, remote)
+			s.serveUpstreamAgent(conn, tlsState, remote, pc)
 			return
 		}
 	}
@@ -449,7 +463,14 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	hello, err := readHello(br)
 	var principal Principal
 	if err == nil {
-		principal, err = s.admit(hello, tlsState)
+		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		stop := watchHangup(conn, cancel)
+		principal, err = s.admit(ctx, hello, tlsState, remote)
+		if !stop() && err == nil {
+			err = statusErrorf(http.StatusBadRequest, "the agent hung up or sent data before the handshake answer")
+		}
+		cancel()
+		conn.SetReadDeadline(deadline)
 	}
 	if err != nil {
 		code := StatusCode(err)
@@ -469,6 +490,10 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ids, _ := parseFromAgent(hello.Identifiers) // checked in admit
+	if !pc.admit() {
+		conn.Close() // the header timeout came first
+		return
+	}
 	if err := writeSwitching(conn, s.cfg.ID, s.cfg.Count); err != nil {
 		conn.Close()
 		return
@@ -483,7 +508,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		h2conn = &bufferedConn{Conn: conn, r: br}
 	}
 	wc := newWatchedConn(h2conn)
-	cc, err := newLink(wc, s.cfg.KeepAlive, s.cfg.PingTimeout, s.goroutine)
+	cc, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc)})
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
 		wc.Close()
@@ -556,8 +581,10 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 
 // admit runs the cheap checks first and authentication last, so a duplicate
 // connection costs no token review; then it checks that the credential
-// backs the agent's ID and identifiers (identity.go).
-func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) (Principal, error) {
+// backs the agent's ID and identifiers (identity.go). ctx bounds both,
+// under one review slot (admission.go): the connection's deadline, or the
+// login stream's life.
+func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) (Principal, error) {
 	if slices.Contains(h.Held, s.cfg.ID) {
 		return Principal{}, statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
 	}
@@ -568,13 +595,18 @@ func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) (Principal, e
 	if err != nil {
 		return Principal{}, statusErrorf(http.StatusBadRequest, "%v", err)
 	}
-	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
-	defer cancel()
-	p, err := s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState})
+	var p Principal
+	err = s.review(ctx, h.ID, remote, func(ctx context.Context) error {
+		var err error
+		if p, err = s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState}); err != nil {
+			return err
+		}
+		return s.checkIdentity(ctx, p, h.ID, ids)
+	})
 	if err != nil {
 		return Principal{}, err
 	}
-	return p, s.checkIdentity(ctx, p, h.ID, ids)
+	return p, nil
 }
 
 func errMsg(err error) string {
@@ -612,7 +644,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	})
 	defer s.hangups.remove(conn)
 	up.start()
-	if body, ok := st.body.(*linkBody); ok && up.callerSends {
+	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
 		s.carryDirect(conn, st, body)
 		return
 	}
@@ -720,8 +752,8 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
 // (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody) {
-	down := body.deliverTo(conn, func(err error) error {
+func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
+	down := body.DeliverTo(conn, func(err error) error {
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too
 			return err
@@ -731,7 +763,7 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, body *linkBody) {
 		closeWrite(conn)
 		return nil
 	})
-	body.sendUpload()
+	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.
 	select {

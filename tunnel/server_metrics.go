@@ -3,6 +3,8 @@ package tunnel
 import (
 	"context"
 	"errors"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // Server metrics use upstream's names and labels where the concept exists,
@@ -101,7 +103,7 @@ func (sm *serverMetrics) countEnd() {
 // the peer reset is Canceled, anything else (a broken connection, a failed
 // write) Unavailable.
 func streamErrorCode(err error) string {
-	if errors.Is(err, errStreamReset) || errors.Is(err, context.Canceled) {
+	if errors.Is(err, h2link.ErrStreamReset) || errors.Is(err, context.Canceled) {
 		return codeCanceled
 	}
 	return codeUnavailable

@@ -80,7 +80,9 @@ type uploadBody struct {
 	once      sync.Once
 }
 
-func (b *uploadBody) sentByCaller() bool { return b.u.callerSends }
+// CallerSends tells the link that the frontend sends this body itself
+// (through (*h2link.Body).SendUpload) once it has the answer.
+func (b *uploadBody) CallerSends() bool { return b.u.callerSends }
 
 // abandon ends this attempt's body; it must happen before another attempt
 // can be established, so that only one reader ever touches the connection.
@@ -178,7 +180,18 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 	return nil
 }
 
-func (b *uploadBody) sendFromSocket(w io.Writer) error {
+// SendTo sends the upload to w until the client's end, for the link: from
+// the socket without a buffer held while it is quiet when the client is a
+// plain socket (sendBuffered, then copyFromSocket straight from here, so
+// the parked frames stay few: see (*Agent).carry), else through copyStream.
+func (b *uploadBody) SendTo(w io.Writer) error {
+	if b.u.raw == nil {
+		_, err := copyStream(w, b, nil)
+		return err
+	}
+	if err := b.sendBuffered(w); err != nil {
+		return err
+	}
 	b.u.sender = packetWriter{w: w, c: b.u.packets}
 	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))

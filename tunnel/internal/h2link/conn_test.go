@@ -1,4 +1,4 @@
-package tunnel
+package h2link
 
 import (
 	"bytes"
@@ -30,12 +30,12 @@ type fakeAgent struct {
 // newLinkPair returns a link and the fake agent on the other end of a
 // loopback TCP connection. The fake agent has read the preface and the
 // link's SETTINGS and answered with settings of its own.
-func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...http2.Setting) (*link, *fakeAgent) {
+func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...http2.Setting) (*Conn, *fakeAgent) {
 	t.Helper()
 	client, server := connPair(t, "tcp", "127.0.0.1:0")
 	var wg sync.WaitGroup
 	spawn := func(f func()) { wg.Add(1); go func() { defer wg.Done(); f() }() }
-	l, err := newLink(client, keepAlive, pingWait, spawn)
+	l, err := NewClient(client, Config{KeepAlive: keepAlive, PingTimeout: pingWait, Spawn: spawn})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,35 +59,9 @@ func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...ht
 	return l, a
 }
 
-// connPair listens on network and address, dials it and returns both ends
-// (the dialled one first); the caller closes them.
-func connPair(t *testing.T, network, address string) (near, far net.Conn) {
-	t.Helper()
-	ln, err := net.Listen(network, address)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, _ := ln.Accept()
-		accepted <- c
-	}()
-	near, err = net.Dial(network, ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	far = <-accepted
-	if far == nil {
-		near.Close()
-		t.Fatal("accept failed")
-	}
-	return near, far
-}
-
 // waitLinkEnded fails the test with failure unless the link's read loop
 // ends within 5 s.
-func waitLinkEnded(t *testing.T, l *link, failure string) {
+func waitLinkEnded(t *testing.T, l *Conn, failure string) {
 	t.Helper()
 	select {
 	case <-l.readerDone:
@@ -144,7 +118,7 @@ func newTrackedBody(r io.Reader) *trackedBody {
 func (b *trackedBody) Close() error { b.once.Do(func() { close(b.closed) }); return nil }
 
 // roundTripAsync runs RoundTrip on a goroutine the test waits for.
-func roundTripAsync(t *testing.T, l *link, req *http.Request) <-chan rtResult {
+func roundTripAsync(t *testing.T, l *Conn, req *http.Request) <-chan rtResult {
 	ch := make(chan rtResult, 1)
 	go func() {
 		resp, err := l.RoundTrip(req)
@@ -154,7 +128,7 @@ func roundTripAsync(t *testing.T, l *link, req *http.Request) <-chan rtResult {
 }
 
 // openAnswered opens a tunnel with an empty upload and answers it 200.
-func openAnswered(t *testing.T, l *link, a *fakeAgent) (*http2.MetaHeadersFrame, *http.Response) {
+func openAnswered(t *testing.T, l *Conn, a *fakeAgent) (*http2.MetaHeadersFrame, *http.Response) {
 	t.Helper()
 	res := roundTripAsync(t, l, connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
 	h := a.next().(*http2.MetaHeadersFrame)
@@ -232,8 +206,7 @@ func TestLinkResetBeforeAnswerIsRetryable(t *testing.T) {
 	h := a.next().(*http2.MetaHeadersFrame)
 	a.fr.WriteRSTStream(h.StreamID, http2.ErrCodeRefusedStream)
 	r := <-res
-	var se *StatusError
-	if r.err == nil || errors.As(r.err, &se) {
+	if !errors.Is(r.err, ErrStreamReset) {
 		t.Fatalf("RoundTrip after RST_STREAM: %v (want a plain error the server retries)", r.err)
 	}
 	<-body.closed
@@ -246,8 +219,8 @@ func TestLinkGoAwayRefusesUnseenStreams(t *testing.T) {
 	h := a.next().(*http2.MetaHeadersFrame)
 	a.fr.WriteGoAway(h.StreamID-1, http2.ErrCodeNo, nil) // the stream was never seen
 	r := <-res
-	if !errors.Is(r.err, errGoAway) {
-		t.Fatalf("err %v, want errGoAway", r.err)
+	if !errors.Is(r.err, ErrGoAway) {
+		t.Fatalf("err %v, want ErrGoAway", r.err)
 	}
 	if l.CanTakeNewRequest() {
 		t.Fatal("link takes new streams after GOAWAY")
@@ -318,8 +291,8 @@ func TestLinkOverrunWindowResetsStreamOnly(t *testing.T) {
 	checkNoLeaks(t)
 	l, a := newLinkPair(t, 0, 0)
 	h, resp := openAnswered(t, l, a)
-	chunk := make([]byte, maxFrameSize)
-	for range streamWindow/maxFrameSize + 1 { // one frame past the window, nobody reading
+	chunk := make([]byte, MaxFrameSize)
+	for range DefaultStreamWindow/MaxFrameSize + 1 { // one frame past the window, nobody reading
 		a.fr.WriteData(h.StreamID, false, chunk)
 	}
 	for {
@@ -346,11 +319,11 @@ func TestLinkTinyFramesShareChunks(t *testing.T) {
 	for i := range frames {
 		a.fr.WriteData(h.StreamID, i == frames-1, []byte{byte(i)})
 	}
-	st := resp.Body.(*linkBody).st
+	st := resp.Body.(*Body).st
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		st.rmu.Lock()
-		end, chunks := st.recvEnd, len(st.queue)
+		end, chunks := st.eof, len(st.queue)
 		st.rmu.Unlock()
 		if end {
 			if chunks > 1 {
@@ -525,13 +498,13 @@ func FuzzAgentLinkFrames(f *testing.F) {
 			peer.Close()
 		}()
 		go io.Copy(io.Discard, peer)
-		l, err := newAgentLink(conn, time.Second, time.Second, 100, echo, context.Background(), spawn)
+		l, err := NewServer(conn, Config{KeepAlive: time.Second, PingTimeout: time.Second, Spawn: spawn}, echo)
 		if err != nil {
 			conn.Close()
 			return
 		}
 		served := make(chan struct{})
-		go func() { l.serve(); close(served) }()
+		go func() { l.Serve(); close(served) }()
 		select {
 		case <-served:
 		case <-time.After(5 * time.Second):
@@ -586,8 +559,8 @@ func TestLinkRetiresWhenStreamIDsRunOut(t *testing.T) {
 		t.Fatal("a link with no stream IDs left takes new streams")
 	}
 	_, err := l.RoundTrip(connectRequest(context.Background(), newTrackedBody(bytes.NewReader(nil))))
-	if !errors.Is(err, errGoAway) {
-		t.Fatalf("RoundTrip: %v, want errGoAway (retried on another agent)", err)
+	if !errors.Is(err, ErrGoAway) {
+		t.Fatalf("RoundTrip: %v, want ErrGoAway (retried on another agent)", err)
 	}
 	// No tunnel open: closed at once, and the agent redials.
 	waitLinkEnded(t, l, "a link with no stream IDs left and no tunnel stayed open")

@@ -1,4 +1,4 @@
-package tunnel
+package h2link
 
 import (
 	"errors"
@@ -26,21 +26,50 @@ import (
 // and whatever the socket did not take is queued for the writer.
 
 // delivery is the progress of a stream's bytes into a socket.
-type delivery struct {
+type Delivery struct {
 	done    chan struct{} // closed when delivery ended
 	written atomic.Int64
 	err     error // set before done is closed: nil after a clean END_STREAM
 }
 
 // Done is closed once everything was delivered, or delivery failed.
-func (d *delivery) Done() <-chan struct{} { return d.done }
+func (d *Delivery) Done() <-chan struct{} { return d.done }
 
 // Result is what was written and why delivery ended; valid after Done.
-func (d *delivery) Result() (int64, error) { return d.written.Load(), d.err }
+func (d *Delivery) Result() (int64, error) { return d.written.Load(), d.err }
 
-func (d *delivery) complete(err error) {
+// NewDelivery is a delivery that its caller carries out itself: it adds
+// what it wrote with Add and ends it with Complete.
+func NewDelivery() *Delivery { return &Delivery{done: make(chan struct{})} }
+
+// Add counts n more bytes written.
+func (d *Delivery) Add(n int64) { d.written.Add(n) }
+
+// Complete ends the delivery with err; once only.
+func (d *Delivery) Complete(err error) { d.complete(err) }
+
+func (d *Delivery) complete(err error) {
 	d.err = err
 	close(d.done)
+}
+
+// RawSocket returns the raw connection of a plain TCP or Unix socket; nil
+// for anything else (TLS, pipes, HTTP bodies).
+func RawSocket(r io.Reader) syscall.RawConn {
+	var sc syscall.Conn
+	switch c := r.(type) {
+	case *net.TCPConn:
+		sc = c
+	case *net.UnixConn:
+		sc = c
+	default:
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
 }
 
 // socketSink is a delivery in progress on a plain socket. Guarded by the
@@ -49,23 +78,23 @@ type socketSink struct {
 	conn   net.Conn
 	raw    syscall.RawConn
 	after  func(error) error // runs once at the end, outside every lock; must not block
-	d      *delivery
+	d      *Delivery
 	writer bool // a writer goroutine drains the queue: the read loop only queues
 	ended  bool // the end was reported (or is being)
 }
 
-// deliverTo sends everything the peer sends on the stream to conn. At the
+// DeliverTo sends everything the peer sends on the stream to conn. At the
 // stream's clean end after gets nil (it passes the half-close on); when
 // the stream was reset, the link failed or conn refused a write, it gets
 // that error. Its result is the delivery's. after runs from the link's read
 // loop or a writer goroutine, so it must not block. For a connection that
 // is not a plain socket (TLS) an owned goroutine copies instead.
-func (b *linkBody) deliverTo(conn net.Conn, after func(error) error) *delivery {
-	d := &delivery{done: make(chan struct{})}
+func (b *Body) DeliverTo(conn net.Conn, after func(error) error) *Delivery {
+	d := &Delivery{done: make(chan struct{})}
 	st := b.st
-	raw := rawSocket(conn)
+	raw := RawSocket(conn)
 	if raw == nil {
-		st.link.spawn(func() {
+		st.l.cfg.Spawn(func() {
 			n, err := b.WriteTo(conn)
 			d.written.Add(n)
 			d.complete(after(err))
@@ -74,17 +103,17 @@ func (b *linkBody) deliverTo(conn net.Conn, after func(error) error) *delivery {
 	}
 	st.rmu.Lock()
 	st.sink = &socketSink{conn: conn, raw: raw, after: after, d: d}
-	next := st.sinkStepLocked()
+	next := st.sinkStepRLocked()
 	st.rmu.Unlock()
 	next()
 	return d
 }
 
-// sinkStepLocked moves a stream's socket delivery on after its state
+// sinkStepRLocked moves a stream's socket delivery on after its state
 // changed (bytes queued, END_STREAM, reset, reader gone): a writer takes
 // over queued bytes, or the end is reported. It returns what must run once
 // rmu is released.
-func (st *linkStream) sinkStepLocked() func() {
+func (st *stream) sinkStepRLocked() func() {
 	s := st.sink
 	if s == nil || s.writer || s.ended {
 		return noop
@@ -95,31 +124,29 @@ func (st *linkStream) sinkStepLocked() func() {
 		return func() { st.endSink(errors.New("delivery stopped: the body was closed")) }
 	case len(st.queue) > 0:
 		s.writer = true
-		return func() { st.link.spawn(st.drainSink) }
+		return func() { st.l.cfg.Spawn(st.drainSink) }
 	case st.recvErr != nil:
 		s.ended = true
 		err := st.recvErr
 		return func() { st.endSink(err) }
-	case st.recvEnd:
+	case st.eof:
 		s.ended = true
 		return func() { st.endSink(nil) }
 	}
 	return noop
 }
 
-func noop() {}
-
 // endSink reports the end of delivery: after runs, then Done is closed.
-func (st *linkStream) endSink(err error) {
+func (st *stream) endSink(err error) {
 	s := st.sink
 	s.d.complete(s.after(err))
 }
 
-// writeToSinkLocked is the read loop's attempt to hand data straight to the
+// writeToSinkRLocked is the read loop's attempt to hand data straight to the
 // socket: one non-blocking write, and only while nothing is queued and no
 // writer is busy (bytes must stay in order). It returns how much the
 // socket took; a failed socket ends the delivery.
-func (st *linkStream) writeToSinkLocked(data []byte) (n int, failed error) {
+func (st *stream) writeToSinkRLocked(data []byte) (n int, failed error) {
 	s := st.sink
 	if s == nil || s.writer || s.ended || len(st.queue) > 0 {
 		return 0, nil
@@ -151,13 +178,13 @@ func (st *linkStream) writeToSinkLocked(data []byte) (n int, failed error) {
 
 // drainSink is the writer goroutine: it writes what is queued, waiting for
 // the socket as long as it must, and ends once the queue is empty.
-func (st *linkStream) drainSink() {
+func (st *stream) drainSink() {
 	s := st.sink
 	for {
 		st.rmu.Lock()
 		if len(st.queue) == 0 || st.readerGone {
 			s.writer = false
-			next := st.sinkStepLocked()
+			next := st.sinkStepRLocked()
 			st.rmu.Unlock()
 			next()
 			return
@@ -170,7 +197,7 @@ func (st *linkStream) drainSink() {
 		s.d.written.Add(n)
 		st.rmu.Lock()
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
-		st.refillLocked()
+		st.refillRLocked()
 		if err != nil {
 			st.rmu.Unlock()
 			st.sinkFailed(err)
@@ -204,7 +231,7 @@ func writeChunks(w io.Writer, chunks []*[]byte, head int) (written int64, taken 
 // comes is dropped and credited; the server's end also resets the stream,
 // so the agent stops sending (the agent's end closes its destination in
 // after, and its handler then resets).
-func (st *linkStream) sinkFailed(err error) {
+func (st *stream) sinkFailed(err error) {
 	st.rmu.Lock()
 	s := st.sink
 	s.writer = false
@@ -221,8 +248,8 @@ func (st *linkStream) sinkFailed(err error) {
 		return
 	}
 	err = fmt.Errorf("write to %s: %w", s.conn.RemoteAddr(), err)
-	if st.link.handler == nil {
-		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: %v", errStreamReset, err))
+	if !st.l.serving {
+		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: %v", ErrStreamReset, err))
 	}
 	st.endSink(err)
 }

@@ -1,4 +1,4 @@
-package tunnel
+package h2link
 
 import (
 	"bytes"
@@ -32,10 +32,10 @@ func unixPair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
 }
 
 // countSpawns makes the link count the goroutines it starts from now on.
-func countSpawns(l *link) *atomic.Int64 {
+func countSpawns(l *Conn) *atomic.Int64 {
 	var n atomic.Int64
-	inner := l.spawn
-	l.spawn = func(f func()) { n.Add(1); inner(f) }
+	inner := l.cfg.Spawn
+	l.cfg.Spawn = func(f func()) { n.Add(1); inner(f) }
 	return &n
 }
 
@@ -53,7 +53,7 @@ func (e *sinkEnd) after(err error) error {
 	return err
 }
 
-func waitDelivery(t *testing.T, d *delivery) (int64, error) {
+func waitDelivery(t *testing.T, d *Delivery) (int64, error) {
 	t.Helper()
 	select {
 	case <-d.Done():
@@ -72,7 +72,7 @@ func TestSinkWritesInlineAndPassesHalfClose(t *testing.T) {
 	spawns := countSpawns(l)
 	near, far := tcpPair(t)
 	var end sinkEnd
-	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+	d := resp.Body.(*Body).DeliverTo(near, func(err error) error {
 		if err == nil {
 			near.CloseWrite()
 		}
@@ -107,7 +107,7 @@ func TestSinkSlowSocketKeepsOrderAndEndsWriter(t *testing.T) {
 	spawns := countSpawns(l)
 	near, far := unixPair(t)
 	near.SetWriteBuffer(4 << 10)
-	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+	d := resp.Body.(*Body).DeliverTo(near, func(err error) error {
 		if err == nil {
 			near.CloseWrite()
 		}
@@ -143,12 +143,12 @@ func TestSinkSlowSocketKeepsOrderAndEndsWriter(t *testing.T) {
 		t.Fatalf("delivery: %d bytes, %v", n, err)
 	}
 	// The stream's credit came back: the agent may send a full window again.
-	st := resp.Body.(*linkBody).st
+	st := resp.Body.(*Body).st
 	st.rmu.Lock()
-	window, unacked := st.recvWindow, st.unacked
+	window, unacked := st.recvWindow.avail(), st.unacked
 	st.rmu.Unlock()
-	if window+unacked != streamWindow {
-		t.Fatalf("window %d + unacked %d, want %d", window, unacked, streamWindow)
+	if window+unacked != DefaultStreamWindow {
+		t.Fatalf("window %d + unacked %d, want %d", window, unacked, DefaultStreamWindow)
 	}
 }
 
@@ -160,7 +160,7 @@ func TestSinkBrokenSocketResetsStream(t *testing.T) {
 	h, resp := openAnswered(t, l, a)
 	near, far := tcpPair(t)
 	var end sinkEnd
-	d := resp.Body.(*linkBody).deliverTo(near, end.after)
+	d := resp.Body.(*Body).DeliverTo(near, end.after)
 	far.SetLinger(0)
 	far.Close() // RST: the next write fails
 	time.Sleep(20 * time.Millisecond)
@@ -197,7 +197,7 @@ func TestSinkAgentResetAfterQueuedBytes(t *testing.T) {
 	h, resp := openAnswered(t, l, a)
 	near, far := unixPair(t)
 	near.SetWriteBuffer(4 << 10)
-	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+	d := resp.Body.(*Body).DeliverTo(near, func(err error) error {
 		if err != nil {
 			near.Close() // what the callers do: the far side sees the end
 		}
@@ -215,7 +215,7 @@ func TestSinkAgentResetAfterQueuedBytes(t *testing.T) {
 		t.Fatalf("far side read %d of %d bytes before the reset", len(got), len(want))
 	}
 	_, err := waitDelivery(t, d)
-	if !errors.Is(err, errStreamReset) {
+	if !errors.Is(err, ErrStreamReset) {
 		t.Fatalf("delivery ended with %v, want a stream reset", err)
 	}
 }
@@ -229,7 +229,7 @@ func TestSinkFallbackForOtherConns(t *testing.T) {
 	near, far := net.Pipe()
 	defer near.Close()
 	defer far.Close()
-	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+	d := resp.Body.(*Body).DeliverTo(near, func(err error) error {
 		if err == nil {
 			near.Close()
 		}
@@ -295,7 +295,7 @@ func sinkFramesOnce(t *testing.T, data []byte) {
 	_, resp := openAnswered(t, l, a)
 	near, far := unixPair(t)
 	near.SetWriteBuffer(4 << 10)
-	d := resp.Body.(*linkBody).deliverTo(near, func(err error) error {
+	d := resp.Body.(*Body).DeliverTo(near, func(err error) error {
 		if err == nil {
 			near.CloseWrite()
 		} else {

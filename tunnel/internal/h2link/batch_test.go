@@ -1,13 +1,17 @@
-package tunnel
+package h2link
 
 import (
 	"bytes"
 	"crypto/rand"
 	"crypto/tls"
+	"crypto/x509"
 	"io"
 	"net"
 	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/spinifex/konnectivity/certs"
 )
 
 // countingConn counts the writes that reach the socket.
@@ -26,13 +30,13 @@ func (c *countingConn) Write(p []byte) (int, error) {
 // and that the connection holds no batch buffer afterwards.
 func TestBatchedTLSWritesAFrameInOneSyscall(t *testing.T) {
 	checkNoLeaks(t)
-	p := newPKI(t)
+	cert, pool := testCert(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	frame := make([]byte, maxFrameSize+9)
+	frame := make([]byte, MaxFrameSize+9)
 	rand.Read(frame)
 	got := make(chan []byte, 1)
 	go func() {
@@ -42,7 +46,7 @@ func TestBatchedTLSWritesAFrameInOneSyscall(t *testing.T) {
 			return
 		}
 		defer raw.Close()
-		srv := tlsServer(raw, &tls.Config{Certificates: []tls.Certificate{p.serverCert}})
+		srv := TLSServer(raw, &tls.Config{Certificates: []tls.Certificate{cert}})
 		buf := make([]byte, len(frame))
 		if _, err := io.ReadFull(srv, buf); err != nil {
 			got <- nil
@@ -56,7 +60,7 @@ func TestBatchedTLSWritesAFrameInOneSyscall(t *testing.T) {
 	}
 	defer raw.Close()
 	counted := &countingConn{Conn: raw}
-	cli := tlsClient(counted, &tls.Config{RootCAs: p.pool, ServerName: "127.0.0.1"})
+	cli := TLSClient(counted, &tls.Config{RootCAs: pool, ServerName: "127.0.0.1"})
 	if err := cli.Handshake(); err != nil {
 		t.Fatal(err)
 	}
@@ -73,4 +77,25 @@ func TestBatchedTLSWritesAFrameInOneSyscall(t *testing.T) {
 	if b := <-got; !bytes.Equal(b, frame) {
 		t.Error("the frame arrived damaged or not at all")
 	}
+}
+
+// testCert is a throwaway CA's certificate for 127.0.0.1, and a pool
+// trusting it.
+func testCert(t *testing.T) (tls.Certificate, *x509.CertPool) {
+	t.Helper()
+	ca, err := certs.NewCA("test CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	certPEM, keyPEM, err := ca.Issue(certs.Request{CommonName: "server", IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, Validity: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(ca.Cert)
+	return cert, pool
 }

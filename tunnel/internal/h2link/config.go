@@ -1,0 +1,141 @@
+package h2link
+
+import (
+	"context"
+	"time"
+)
+
+// Sizes fixed by this implementation.
+const (
+	// MaxFrameSize is the largest frame payload either end sends or
+	// accepts: a 64 KiB DATA frame is one copy buffer's worth, sent in one
+	// system call.
+	MaxFrameSize = 64 << 10
+
+	// DefaultStreamWindow is the receive window a stream gets. It bounds
+	// what one stalled tunnel can hold in memory; 1 MiB keeps loopback and
+	// LAN streams at full speed (window/RTT).
+	DefaultStreamWindow = 1 << 20
+
+	// DefaultConnWindow is the connection's receive window. Connection
+	// credit is returned as frames arrive (the stream windows are what
+	// bound memory), so it only has to be large enough never to stall.
+	DefaultConnWindow = 1 << 30
+
+	// maxWindow is the largest flow-control window RFC 9113 §6.9.1 allows.
+	maxWindow = 1<<31 - 1
+
+	// initialWindow and initialFrame are the HTTP/2 defaults that hold
+	// until the peer's SETTINGS.
+	initialWindow = 65535
+	initialFrame  = 16 << 10
+)
+
+// Config is the behaviour of one connection: every limit and default of
+// the link is here. The zero value of a field takes the default named on it.
+type Config struct {
+	// KeepAlive sends a PING once nothing was read for this long; a PING
+	// that gets no answer within PingTimeout closes the connection. Zero
+	// sends none. Their sum also bounds a write that makes no progress, and
+	// on the serving end the wait for the client preface.
+	KeepAlive   time.Duration
+	PingTimeout time.Duration
+
+	// MaxConcurrentStreams is, on the serving end, how many streams the
+	// peer may have at once (SETTINGS_MAX_CONCURRENT_STREAMS). A stream
+	// counts until both its halves ended and its handler returned, so a
+	// peer that resets streams cannot run more handlers than this.
+	// Default 100.
+	MaxConcurrentStreams uint32
+
+	// StreamWindow and ConnWindow are the receive windows this end gives
+	// each stream and the connection. Defaults DefaultStreamWindow and
+	// DefaultConnWindow; at most 2^31-1.
+	StreamWindow int32
+	ConnWindow   int32
+
+	// PreAdmitStreamWindow and PreAdmitConnWindow, when set on a serving
+	// end, are the windows it starts with instead: what a peer that has
+	// not logged in yet may make this end hold. The owner calls
+	// (*Conn).RaiseWindows once it has admitted the peer, which raises
+	// them to StreamWindow and ConnWindow.
+	PreAdmitStreamWindow int32
+	PreAdmitConnWindow   int32
+
+	// MaxQueuedControl bounds the control frames (SETTINGS and PING
+	// acknowledgements, WINDOW_UPDATE, RST_STREAM) waiting for a peer that
+	// does not read; past it the connection is closed (ENHANCE_YOUR_CALM).
+	// Default 10,000, as x/net/http2.
+	MaxQueuedControl int
+
+	// MaxHeaderListSize bounds a received header block, decoded. A stream
+	// whose block is larger is refused; the connection stays. Default 64 KiB.
+	MaxHeaderListSize uint32
+
+	// MaxPeerResets bounds, on the serving end, the streams the peer may
+	// reset while their handler still runs, beyond the ones it let finish:
+	// each such reset takes one from a budget of this size, each handler
+	// that finishes without a reset and each second give one back. A peer
+	// that empties it (rapid reset) gets GOAWAY ENHANCE_YOUR_CALM and is
+	// dropped. Default 1000.
+	MaxPeerResets int
+
+	// BaseContext is the parent of every handler's request context on the
+	// serving end. Default context.Background().
+	BaseContext context.Context
+
+	// Spawn runs an owned goroutine (the read loop on the client end,
+	// handlers, socket writers). Default: go f().
+	Spawn func(f func())
+
+	// Batch, when set, gathers the records of one write into one system
+	// call: the Batcher under the connection's TLS, or one wrapping a
+	// plain socket. Nil writes through the connection as it is.
+	Batch *Batcher
+}
+
+// Defaults of Config.
+const (
+	DefaultMaxConcurrentStreams = 100
+	DefaultMaxQueuedControl     = 10000
+	DefaultMaxHeaderListSize    = 64 << 10
+	DefaultMaxPeerResets        = 1000
+)
+
+// withDefaults returns c with every unset field at its default.
+func (c Config) withDefaults() Config {
+	if c.MaxConcurrentStreams == 0 {
+		c.MaxConcurrentStreams = DefaultMaxConcurrentStreams
+	}
+	if c.StreamWindow <= 0 {
+		c.StreamWindow = DefaultStreamWindow
+	}
+	if c.ConnWindow <= 0 {
+		c.ConnWindow = DefaultConnWindow
+	}
+	if c.PreAdmitStreamWindow <= 0 || c.PreAdmitStreamWindow > c.StreamWindow {
+		c.PreAdmitStreamWindow = c.StreamWindow
+	}
+	if c.PreAdmitConnWindow <= 0 || c.PreAdmitConnWindow > c.ConnWindow {
+		c.PreAdmitConnWindow = c.ConnWindow
+	}
+	// A connection window starts at 65,535 and can only be raised.
+	c.ConnWindow = max(c.ConnWindow, initialWindow)
+	c.PreAdmitConnWindow = max(c.PreAdmitConnWindow, initialWindow)
+	if c.MaxQueuedControl <= 0 {
+		c.MaxQueuedControl = DefaultMaxQueuedControl
+	}
+	if c.MaxHeaderListSize == 0 {
+		c.MaxHeaderListSize = DefaultMaxHeaderListSize
+	}
+	if c.MaxPeerResets <= 0 {
+		c.MaxPeerResets = DefaultMaxPeerResets
+	}
+	if c.BaseContext == nil {
+		c.BaseContext = context.Background()
+	}
+	if c.Spawn == nil {
+		c.Spawn = func(f func()) { go f() }
+	}
+	return c
+}

@@ -1,0 +1,44 @@
+// Package h2link is the tunnel's HTTP/2: one connection, either end,
+// written for carrying many long byte streams with few goroutines, few
+// copies and one system call per write.
+//
+// The one idea: whoever has bytes writes the frame itself, under one
+// lock, in one system call; the read loop hands a DATA payload straight to
+// the stream's reader, or to its socket (sink.go). x/net's Transport parks
+// a goroutine per stream holding a 64 KiB scratch buffer, and its Server
+// passes every frame through its serve loop goroutine; neither fits a
+// process holding thousands of quiet tunnels.
+//
+// The rules that keep it simple:
+//   - The read loop never blocks on a write. Control frames it must send
+//     (SETTINGS and PING acknowledgements, WINDOW_UPDATE, RST_STREAM)
+//     go through a queue that whoever holds the write lock flushes; the
+//     queue is bounded (Config.MaxQueuedControl) and a peer that fills it
+//     without reading is dropped with ENHANCE_YOUR_CALM.
+//   - Every frame write is one call on the connection.
+//   - A stream has the states of RFC 9113 §5.1 (stream.go); it leaves the
+//     connection's map once closed, and, on the serving end, counts
+//     against Config.MaxConcurrentStreams until its handler has returned
+//     as well. Peers that reset streams whose handlers still run spend a
+//     budget (Config.MaxPeerResets); an empty budget drops them.
+//   - Flow-control windows are the window type (flow.go), bounded at
+//     2^31-1 as the RFC says; an overflow is a FLOW_CONTROL_ERROR of the
+//     stream or the connection.
+//   - Locks, outermost first: Conn.wmu, Conn.mu, a stream's rmu,
+//     Conn.ctlMu; the Batcher's lock is a leaf. Each field says which
+//     lock guards it or which goroutine owns it. A method whose name ends
+//     in Locked expects its caller to hold Conn.mu; RLocked, the stream's
+//     rmu; WLocked, Conn.wmu.
+//
+// Roles: NewClient is the end that opens streams (RoundTrip); NewServer
+// is the end that serves the streams its peer opens with an http.Handler
+// (Serve runs its read loop). A serving end that faces a peer before it
+// is admitted starts with Config.PreAdmitStreamWindow and
+// PreAdmitConnWindow; its owner calls (*Conn).RaiseWindows after
+// admission to give the full windows.
+//
+// The package knows nothing of its users: an upload that sends itself
+// implements SendTo(io.Writer) error (and CallerSends() bool when its
+// caller sends it through (*Body).SendUpload); a connection whose writes
+// should be gathered passes its Batcher in Config.Batch.
+package h2link

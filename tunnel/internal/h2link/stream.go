@@ -1,0 +1,552 @@
+package h2link
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// streamState is a stream's state as RFC 9113 §5.1 names it. A stream is
+// in Conn.streams exactly while it is open or half-closed.
+//
+//	        send/recv HEADERS
+//	idle ───────────────────────▶ open
+//	                               │ send END_STREAM         │ recv END_STREAM
+//	                               ▼                         ▼
+//	                       half-closed (local)     half-closed (remote)
+//	                               │ recv END_STREAM         │ send END_STREAM
+//	                               └────────▶ closed ◀───────┘
+//	                  (RST_STREAM sent or received, or the connection ends: closed)
+type streamState uint8
+
+const (
+	stateIdle             streamState = iota // not yet opened: never in Conn.streams
+	stateOpen                                // both sides may send
+	stateHalfClosedLocal                     // this end sent END_STREAM
+	stateHalfClosedRemote                    // the peer sent END_STREAM
+	stateClosed                              // removed from Conn.streams
+)
+
+var stateNames = [...]string{"idle", "open", "half-closed (local)", "half-closed (remote)", "closed"}
+
+func (s streamState) String() string { return stateNames[s] }
+
+// stream is one stream on a Conn: a tunnel, a control stream, a gRPC call.
+//
+// Lock order: Conn.mu before rmu (see Conn).
+type stream struct {
+	// Immutable once the stream is published in Conn.streams.
+	l         *Conn
+	id        uint32
+	body      io.ReadCloser      // the client end: the upload; nil for a GET
+	cancelCtx context.CancelFunc // the serving end: ends the handler's request context
+	respReady chan struct{}      // the client end: closed once resp or respErr is set
+
+	// Guarded by Conn.mu.
+	state          streamState
+	sendWindow     window      // what this end may still send
+	stopCtx        func() bool // the client end: stops the request context's watch
+	bodyClosed     bool        // body.Close was called
+	handlerRunning bool        // the serving end: the handler has not returned
+	counted        bool        // counts against MaxConcurrentStreams: open, or its handler still runs
+	resetByThePeer bool        // the peer reset the stream while its handler ran
+
+	// Guarded by rmu: the receive side.
+	rmu        sync.Mutex
+	recvCond   *sync.Cond     // on rmu: bytes queued, EOF, error or reader gone
+	resp       *http.Response // the client end: the answer
+	respErr    error          // the client end: why no answer comes
+	queue      []*[]byte      // received payloads, oldest first
+	head       int            // bytes of queue[0] already read
+	eof        bool           // END_STREAM received: the reader gets io.EOF after the queue
+	recvErr    error          // the stream was reset or the connection failed
+	recvWindow window         // what the peer may still send
+	recvSize   int64          // the window this end gives the stream
+	unacked    int64          // consumed but not yet returned to the peer
+	readerGone bool           // the body was closed
+	sink       *socketSink    // set by DeliverTo: bytes go straight to a socket
+	declared   int64          // the serving end: the request's content-length, or -1
+	received   int64          // the serving end: DATA bytes received, while declared >= 0
+}
+
+func newStream(l *Conn, id uint32, state streamState) *stream {
+	st := &stream{l: l, id: id, state: state, respReady: make(chan struct{}), declared: -1}
+	st.sendWindow = window{int64(l.peerWindow)}
+	st.recvWindow = window{int64(l.streamWindow)}
+	st.recvSize = int64(l.streamWindow)
+	st.recvCond = sync.NewCond(&st.rmu)
+	return st
+}
+
+// endSendLocked moves the state on for END_STREAM sent; done means both
+// halves ended and the caller removes the stream. The caller holds Conn.mu.
+func (st *stream) endSendLocked() (done bool) {
+	switch st.state {
+	case stateOpen:
+		st.state = stateHalfClosedLocal
+	case stateHalfClosedRemote:
+		return true
+	}
+	return false
+}
+
+// endRecvLocked is endSendLocked for END_STREAM received.
+func (st *stream) endRecvLocked() (done bool) {
+	switch st.state {
+	case stateOpen:
+		st.state = stateHalfClosedRemote
+	case stateHalfClosedLocal:
+		return true
+	}
+	return false
+}
+
+// sentEndLocked reports whether this end has sent END_STREAM or the stream
+// is closed: nothing more may be sent. The caller holds Conn.mu.
+func (st *stream) sentEndLocked() bool {
+	return st.state == stateHalfClosedLocal || st.state == stateClosed
+}
+
+// --- the client end ---
+
+// An upload is a request body that sends itself to the stream's writer
+// instead of being read through a buffer of the link's: it can then hold
+// no buffer while its source is quiet.
+type upload interface {
+	SendTo(w io.Writer) error
+}
+
+// A request body whose CallerSends reports true is sent by the caller of
+// RoundTrip, through (*Body).SendUpload once it has the answer, on the
+// goroutine it has anyway, rather than on one more per stream that waits
+// through the dial.
+type callerSends interface{ CallerSends() bool }
+
+func sentByCaller(body io.Reader) bool {
+	b, ok := body.(callerSends)
+	return ok && b.CallerSends()
+}
+
+// RoundTrip opens one stream: a CONNECT tunnel (req.Body is the upload) or
+// a GET. It returns once the peer answered. The request's context ends the
+// stream at any time. On the client end only.
+func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
+	if l.serving {
+		return nil, fmt.Errorf("RoundTrip on the serving end of %s", l.conn.RemoteAddr())
+	}
+	ctx := req.Context()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	noBody := req.Body == nil
+
+	l.wmu.Lock()
+	l.mu.Lock()
+	switch {
+	case l.closed:
+		l.mu.Unlock()
+		l.wmu.Unlock()
+		return nil, l.closeErr
+	case l.goAway:
+		l.mu.Unlock()
+		l.wmu.Unlock()
+		return nil, ErrGoAway
+	}
+	if l.nextID > maxStreamID {
+		// A billion dials on one connection: its stream IDs are spent.
+		l.mu.Unlock()
+		l.wmu.Unlock()
+		l.retire()
+		return nil, ErrGoAway
+	}
+	state := stateOpen
+	if noBody {
+		state = stateHalfClosedLocal
+	}
+	st := newStream(l, l.nextID, state)
+	st.body = req.Body
+	l.nextID += 2
+	l.streams[st.id] = st
+	l.mu.Unlock()
+
+	l.hbuf.Reset()
+	l.henc.WriteField(hf(":method", req.Method))
+	host := req.Host
+	if host == "" {
+		host = req.URL.Host
+	}
+	l.henc.WriteField(hf(":authority", host))
+	if req.Method != http.MethodConnect {
+		l.henc.WriteField(hf(":scheme", "https"))
+		l.henc.WriteField(hf(":path", req.URL.RequestURI()))
+	}
+	l.armWrite()
+	err := l.fr.WriteHeaders(http2.HeadersFrameParam{
+		StreamID: st.id, BlockFragment: l.hbuf.Bytes(), EndStream: noBody, EndHeaders: true,
+	})
+	if err != nil {
+		l.wmu.Unlock()
+		l.closeWith(fmt.Errorf("write: %w", err))
+		return nil, l.err()
+	}
+	l.unlockWrite()
+
+	if !noBody && !sentByCaller(req.Body) {
+		l.cfg.Spawn(st.pumpUpload)
+	}
+	select {
+	case <-st.respReady:
+	case <-ctx.Done():
+		st.reset(http2.ErrCodeCancel, ctx.Err())
+		return nil, ctx.Err()
+	}
+	st.rmu.Lock()
+	resp, respErr := st.resp, st.respErr
+	st.rmu.Unlock()
+	if resp == nil {
+		return nil, respErr
+	}
+	// Ending the request's context ends the stream, as with net/http.
+	stop := context.AfterFunc(ctx, func() { st.reset(http2.ErrCodeCancel, context.Canceled) })
+	l.mu.Lock()
+	st.stopCtx = stop
+	gone := st.state == stateClosed
+	l.mu.Unlock()
+	if gone {
+		stop()
+	}
+	return resp, nil
+}
+
+// pumpUpload copies the request body into DATA frames. (The copy through
+// a buffer is a function of its own so that the frames of a tunnel parked
+// in SendTo stay small.)
+func (st *stream) pumpUpload() {
+	defer st.closeBody()
+	var err error
+	if u, ok := st.body.(upload); ok {
+		err = u.SendTo(streamWriter{st})
+	} else {
+		err = st.copyUpload()
+	}
+	if err != nil {
+		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", ErrStreamReset, err))
+		return
+	}
+	st.writeData(nil, true)
+}
+
+// copyUpload copies a body that is not an upload through a pooled buffer.
+func (st *stream) copyUpload() error {
+	buf := getChunk(MaxFrameSize)
+	defer putChunk(buf)
+	_, err := io.CopyBuffer(streamWriter{st}, onlyReader{st.body}, (*buf)[:MaxFrameSize])
+	return err
+}
+
+// onlyReader hides a body's WriteTo, so io.CopyBuffer uses the buffer.
+type onlyReader struct{ io.Reader }
+
+// streamWriter writes DATA frames on a stream.
+type streamWriter struct{ st *stream }
+
+func (w streamWriter) Write(p []byte) (int, error) {
+	if err := w.st.writeData(p, false); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// writeData sends p as DATA frames within the flow-control windows, the
+// last one with END_STREAM when end is set.
+func (st *stream) writeData(p []byte, end bool) error {
+	l := st.l
+	for {
+		l.mu.Lock()
+		for st.state != stateClosed && !l.closed && len(p) > 0 && (st.sendWindow.avail() <= 0 || l.sendWindow.avail() <= 0) {
+			l.windowCond.Wait()
+		}
+		if l.closed || st.sentEndLocked() {
+			l.mu.Unlock()
+			return ErrStreamReset
+		}
+		// Take what the windows allow now, up to two frames, and send it
+		// in one system call (see writeFrames).
+		n := max(0, min(int64(len(p)), st.sendWindow.avail(), l.sendWindow.avail(), 2*int64(l.peerMaxFrame)))
+		st.sendWindow.take(n)
+		l.sendWindow.take(n)
+		last := end && n == int64(len(p))
+		done := false
+		if last {
+			done = st.endSendLocked()
+		}
+		frame := int(l.peerMaxFrame)
+		l.mu.Unlock()
+
+		if err := l.writeFrames(st.id, p[:n], frame, last); err != nil {
+			l.closeWith(fmt.Errorf("write: %w", err))
+			return err
+		}
+		p = p[n:]
+		if last {
+			if done {
+				st.remove()
+			}
+			return nil
+		}
+		if len(p) == 0 {
+			return nil
+		}
+	}
+}
+
+// --- both ends ---
+
+// receive queues a DATA payload for the reader, or hands it straight to
+// the stream's socket (see sink.go).
+func (st *stream) receive(data []byte, flow int64) error {
+	next, err := st.receiveRLocked(data, flow)
+	next()
+	return err
+}
+
+// receiveRLocked is receive's part under rmu, which it takes; what it
+// returns runs once rmu is released.
+func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err error) {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	if !st.l.serving && st.resp == nil {
+		return noop, fmt.Errorf("%w: DATA before the answer", ErrStreamReset)
+	}
+	st.recvWindow.take(flow)
+	if st.recvWindow.avail() < 0 {
+		return noop, http2.StreamError{StreamID: st.id, Code: http2.ErrCodeFlowControl, Cause: fmt.Errorf("the peer overran the stream window")}
+	}
+	if st.declared >= 0 {
+		st.received += int64(len(data))
+		if st.received > st.declared {
+			return noop, http2.StreamError{StreamID: st.id, Code: http2.ErrCodeProtocol, Cause: fmt.Errorf("more DATA than content-length")}
+		}
+	}
+	if padding := flow - int64(len(data)); padding > 0 {
+		st.unacked += padding // padding is never read: return its credit now
+	}
+	if len(data) == 0 || st.readerGone || st.recvErr != nil {
+		st.unacked += int64(len(data))
+		st.refillRLocked()
+		return noop, nil
+	}
+	if st.sink != nil {
+		n, ferr := st.writeToSinkRLocked(data)
+		if ferr != nil {
+			st.unacked += int64(len(data))
+			st.refillRLocked()
+			return func() { st.sinkFailed(ferr) }, nil
+		}
+		st.unacked += int64(n)
+		data = data[n:]
+		if len(data) == 0 {
+			st.refillRLocked()
+			return noop, nil
+		}
+	}
+	// Small payloads share the last chunk while it has room, so a window
+	// full of tiny frames costs its bytes, not a chunk each.
+	if n := len(st.queue); n > 0 {
+		if tail := st.queue[n-1]; cap(*tail)-len(*tail) >= len(data) {
+			*tail = append(*tail, data...)
+			st.recvCond.Broadcast()
+			return st.sinkStepRLocked(), nil
+		}
+	}
+	b := getChunk(len(data))
+	*b = append((*b)[:0], data...)
+	st.queue = append(st.queue, b)
+	st.recvCond.Broadcast()
+	return st.sinkStepRLocked(), nil
+}
+
+// refillRLocked returns consumed credit to the peer in batches; the caller
+// holds rmu.
+func (st *stream) refillRLocked() {
+	if st.unacked < st.recvSize/4 { // a quarter: fewer WINDOW_UPDATEs, three quarters still in flight
+		return
+	}
+	n := st.unacked
+	st.unacked = 0
+	st.recvWindow.add(n)
+	id := st.id
+	st.l.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(id, uint32(n)) })
+}
+
+// endRecv records END_STREAM from the peer.
+func (st *stream) endRecv() {
+	st.rmu.Lock()
+	if st.declared >= 0 && st.received != st.declared {
+		st.rmu.Unlock()
+		st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: DATA did not match content-length", ErrStreamReset))
+		return
+	}
+	st.eof = true
+	st.recvCond.Broadcast()
+	next := st.sinkStepRLocked()
+	st.rmu.Unlock()
+	next()
+	l := st.l
+	l.mu.Lock()
+	done := st.endRecvLocked()
+	l.mu.Unlock()
+	if done {
+		st.remove()
+	}
+}
+
+// remove closes the stream and takes it off the connection; idempotent.
+func (st *stream) remove() {
+	l := st.l
+	l.mu.Lock()
+	if st.state == stateClosed {
+		l.mu.Unlock()
+		return
+	}
+	st.state = stateClosed
+	delete(l.streams, st.id)
+	if !st.handlerRunning {
+		st.uncountLocked()
+	}
+	if l.idle != nil && len(l.streams) == 0 {
+		select {
+		case <-l.idle:
+		default:
+			close(l.idle)
+		}
+	}
+	stop := st.stopCtx
+	l.windowCond.Broadcast()
+	l.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+	// Whoever still waits learns the stream is gone (a no-op once answered
+	// and fully received).
+	st.finish(errEndedUnanswered)
+	st.closeBody()
+}
+
+// uncountLocked frees the stream's place under MaxConcurrentStreams; the
+// caller holds Conn.mu.
+func (st *stream) uncountLocked() {
+	if st.counted {
+		st.counted = false
+		st.l.counted--
+	}
+}
+
+// abort ends the handler's request context (the serving end) when the
+// stream ends abnormally. A stream that ended cleanly keeps it until the
+// handler returns: after both END_STREAMs the handler may still be
+// writing what it read to its destination.
+func (st *stream) abort() {
+	if st.cancelCtx != nil {
+		st.cancelCtx()
+	}
+}
+
+// closeBody tells the upload it is no longer read, once.
+func (st *stream) closeBody() {
+	if st.body == nil {
+		return
+	}
+	l := st.l
+	l.mu.Lock()
+	done := st.bodyClosed
+	st.bodyClosed = true
+	l.mu.Unlock()
+	if !done {
+		st.body.Close()
+	}
+}
+
+// fail ends the stream because of the connection: no frame is sent.
+func (st *stream) fail(err error) {
+	st.finish(err)
+	st.remove()
+	st.abort()
+}
+
+// reset ends the stream from this side with RST_STREAM.
+func (st *stream) reset(code http2.ErrCode, err error) {
+	l := st.l
+	l.mu.Lock()
+	already := st.state == stateClosed
+	l.mu.Unlock()
+	if already {
+		return
+	}
+	st.finish(err)
+	id := st.id
+	l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, code) })
+	st.remove()
+	if code != http2.ErrCodeNo {
+		st.abort()
+	}
+}
+
+// resetByPeer handles RST_STREAM from the peer. After its END_STREAM a
+// reset (NO_ERROR: "stop sending") loses nothing that was received. On
+// the serving end a reset of a stream whose handler still runs is charged
+// to the rapid-reset budget.
+func (st *stream) resetByPeer(code http2.ErrCode) {
+	l := st.l
+	if l.serving {
+		l.mu.Lock()
+		exhausted := false
+		if st.handlerRunning && !st.resetByThePeer {
+			st.resetByThePeer = true
+			exhausted = l.chargeResetLocked()
+		}
+		l.mu.Unlock()
+		if exhausted {
+			l.calm(fmt.Errorf("%w: more than %d streams reset by the peer while their handlers ran (rapid reset)", errCalm, l.cfg.MaxPeerResets))
+		}
+	}
+	st.finish(fmt.Errorf("%w by the agent (%v)", ErrStreamReset, code))
+	st.remove()
+	st.abort()
+}
+
+// chargeResetLocked takes one from the rapid-reset budget, after adding
+// one per second since the last charge, and reports an empty budget. The
+// caller holds mu.
+func (l *Conn) chargeResetLocked() (exhausted bool) {
+	now := time.Now()
+	if earned := int(now.Sub(l.budgetAt) / time.Second); earned > 0 {
+		l.resetBudget = min(l.cfg.MaxPeerResets, l.resetBudget+earned)
+		l.budgetAt = now
+	}
+	l.resetBudget--
+	return l.resetBudget < 0
+}
+
+// finish delivers err to whoever waits on the stream: the RoundTrip caller
+// if no answer came yet, else the reader once it has read what arrived.
+func (st *stream) finish(err error) {
+	st.rmu.Lock()
+	answered := st.resp != nil
+	if !answered && st.respErr == nil {
+		st.respErr = err
+		close(st.respReady)
+	}
+	if !st.eof && st.recvErr == nil {
+		st.recvErr = err
+	}
+	st.recvCond.Broadcast()
+	next := st.sinkStepRLocked()
+	st.rmu.Unlock()
+	next()
+}
