@@ -77,7 +77,7 @@ FUZZTIME ?= 20s
 fuzz:
 	@for target in $$($(GO) test -list 'Fuzz.*' ./tunnel/ | grep ^Fuzz); do \
 		echo "== tunnel $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s ./tunnel/ || exit 1; done
-	@for pkg in ./auth/ ./certs/ ./images/ociimage/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+	@for pkg in ./auth/ ./certs/ ./images/ociimage/ ./tunnel/lease/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
 
 bench: build

@@ -33,6 +33,10 @@ type AgentConfig struct {
 	// SyncForever keeps probing a load-balanced address after the count is
 	// reached, so a server added behind it is found without a tunnel drop.
 	SyncForever bool
+	// CountSource says how a server count from Leases (SetLeaseCount)
+	// combines with the count servers announce. Without a lease count the
+	// announced count is used either way.
+	CountSource CountSource
 
 	ID          string
 	Identifiers string // upstream --agent-identifiers syntax, sent as is
@@ -113,9 +117,12 @@ type Agent struct {
 
 	mu       sync.Mutex
 	links    map[*serverLink]struct{}
-	maxCount int           // largest server count announced by a live server (at least 1)
+	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
 	changed  chan struct{} // closed and replaced when links change
 	draining bool
+	// Also guarded by mu: the two counts maxCount combines.
+	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
+	leaseCount int // valid server Leases (at least 1); 0 while unknown
 
 	linkWG  sync.WaitGroup // goroutines serving links
 	streams sync.WaitGroup // handlers in flight
@@ -128,6 +135,36 @@ type Agent struct {
 type AgentStats struct {
 	DialsOK, DialsFailed, OpenStreams atomic.Int64
 	BytesToDest, BytesFromDest        atomic.Int64
+}
+
+// CountSource is how the agent combines the server count from Leases with
+// the count servers announce (upstream's --server-count-source).
+type CountSource int
+
+const (
+	// CountMax wants the larger of the two counts ("max").
+	CountMax CountSource = iota
+	// CountLeases wants the lease count alone once it is known ("default"
+	// upstream, with --count-server-leases).
+	CountLeases
+)
+
+// SetLeaseCount gives the agent the number of valid server Leases (0: not
+// known). Seekers on a load-balanced address follow the new count at once.
+func (a *Agent) SetLeaseCount(n int) {
+	a.mu.Lock()
+	if n < 0 || n == a.leaseCount {
+		a.mu.Unlock()
+		return
+	}
+	was := a.maxCount
+	a.leaseCount = n
+	a.recountLocked()
+	held, want := len(a.links), a.maxCount
+	a.mu.Unlock()
+	if want != was {
+		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", held, want), "lease_count", n, "was", was)
+	}
 }
 
 // NewAgent checks cfg and returns an Agent that is not yet running.
@@ -155,6 +192,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		changed:  make(chan struct{}),
 		quiet:    newLogLimiter(10 * time.Second),
 	}
+	a.announced = 1
 	a.metrics = newAgentMetrics(cfg.Metrics, a)
 	return a, nil
 }
@@ -173,7 +211,8 @@ func (a *Agent) ReadyAll() (bool, string) {
 }
 
 // Connected returns how many servers the agent holds a tunnel to, and how
-// many it wants (the largest count a live server announced).
+// many it wants (the largest count a live server announced, combined with
+// the lease count by CountSource).
 func (a *Agent) Connected() (held, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()

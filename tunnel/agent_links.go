@@ -365,14 +365,23 @@ func (a *Agent) serveLink(l *serverLink) {
 	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.closeReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
 }
 
-// recountLocked adopts the largest count live servers announce and wakes
-// the seekers. With no live server the last count stands.
+// recountLocked adopts the largest count live servers announce (with no
+// live server the last one stands), combines it with the lease count and
+// wakes the seekers.
 func (a *Agent) recountLocked() {
 	if len(a.links) > 0 {
-		a.maxCount = 1
+		a.announced = 1
 		for l := range a.links {
-			a.maxCount = max(a.maxCount, l.count)
+			a.announced = max(a.announced, l.count)
 		}
+	}
+	a.maxCount = a.announced
+	switch {
+	case a.leaseCount <= 0:
+	case a.cfg.CountSource == CountLeases:
+		a.maxCount = a.leaseCount
+	default:
+		a.maxCount = max(a.announced, a.leaseCount)
 	}
 	close(a.changed)
 	a.changed = make(chan struct{})

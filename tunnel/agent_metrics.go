@@ -36,7 +36,7 @@ func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
 	am.streamErrs.register(m, agentPrefix+"stream_errors_total", segFromAgent, segToAgent)
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
 		func() float64 { held, _ := a.Connected(); return float64(held) })
-	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced).", nil, nil,
+	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
 		func() float64 { _, want := a.Connected(); return float64(want) })
 	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
 		func() float64 { return float64(a.Stats.OpenStreams.Load()) })
