@@ -130,10 +130,10 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
 	o, cf := newAgentFlags(stderr)
-	return runDaemon("agent", cf, args, stderr, o.complete, o.run)
+	return runDaemon("agent", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
-func (o *agentOptions) complete() error {
+func (o *agentOptions) complete(cf *commandFlags) error {
 	if o.agentID == "" {
 		o.agentID = os.Getenv("PROXY_AGENT_ID")
 	}
@@ -144,8 +144,12 @@ func (o *agentOptions) complete() error {
 		}
 		o.agentID = host
 	}
-	if _, err := tunnel.ParseIdentifiers(o.identifiers); err != nil {
+	ids, err := tunnel.ParseIdentifiers(o.identifiers)
+	if err != nil {
 		return fmt.Errorf("--agent-identifiers: %w", err)
+	}
+	for _, why := range ids.Ignored {
+		cf.warn("--agent-identifiers: value ignored; upstream checks keys only, and it names nothing a dial can match", "identifier", why)
 	}
 	if len(o.serverAddrs()) == 0 {
 		return fmt.Errorf("--proxy-server-host is empty")
@@ -153,10 +157,9 @@ func (o *agentOptions) complete() error {
 	if (o.agentCert == "") != (o.agentKey == "") {
 		return fmt.Errorf("--agent-cert and --agent-key go together")
 	}
-	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
 		return err
 	}
-	var err error
 	if o.destinations, err = tunnel.NewDestinationPolicy(tunnel.DestinationRules{
 		Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations,
 	}); err != nil {

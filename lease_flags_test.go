@@ -61,7 +61,7 @@ func TestAgentLeaseFlags(t *testing.T) {
 		if _, err := cf.parse(append([]string{"--agent-id=a"}, c.args...), io.Discard); err != nil {
 			t.Fatal(err)
 		}
-		if err := o.complete(); err != nil {
+		if err := o.complete(cf); err != nil {
 			t.Fatalf("%v: %v", c.args, err)
 		}
 		if got := o.leases.parsed.String(); got != c.selector || o.leases.countSource != c.source {

@@ -235,8 +235,18 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.tokenAuth() && (o.agentNamespace == "" || o.agentServiceAccount == "" || o.authAudience == "") {
 		return fmt.Errorf("token auth needs all of --agent-namespace, --agent-service-account and --authentication-audience")
 	}
-	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
 		return err
+	}
+	switch {
+	case o.backendDialTimeout < 0:
+		return fmt.Errorf("--backend-dial-timeout=%s: want 0 or more", o.backendDialTimeout)
+	case o.backendDialTimeout == 0:
+		// Upstream's 0 is "no bound"; kube-apiserver's gRPC client gives up
+		// after 30s anyway, and its HTTP CONNECT dialer never does, so an
+		// unanswered dial would hang a request for good.
+		o.backendDialTimeout = noDialTimeoutBound
+		cf.warn("--backend-dial-timeout=0 (upstream: no bound) is read as " + noDialTimeoutBound.String() + ", kube-apiserver's own gRPC dial backstop, so an unanswered HTTP CONNECT dial cannot hang for good")
 	}
 	for _, v := range splitList(o.routeAgents) {
 		if !validRouteAgent(v) {
@@ -245,6 +255,9 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	}
 	return nil
 }
+
+// noDialTimeoutBound stands for --backend-dial-timeout=0.
+const noDialTimeoutBound = 30 * time.Second
 
 // splitList splits a comma list, dropping blanks.
 func splitList(s string) []string {
@@ -273,14 +286,29 @@ func (o *serverOptions) tokenAuth() bool {
 	return o.agentNamespace != "" || o.agentServiceAccount != "" || o.authAudience != ""
 }
 
+// tlsVersion reads --tls-min-version. Upstream's VersionTLS10 and
+// VersionTLS11 are read as TLS 1.2: 1.0 and 1.1 are deprecated (RFC 8996)
+// and every kube-apiserver and agent speaks 1.2.
 func tlsVersion(s string) (uint16, error) {
 	switch s {
-	case "VersionTLS12", "":
+	case "VersionTLS10", "VersionTLS11", "VersionTLS12", "":
 		return tls.VersionTLS12, nil
 	case "VersionTLS13":
 		return tls.VersionTLS13, nil
 	}
-	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13", s)
+	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are read as VersionTLS12)", s)
+}
+
+// checkTLSVersion checks --tls-min-version and warns when an upstream
+// value is read as TLS 1.2.
+func checkTLSVersion(cf *commandFlags, s string) error {
+	if _, err := tlsVersion(s); err != nil {
+		return err
+	}
+	if s == "VersionTLS10" || s == "VersionTLS11" {
+		cf.warn("--tls-min-version below TLS 1.2 is not offered (RFC 8996 deprecates 1.0 and 1.1); using VersionTLS12", "tls_min_version", s)
+	}
+	return nil
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {

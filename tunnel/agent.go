@@ -342,7 +342,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
+	a.metrics.packets.inc(segToAgent, pktDialReq)
 	dest := a.openDestination(w, r)
+	a.metrics.packets.inc(segFromAgent, pktDialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
 	}
@@ -390,6 +392,9 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	cancel()
 	if err != nil {
 		a.Stats.DialsFailed.Add(1)
+		if r.Context().Err() != nil {
+			a.metrics.packets.inc(segToAgent, pktDialCls) // the server gave the dial up (RST_STREAM)
+		}
 		code := http.StatusBadGateway
 		var ne net.Error
 		var denied *deniedError
@@ -423,12 +428,18 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	up := a.deliverUpload(r.Body, dest)
 	var n int64
 	var downErr error
+	// Each read from the destination is sent as one DATA Packet.
+	to := a.countingWriter(w)
 	if rc := rawSocket(dest); rc != nil {
-		n, downErr = copyFromSocket(w, rc, flush) // one frame less than copyStream
+		n, downErr = copyFromSocket(to, rc, flush) // one frame less than copyStream
 	} else {
-		n, downErr = copyStream(w, dest, flush)
+		n, downErr = copyStream(to, dest, flush)
 	}
+	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
+	if downErr == nil {
+		a.metrics.packets.inc(segFromAgent, pktCloseRsp) // the destination's end, as END_STREAM
+	}
 	select {
 	case <-up.Done():
 		if _, upErr := up.Result(); downErr == nil && upErr == nil {
@@ -462,9 +473,21 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	a.countUpload(up)
 	r.Body.Close()
 	a.metrics.resets.Inc()
+	if downErr != nil {
+		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), pktData)
+	} else {
+		a.metrics.streamErrs.inc(segToAgent, codeCanceled, pktData)
+	}
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)
+}
+
+// countingWriter counts each write to w as a DATA Packet from the agent.
+func (a *Agent) countingWriter(w io.Writer) *packetWriter {
+	pw := packetWriters.Get().(*packetWriter)
+	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}
+	return pw
 }
 
 // halfClose handles a destination that finished first while the client is
@@ -493,7 +516,8 @@ func (a *Agent) countUpload(up *h2link.Delivery) {
 func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	after := func(err error) error {
 		if err == nil {
-			err = closeWrite(dest) // the client half-closed: pass it on
+			a.metrics.packets.inc(segToAgent, pktCloseReq) // END_STREAM from the server
+			err = closeWrite(dest)                         // the client half-closed: pass it on
 		}
 		if err != nil {
 			dest.Close()
