@@ -283,6 +283,13 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	if err := s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
 		return grpcUnavailable, "write DIAL_RSP"
 	}
+	// A draining server ends a quiet tunnel as the destination closing
+	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
+	// connection its HTTP client holds idle.
+	quietCh := make(chan struct{})
+	qt := &quietTunnel{act: &up.act, closeQuiet: func() { close(quietCh) }}
+	s.addQuiet(qt)
+	defer s.removeQuiet(qt)
 	up.start()
 
 	// Downstream: the agent's bytes become DATA packets, read straight into
@@ -302,6 +309,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 				s.metrics.packets.inc(segToClient, pktData)
 				written := time.Now()
 				werr := g.write(msg)
+				up.act.down()
 				s.metrics.frontendWrite.ObserveDuration(time.Since(written))
 				if werr != nil {
 					s.metrics.streamErrs.inc(segToClient, codeUnavailable, pktData)
@@ -329,6 +337,12 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 			s.metrics.packets.inc(segFromAgent, pktCloseRsp)
 		}
 		s.sendGRPC(g, rsp)
+		return grpcOK, ""
+	case <-quietCh:
+		// Drained at a quiet moment: the client's connection was idle.
+		st.close()
+		<-downDone
+		s.sendGRPC(g, packet{Type: pktCloseRsp, ConnectID: connectID})
 		return grpcOK, ""
 	case <-closeReq:
 		// The client closed the connection: end the tunnel, then confirm.

@@ -70,6 +70,7 @@ type stream struct {
 	unacked    int64          // consumed but not yet returned to the peer
 	readerGone bool           // the body was closed
 	sink       *socketSink    // set by DeliverTo: bytes go straight to a socket
+	onWrite    func(n int)    // set by OnWrite: told of each write of the stream's bytes
 	declared   int64          // the serving end: the request's content-length, or -1
 	received   int64          // the serving end: DATA bytes received, while declared >= 0
 }
