@@ -117,9 +117,9 @@ type Server struct {
 	// quietTunnels are the open frontend tunnels a drain may close at a
 	// quiet moment (quiet.go).
 	quietTunnels map[*activity]*quietTunnel
-	shutting  bool           // no new connections are accepted
-	closed    bool           // everything is being torn down
-	wg        sync.WaitGroup // every goroutine the server starts
+	shutting     bool           // no new connections are accepted
+	closed       bool           // everything is being torn down
+	wg           sync.WaitGroup // every goroutine the server starts
 
 	acceptLoops sync.WaitGroup
 	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
