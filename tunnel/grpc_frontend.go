@@ -76,6 +76,11 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			small = preAdmitStreamWindow
 		}
 	}
+	// A draining server lets the connection go once its calls are done:
+	// GOAWAY, then close when idle (konnectivity-client uses one
+	// connection per dial and closes it itself on CLOSE_RSP).
+	var l *h2link.Conn
+	var goingAway sync.Once
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		defer release()
 		if refused != nil {
@@ -83,6 +88,9 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			return
 		}
 		s.serveGRPCStream(w, r, release)
+		if s.isShutting() {
+			goingAway.Do(func() { s.goroutine(func() { l.Shutdown(s.baseCtx) }) })
+		}
 	})
 	// The same HTTP/2 link as an agent connection, in the serving role:
 	// every frame written by whoever has it, two DATA frames per system
@@ -91,7 +99,8 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 	if _, isTLS := conn.(*tls.Conn); !isTLS {
 		h2conn = h2link.NewBatcher(conn)
 	}
-	l, err := h2link.NewServer(h2conn, h2link.Config{
+	var err error
+	l, err = h2link.NewServer(h2conn, h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
 		PreAdmitStreamWindow: small, PreAdmitConnWindow: small,
 		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(h2conn),

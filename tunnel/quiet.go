@@ -35,6 +35,10 @@ const (
 	// drainQuietTail is how long before the deadline drainQuietLast applies.
 	drainQuietTail = 2 * time.Second
 	drainPoll      = 2 * time.Millisecond
+	// drainStall is a poll so late that the quiet seen across it is not
+	// trusted: the process (or the machine) stalled, and the client's
+	// next request may be just behind the stall.
+	drainStall = 10 * time.Millisecond
 )
 
 // activity is a tunnel's traffic as a draining server sees it: a count of
@@ -111,6 +115,7 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 	var due []*quietTunnel
 	deadline, hasDeadline := ctx.Deadline()
 	tick := time.NewTicker(drainPoll)
+	lastTick := time.Now()
 	defer tick.Stop()
 	for {
 		select {
@@ -121,6 +126,12 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 		case <-tick.C:
 		}
 		now := time.Now()
+		if now.Sub(lastTick) > drainStall {
+			// This process did not run for a while: a quiet it did
+			// not watch may be its own stall, not the client's pause.
+			clear(seen)
+		}
+		lastTick = now
 		quiet := drainQuiet
 		if hasDeadline && deadline.Sub(now) < drainQuietTail {
 			quiet = drainQuietLast
@@ -135,8 +146,9 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 				continue
 			}
 			if v&1 == 1 && now.Sub(prev.since) >= quiet {
-				if t.raw != nil && unread(t.raw) {
-					seen[act] = sample{v, now}
+				if t.raw != nil && (unread(t.raw) || act.v.Load() != v) {
+					// A request has come, or is being read.
+					seen[act] = sample{act.v.Load(), now}
 					continue
 				}
 				delete(s.quietTunnels, act)

@@ -660,8 +660,8 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	})
 	defer s.hangups.remove(conn)
 	qt := &quietTunnel{act: &up.act, raw: up.raw, closeQuiet: func() {
-		st.close()
 		conn.Close()
+		st.close()
 	}}
 	s.addQuiet(qt)
 	defer s.removeQuiet(qt)
