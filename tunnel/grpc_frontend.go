@@ -349,9 +349,12 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		return grpcOK, ""
 	case <-quietCh:
 		// Drained at a quiet moment: the client's connection was idle.
+		// CLOSE_RSP goes first, so the client sees the end (and its
+		// next write fails, unsent, so its HTTP client retries) as
+		// soon as possible; the agent's stream ends after.
+		s.sendGRPC(g, packet{Type: pktCloseRsp, ConnectID: connectID})
 		st.close()
 		<-downDone
-		s.sendGRPC(g, packet{Type: pktCloseRsp, ConnectID: connectID})
 		return grpcOK, ""
 	case <-closeReq:
 		// The client closed the connection: end the tunnel, then confirm.

@@ -135,7 +135,7 @@ func dialGRPCTunnel(ctx context.Context, sock, addr string) (net.Conn, error) {
 		cancel()
 		pw.Close()
 		tr.CloseIdleConnections()
-		return nil, err
+		return nil, fmt.Errorf("gRPC call: %w", err)
 	}
 	c := &grpcTunnelConn{tr: tr, send: pw, body: resp.Body, cancel: cancel}
 	msg, buf, err := readGRPCMessage(resp.Body, nil, maxGRPCMessageLen)
@@ -182,7 +182,7 @@ func (c *grpcTunnelConn) Write(p []byte) (int, error) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	if _, err := c.send.Write(appendGRPCMessage(nil, packet{Type: pktData, ConnectID: c.id, Data: p})); err != nil {
-		return 0, err
+		return 0, fmt.Errorf("gRPC DATA: %w", err)
 	}
 	return len(p), nil
 }
