@@ -296,7 +296,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
 	// connection its HTTP client holds idle.
 	quietCh := make(chan struct{})
-	qt := &quietTunnel{act: &up.act, closeQuiet: func() { close(quietCh) }}
+	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, closeQuiet: func() { close(quietCh) }}
 	s.addQuiet(qt)
 	defer s.removeQuiet(qt)
 	up.start()

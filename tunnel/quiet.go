@@ -33,8 +33,9 @@ import (
 // CLOSE_RSP (every such close lost a call, measured), while none closed
 // after 50 ms did.
 const (
-	drainQuiet = 50 * time.Millisecond
-	drainPoll  = 2 * time.Millisecond
+	drainQuiet     = 50 * time.Millisecond
+	drainQuietGRPC = 250 * time.Millisecond
+	drainPoll      = 2 * time.Millisecond
 	// drainStall is a poll so late that the quiet seen across it is not
 	// trusted: the process (or the machine) stalled, and the client's
 	// next request may be just behind the stall.
@@ -78,6 +79,7 @@ func (a *activity) downN(int) { a.down() }
 // tunnel busy, so that a request the client has sent but this process has
 // not read yet is never cut.
 type quietTunnel struct {
+	quiet      time.Duration // drainQuiet, or drainQuietGRPC
 	act        *activity
 	raw        syscall.RawConn
 	closeQuiet func()
@@ -131,7 +133,6 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 			clear(seen)
 		}
 		lastTick = now
-		quiet := drainQuiet
 		due = due[:0]
 		s.mu.Lock()
 		for act, t := range s.quietTunnels {
@@ -141,7 +142,7 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 				seen[act] = sample{v, now}
 				continue
 			}
-			if v&1 == 1 && now.Sub(prev.since) >= quiet {
+			if v&1 == 1 && now.Sub(prev.since) >= t.quiet {
 				if t.raw != nil && (unread(t.raw) || act.v.Load() != v) {
 					// A request has come, or is being read.
 					seen[act] = sample{act.v.Load(), now}

@@ -659,7 +659,7 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		conn.Close()
 	})
 	defer s.hangups.remove(conn)
-	qt := &quietTunnel{act: &up.act, raw: up.raw, closeQuiet: func() {
+	qt := &quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, closeQuiet: func() {
 		conn.Close()
 		st.close()
 	}}
