@@ -653,7 +653,16 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 			if err != nil {
 				return nil, nil, fmt.Errorf("token auth: %w", err)
 			}
-			nodeAddrs = nodes.Addresses
+			nodeAddrs = func(ctx context.Context, node string) ([]netip.Addr, error) {
+				addrs, err := nodes.Addresses(ctx, node)
+				switch {
+				case err == nil:
+					return addrs, nil
+				case errors.Is(err, auth.ErrNodesForbidden):
+					return nil, fmt.Errorf("%w: %v", tunnel.ErrNodesForbidden, err)
+				}
+				return nil, &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+			}
 		}
 		log.Info("agent token auth on", "apiserver", rc.Server(), "audience", o.authAudience, "service_account", o.agentNamespace+"/"+o.agentServiceAccount)
 	}
@@ -703,7 +712,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 // tokenPrincipal is what a reviewed token proves: the pod and node it was
 // issued for when it is bound to a pod, else only its ServiceAccount.
 func tokenPrincipal(id auth.Identity, account string) tunnel.Principal {
-	p := tunnel.Principal{Kind: tunnel.PrincipalToken, Node: id.Node, Account: account, Expires: id.Expires, Credential: "sa:" + id.Username}
+	p := tunnel.Principal{Kind: tunnel.PrincipalToken, Node: id.Node, Pod: id.Pod, Account: account, Expires: id.Expires, Credential: "sa:" + id.Username}
 	switch {
 	case id.PodUID != "":
 		p.Credential = "pod:" + id.PodUID
