@@ -327,6 +327,12 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 				s.stop()
 			}
 			services = nil
+			if ctx.Err() != nil {
+				// SIGTERM or SIGINT came during the drain: stop as asked
+				// instead of coming back as a new image that never saw it.
+				log.Info("stop requested while draining for a restart: exiting instead of re-executing")
+				return nil
+			}
 			return execSelf(exe, env, log)
 		}
 	}

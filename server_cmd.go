@@ -510,6 +510,18 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			services = nil
 			stopMinting()
 			waitMinting()
+			if ctx.Err() != nil {
+				// SIGTERM or SIGINT came during the drain: stop as asked
+				// instead of coming back as a new image that never saw it.
+				log.Info("stop requested while draining for a restart: exiting instead of re-executing")
+				if o.udsName != "" {
+					if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
+						log.Warn("remove frontend socket", "err", err)
+					}
+				}
+				log.Info("stopped")
+				return nil
+			}
 			// Only a failed exec returns; the supervisor's respawn takes over.
 			return execSelf(exe, env, log)
 		}

@@ -1,0 +1,756 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/portforward"
+	"k8s.io/client-go/tools/remotecommand"
+)
+
+// TestKubeAPIServer runs the server under a real kube-apiserver and etcd:
+// the apiserver reads the egress selector file that images/ ships (only
+// the socket path changed), admits the agent through its own TokenRequest
+// and TokenReview APIs, and reaches a Service-referenced webhook, a
+// kubelet (logs, exec, port-forward) and an aggregated API only through
+// the tunnel.
+//
+// The backends need a non-loopback address (kube-apiserver refuses
+// 127.0.0.0/8 in Endpoints and for node proxying), so the test re-runs
+// itself in a new network namespace (unshare --net) where 192.0.2.1 (a
+// documentation address) sits on the namespace's own loopback interface:
+// nothing can leave the machine. That needs root; without it the test is
+// skipped, and under CI=true it fails.
+const (
+	kubeNetnsEnv     = "KONNECTIVITY_KUBE_E2E_NETNS" // set inside the namespace
+	kubeAPIServerEnv = "KONNECTIVITY_KUBE_APISERVER"
+	kubeEtcdEnv      = "KONNECTIVITY_KUBE_ETCD"
+	kubeNodeIP       = "192.0.2.1"
+	kubeNode         = "kube-e2e-node"
+	kubeNS           = "e2e"
+)
+
+func TestKubeAPIServer(t *testing.T) {
+	if os.Getenv(kubeNetnsEnv) != "" {
+		kubeInNamespace(t)
+		return
+	}
+	if os.Geteuid() != 0 {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("needs root for a private network namespace (euid %d); CI must run this test", os.Geteuid())
+		}
+		t.Skipf("needs root for a private network namespace (euid %d); set CI=true to make this a failure", os.Geteuid())
+	}
+	for _, tool := range []string{"unshare", "ip", "go"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("needs %s: %v", tool, err)
+		}
+	}
+	apiserver, etcd := buildKubeBinaries(t)
+
+	// Run this test again, alone, as PID 1 of new network, PID and mount
+	// namespaces: when it ends, the kernel kills whatever it left behind.
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := "^TestKubeAPIServer$"
+	if f := flag.Lookup("test.run"); f != nil && strings.Contains(f.Value.String(), "/") {
+		run = "^TestKubeAPIServer$/" + f.Value.String()[strings.Index(f.Value.String(), "/")+1:]
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	args := []string{"--net", "--pid", "--mount", "--mount-proc", "--fork", "--kill-child",
+		self, "-test.run=" + run, "-test.count=1", "-test.v", "-test.timeout=19m"}
+	if f := flag.Lookup("test.skip"); f != nil && f.Value.String() != "" {
+		args = append(args, "-test.skip="+f.Value.String())
+	}
+	cmd := exec.CommandContext(ctx, "unshare", args...)
+	cmd.Env = append(os.Environ(),
+		kubeNetnsEnv+"=1",
+		kubeAPIServerEnv+"="+apiserver,
+		kubeEtcdEnv+"="+etcd,
+		"KONNECTIVITY_BIN="+konnectivityBin)
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	start := time.Now()
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("the test in its network namespace failed after %v: %v", time.Since(start).Round(time.Second), err)
+	}
+	t.Logf("the test in its network namespace passed in %v", time.Since(start).Round(time.Second))
+}
+
+// kubeInNamespace is the test proper, inside the private namespaces.
+func kubeInNamespace(t *testing.T) {
+	for _, args := range [][]string{
+		{"link", "set", "lo", "up"},
+		{"addr", "add", kubeNodeIP + "/32", "dev", "lo"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	// Only lo may exist here: a fresh namespace has no route out.
+	ifs, err := net.Interfaces()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, i := range ifs {
+		if i.Flags&net.FlagLoopback == 0 {
+			t.Fatalf("interface %s in the test's network namespace: not a private namespace", i.Name)
+		}
+	}
+	apiserver, etcd := os.Getenv(kubeAPIServerEnv), os.Getenv(kubeEtcdEnv)
+	for _, mode := range []string{"http-connect", "grpc"} {
+		t.Run(mode, func(t *testing.T) { kubeMode(t, apiserver, etcd, mode) })
+	}
+}
+
+// kubeEnv is one mode's control plane, konnectivity pair and backends.
+type kubeEnv struct {
+	mode      string
+	c         *kubeCluster
+	s         *server
+	agentArgs []string
+	agent     *agent
+	reviews   atomic.Int64 // admission reviews the webhook answered
+	kubelet   *kubeletStandIn
+}
+
+func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
+	start := time.Now()
+	e := &kubeEnv{mode: mode, kubelet: &kubeletStandIn{}}
+	dir, err := os.MkdirTemp("", "kse2e")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sock := filepath.Join(dir, "konnectivity-server.socket")
+	egress := egressConfigFor(t, dir, sock, mode)
+	nodeIP := net.ParseIP(kubeNodeIP)
+	e.c = startKubeCluster(t, apiserverBin, etcdBin, egress, nodeIP)
+	c := e.c
+
+	// --- Objects a controller-manager, kubelet and scheduler would make.
+	c.create(t, "/api/v1/namespaces", obj("Namespace", "v1", kubeNS, ""))
+	for _, ns := range []string{"kube-system", kubeNS} {
+		sa := "default"
+		if ns == "kube-system" {
+			sa = "konnectivity-agent"
+		}
+		c.create(t, "/api/v1/namespaces/"+ns+"/serviceaccounts", obj("ServiceAccount", "v1", sa, ns))
+	}
+	// The server's kubeconfig identity may review tokens and nothing else.
+	srvCert, srvKey, _ := c.pki.issue(t, "konnectivity-server-client", true, "system:konnectivity-server", nil, nil, nil)
+	crb := obj("ClusterRoleBinding", "rbac.authorization.k8s.io/v1", "konnectivity-server-auth-delegator", "")
+	crb["roleRef"] = map[string]any{"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:auth-delegator"}
+	crb["subjects"] = []any{map[string]any{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:konnectivity-server"}}
+	c.create(t, "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", crb)
+
+	kubeletSrv := startKubeBackend(t, kubeNodeIP, c.pki.serving(t, "kubelet", nil, []net.IP{nodeIP}), e.kubelet)
+	node := obj("Node", "v1", kubeNode, "")
+	c.create(t, "/api/v1/nodes", node)
+	node["status"] = map[string]any{
+		"addresses":       []any{map[string]any{"type": "InternalIP", "address": kubeNodeIP}},
+		"daemonEndpoints": map[string]any{"kubeletEndpoint": map[string]any{"Port": kubeletSrv.port}},
+		"conditions":      []any{map[string]any{"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": time.Now().UTC().Format(time.RFC3339)}},
+	}
+	e.patchNodeStatus(t, node["status"])
+	// The agent's own Pod (its token is bound to it) and the workload Pod
+	// whose logs, exec and port-forward go to the kubelet stand-in.
+	c.create(t, "/api/v1/namespaces/kube-system/pods", pod("konnectivity-agent-"+kubeNode, "kube-system", "konnectivity-agent"))
+	c.create(t, "/api/v1/namespaces/"+kubeNS+"/pods", pod("target", kubeNS, "default"))
+	c.create(t, "/api/v1/namespaces/"+kubeNS+"/pods", pod(kubeForwardPod, kubeNS, "default"))
+
+	// --- The agent's token from the real TokenRequest API, bound to its Pod.
+	tr := c.create(t, "/api/v1/namespaces/kube-system/serviceaccounts/konnectivity-agent/token", map[string]any{
+		"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+		"spec": map[string]any{
+			"audiences":         []string{agentAudience},
+			"expirationSeconds": 3600,
+			"boundObjectRef":    map[string]any{"kind": "Pod", "apiVersion": "v1", "name": "konnectivity-agent-" + kubeNode},
+		},
+	})
+	var trResp struct {
+		Status struct {
+			Token string `json:"token"`
+		} `json:"status"`
+	}
+	if err := json.Unmarshal(tr, &trResp); err != nil || trResp.Status.Token == "" {
+		t.Fatalf("TokenRequest: no token (%v): %s", err, tail(string(tr), 500))
+	}
+	tokenFile := filepath.Join(dir, "agent-token")
+	if err := os.WriteFile(tokenFile, []byte(trResp.Status.Token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	// --- The server with the production flags (openrc/konnectivity-server.initd).
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	c.writeKubeconfig(t, kubeconfig, srvCert, srvKey)
+	p := newPKI(t, dir)
+	e.s = &server{
+		owner:      t,
+		dir:        dir,
+		pki:        p,
+		sock:       sock,
+		agentPort:  freePort(t),
+		healthPort: freePort(t),
+		adminPort:  freePort(t),
+	}
+	e.s.args = []string{"server",
+		"--mode=" + mode,
+		"--uds-name=" + sock, "--server-port=0",
+		"--agent-bind-address=127.0.0.1",
+		"--agent-port=" + strconv.Itoa(e.s.agentPort),
+		"--cluster-cert=" + p.serverCert,
+		"--cluster-key=" + p.serverKey,
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-audience=" + agentAudience,
+		"--agent-namespace=kube-system",
+		"--agent-service-account=konnectivity-agent",
+		"--proxy-strategies=destHost,default",
+		"--health-bind-address=127.0.0.1",
+		"--health-port=" + strconv.Itoa(e.s.healthPort),
+		"--admin-bind-address=127.0.0.1",
+		"--admin-port=" + strconv.Itoa(e.s.adminPort),
+		"--agent-wait=2s",
+		"--graceful-shutdown-timeout=2s",
+	}
+	e.s.launch(t)
+	e.agentArgs = []string{
+		"--proxy-server-host=127.0.0.1",
+		"--proxy-server-port=" + strconv.Itoa(e.s.agentPort),
+		"--ca-cert=" + p.caCert,
+		"--service-account-token-path=" + tokenFile,
+		"--agent-identifiers=host=" + kubeNode,
+		"--sync-interval=200ms", "--sync-interval-cap=1s",
+		"--drain-timeout=2s",
+	}
+	e.startAgent(t)
+
+	// --- A Service-referenced validating webhook, failurePolicy Fail.
+	whSrv := startKubeBackend(t, kubeNodeIP, c.pki.serving(t, "webhook", []string{"webhook." + kubeNS + ".svc"}, nil), webhookHandler(&e.reviews))
+	e.service(t, "webhook", whSrv.port)
+	vwc := obj("ValidatingWebhookConfiguration", "admissionregistration.k8s.io/v1", "konnectivity-e2e", "")
+	vwc["webhooks"] = []any{map[string]any{
+		"name":                    "configmaps.e2e.konnectivity.test",
+		"admissionReviewVersions": []string{"v1"},
+		"sideEffects":             "None",
+		"failurePolicy":           "Fail",
+		"timeoutSeconds":          10,
+		"clientConfig": map[string]any{
+			"service":  map[string]any{"namespace": kubeNS, "name": "webhook", "path": "/validate", "port": 443},
+			"caBundle": base64.StdEncoding.EncodeToString(c.pki.caPEM(t)),
+		},
+		"rules": []any{map[string]any{
+			"apiGroups": []string{""}, "apiVersions": []string{"v1"},
+			"operations": []string{"CREATE"}, "resources": []string{"configmaps"},
+		}},
+		"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": kubeNS}},
+	}}
+	c.create(t, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", vwc)
+
+	// --- An aggregated API behind a Service.
+	aggSrv := startKubeBackend(t, kubeNodeIP, c.pki.serving(t, "aggregated", []string{"api." + kubeNS + ".svc"}, nil), aggregatedHandler())
+	e.service(t, "api", aggSrv.port)
+	aps := obj("APIService", "apiregistration.k8s.io/v1", aggVersion+"."+aggGroup, "")
+	aps["spec"] = map[string]any{
+		"group": aggGroup, "version": aggVersion,
+		"service":              map[string]any{"namespace": kubeNS, "name": "api", "port": 443},
+		"caBundle":             base64.StdEncoding.EncodeToString(c.pki.caPEM(t)),
+		"groupPriorityMinimum": 1000, "versionPriority": 15,
+	}
+	c.create(t, "/apis/apiregistration.k8s.io/v1/apiservices", aps)
+	t.Logf("%s: control plane, server, agent and backends up in %v", mode, time.Since(start).Round(100*time.Millisecond))
+
+	// --- Every path works through the tunnel.
+	e.waitAll(t, "with the agent connected", 90*time.Second, nil)
+	e.followLogs(t)
+	if e.reviews.Load() == 0 || kubeletSrv.hits.Load() == 0 || aggSrv.hits.Load() == 0 {
+		t.Fatalf("a backend was never reached: webhook %d, kubelet %d, aggregated %d",
+			e.reviews.Load(), kubeletSrv.hits.Load(), aggSrv.hits.Load())
+	}
+	e.checkKubeletRequests(t)
+
+	// --- With the agent stopped every path fails as the apiserver reports
+	// a dead egress; the backends are still up and directly reachable
+	// from here, so only the tunnel can be missing.
+	e.agent.proc.stop(t)
+	e.s.waitAgents(t, 0, 10*time.Second)
+	before := kubeletSrv.hits.Load() + aggSrv.hits.Load() + e.reviews.Load()
+	e.waitAll(t, "with the agent stopped", 90*time.Second, e.expectDeadEgress)
+	if after := kubeletSrv.hits.Load() + aggSrv.hits.Load() + e.reviews.Load(); after != before {
+		t.Fatalf("backends were reached %d times with no agent connected", after-before)
+	}
+
+	// --- The agent comes back: every path works again, same apiserver.
+	e.startAgent(t)
+	e.waitAll(t, "with the agent back (apiserver not restarted)", 120*time.Second, nil)
+
+	// --- SIGHUP restarts of the server in the middle of webhook calls.
+	t.Run("sighup-webhook-loop", e.webhookLoopAcrossRestarts)
+
+	// --- Orderly stop: kube-apiserver holds idle keep-alive connections
+	// through the tunnel; SIGTERM must still end agent and server within
+	// their grace periods.
+	for _, p := range []*proc{e.agent.proc, e.s.proc} {
+		t0 := time.Now()
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+			t.Logf("%s: %s exited %v after SIGTERM (%v)", mode, p.name, time.Since(t0).Round(10*time.Millisecond), p.waitErr)
+		case <-time.After(10 * time.Second):
+			t.Errorf("%s: %s still running 10s after SIGTERM; output tail:\n%s", mode, p.name, tail(p.out.String(), 3000))
+		}
+	}
+	t.Logf("%s: done in %v", mode, time.Since(start).Round(100*time.Millisecond))
+}
+
+func obj(kind, apiVersion, name, ns string) map[string]any {
+	md := map[string]any{"name": name}
+	if ns != "" {
+		md["namespace"] = ns
+	}
+	return map[string]any{"apiVersion": apiVersion, "kind": kind, "metadata": md}
+}
+
+func pod(name, ns, sa string) map[string]any {
+	p := obj("Pod", "v1", name, ns)
+	p["spec"] = map[string]any{
+		"nodeName":                     kubeNode,
+		"serviceAccountName":           sa,
+		"automountServiceAccountToken": false,
+		"containers": []any{
+			map[string]any{"name": "app", "image": "example.invalid/app"},
+			map[string]any{"name": kubeExecContainer, "image": "example.invalid/shell"},
+		},
+	}
+	return p
+}
+
+func (e *kubeEnv) patchNodeStatus(t *testing.T, status any) {
+	t.Helper()
+	b, _ := json.Marshal(map[string]any{"status": status})
+	req, err := http.NewRequest(http.MethodPatch, e.c.url+"/api/v1/nodes/"+kubeNode+"/status", strings.NewReader(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/merge-patch+json")
+	resp, err := e.c.admin.Do(req)
+	if err != nil {
+		t.Fatalf("patch node status: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("patch node status: %d %s", resp.StatusCode, body)
+	}
+}
+
+// service creates a selector-less Service named name in kubeNS with its
+// Endpoints and EndpointSlice pointing at kubeNodeIP:port, as the
+// endpoint controllers would.
+func (e *kubeEnv) service(t *testing.T, name string, port int) {
+	t.Helper()
+	c := e.c
+	svc := obj("Service", "v1", name, kubeNS)
+	svc["spec"] = map[string]any{"ports": []any{map[string]any{"name": "https", "port": 443, "targetPort": port, "protocol": "TCP"}}}
+	c.create(t, "/api/v1/namespaces/"+kubeNS+"/services", svc)
+	ep := obj("Endpoints", "v1", name, kubeNS)
+	ep["subsets"] = []any{map[string]any{
+		"addresses": []any{map[string]any{"ip": kubeNodeIP}},
+		"ports":     []any{map[string]any{"name": "https", "port": port, "protocol": "TCP"}},
+	}}
+	c.create(t, "/api/v1/namespaces/"+kubeNS+"/endpoints", ep)
+	es := obj("EndpointSlice", "discovery.k8s.io/v1", name+"-e2e", kubeNS)
+	es["metadata"].(map[string]any)["labels"] = map[string]any{"kubernetes.io/service-name": name}
+	es["addressType"] = "IPv4"
+	es["endpoints"] = []any{map[string]any{"addresses": []string{kubeNodeIP}, "conditions": map[string]any{"ready": true}}}
+	es["ports"] = []any{map[string]any{"name": "https", "port": port, "protocol": "TCP"}}
+	c.create(t, "/apis/discovery.k8s.io/v1/namespaces/"+kubeNS+"/endpointslices", es)
+}
+
+func (e *kubeEnv) startAgent(t *testing.T) {
+	t.Helper()
+	e.agent = startAgentArgs(t, kubeNode, e.agentArgs...)
+	waitHTTP(t, e.agent.proc, e.agent.healthURL("/readyz"), http.StatusOK)
+	e.s.waitAgents(t, 1, startTimeout)
+}
+
+// kubeCheck is one path through the tunnel; it returns nil when the bytes
+// came back right, else what the apiserver said.
+type kubeCheck struct {
+	name string
+	run  func(e *kubeEnv, seq int) error
+}
+
+var kubeChecks = []kubeCheck{
+	{"webhook", (*kubeEnv).checkWebhook},
+	{"pods/log", (*kubeEnv).checkLogs},
+	{"pods/exec", func(e *kubeEnv, _ int) error {
+		return upgradeEcho(e.c, "/api/v1/namespaces/"+kubeNS+"/pods/target/exec?command=cat&stdin=true&stdout=true&container=app",
+			"v4.channel.k8s.io", 256<<10)
+	}},
+	{"pods/exec (kubectl's WebSocket)", (*kubeEnv).checkExecWebSocket},
+	{"pods/portforward", func(e *kubeEnv, _ int) error {
+		return upgradeEcho(e.c, "/api/v1/namespaces/"+kubeNS+"/pods/target/portforward?ports=8080",
+			"portforward.k8s.io", 256<<10)
+	}},
+	{"pods/portforward (kubectl's WebSocket)", (*kubeEnv).checkPortForwardWebSocket},
+	{"aggregated API", (*kubeEnv).checkAggregated},
+}
+
+// waitAll polls every check until each passes (want == nil) or each fails
+// as want accepts, within bound.
+func (e *kubeEnv) waitAll(t *testing.T, when string, bound time.Duration, want func(name string, err error) error) {
+	t.Helper()
+	seq := 0
+	for _, ck := range kubeChecks {
+		start := time.Now()
+		var last error
+		for {
+			seq++
+			err := ck.run(e, seq)
+			if want == nil && err == nil {
+				break
+			}
+			if want != nil && err != nil {
+				if last = want(ck.name, err); last == nil {
+					t.Logf("%s %s: %s fails as expected: %s", e.mode, when, ck.name, tail(err.Error(), 300))
+					break
+				}
+			} else if want != nil {
+				last = fmt.Errorf("succeeded")
+			} else {
+				last = err
+			}
+			if time.Since(start) > bound {
+				t.Fatalf("%s %s: %s: not as expected within %v; last: %v", e.mode, when, ck.name, bound, last)
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+		if want == nil {
+			t.Logf("%s %s: %s ok after %v", e.mode, when, ck.name, time.Since(start).Round(10*time.Millisecond))
+		}
+	}
+}
+
+// expectDeadEgress accepts the apiserver's report of a failed egress dial:
+// for HTTPConnect the egress dialer's "proxy error ... code 503" carrying
+// the server's refusal, for GRPC konnectivity-client's dial failure, which
+// is the server's DIAL_RSP error text. The aggregator may instead answer
+// 503 for an APIService its availability check (through the same dead
+// egress) marked unavailable.
+func (e *kubeEnv) expectDeadEgress(name string, err error) error {
+	msg := err.Error()
+	marks := []string{"no agent available"}
+	if e.mode == "http-connect" {
+		marks = []string{"proxy error", "code 503"}
+	}
+	hasMarks := true
+	for _, m := range marks {
+		hasMarks = hasMarks && strings.Contains(msg, m)
+	}
+	if hasMarks {
+		return nil
+	}
+	if name == "aggregated API" && strings.Contains(msg, "status 503") &&
+		(strings.Contains(msg, "unable to handle the request") || strings.Contains(msg, "service unavailable")) {
+		return nil
+	}
+	return fmt.Errorf("error lacks %q: %s", marks, tail(msg, 600))
+}
+
+func (e *kubeEnv) checkWebhook(seq int) error {
+	c := e.c
+	name := fmt.Sprintf("deny-%s-%d", strings.ReplaceAll(e.mode, "-", ""), seq)
+	code, body, err := c.do(http.MethodPost, "/api/v1/namespaces/"+kubeNS+"/configmaps", obj("ConfigMap", "v1", name, kubeNS))
+	if err != nil {
+		return err
+	}
+	if code != http.StatusForbidden || !strings.Contains(string(body), "e2e webhook denies "+name) {
+		return fmt.Errorf("create %s: status %d: %s", name, code, tail(string(body), 600))
+	}
+	ok := fmt.Sprintf("ok-%s-%d", strings.ReplaceAll(e.mode, "-", ""), seq)
+	code, body, err = c.do(http.MethodPost, "/api/v1/namespaces/"+kubeNS+"/configmaps", obj("ConfigMap", "v1", ok, kubeNS))
+	if err != nil {
+		return err
+	}
+	if code != http.StatusCreated {
+		return fmt.Errorf("create %s: status %d: %s", ok, code, tail(string(body), 600))
+	}
+	return nil
+}
+
+func (e *kubeEnv) checkLogs(int) error {
+	code, body, err := e.c.do(http.MethodGet, "/api/v1/namespaces/"+kubeNS+"/pods/target/log?container=app", nil)
+	if err != nil {
+		return err
+	}
+	if code != http.StatusOK {
+		return fmt.Errorf("pods/log: status %d: %s", code, tail(string(body), 600))
+	}
+	if want := kubeLogLines(); string(body) != want {
+		return fmt.Errorf("pods/log: %d bytes (sha %s), want %d (sha %s)", len(body), sha(body), len(want), sha([]byte(want)))
+	}
+	return nil
+}
+
+func (e *kubeEnv) checkAggregated(seq int) error {
+	name := fmt.Sprintf("echo-%d", seq)
+	path := "/apis/" + aggGroup + "/" + aggVersion + "/namespaces/" + kubeNS + "/echoes/" + name
+	code, body, err := e.c.do(http.MethodGet, path, nil)
+	if err != nil {
+		return err
+	}
+	if code != http.StatusOK {
+		return fmt.Errorf("aggregated GET: status %d: %s", code, tail(string(body), 600))
+	}
+	var got struct {
+		Path string `json:"path"`
+	}
+	if err := json.Unmarshal(body, &got); err != nil || got.Path != path {
+		return fmt.Errorf("aggregated GET: answer %s, want path %s", tail(string(body), 300), path)
+	}
+	return nil
+}
+
+// followLogs streams pods/log?follow=true for 3 seconds and checks the
+// lines arrive in order, as the kubelet stand-in writes them.
+func (e *kubeEnv) followLogs(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.c.url+"/api/v1/namespaces/"+kubeNS+"/pods/target/log?container=app&follow=true", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := e.c.admin.Do(req)
+	if err != nil {
+		t.Fatalf("follow logs: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("follow logs: status %d: %s", resp.StatusCode, b)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	n := 0
+	for sc.Scan() {
+		if want := fmt.Sprintf("follow %d", n); sc.Text() != want {
+			t.Fatalf("follow logs: line %q, want %q", sc.Text(), want)
+		}
+		n++
+	}
+	// 3s at one line per 100ms: well over half must have streamed in.
+	if n < 15 {
+		t.Fatalf("follow logs: %d lines in 3s, want ≥15 (err %v)", n, sc.Err())
+	}
+	t.Logf("%s: pods/log follow=true streamed %d lines in order over 3s", e.mode, n)
+}
+
+// checkKubeletRequests: the stand-in saw the kubelet API paths the
+// apiserver derives from the Pod and Node.
+func (e *kubeEnv) checkKubeletRequests(t *testing.T) {
+	t.Helper()
+	want := []string{
+		"/containerLogs/" + kubeNS + "/target/app",
+		"/exec/" + kubeNS + "/target/app?",
+		"/exec/" + kubeNS + "/target/" + kubeExecContainer + "?",
+		"/portForward/" + kubeNS + "/target",
+		"/portForward/" + kubeNS + "/" + kubeForwardPod,
+	}
+	seen := strings.Join(e.kubelet.seen(), "\n")
+	for _, w := range want {
+		if !strings.Contains(seen, w) {
+			t.Fatalf("kubelet stand-in never saw %s; saw:\n%s", w, seen)
+		}
+	}
+}
+
+// kubeRestarts is how many SIGHUP restarts webhookLoopAcrossRestarts makes.
+const kubeRestarts = 2
+
+// webhookLoopAcrossRestarts sends webhook-checked creates from two
+// goroutines while the server re-executes itself on SIGHUP, kubeRestarts
+// times, each restart complete before the next; every call must succeed.
+func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
+	t.Helper()
+	var (
+		ok, failed atomic.Int64
+		mu         sync.Mutex
+		errs       []string
+		stop       = make(chan struct{})
+		wg         sync.WaitGroup
+	)
+	reviews0 := e.reviews.Load()
+	for w := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				name := fmt.Sprintf("loop-%s-%d-%d", strings.ReplaceAll(e.mode, "-", ""), w, i)
+				code, body, err := e.c.do(http.MethodPost, "/api/v1/namespaces/"+kubeNS+"/configmaps", obj("ConfigMap", "v1", name, kubeNS))
+				if err == nil && code == http.StatusCreated {
+					ok.Add(1)
+					continue
+				}
+				failed.Add(1)
+				mu.Lock()
+				if len(errs) < 5 {
+					errs = append(errs, fmt.Sprintf("%s: %d %v %s", name, code, err, tail(string(body), 300)))
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	pid := e.s.proc.cmd.Process.Pid
+	for i := range kubeRestarts {
+		time.Sleep(time.Second)
+		execs := strings.Count(e.s.proc.out.String(), "re-executing in place")
+		e.s.proc.signal(t, syscall.SIGHUP)
+		// kube-apiserver keeps idle keep-alive connections through the
+		// tunnel, so the drain lasts the whole --restart-grace (10s by
+		// default); then the same process re-executes and the agent
+		// rejoins it.
+		waitFor(t, 30*time.Second, fmt.Sprintf("re-exec after SIGHUP #%d", i+1), func() bool {
+			return strings.Count(e.s.proc.out.String(), "re-executing in place") > execs
+		})
+		waitFor(t, 20*time.Second, fmt.Sprintf("agent back after SIGHUP #%d", i+1), func() bool {
+			return e.s.agentCount() == 1
+		})
+	}
+	time.Sleep(time.Second)
+	close(stop)
+	wg.Wait()
+	if e.s.proc.exited() || e.s.proc.cmd.Process.Pid != pid {
+		t.Fatalf("server process changed across SIGHUP")
+	}
+	t.Logf("%s: %d webhook-checked creates across %d SIGHUP restarts, %d failed, webhook answered %d",
+		e.mode, ok.Load(), kubeRestarts, failed.Load(), e.reviews.Load()-reviews0)
+	if failed.Load() != 0 || ok.Load() < 10 {
+		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed: %s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
+	}
+}
+
+// checkExecWebSocket runs exec as kubectl 1.37 does (client-go's WebSocket
+// executor, v5.channel.k8s.io): kube-apiserver translates it into SPDY
+// streams toward a kubelet that does not declare ExtendWebSocketsToKubelet,
+// through the tunnel. 128 KiB go to stdin and must come back on stdout.
+func (e *kubeEnv) checkExecWebSocket(int) error {
+	cfg := e.restConfig()
+	u := e.c.url + "/api/v1/namespaces/" + kubeNS + "/pods/target/exec?container=" + kubeExecContainer +
+		"&command=cat&stdin=true&stdout=true"
+	ex, err := remotecommand.NewWebSocketExecutor(cfg, http.MethodGet, u)
+	if err != nil {
+		return err
+	}
+	want := pattern(128 << 10)
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := ex.StreamWithContext(ctx, remotecommand.StreamOptions{Stdin: bytes.NewReader(want), Stdout: &out}); err != nil {
+		return fmt.Errorf("websocket exec: %w", err)
+	}
+	if sha(out.Bytes()) != sha(want) {
+		return fmt.Errorf("websocket exec: stdout %d bytes (sha %s), want %d (sha %s)", out.Len(), sha(out.Bytes()), len(want), sha(want))
+	}
+	return nil
+}
+
+// restConfig is the admin's client-go configuration.
+func (e *kubeEnv) restConfig() *rest.Config {
+	return &rest.Config{
+		Host: e.c.url,
+		TLSClientConfig: rest.TLSClientConfig{
+			CAFile: e.c.pki.caFile, CertFile: e.c.adminCert, KeyFile: e.c.adminKey,
+		},
+	}
+}
+
+// checkPortForwardWebSocket forwards a local port as kubectl 1.37 does
+// (SPDY tunnelled in a WebSocket to kube-apiserver, which passes the SPDY
+// connection on to the kubelet stand-in through the tunnel) and echoes
+// 128 KiB through it.
+func (e *kubeEnv) checkPortForwardWebSocket(int) error {
+	u, err := url.Parse(e.c.url + "/api/v1/namespaces/" + kubeNS + "/pods/" + kubeForwardPod + "/portforward")
+	if err != nil {
+		return err
+	}
+	d, err := portforward.NewSPDYOverWebsocketDialer(u, e.restConfig())
+	if err != nil {
+		return err
+	}
+	stop, ready := make(chan struct{}), make(chan struct{})
+	var errOut bytes.Buffer
+	pf, err := portforward.NewOnAddresses(d, []string{"127.0.0.1"}, []string{"0:8080"}, stop, ready, io.Discard, &errOut)
+	if err != nil {
+		return err
+	}
+	done := make(chan error, 1)
+	go func() { done <- pf.ForwardPorts() }()
+	defer func() {
+		close(stop)
+		<-done
+	}()
+	select {
+	case <-ready:
+	case err := <-done:
+		done <- err // for the deferred receive
+		return fmt.Errorf("websocket port-forward: %w", err)
+	case <-time.After(30 * time.Second):
+		return fmt.Errorf("websocket port-forward: not ready in 30s")
+	}
+	ports, err := pf.GetPorts()
+	if err != nil || len(ports) != 1 {
+		return fmt.Errorf("websocket port-forward: ports %v, %v", ports, err)
+	}
+	c, err := net.DialTimeout("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(int(ports[0].Local))), 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	want := pattern(128 << 10)
+	werr := make(chan error, 1)
+	go func() {
+		_, err := c.Write(want)
+		werr <- err
+	}()
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return fmt.Errorf("websocket port-forward: read echo: %w (write: %v; %s)", err, <-werr, errOut.String())
+	}
+	if err := <-werr; err != nil {
+		return fmt.Errorf("websocket port-forward: write: %w", err)
+	}
+	if sha(got) != sha(want) {
+		return fmt.Errorf("websocket port-forward: echo differs")
+	}
+	return nil
+}

@@ -1,0 +1,51 @@
+package e2e
+
+import (
+	"context"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestStopDuringRestartDrain: a SIGTERM that arrives while a SIGHUP
+// restart is draining stops the process; it must not re-execute into a
+// new image that never saw the SIGTERM (supervise-daemon's stop would then
+// wait for its KILL). An open tunnel keeps each drain going, as
+// kube-apiserver's idle keep-alive connections do.
+func TestStopDuringRestartDrain(t *testing.T) {
+	s := startServer(t, "--restart-grace=3s")
+	a := s.startAgent(t, "a1", "", "--drain-timeout=3s")
+	backend := startTCPBackend(t, "127.0.0.1", echoHandler)
+	for i, p := range []*proc{a.proc, s.proc} {
+		if i == 1 {
+			// The first agent is gone; the server's case needs another.
+			s.startAgent(t, "a2", "")
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		c, err := s.egressDialer(t).bounded()(ctx, "tcp", backend.addr())
+		cancel()
+		if err != nil {
+			t.Fatalf("dial through the tunnel: %v", err)
+		}
+		p.signal(t, syscall.SIGHUP)
+		waitFor(t, 5*time.Second, p.name+" starts draining for the restart", func() bool {
+			return strings.Contains(p.out.String(), "restarting in place: draining tunnels")
+		})
+		p.signal(t, syscall.SIGTERM)
+		start := time.Now()
+		select {
+		case <-p.done:
+		case <-time.After(8 * time.Second):
+			t.Fatalf("%s still running 8s after SIGTERM during a restart drain (3s):\n%s", p.name, p.out.String())
+		}
+		c.Close()
+		if strings.Contains(p.out.String(), "re-executing in place") {
+			t.Fatalf("%s re-executed after a SIGTERM during the drain:\n%s", p.name, p.out.String())
+		}
+		if !strings.Contains(p.out.String(), "exiting instead of re-executing") {
+			t.Fatalf("%s: no log of the stop during the drain:\n%s", p.name, p.out.String())
+		}
+		t.Logf("%s exited %v after SIGTERM during the restart drain (%v)", p.name, time.Since(start).Round(10*time.Millisecond), p.waitErr)
+	}
+}
