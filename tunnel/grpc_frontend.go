@@ -183,6 +183,14 @@ var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 // serveGRPCStream runs one /ProxyService/Proxy call: DIAL_REQ, DIAL_RSP,
 // then DATA both ways until either side closes.
 func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release func()) {
+	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
+		// Not gRPC at all (a probe, curl, a conformance suite): a plain
+		// HTTP answer says what this socket is.
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusUnsupportedMediaType)
+		io.WriteString(w, "konnectivity gRPC frontend: requests must be gRPC (POST, content-type application/grpc)\n")
+		return
+	}
 	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
 		return

@@ -49,6 +49,7 @@ type Conn struct {
 	ctlFlushing bool                        // under ctlMu: a flusher goroutine runs
 	ctlClosed   bool                        // under ctlMu: the connection is closed, nothing more is queued
 	flushers    sync.WaitGroup              // flusher goroutines; the read loop waits for them
+	ctlOverflow atomic.Bool                 // the queue hit MaxQueuedControl: the read loop ends the connection
 
 	mu         sync.Mutex
 	windowCond *sync.Cond         // on mu: send windows grew, or the connection or a stream ended
@@ -298,8 +299,10 @@ func (l *Conn) writeControl(f func(*http2.Framer) error) {
 		return
 	}
 	if len(l.ctlQueue) >= l.cfg.MaxQueuedControl {
+		// Callers may hold a stream's rmu: the read loop, which checks
+		// this flag after every frame, ends the connection.
+		l.ctlOverflow.Store(true)
 		l.ctlMu.Unlock()
-		l.calm(fmt.Errorf("%w: more than %d control frames queued for a peer that does not read", errCalm, l.cfg.MaxQueuedControl))
 		return
 	}
 	l.ctlQueue = append(l.ctlQueue, f)
@@ -312,20 +315,6 @@ func (l *Conn) writeControl(f func(*http2.Framer) error) {
 	if start {
 		go l.flushControl()
 	}
-}
-
-// calm ends a connection whose peer exceeded a limit: GOAWAY
-// ENHANCE_YOUR_CALM if it can be written without waiting, then close.
-func (l *Conn) calm(err error) {
-	if l.wmu.TryLock() {
-		l.conn.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-		l.mu.Lock()
-		last := l.lastPeerID
-		l.mu.Unlock()
-		l.fr.WriteGoAway(last, http2.ErrCodeEnhanceYourCalm, nil)
-		l.wmu.Unlock()
-	}
-	l.closeWith(err)
 }
 
 // flushControl sends queued control frames until the queue is empty. The
@@ -494,7 +483,7 @@ func (l *Conn) closeWith(err error) {
 		return
 	}
 	l.closed = true
-	l.closeErr = fmt.Errorf("%w: %v", ErrClosed, err)
+	l.closeErr = fmt.Errorf("%w: %w", ErrClosed, err)
 	if errors.Is(err, ErrClosed) {
 		l.closeErr = ErrClosed
 	}

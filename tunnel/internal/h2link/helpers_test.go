@@ -60,7 +60,7 @@ func checkNoLeaks(t *testing.T) {
 func onlyOurs(stacks string) string {
 	var keep []string
 	for _, g := range strings.Split(stacks, "\n\n") {
-		if strings.Contains(g, "h2link") {
+		if strings.Contains(g, "h2link") || strings.Contains(g, "http2") {
 			keep = append(keep, g)
 		}
 	}

@@ -38,8 +38,7 @@ func (l *Conn) onRequest(f *http2.MetaHeadersFrame) error {
 	}
 	l.mu.Unlock()
 	if exhausted {
-		l.calm(fmt.Errorf("%w: streams opened past the concurrency limit again and again", errCalm))
-		return nil
+		return fmt.Errorf("%w: streams opened past the concurrency limit again and again", errCalm)
 	}
 	if refuse {
 		return http2.StreamError{StreamID: id, Code: http2.ErrCodeRefusedStream}

@@ -479,14 +479,15 @@ func (st *stream) fail(err error) {
 	st.abort()
 }
 
-// reset ends the stream from this side with RST_STREAM.
-func (st *stream) reset(code http2.ErrCode, err error) {
+// reset ends the stream from this side with RST_STREAM; sent is false if
+// it had ended already, and nothing was sent.
+func (st *stream) reset(code http2.ErrCode, err error) (sent bool) {
 	l := st.l
 	l.mu.Lock()
 	already := st.state == stateClosed
 	l.mu.Unlock()
 	if already {
-		return
+		return false
 	}
 	st.finish(err)
 	id := st.id
@@ -495,29 +496,27 @@ func (st *stream) reset(code http2.ErrCode, err error) {
 	if code != http2.ErrCodeNo {
 		st.abort()
 	}
+	return true
 }
 
 // resetByPeer handles RST_STREAM from the peer. After its END_STREAM a
 // reset (NO_ERROR: "stop sending") loses nothing that was received. On
 // the serving end a reset of a stream whose handler still runs is charged
-// to the rapid-reset budget.
-func (st *stream) resetByPeer(code http2.ErrCode) {
+// to the rapid-reset budget; exhausted reports it empty.
+func (st *stream) resetByPeer(code http2.ErrCode) (exhausted bool) {
 	l := st.l
 	if l.serving {
 		l.mu.Lock()
-		exhausted := false
 		if st.handlerRunning && !st.resetByThePeer {
 			st.resetByThePeer = true
 			exhausted = l.chargeResetLocked()
 		}
 		l.mu.Unlock()
-		if exhausted {
-			l.calm(fmt.Errorf("%w: more than %d streams reset by the peer while their handlers ran (rapid reset)", errCalm, l.cfg.MaxPeerResets))
-		}
 	}
 	st.finish(fmt.Errorf("%w by the agent (%v)", ErrStreamReset, code))
 	st.remove()
 	st.abort()
+	return exhausted
 }
 
 // chargeResetLocked takes one from the rapid-reset budget, after adding
