@@ -310,16 +310,16 @@ func (st *stream) writeData(p []byte, end bool) error {
 // receive queues a DATA payload for the reader, or hands it straight to
 // the stream's socket (see sink.go).
 func (st *stream) receive(data []byte, flow int64) error {
+	st.rmu.Lock()
 	next, err := st.receiveRLocked(data, flow)
+	st.rmu.Unlock()
 	next()
 	return err
 }
 
-// receiveRLocked is receive's part under rmu, which it takes; what it
-// returns runs once rmu is released.
+// receiveRLocked is receive's part under rmu, which the caller holds; what
+// it returns runs once rmu is released.
 func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err error) {
-	st.rmu.Lock()
-	defer st.rmu.Unlock()
 	if !st.l.serving && st.resp == nil {
 		return noop, fmt.Errorf("%w: DATA before the answer", ErrStreamReset)
 	}
