@@ -38,6 +38,7 @@ type agentOptions struct {
 	tlsMinVersion          string
 	allowDestinations      string
 	denyDestinations       string
+	openDestinations       string
 	destinations           *tunnel.DestinationPolicy
 }
 
@@ -70,7 +71,8 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
-	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); the cloud metadata addresses are always denied unless allowed by a /24 or narrower rule")
+	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")
+	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
 	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 
@@ -118,7 +120,9 @@ func (o *agentOptions) complete() error {
 		return err
 	}
 	var err error
-	if o.destinations, err = tunnel.NewDestinationPolicy(o.allowDestinations, o.denyDestinations); err != nil {
+	if o.destinations, err = tunnel.NewDestinationPolicy(tunnel.DestinationRules{
+		Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations,
+	}); err != nil {
 		return err
 	}
 	if o.maxStreams == 0 || o.maxStreams > 1<<31 {

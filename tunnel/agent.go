@@ -60,8 +60,8 @@ type AgentConfig struct {
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 	// Metrics receives the agent's metrics; nil makes a private registry.
 	Metrics *Metrics
-	// Destinations limits what the agent dials; nil denies only the cloud
-	// metadata addresses.
+	// Destinations limits what the agent dials; nil denies only the
+	// built-in ranges (link-local, cloud metadata) and zoned addresses.
 	Destinations *DestinationPolicy
 
 	Logger *slog.Logger
@@ -91,7 +91,7 @@ func (c *AgentConfig) setDefaults() {
 		c.Metrics = NewMetrics()
 	}
 	if c.Destinations == nil {
-		c.Destinations, _ = NewDestinationPolicy("", "")
+		c.Destinations, _ = NewDestinationPolicy(DestinationRules{})
 	}
 	if c.Resolver == nil {
 		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
@@ -271,7 +271,8 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 		}
 		// Allowed addresses are tried in the resolver's order, as a
 		// plain dial of the name would.
-		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(ip.Unmap(), uint16(port)).String())
+		// The checked address, as Check saw it, is the one dialled.
+		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(dialAddr(ip), uint16(port)).String())
 		if err == nil {
 			return conn, nil
 		}

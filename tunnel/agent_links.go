@@ -268,12 +268,20 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
 		conn.Close()
 		return nil, fmt.Errorf("send handshake to %s: %w", t.addr, err)
 	}
-	br := bufio.NewReaderSize(conn, 4096)
+	// The answer's head is bounded like the agent's request head at the
+	// server: a peer that keeps sending header lines is cut off at the
+	// bound, not at the deadline.
+	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
+	br := bufio.NewReaderSize(lim, 4096)
 	reply, err := readReply(br)
 	if err != nil {
 		conn.Close()
+		if errors.Is(err, errHeadTooLarge) {
+			return nil, fmt.Errorf("server %s: handshake answer head larger than %d bytes", t.addr, maxHandshakeHead)
+		}
 		return nil, fmt.Errorf("server %s refused the tunnel: %w", t.addr, err)
 	}
+	lim.limited = false
 	conn.SetDeadline(time.Time{})
 	return &serverLink{
 		id:    reply.ServerID,

@@ -97,8 +97,8 @@ func readConnect(br *bufio.Reader) (string, error) {
 	if addr == "" {
 		addr = req.RequestURI
 	}
-	if _, err := splitDialAddress(addr); err != nil {
-		return "", statusErrorf(http.StatusBadRequest, "%v", err)
+	if err := checkDialTarget(addr); err != nil {
+		return "", err
 	}
 	if req.ContentLength > 0 || len(req.TransferEncoding) > 0 {
 		return "", statusErrorf(http.StatusBadRequest, "CONNECT request must not have a body")
@@ -106,12 +106,27 @@ func readConnect(br *bufio.Reader) (string, error) {
 	return addr, nil
 }
 
+// checkDialTarget checks a dial address from a frontend before any agent
+// sees it: 400 when it is not host:port, 403 for a zoned IPv6 address
+// ("[fe80::1%eth0]:80", sent as %25 in a request target), whose zone would
+// pick a network interface of the agent's host past every address rule.
+func checkDialTarget(addr string) error {
+	host, err := splitDialAddress(addr)
+	if err != nil {
+		return statusErrorf(http.StatusBadRequest, "%v", err)
+	}
+	if strings.Contains(host, "%") {
+		return statusErrorf(http.StatusForbidden, "destination %s refused: a zoned address names a network interface of the agent's host, which no rule can check", cleanErr(errors.New(addr)))
+	}
+	return nil
+}
+
 // cleanErr keeps client-supplied bytes out of error text beyond a short,
 // printable prefix.
 func cleanErr(err error) string {
 	s := err.Error()
-	if len(s) > 120 {
-		s = s[:120] + "..."
+	if len(s) > 240 {
+		s = s[:240] + "..."
 	}
 	return strings.Map(func(r rune) rune {
 		if r < 0x20 || r == 0x7f {

@@ -7,40 +7,109 @@ import (
 	"strings"
 )
 
-// DestinationPolicy says which destinations an agent may dial. Deny rules
-// win over allow rules; with allow rules, everything else is denied. The
-// cloud metadata addresses are denied unless an allow rule names them.
+// DestinationPolicy says which destinations an agent may dial. Each address
+// is checked in this order, and the first step that decides wins:
+//
+//  1. a zoned IPv6 address (fe80::1%eth0) is refused: the zone picks a
+//     network interface of the agent's host, and no rule can check that;
+//  2. a Deny rule that matches refuses it;
+//  3. a built-in rule (link-local ranges, cloud metadata services) refuses
+//     it, unless an Open rule matches;
+//  4. with Allow rules, an address none of them matches is refused;
+//  5. anything else is allowed.
+//
+// Addresses are checked as they are dialled: an IPv4-mapped IPv6 address
+// as its IPv4 address, and an unspecified address (0.0.0.0, ::), which the
+// kernel connects to the local host, as the loopback address it reaches.
+// A Deny rule that covers either loopback address (127.0.0.1 or ::1) also
+// refuses both unspecified addresses.
+//
+// A policy is not changed once made, so any number of dials may check it
+// at once.
 type DestinationPolicy struct {
-	allow, deny []destRule
+	allow, deny, open []destRule
+}
+
+// DestinationRules are the operator's comma lists of rules, each rule
+// such as "10.0.0.0/8", "10.0.0.5", "10.0.0.0/8:443", "[fd00::/8]:8000-9000"
+// or ":10250" (any address, one port).
+type DestinationRules struct {
+	Allow string // when set, the only destinations that may be dialled
+	Deny  string // never dialled; wins over everything else
+	Open  string // parts of the built-in denied ranges that may be dialled
 }
 
 type destRule struct {
-	text     string
-	prefix   netip.Prefix // invalid means any address
-	portLo   int          // 0 means any port
-	portHi   int
-	metadata bool // one of the built-in metadata denials
+	text   string
+	prefix netip.Prefix // invalid means any address
+	portLo int          // 0 means any port
+	portHi int
 }
 
-// Instance metadata services hand out cloud credentials: reaching them
-// through the tunnel would turn egress into a credential leak.
-var metadataPrefixes = []string{"169.254.169.254/32", "fd00:ec2::254/128"}
+// builtinDenied are refused unless an Open rule names them. Instance
+// metadata and credential services hand out cloud credentials: reaching
+// them through the tunnel would turn egress into a credential leak. The
+// link-local ranges hold most of them (AWS, GCE, Azure, OpenStack and
+// Oracle metadata at 169.254.169.254, ECS task metadata at 169.254.170.2,
+// EKS Pod Identity at 169.254.170.23) and nothing a kube-apiserver dials.
+// The reasons are short: a refusal's text travels back to the client.
+var builtinDenied = []struct{ prefix, why string }{
+	{"169.254.0.0/16", "IPv4 link-local, cloud metadata"},
+	{"fe80::/10", "IPv6 link-local"},
+	{"fd00:ec2::254/128", "AWS metadata, IPv6"},
+	{"fd00:ec2::23/128", "EKS Pod Identity, IPv6"},
+	{"100.100.100.200/32", "Alibaba Cloud metadata"},
+	{"168.63.129.16/32", "Azure WireServer"},
+}
 
-// NewDestinationPolicy parses comma lists of rules such as "10.0.0.0/8",
-// "10.0.0.5", "10.0.0.0/8:443", "[fd00::/8]:8000-9000" or ":10250".
-func NewDestinationPolicy(allow, deny string) (*DestinationPolicy, error) {
+// builtinRules is builtinDenied parsed once; it is never modified.
+var builtinRules = func() []destRule {
+	rules := make([]destRule, len(builtinDenied))
+	for i, b := range builtinDenied {
+		rules[i] = destRule{text: b.prefix + " (" + b.why + ")", prefix: netip.MustParsePrefix(b.prefix)}
+	}
+	return rules
+}()
+
+var (
+	loopback4 = netip.AddrFrom4([4]byte{127, 0, 0, 1})
+	loopback6 = netip.IPv6Loopback()
+)
+
+// NewDestinationPolicy parses the operator's rules.
+func NewDestinationPolicy(r DestinationRules) (*DestinationPolicy, error) {
 	p := &DestinationPolicy{}
 	var err error
-	if p.allow, err = parseDestRules(allow); err != nil {
+	if p.allow, err = parseDestRules(r.Allow); err != nil {
 		return nil, fmt.Errorf("allowed destinations: %w", err)
 	}
-	if p.deny, err = parseDestRules(deny); err != nil {
+	if p.deny, err = parseDestRules(r.Deny); err != nil {
 		return nil, fmt.Errorf("denied destinations: %w", err)
 	}
-	for _, m := range metadataPrefixes {
-		p.deny = append(p.deny, destRule{text: m + " (cloud metadata; allow it explicitly to reach it)", prefix: netip.MustParsePrefix(m), metadata: true})
+	if p.open, err = parseDestRules(r.Open); err != nil {
+		return nil, fmt.Errorf("opened destinations: %w", err)
+	}
+	for _, o := range p.open {
+		if !o.prefix.IsValid() {
+			return nil, fmt.Errorf("opened destinations: rule %q must name addresses", o.text)
+		}
+		overlaps := false
+		for _, b := range builtinRules {
+			overlaps = overlaps || o.prefix.Overlaps(b.prefix)
+		}
+		if !overlaps {
+			return nil, fmt.Errorf("opened destinations: rule %q opens nothing: it is outside the built-in denied ranges (%s)", o.text, builtinPrefixes())
+		}
 	}
 	return p, nil
+}
+
+func builtinPrefixes() string {
+	s := make([]string, len(builtinDenied))
+	for i, b := range builtinDenied {
+		s[i] = b.prefix
+	}
+	return strings.Join(s, ", ")
 }
 
 func parseDestRules(list string) ([]destRule, error) {
@@ -79,17 +148,21 @@ func parseDestRule(s string) (destRule, error) {
 		addr, ports, _ = strings.Cut(s, ":")
 	}
 	if addr != "" && addr != "*" {
+		if strings.Contains(addr, "%") {
+			return r, fmt.Errorf("rule %q: zoned addresses are always refused, a rule cannot name one", s)
+		}
 		if strings.Contains(addr, "/") {
 			p, err := netip.ParsePrefix(addr)
 			if err != nil {
 				return r, fmt.Errorf("rule %q: %w", s, err)
 			}
-			r.prefix = p.Masked()
+			r.prefix = unmapPrefix(p.Masked())
 		} else {
 			a, err := netip.ParseAddr(addr)
 			if err != nil {
 				return r, fmt.Errorf("rule %q: %w", s, err)
 			}
+			a = a.Unmap()
 			r.prefix = netip.PrefixFrom(a, a.BitLen())
 		}
 	}
@@ -112,6 +185,15 @@ func parseDestRule(s string) (destRule, error) {
 	return r, nil
 }
 
+// unmapPrefix turns a prefix of IPv4-mapped addresses (::ffff:10.0.0.0/104)
+// into the IPv4 prefix it covers, since addresses are checked unmapped.
+func unmapPrefix(p netip.Prefix) netip.Prefix {
+	if a := p.Addr(); a.Is4In6() && p.Bits() >= 96 {
+		return netip.PrefixFrom(a.Unmap(), p.Bits()-96)
+	}
+	return p
+}
+
 func parsePort(s string) (int, error) {
 	n, err := strconv.Atoi(s)
 	if err != nil || n < 1 || n > 65535 {
@@ -121,43 +203,76 @@ func parsePort(s string) (int, error) {
 }
 
 func (r destRule) matches(ip netip.Addr, port int) bool {
-	if r.prefix.IsValid() && !r.prefix.Contains(ip.Unmap()) {
+	if r.prefix.IsValid() && !r.prefix.Contains(ip) {
 		return false
 	}
 	return r.portLo == 0 || (port >= r.portLo && port <= r.portHi)
 }
 
-// Check returns nil when ip:port may be dialled, else the reason it may not.
+// dialAddr is the address a dial of ip reaches, the one the policy checks:
+// IPv4-mapped addresses unmapped, an unspecified address as the loopback
+// address of its family (what Linux connects it to). A zone is kept, so a
+// zoned address stays visible to Check.
+func dialAddr(ip netip.Addr) netip.Addr {
+	if ip.Zone() == "" {
+		ip = ip.Unmap()
+	}
+	if ip.IsUnspecified() {
+		if ip.Is4() {
+			return loopback4
+		}
+		return loopback6
+	}
+	return ip
+}
+
+// Check returns nil when ip:port may be dialled, else the reason it may
+// not. The address that may be dialled is dialAddr(ip). A nil policy
+// allows everything; an agent always has one (see AgentConfig).
 func (p *DestinationPolicy) Check(ip netip.Addr, port int) error {
 	if p == nil {
 		return nil
 	}
-	ip = ip.Unmap()
-	explicitlyAllowed := false
-	for _, r := range p.allow {
-		if r.matches(ip, port) {
-			explicitlyAllowed = true
-			break
-		}
+	if !ip.IsValid() {
+		return fmt.Errorf("destination has no valid address")
 	}
+	if ip.Zone() != "" {
+		return fmt.Errorf("destination %s refused: a zoned address names a network interface of the agent's host, which no rule can check", netip.AddrPortFrom(ip, uint16(port)))
+	}
+	asked := ip.Unmap()
+	ip = dialAddr(asked)
+	local := asked.IsUnspecified()
 	for _, r := range p.deny {
-		if r.matches(ip, port) && !(r.metadata && explicitlyAllowed && allowNames(p.allow, ip)) {
-			return fmt.Errorf("destination %s denied by rule %s", netip.AddrPortFrom(ip, uint16(port)), r.text)
+		if r.matches(ip, port) || local && (r.matches(asked, port) || r.matches(loopback4, port) || r.matches(loopback6, port)) {
+			return fmt.Errorf("destination %s denied by rule %s (--deny-destinations)", describeDest(asked, ip, port), r.text)
 		}
 	}
-	if len(p.allow) > 0 && !explicitlyAllowed {
-		return fmt.Errorf("destination %s is not in the allowed destinations", netip.AddrPortFrom(ip, uint16(port)))
+	for _, r := range builtinRules {
+		if r.matches(ip, port) && !matchesAny(p.open, ip, port) {
+			return fmt.Errorf("destination %s denied by the built-in rule %s; --open-destinations opens it", describeDest(asked, ip, port), r.text)
+		}
+	}
+	if len(p.allow) > 0 && !matchesAny(p.allow, ip, port) {
+		return fmt.Errorf("destination %s is not in the allowed destinations (--allow-destinations)", describeDest(asked, ip, port))
 	}
 	return nil
 }
 
-// allowNames reports whether an allow rule names ip specifically (not just
-// a wide range that happens to contain a metadata address).
-func allowNames(allow []destRule, ip netip.Addr) bool {
-	for _, r := range allow {
-		if r.prefix.IsValid() && r.prefix.Contains(ip) && r.prefix.Bits() >= ip.BitLen()-8 {
+func matchesAny(rules []destRule, ip netip.Addr, port int) bool {
+	for _, r := range rules {
+		if r.matches(ip, port) {
 			return true
 		}
 	}
 	return false
+}
+
+// describeDest names the destination as asked and, when it differs, as
+// dialled ("0.0.0.0:80 (the agent's host, dialled as 127.0.0.1)").
+func describeDest(asked, dialled netip.Addr, port int) string {
+	s := netip.AddrPortFrom(asked, uint16(port)).String()
+	if asked != dialled {
+		s += " (the agent's host, dialled as " + dialled.String() + ")"
+	}
+	return s
 }

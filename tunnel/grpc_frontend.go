@@ -213,7 +213,7 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 	go func() {
 		var msg []byte
 		var err error
-		if msg, buf, err = readGRPCMessage(r.Body, buf); err == nil {
+		if msg, buf, err = readGRPCMessage(r.Body, buf, maxDialRequestLen); err == nil {
 			req, err = decodePacket(msg)
 		}
 		first <- err
@@ -251,6 +251,12 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
 		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
+		return grpcOK, ""
+	}
+	if err := checkDialTarget(req.Address); err != nil {
+		s.Stats.DialsFailed.Add(1)
+		s.metrics.dialFailed(err)
+		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
 		return grpcOK, ""
 	}
 	connectID := s.nextConnectID.Add(1)
@@ -345,7 +351,7 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 			return 0, u.err
 		}
 		var msg []byte
-		msg, u.buf, u.err = readGRPCMessage(u.body, u.buf)
+		msg, u.buf, u.err = readGRPCMessage(u.body, u.buf, maxGRPCMessageLen)
 		if u.err != nil {
 			return 0, u.err
 		}

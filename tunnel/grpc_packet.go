@@ -287,11 +287,21 @@ func appendStringField(dst []byte, num int, s string) []byte {
 const (
 	grpcHeaderLen     = 5
 	maxGRPCMessageLen = 16 << 20
+	// maxDialRequestLen bounds the first message of a call, the DIAL_REQ:
+	// its address is at most a 253-byte name and a port, so a few hundred
+	// bytes; the rest is room for fields a newer client may add.
+	maxDialRequestLen = 4 << 10
+	// grpcGrowStep is the first allocation for a message larger than the
+	// buffer at hand; the buffer then doubles as bytes arrive, so an
+	// announced length costs memory only once it is sent.
+	grpcGrowStep = 32 << 10
 )
 
-// readGRPCMessage reads one message into buf (grown as needed) and returns
-// the message bytes, which alias buf.
-func readGRPCMessage(r io.Reader, buf []byte) ([]byte, []byte, error) {
+// readGRPCMessage reads one message of at most limit bytes into buf and
+// returns the message bytes, which alias the returned buffer (buf, or a
+// larger one that replaces it). A larger buffer grows with the bytes that
+// arrive, never to the announced length ahead of them.
+func readGRPCMessage(r io.Reader, buf []byte, limit int) ([]byte, []byte, error) {
 	var hdr [grpcHeaderLen]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		if errors.Is(err, io.ErrUnexpectedEOF) {
@@ -302,18 +312,32 @@ func readGRPCMessage(r io.Reader, buf []byte) ([]byte, []byte, error) {
 	if hdr[0] != 0 {
 		return nil, buf, fmt.Errorf("compressed gRPC messages are not supported (flag %d)", hdr[0])
 	}
-	n := binary.BigEndian.Uint32(hdr[1:])
-	if n > maxGRPCMessageLen {
-		return nil, buf, fmt.Errorf("gRPC message of %d bytes exceeds the %d limit", n, maxGRPCMessageLen)
+	n64 := uint64(binary.BigEndian.Uint32(hdr[1:]))
+	if n64 > uint64(limit) {
+		return nil, buf, fmt.Errorf("gRPC message of %d bytes exceeds the %d limit", n64, limit)
 	}
-	if cap(buf) < int(n) {
-		buf = make([]byte, n)
+	n := int(n64)
+	if cap(buf) >= n {
+		msg := buf[:n]
+		if _, err := io.ReadFull(r, msg); err != nil {
+			return nil, buf, fmt.Errorf("truncated gRPC message: %w", io.ErrUnexpectedEOF)
+		}
+		return msg, buf, nil
 	}
-	msg := buf[:n]
-	if _, err := io.ReadFull(r, msg); err != nil {
-		return nil, buf, fmt.Errorf("truncated gRPC message: %w", io.ErrUnexpectedEOF)
+	msg := buf[:0]
+	for len(msg) < n {
+		if len(msg) == cap(msg) {
+			grown := make([]byte, len(msg), min(max(2*cap(msg), grpcGrowStep), n))
+			copy(grown, msg)
+			msg = grown
+		}
+		m, err := r.Read(msg[len(msg):cap(msg)])
+		msg = msg[:len(msg)+m]
+		if err != nil && len(msg) < n {
+			return nil, msg[:0], fmt.Errorf("truncated gRPC message: %w", io.ErrUnexpectedEOF)
+		}
 	}
-	return msg, buf, nil
+	return msg, msg, nil
 }
 
 func appendGRPCMessage(dst []byte, p packet) []byte {

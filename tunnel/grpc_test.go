@@ -88,7 +88,7 @@ func FuzzReadGRPCMessage(f *testing.F) {
 		r := bytes.NewReader(b)
 		var buf []byte
 		for range 100 {
-			msg, nbuf, err := readGRPCMessage(r, buf)
+			msg, nbuf, err := readGRPCMessage(r, buf, maxGRPCMessageLen)
 			buf = nbuf
 			if err != nil {
 				return
@@ -187,7 +187,7 @@ func (c *grpcCall) write(p packet) {
 }
 
 func (c *grpcCall) read() (packet, error) {
-	msg, buf, err := readGRPCMessage(c.response().Body, c.buf)
+	msg, buf, err := readGRPCMessage(c.response().Body, c.buf, maxGRPCMessageLen)
 	c.buf = buf
 	if err != nil {
 		return packet{}, err

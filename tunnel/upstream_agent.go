@@ -180,7 +180,7 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 	for {
 		var msg []byte
 		var err error
-		if msg, buf, err = readGRPCMessage(body, buf); err != nil {
+		if msg, buf, err = readGRPCMessage(body, buf, maxGRPCMessageLen); err != nil {
 			return err
 		}
 		p, err := decodePacket(msg)

@@ -92,7 +92,7 @@ func (f *fakeUpstreamAgent) loop() {
 	defer f.wg.Done()
 	var buf []byte
 	for {
-		msg, nbuf, err := readGRPCMessage(f.resp.Body, buf)
+		msg, nbuf, err := readGRPCMessage(f.resp.Body, buf, maxGRPCMessageLen)
 		buf = nbuf
 		if err != nil {
 			return

@@ -1,0 +1,363 @@
+package tunnel
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// Bounded reads where a peer speaks first: a gRPC length prefix is a
+// promise, not a payment, and an agent reads a bounded answer head.
+
+// stingyReader returns its bytes and then EOF, a few at a time.
+type stingyReader struct{ b []byte }
+
+func (r *stingyReader) Read(p []byte) (int, error) {
+	if len(r.b) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p[:min(len(p), 3)], r.b)
+	r.b = r.b[n:]
+	return n, nil
+}
+
+// A message announced at 16 MiB costs what arrives, not what is announced.
+func TestGRPCMessageGrowsAsBytesArrive(t *testing.T) {
+	hdr := []byte{0, 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(hdr[1:], maxGRPCMessageLen)
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	_, _, err := readGRPCMessage(&stingyReader{append(hdr, "only ten b"...)}, nil, maxGRPCMessageLen)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("truncated message: %v", err)
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 2*grpcGrowStep {
+		t.Fatalf("10 bytes of a message announced at 16 MiB allocated %d bytes", got)
+	}
+
+	// A message that does arrive whole, across many reads and growths, is
+	// returned intact, and a buffer that fits is reused as is.
+	for _, n := range []int{0, 1, grpcGrowStep - 1, grpcGrowStep, grpcGrowStep + 1, 5*grpcGrowStep + 7, 1 << 20} {
+		payload := bytes.Repeat([]byte("0123456789abcdef"), n/16+1)[:n]
+		wire := append([]byte{0, 0, 0, 0, 0}, payload...)
+		binary.BigEndian.PutUint32(wire[1:], uint32(n))
+		msg, buf, err := readGRPCMessage(bytes.NewReader(wire), make([]byte, 0, 100), maxGRPCMessageLen)
+		if err != nil || !bytes.Equal(msg, payload) {
+			t.Fatalf("%d bytes: %v, equal %v", n, err, bytes.Equal(msg, payload))
+		}
+		if n <= 100 && cap(buf) != 100 {
+			t.Fatalf("%d bytes: a buffer that fitted was replaced", n)
+		}
+	}
+	if _, _, err := readGRPCMessage(bytes.NewReader([]byte{0, 0, 0, 0x10, 1}), nil, maxDialRequestLen); err == nil || !strings.Contains(err.Error(), "exceeds the 4096 limit") {
+		t.Fatalf("a first message over the cap: %v", err)
+	}
+}
+
+// rawGRPC is an HTTP/2 client written frame by frame on one connection to
+// the gRPC front door, so it can announce what it never sends.
+type rawGRPC struct {
+	t    *testing.T
+	conn net.Conn
+	wmu  sync.Mutex
+	fr   *http2.Framer
+	enc  *hpack.Encoder
+	hbuf bytes.Buffer
+	next uint32
+
+	mu       sync.Mutex
+	statuses map[uint32]string // grpc-status per stream, once ended
+	reset    map[uint32]bool   // streams reset by the server
+	data     map[uint32][]byte // DATA received per stream
+	changed  chan struct{}
+	done     chan struct{}
+}
+
+func dialRawGRPC(t *testing.T, sock string) *rawGRPC {
+	t.Helper()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &rawGRPC{t: t, conn: c, next: 1, statuses: map[uint32]string{}, reset: map[uint32]bool{}, data: map[uint32][]byte{}, changed: make(chan struct{}), done: make(chan struct{})}
+	r.fr = http2.NewFramer(c, bufio.NewReader(c))
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	r.enc = hpack.NewEncoder(&r.hbuf)
+	io.WriteString(c, http2.ClientPreface)
+	r.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 20})
+	go r.readLoop()
+	t.Cleanup(func() { c.Close(); <-r.done })
+	return r
+}
+
+func (r *rawGRPC) readLoop() {
+	defer close(r.done)
+	for {
+		f, err := r.fr.ReadFrame()
+		if err != nil {
+			return
+		}
+		r.mu.Lock()
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				r.write(func() error { return r.fr.WriteSettingsAck() })
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				r.write(func() error { return r.fr.WritePing(true, f.Data) })
+			}
+		case *http2.MetaHeadersFrame:
+			if s := f.PseudoValue("status"); s == "" || f.StreamEnded() {
+				for _, hf := range f.Fields {
+					if hf.Name == "grpc-status" {
+						r.statuses[f.StreamID] = hf.Value
+					}
+				}
+			}
+		case *http2.DataFrame:
+			r.data[f.StreamID] = append(r.data[f.StreamID], f.Data()...)
+			if n := uint32(len(f.Data())); n > 0 {
+				r.write(func() error {
+					r.fr.WriteWindowUpdate(0, n)
+					return r.fr.WriteWindowUpdate(f.StreamID, n)
+				})
+			}
+		case *http2.RSTStreamFrame:
+			r.reset[f.StreamID] = true
+		}
+		close(r.changed)
+		r.changed = make(chan struct{})
+		r.mu.Unlock()
+	}
+}
+
+func (r *rawGRPC) write(f func() error) error {
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	return f()
+}
+
+// open starts a /ProxyService/Proxy call and sends body as its first bytes.
+func (r *rawGRPC) open(body []byte) uint32 {
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	id := r.next
+	r.next += 2
+	r.hbuf.Reset()
+	for _, hf := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", grpcProxyMethod}, {":authority", "konnectivity"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
+		r.enc.WriteField(hpack.HeaderField{Name: hf[0], Value: hf[1]})
+	}
+	if err := r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: r.hbuf.Bytes(), EndHeaders: true}); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := r.fr.WriteData(id, false, body); err != nil {
+		r.t.Fatal(err)
+	}
+	return id
+}
+
+func (r *rawGRPC) send(id uint32, body []byte) {
+	r.write(func() error { return r.fr.WriteData(id, false, body) })
+}
+
+// waitFor waits until cond holds (under r.mu) or the bound passes.
+func (r *rawGRPC) waitFor(bound time.Duration, cond func() bool) bool {
+	deadline := time.After(bound)
+	for {
+		r.mu.Lock()
+		ok := cond()
+		ch := r.changed
+		r.mu.Unlock()
+		if ok {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-r.done:
+			return false
+		case <-deadline:
+			return false
+		}
+	}
+}
+
+func announce(n uint32, prefix []byte) []byte {
+	b := []byte{0, 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(b[1:], n)
+	return append(b, prefix...)
+}
+
+// 1000 calls on one front-door connection each announce a 16 MiB first
+// message and send nothing more: every one is refused at the DIAL_REQ cap
+// and the server's heap does not grow by what was announced.
+func TestGRPCAnnouncedFirstMessageBounded(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	sock := e.grpcSocket(t)
+	r := dialRawGRPC(t, sock)
+	before := heapInuse()
+	const calls = 1000
+	for range calls {
+		r.open(announce(maxGRPCMessageLen, nil))
+	}
+	ended := func() int { // under r.mu
+		n := len(r.statuses)
+		for id := range r.reset {
+			if _, ok := r.statuses[id]; !ok {
+				n++ // refused unanswered, as over the stream limit
+			}
+		}
+		return n
+	}
+	if !r.waitFor(20*time.Second, func() bool { return ended() >= calls }) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		t.Fatalf("%d of %d calls ended", ended(), calls)
+	}
+	growth := int64(heapInuse()) - int64(before)
+	r.mu.Lock()
+	counts := map[string]int{}
+	for _, s := range r.statuses {
+		counts[s]++
+	}
+	unanswered := ended() - len(r.statuses)
+	r.mu.Unlock()
+	t.Logf("%d calls announcing %d MiB each (%d MiB in all): grpc-status counts %v, %d reset unanswered; heap growth %d KiB",
+		calls, maxGRPCMessageLen>>20, calls*maxGRPCMessageLen>>20, counts, unanswered, growth>>10)
+	if counts["3"] != len(r.statuses) || counts["3"] == 0 {
+		t.Errorf("calls answered %v, want INVALID_ARGUMENT (3) for each", counts)
+	}
+	if growth > 32<<20 {
+		t.Errorf("heap grew %d MiB for messages that never came", growth>>20)
+	}
+}
+
+// Established tunnels whose client announces a 16 MiB DATA message and
+// sends one byte of it: the server holds what arrived, not what was
+// announced; a well-behaved call on the same connection is served.
+func TestGRPCAnnouncedDataMessageBounded(t *testing.T) {
+	checkNoLeaks(t)
+	e, echo := newEchoEnv(t)
+	sock := e.grpcSocket(t)
+	r := dialRawGRPC(t, sock)
+	const tunnels = 100
+	ids := make([]uint32, tunnels)
+	for i := range ids {
+		ids[i] = r.open(appendGRPCMessage(nil, packet{Type: pktDialReq, Protocol: "tcp", Address: echo, Random: int64(i + 1)}))
+	}
+	// Each DIAL_RSP: a 5-byte prefix and a short packet.
+	if !r.waitFor(20*time.Second, func() bool {
+		for _, id := range ids {
+			if len(r.data[id]) < grpcHeaderLen+4 {
+				return false
+			}
+		}
+		return true
+	}) {
+		t.Fatal("not every tunnel was answered")
+	}
+	before := heapInuse()
+	for _, id := range ids {
+		r.mu.Lock()
+		msg, _, err := readGRPCMessage(bytes.NewReader(r.data[id]), nil, maxGRPCMessageLen)
+		r.mu.Unlock()
+		p, derr := decodePacket(msg)
+		if err != nil || derr != nil || p.Type != pktDialRsp || p.Error != "" {
+			t.Fatalf("stream %d: DIAL_RSP %+v %v %v", id, p, err, derr)
+		}
+		r.send(id, announce(maxGRPCMessageLen, []byte{0x08}))
+	}
+	// The server reads each announcement as it arrives; look a few times.
+	var peak int64
+	for range 5 {
+		time.Sleep(100 * time.Millisecond)
+		peak = max(peak, int64(heapInuse())-int64(before))
+	}
+	var served atomic.Bool
+	c := openGRPC(t, sock, grpcProxyMethod)
+	c.write(packet{Type: pktDialReq, Protocol: "tcp", Address: echo, Random: 1})
+	if rsp, err := c.read(); err == nil && rsp.Type == pktDialRsp && rsp.Error == "" {
+		served.Store(true)
+	}
+	t.Logf("%d tunnels each announcing a %d MiB message (%d MiB in all) and sending 1 byte: peak heap growth %d KiB; a well-behaved call served: %v",
+		tunnels, maxGRPCMessageLen>>20, tunnels*maxGRPCMessageLen>>20, peak>>10, served.Load())
+	if peak > 32<<20 {
+		t.Errorf("heap grew %d MiB for announced bytes that never came", peak>>20)
+	}
+	if !served.Load() {
+		t.Error("a well-behaved call was not served")
+	}
+}
+
+// A "server" that answers the agent's handshake with a 101 whose head
+// never ends: the agent gives up at the head bound, long before the 15 s
+// handshake deadline, holding at most the bound.
+func TestAgentBoundsHandshakeAnswerHead(t *testing.T) {
+	checkNoLeaks(t)
+	for _, tc := range []struct{ name, start, repeat string }{
+		{"endless header lines", "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + upgradeToken + "\r\n", "X-Pad: " + strings.Repeat("a", 100) + "\r\n"},
+		{"one endless line", "HTTP/1.1 101 Switching Protocols\r\nX-Pad: ", strings.Repeat("a", 1000)},
+		{"endless status line", "HTTP/1.1 101 ", strings.Repeat("b", 1000)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var sent atomic.Int64
+			startBytes, repeatBytes := []byte(tc.start), []byte(tc.repeat)
+			addr := serveTCP(t, func(c net.Conn) {
+				br := bufio.NewReader(c)
+				for { // the agent's request head
+					line, err := br.ReadString('\n')
+					if err != nil {
+						return
+					}
+					if line == "\r\n" {
+						break
+					}
+				}
+				c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+				n, err := c.Write(startBytes)
+				sent.Add(int64(n))
+				for err == nil {
+					n, err = c.Write(repeatBytes)
+					sent.Add(int64(n))
+				}
+			})
+			a, err := NewAgent(AgentConfig{ServerAddrs: []string{addr}, ID: "a1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			start := time.Now()
+			l, err := a.dial(context.Background(), target{addr: addr, serverName: "127.0.0.1"})
+			took := time.Since(start)
+			runtime.ReadMemStats(&after)
+			if err == nil {
+				l.conn.Close()
+				t.Fatal("an endless answer head was accepted")
+			}
+			t.Logf("%s: %v after %s; the server wrote %d bytes before the agent hung up; the agent allocated %d KiB",
+				tc.name, err, took.Round(time.Millisecond), sent.Load(), (after.TotalAlloc-before.TotalAlloc)>>10)
+			if !strings.Contains(err.Error(), "larger than") {
+				t.Fatalf("dial: %v, want the head bound", err)
+			}
+			if got := after.TotalAlloc - before.TotalAlloc; got > 4*maxHandshakeHead+64<<10 {
+				t.Errorf("the agent allocated %d KiB reading a head bounded at %d KiB", got>>10, maxHandshakeHead>>10)
+			}
+		})
+	}
+}
