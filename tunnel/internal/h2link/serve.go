@@ -298,6 +298,9 @@ func (st *stream) writeHeaderBlock(code int, header http.Header, end bool) error
 	if end {
 		done = st.endSendLocked()
 	}
+	if code > 0 {
+		st.answered = true
+	}
 	l.mu.Unlock()
 	l.lockWrite()
 	l.hbuf.Reset()

@@ -480,3 +480,29 @@ func TestServeCloseWhileStreamsOpen(t *testing.T) {
 		<-ctx.Done()
 	}
 }
+
+// Streams reset after their answer (a client that hangs up on its tunnel)
+// cost no budget, however many: only the unanswered ones are rapid resets.
+func TestServeResetsAfterAnswerAreFree(t *testing.T) {
+	checkNoLeaks(t)
+	tunnel := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	})
+	l, c := servingPair(t, Config{MaxPeerResets: 5, MaxConcurrentStreams: 1000}, tunnel)
+	for id := uint32(1); id < 100; id += 2 {
+		c.request(id, false)
+		c.until("the answer", func(f http2.Frame) bool { return f.Header().StreamID == id && f.Header().Type == http2.FrameHeaders })
+	}
+	for id := uint32(1); id < 100; id += 2 {
+		c.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	}
+	c.fr.WritePing(false, [8]byte{1})
+	c.until("the PING's answer", func(f http2.Frame) bool { p, ok := f.(*http2.PingFrame); return ok && p.IsAck() })
+	select {
+	case <-l.Done():
+		t.Fatalf("connection dropped after resets of answered streams: %v", l.err())
+	default:
+	}
+}

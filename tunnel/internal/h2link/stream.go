@@ -55,6 +55,7 @@ type stream struct {
 	handlerRunning bool        // the serving end: the handler has not returned
 	counted        bool        // counts against MaxConcurrentStreams: open, or its handler still runs
 	resetByThePeer bool        // the peer reset the stream while its handler ran
+	answered       bool        // the serving end: the response head went out
 
 	// Guarded by rmu: the receive side.
 	rmu        sync.Mutex
@@ -501,13 +502,15 @@ func (st *stream) reset(code http2.ErrCode, err error) (sent bool) {
 
 // resetByPeer handles RST_STREAM from the peer. After its END_STREAM a
 // reset (NO_ERROR: "stop sending") loses nothing that was received. On
-// the serving end a reset of a stream whose handler still runs is charged
-// to the rapid-reset budget; exhausted reports it empty.
+// the serving end a reset of a stream whose handler still runs and has not
+// answered yet (the work a rapid reset wastes: a dial, a login) is charged
+// to the rapid-reset budget; exhausted reports it empty. A tunnel the peer
+// ends after its answer costs nothing.
 func (st *stream) resetByPeer(code http2.ErrCode) (exhausted bool) {
 	l := st.l
 	if l.serving {
 		l.mu.Lock()
-		if st.handlerRunning && !st.resetByThePeer {
+		if st.handlerRunning && !st.answered && !st.resetByThePeer {
 			st.resetByThePeer = true
 			exhausted = l.chargeResetLocked()
 		}
