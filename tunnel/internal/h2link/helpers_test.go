@@ -10,7 +10,7 @@ import (
 
 // connPair listens on network and address, dials it and returns both ends
 // (the dialled one first); the caller closes them.
-func connPair(t *testing.T, network, address string) (near, far net.Conn) {
+func connPair(t testing.TB, network, address string) (near, far net.Conn) {
 	t.Helper()
 	ln, err := net.Listen(network, address)
 	if err != nil {
