@@ -206,7 +206,9 @@ func (l *Conn) writeSettings() error {
 // ones: SETTINGS_INITIAL_WINDOW_SIZE, and a WINDOW_UPDATE for the
 // connection and for each open stream. The owner calls it once it has
 // admitted the peer; again, or without pre-admission windows, it does
-// nothing.
+// nothing. A handler may call it: NewServer returns before any handler
+// runs (they start with Serve), so the handler can use the *Conn its
+// owner stored from NewServer's result.
 func (l *Conn) RaiseWindows() {
 	l.mu.Lock()
 	if l.closed {
@@ -232,7 +234,7 @@ func (l *Conn) RaiseWindows() {
 			// (§6.9.2); only this end's account of them grows here.
 			st.rmu.Lock()
 			st.recvWindow.add(streamDelta)
-			st.recvSize += streamDelta
+			st.recvSize += int32(streamDelta)
 			st.rmu.Unlock()
 		}
 	}

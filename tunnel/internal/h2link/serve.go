@@ -59,7 +59,9 @@ func (l *Conn) onRequest(f *http2.MetaHeadersFrame) error {
 	st := newStream(l, id, state)
 	l.mu.Unlock()
 	st.cancelCtx = cancel
-	st.declared = declared
+	if declared >= 0 {
+		st.clen = &contentLength{declared: declared}
+	}
 	st.eof = f.StreamEnded()
 	if st.eof && declared > 0 {
 		cancel()
