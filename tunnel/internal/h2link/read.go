@@ -151,7 +151,15 @@ func (l *Conn) handle(f http2.Frame) error {
 		return l.onWindowUpdate(f)
 	case *http2.PriorityFrame:
 		if f.StreamDep == f.StreamID {
-			return http2.StreamError{StreamID: f.StreamID, Code: http2.ErrCodeProtocol} // §5.3.1: a stream cannot depend on itself
+			// §5.3.1: a stream cannot depend on itself. Answered here, not
+			// through streamError: PRIORITY does not open an idle stream.
+			l.mu.Lock()
+			st := l.streams[f.StreamID]
+			l.mu.Unlock()
+			if st == nil || !st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: depends on itself", ErrStreamReset)) {
+				id := f.StreamID
+				l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, http2.ErrCodeProtocol) })
+			}
 		}
 	case *http2.PushPromiseFrame:
 		return http2.ConnectionError(http2.ErrCodeProtocol) // push is disabled

@@ -89,10 +89,10 @@ func (c *rawClient) request(id uint32, end bool, extra ...string) error {
 }
 
 // until reads frames until want returns true for one, failing the test
-// if the connection ends or 5 s pass first.
+// if the connection ends or 10 s pass first.
 func (c *rawClient) until(what string, want func(http2.Frame) bool) http2.Frame {
 	c.t.Helper()
-	c.conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	c.conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 	for {
 		f, err := c.fr.ReadFrame()
 		if err != nil {
@@ -207,6 +207,18 @@ func TestServeMalformedRequests(t *testing.T) {
 	t.Run("depends on itself", func(t *testing.T) {
 		_, c := servingPair(t, Config{}, body415)
 		c.fr.WritePriority(1, http2.PriorityParam{StreamDep: 1, Weight: 10})
+		c.rst(1, http2.ErrCodeProtocol)
+		c.request(1, true) // PRIORITY did not open stream 1: it is still new
+		c.until("an answer on stream 1", func(f http2.Frame) bool { return f.Header().StreamID == 1 && f.Header().Type == http2.FrameHeaders })
+	})
+	t.Run("HEADERS depending on itself", func(t *testing.T) {
+		_, c := servingPair(t, Config{}, body415)
+		c.hbuf.Reset()
+		for _, f := range [][2]string{{":method", "GET"}, {":scheme", "http"}, {":path", "/"}, {":authority", "x"}} {
+			c.henc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+		}
+		c.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: c.hbuf.Bytes(), EndHeaders: true, EndStream: true,
+			Priority: http2.PriorityParam{StreamDep: 1, Weight: 10}})
 		c.rst(1, http2.ErrCodeProtocol)
 	})
 }
