@@ -20,6 +20,7 @@ type agentOptions struct {
 	agentCert, agentKey    string
 	agentID, identifiers   string
 	tokenPath              string
+	tokenRefresh           time.Duration
 	healthHost             string
 	healthPort             int
 	adminBindAddress       string
@@ -55,8 +56,9 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.StringVar(&o.agentCert, "agent-cert", "", "client certificate for mTLS (read again on every connect)")
 	f.StringVar(&o.agentKey, "agent-key", "", "client key for mTLS")
 	f.StringVar(&o.agentID, "agent-id", "", "agent ID (default: $PROXY_AGENT_ID, else the host name)")
-	f.StringVar(&o.identifiers, "agent-identifiers", "", "identifiers for destHost routing, e.g. host=node1&ipv4=10.0.0.5&default-route=true")
+	f.StringVar(&o.identifiers, "agent-identifiers", "", "identifiers for destHost routing, e.g. host=node1&ipv4=10.0.0.5 (cidr= and default-route=true need the server's --route-agents)")
 	f.StringVar(&o.tokenPath, "service-account-token-path", "", "ServiceAccount token file sent as a bearer token (read again on every connect)")
+	f.DurationVar(&o.tokenRefresh, "token-refresh-interval", 30*time.Second, "how often the token file is read again; a new token is presented to every server without dropping tunnels")
 	f.StringVar(&o.healthHost, "health-server-host", "", "address the health server binds to (default all)")
 	f.IntVar(&o.healthPort, "health-server-port", 8093, "port of /healthz, /livez and /readyz; 0 disables it")
 	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
@@ -196,6 +198,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	if o.tokenPath != "" {
 		cfg.Token = o.token
+		cfg.TokenRefresh = o.tokenRefresh
 	}
 	metrics := tunnel.NewMetrics()
 	addProcessMetrics(metrics, "konnectivity_network_proxy_agent_")

@@ -12,9 +12,11 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -59,10 +61,16 @@ type serverOptions struct {
 	keepaliveTime         time.Duration
 	pingTimeout           time.Duration
 	maxStreamsPerAgent    int
+	maxUnadmitted         int
+	maxAgentReviews       int
 	tlsMinVersion         string
 	readyzRequiresAgent   bool
 	tokenReviewTimeout    time.Duration
 	tokenReviewCacheTTL   time.Duration
+	bindAgentIdentity     bool
+	agentIDFromCert       bool
+	routeAgents           string
+	tokenRecheck          time.Duration
 	mintCACert, mintCAKey string
 	mintSANs, mintCN      string
 	mintCheckInterval     time.Duration
@@ -100,6 +108,10 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.authAudience, "authentication-audience", "", "audience the agents' tokens must carry (enables token auth)")
 	f.DurationVar(&o.tokenReviewTimeout, "token-review-timeout", 5*time.Second, "bound on one TokenReview call")
 	f.DurationVar(&o.tokenReviewCacheTTL, "token-review-cache-ttl", 10*time.Second, "how long a TokenReview result is reused (never past the token's expiry)")
+	f.BoolVar(&o.bindAgentIdentity, "bind-agent-identity", true, "a token agent's ID and host=/ipv4=/ipv6= identifiers must name the node its token was issued for (Kubernetes 1.30+ bound tokens); false admits any")
+	f.BoolVar(&o.agentIDFromCert, "agent-id-from-certificate", false, "a certificate agent's ID and host= identifiers must be its certificate's CN or a DNS SAN, its ipv4=/ipv6= an IP SAN")
+	f.StringVar(&o.routeAgents, "route-agents", "", "comma list of agent IDs and serviceaccount:NAMESPACE/NAME allowed to advertise cidr= and default-route identifiers; * allows every agent")
+	f.DurationVar(&o.tokenRecheck, "token-recheck-interval", time.Minute, "how often a connected agent's token is reviewed again (and at its expiry); a link whose token is no longer valid is drained and closed; 0 never")
 	f.IntVar(&o.healthPort, "health-port", 8092, "port of /healthz, /livez and /readyz; 0 disables it")
 	f.StringVar(&o.healthBindAddress, "health-bind-address", "", "address the health server binds to (default all)")
 	f.IntVar(&o.adminPort, "admin-port", 8095, "port of the admin server (pprof); 0 disables it")
@@ -110,7 +122,9 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: destHost, default, defaultRoute")
 	f.DurationVar(&o.agentWait, "agent-wait", 5*time.Second, "how long a dial waits for an agent to connect before 503")
 	f.DurationVar(&o.backendDialTimeout, "backend-dial-timeout", 10*time.Second, "bound from CONNECT to the agent's dial answer (504 after it); below kube-apiserver's 30s")
-	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head or an agent handshake")
+	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
+	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
+	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
 	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to an agent")
 	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before the agent is dropped")
@@ -184,6 +198,9 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.serverCount < 1 {
 		return fmt.Errorf("--server-count=%d: want at least 1", o.serverCount)
 	}
+	if o.maxUnadmitted < 1 || o.maxAgentReviews < 1 {
+		return fmt.Errorf("--max-unadmitted-agent-connections=%d, --max-concurrent-agent-reviews=%d: want at least 1 each", o.maxUnadmitted, o.maxAgentReviews)
+	}
 	if _, err := tunnel.ParseStrategies(o.proxyStrategies); err != nil {
 		return fmt.Errorf("--proxy-strategies: %w", err)
 	}
@@ -193,7 +210,35 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
 		return err
 	}
+	for _, v := range splitList(o.routeAgents) {
+		if !validRouteAgent(v) {
+			return fmt.Errorf("--route-agents: %q is not an agent ID, serviceaccount:NAMESPACE/NAME or *", v)
+		}
+	}
 	return nil
+}
+
+// splitList splits a comma list, dropping blanks.
+func splitList(s string) []string {
+	var out []string
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// validRouteAgent accepts "*", "serviceaccount:NAMESPACE/NAME" or an agent ID.
+func validRouteAgent(v string) bool {
+	if v == "*" {
+		return true
+	}
+	if sa, ok := strings.CutPrefix(v, "serviceaccount:"); ok {
+		ns, name, ok := strings.Cut(sa, "/")
+		return ok && ns != "" && name != "" && !strings.ContainsAny(name, "/:")
+	}
+	return !strings.ContainsAny(v, " \t:/")
 }
 
 func (o *serverOptions) tokenAuth() bool {
@@ -230,15 +275,19 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
 	metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "Expiry of the certificate each listener serves, in seconds since the Unix epoch.",
 		[]string{"listener"}, []string{"agents"}, func() float64 { return float64(agentCert.NotAfter().Unix()) })
-	authenticate, err := o.agentAuthenticator(log, metrics)
+	identify, nodeAddrs, err := o.agentAuthenticator(log, metrics)
 	if err != nil {
 		return err
+	}
+	recheck := o.tokenRecheck
+	if recheck <= 0 {
+		recheck = -1
 	}
 	cfg := tunnel.ServerConfig{
 		ID:                 o.serverID,
 		Count:              o.serverCount,
 		AgentTLS:           agentTLS,
-		AuthenticateAgent:  authenticate,
+		IdentifyAgent:      identify,
 		Strategies:         strategies,
 		AgentWait:          o.agentWait,
 		DialTimeout:        o.backendDialTimeout,
@@ -246,8 +295,17 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		KeepAlive:          o.keepaliveTime,
 		PingTimeout:        o.pingTimeout,
 		MaxStreamsPerAgent: o.maxStreamsPerAgent,
+		MaxUnadmitted:      o.maxUnadmitted,
+		MaxReviews:         o.maxAgentReviews,
 		Metrics:            metrics,
 		Logger:             log,
+	}
+	cfg.Identity = tunnel.IdentityPolicy{
+		IgnoreNodeClaims: !o.bindAgentIdentity,
+		CertificateNames: o.agentIDFromCert,
+		RouteAgents:      splitList(o.routeAgents),
+		NodeAddresses:    nodeAddrs,
+		Recheck:          recheck,
 	}
 	if o.udsName != "" {
 		allowed := auth.DefaultAllowedUIDs()
@@ -503,8 +561,10 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wai
 
 // agentAuthenticator decides how agents prove themselves: a client
 // certificate from --cluster-ca-cert, a ServiceAccount token checked with
-// TokenReview, either of the two when both are configured.
-func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Metrics) (func(context.Context, tunnel.AgentCredentials) error, error) {
+// TokenReview, either of the two when both are configured. It also returns
+// the lookup of a node's addresses that binds token agents' ipv4=/ipv6=
+// identifiers (nil without token auth or identity binding).
+func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Metrics) (identify func(context.Context, tunnel.AgentCredentials) (tunnel.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
 	mtls := o.clusterCACert != ""
 	var reviewer *auth.TokenReviewer
 	if o.tokenAuth() {
@@ -516,7 +576,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 			rc, err = auth.InClusterConfig()
 		}
 		if err != nil {
-			return nil, fmt.Errorf("token auth: %w", err)
+			return nil, nil, fmt.Errorf("token auth: %w", err)
 		}
 		reviewer, err = auth.NewTokenReviewer(rc, auth.ReviewOptions{
 			Audience:       o.authAudience,
@@ -526,7 +586,14 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 			CacheTTL:       o.tokenReviewCacheTTL,
 		})
 		if err != nil {
-			return nil, fmt.Errorf("token auth: %w", err)
+			return nil, nil, fmt.Errorf("token auth: %w", err)
+		}
+		if o.bindAgentIdentity {
+			nodes, err := auth.NewNodeLookup(rc, o.tokenReviewTimeout, time.Minute)
+			if err != nil {
+				return nil, nil, fmt.Errorf("token auth: %w", err)
+			}
+			nodeAddrs = nodes.Addresses
 		}
 		log.Info("agent token auth on", "apiserver", rc.Server(), "audience", o.authAudience, "service_account", o.agentNamespace+"/"+o.agentServiceAccount)
 	}
@@ -543,34 +610,47 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 		}
 	case o.allowUnauthenticated:
 		log.Warn("AGENTS ARE NOT AUTHENTICATED: any host that reaches the agent port can serve this cluster's egress (--allow-unauthenticated-agents)")
-		return nil, nil
+		return nil, nil, nil
 	default:
 		log.Error("no agent authentication configured: every agent will be refused; set --cluster-ca-cert, the token flags, or --allow-unauthenticated-agents")
 	}
-	return func(ctx context.Context, c tunnel.AgentCredentials) error {
+	return func(ctx context.Context, c tunnel.AgentCredentials) (tunnel.Principal, error) {
 		if mtls && len(c.TLS.VerifiedChains) > 0 {
-			return nil
+			return tunnel.CertificatePrincipal(c.TLS.VerifiedChains[0][0]), nil
 		}
 		if reviewer != nil && c.Token != "" {
-			err := reviewer.Authenticate(ctx, c.Token)
+			id, err := reviewer.Review(ctx, c.Token)
 			if counter := reviews[auth.StatusOf(err)]; counter != nil {
 				counter.Inc()
 			}
 			if err != nil {
-				return &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+				return tunnel.Principal{}, &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
 			}
-			return nil
+			return tokenPrincipal(id, o.agentNamespace+"/"+o.agentServiceAccount), nil
 		}
 		switch {
 		case mtls && reviewer != nil:
-			return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "present a client certificate or a ServiceAccount token"}
+			return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "present a client certificate or a ServiceAccount token"}
 		case mtls:
-			return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a client certificate signed by the cluster CA is required"}
+			return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a client certificate signed by the cluster CA is required"}
 		case reviewer != nil:
-			return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a ServiceAccount bearer token is required"}
+			return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a ServiceAccount bearer token is required"}
 		}
-		return &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "this server has no agent authentication configured"}
-	}, nil
+		return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "this server has no agent authentication configured"}
+	}, nodeAddrs, nil
+}
+
+// tokenPrincipal is what a reviewed token proves: the pod and node it was
+// issued for when it is bound to a pod, else only its ServiceAccount.
+func tokenPrincipal(id auth.Identity, account string) tunnel.Principal {
+	p := tunnel.Principal{Kind: tunnel.PrincipalToken, Node: id.Node, Account: account, Expires: id.Expires, Credential: "sa:" + id.Username}
+	switch {
+	case id.PodUID != "":
+		p.Credential = "pod:" + id.PodUID
+	case id.Pod != "":
+		p.Credential = "pod:" + id.Node + "/" + id.Pod
+	}
+	return p
 }
 
 func loadCAPool(path string) (*x509.CertPool, error) {

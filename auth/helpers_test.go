@@ -118,11 +118,15 @@ type fakeAPIServer struct {
 	certPEM  []byte // a client cert the server accepts
 	keyPEM   []byte
 	requests atomic.Int64
+	hangs    atomic.Int64 // requests held by "hang"
+	hungUp   atomic.Int64 // of those, ended by the client cancelling its request
 
 	mu         sync.Mutex
 	tokens     map[string]identity
-	wantBearer string // if set, the request must carry this bearer token
-	mode       string // "", "500", "hang", "garbage", "override"
+	nodes      map[string]any                 // GET /api/v1/nodes/<name> answers, by name
+	extras     map[string]map[string][]string // status.user.extra (node and pod claims), by token
+	wantBearer string                         // if set, the request must carry this bearer token
+	mode       string                         // "", "500", "hang", "garbage", "override"
 	override   func(req reviewRequest) (int, any)
 	release    chan struct{} // closed to end "hang"
 }
@@ -197,6 +201,10 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 	mode, release, override, wantBearer := f.mode, f.release, f.override, f.wantBearer
 	f.mu.Unlock()
 
+	if name, ok := strings.CutPrefix(r.URL.Path, "/api/v1/nodes/"); ok && r.Method == http.MethodGet {
+		f.serveNode(w, name)
+		return
+	}
 	if r.Method != http.MethodPost || r.URL.Path != "/apis/authentication.k8s.io/v1/tokenreviews" {
 		http.Error(w, "not found", http.StatusNotFound)
 		return
@@ -220,8 +228,10 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "internal error reviewing "+req.Spec.Token, http.StatusInternalServerError)
 		return
 	case "hang":
+		f.hangs.Add(1)
 		select {
 		case <-r.Context().Done():
+			f.hungUp.Add(1)
 		case <-release:
 		}
 		http.Error(w, "gave up", http.StatusServiceUnavailable)
@@ -239,6 +249,7 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	f.mu.Lock()
 	id, known := f.tokens[req.Spec.Token]
+	extra := f.extras[req.Spec.Token]
 	f.mu.Unlock()
 	status := map[string]any{"authenticated": false, "user": map[string]any{}}
 	if known {
@@ -256,7 +267,7 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 		if len(auds) > 0 {
 			status = map[string]any{
 				"authenticated": true,
-				"user":          map[string]any{"username": id.username, "uid": "1234", "groups": []string{"system:serviceaccounts"}},
+				"user":          map[string]any{"username": id.username, "uid": "1234", "groups": []string{"system:serviceaccounts"}, "extra": extra},
 				"audiences":     auds,
 			}
 		} else {
@@ -272,6 +283,83 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 		"spec":       req.Spec,
 		"status":     status,
 	})
+}
+
+// serveNode answers a Node GET from f.nodes: a string is an HTTP status
+// to fail with, anything else the object.
+func (f *fakeAPIServer) serveNode(w http.ResponseWriter, name string) {
+	f.mu.Lock()
+	obj, ok := f.nodes[name]
+	f.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	switch v := obj.(type) {
+	case nil:
+		if !ok {
+			w.WriteHeader(http.StatusNotFound)
+			fmt.Fprint(w, `{"kind":"Status","reason":"NotFound"}`)
+			return
+		}
+	case int:
+		w.WriteHeader(v)
+		fmt.Fprint(w, `{"kind":"Status","reason":"Forbidden"}`)
+		return
+	}
+	json.NewEncoder(w).Encode(obj)
+}
+
+// setNode makes GET /api/v1/nodes/<name> answer with a Node carrying addrs,
+// or with status code when addrs is nil and code is not 0.
+func (f *fakeAPIServer) setNode(name string, code int, addrs ...string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.nodes == nil {
+		f.nodes = map[string]any{}
+	}
+	if code != 0 {
+		f.nodes[name] = code
+		return
+	}
+	var list []map[string]string
+	for i, a := range addrs {
+		typ := "InternalIP"
+		if i > 0 {
+			typ = "ExternalIP"
+		}
+		list = append(list, map[string]string{"type": typ, "address": a})
+	}
+	list = append(list, map[string]string{"type": "Hostname", "address": name})
+	f.nodes[name] = map[string]any{"kind": "Node", "apiVersion": "v1", "metadata": map[string]any{"name": name},
+		"status": map[string]any{"addresses": list}}
+}
+
+// addBoundToken adds a token bound to pod (uid) on node.
+func (f *fakeAPIServer) addBoundToken(token, node, pod, uid string) {
+	f.addToken(token, identity{agentUser, []string{testAudience}})
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.extras == nil {
+		f.extras = map[string]map[string][]string{}
+	}
+	f.extras[token] = boundClaims(node, pod, uid)
+}
+
+// revoke makes the apiserver forget token.
+func (f *fakeAPIServer) revoke(token string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.tokens, token)
+}
+
+// boundClaims are the extra fields kube-apiserver adds for a token bound
+// to a pod on node.
+func boundClaims(node, pod, uid string) map[string][]string {
+	return map[string][]string{
+		"authentication.kubernetes.io/node-name":     {node},
+		"authentication.kubernetes.io/node-uid":      {"node-uid-" + node},
+		"authentication.kubernetes.io/pod-name":      {pod},
+		"authentication.kubernetes.io/pod-uid":       {uid},
+		"authentication.kubernetes.io/credential-id": {"JTI=abc"},
+	}
 }
 
 func b64(b []byte) string { return base64.StdEncoding.EncodeToString(b) }

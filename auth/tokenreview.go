@@ -126,15 +126,19 @@ type TokenReviewer struct {
 
 type cacheEntry struct {
 	key     [32]byte
-	err     error // nil: accepted
+	id      Identity // set when err is nil
+	err     error    // nil: accepted
 	expires time.Time
 }
 
 // flight is one TokenReview in progress; identical concurrent requests wait
 // for it instead of sending their own.
 type flight struct {
-	done chan struct{}
-	err  error
+	done    chan struct{}
+	id      Identity           // set before done is closed
+	err     error              // set before done is closed
+	cancel  context.CancelFunc // ends the review: its last waiter left, or it is done
+	waiters int                // callers waiting for done; guarded by TokenReviewer.mu
 }
 
 // NewTokenReviewer returns a reviewer that calls the apiserver described by
@@ -180,70 +184,91 @@ func NewTokenReviewer(cfg *RESTConfig, opts ReviewOptions) (*TokenReviewer, erro
 // token, wrong audience or account) or 503 (the review could not be done;
 // retry later). It waits at most Timeout (or until ctx ends).
 func (r *TokenReviewer) Authenticate(ctx context.Context, bearerToken string) error {
+	_, err := r.Review(ctx, bearerToken)
+	return err
+}
+
+// Review is Authenticate that also returns what the apiserver said about
+// an accepted token: its user and, for a token bound to a pod, the pod and
+// node it was issued for.
+func (r *TokenReviewer) Review(ctx context.Context, bearerToken string) (Identity, error) {
 	if bearerToken == "" {
-		return unauthorized("missing bearer token")
+		return Identity{}, unauthorized("missing bearer token")
 	}
 	if !validToken(bearerToken) {
-		return unauthorized("malformed bearer token")
+		return Identity{}, unauthorized("malformed bearer token")
 	}
 	key := sha256.Sum256([]byte(bearerToken))
 
 	r.mu.Lock()
-	if err, ok := r.lookup(key); ok {
+	if id, err, ok := r.lookup(key); ok {
 		r.mu.Unlock()
-		return err
+		return id, err
 	}
 	f, ok := r.inflight[key]
 	if !ok {
-		f = &flight{done: make(chan struct{})}
-		r.inflight[key] = f
 		// The review runs on its own so that a caller giving up does not
-		// fail the others waiting for it; Timeout bounds its life.
-		go r.run(context.WithoutCancel(ctx), key, bearerToken, f)
+		// fail the others waiting for it; the last one to give up cancels
+		// it, so a peer that leaves leaves no call behind. Timeout bounds
+		// its life.
+		runCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.timeout)
+		f = &flight{done: make(chan struct{}), cancel: cancel}
+		r.inflight[key] = f
+		go r.run(runCtx, key, bearerToken, f)
 	}
+	f.waiters++
 	r.mu.Unlock()
 
 	select {
 	case <-f.done:
-		return f.err
+		return f.id, f.err
 	case <-ctx.Done():
-		return unavailable("authentication abandoned", ctx.Err())
+		r.mu.Lock()
+		f.waiters--
+		if f.waiters == 0 && r.inflight[key] == f {
+			delete(r.inflight, key) // a later caller starts afresh
+			f.cancel()
+		}
+		r.mu.Unlock()
+		return Identity{}, unavailable("authentication abandoned", ctx.Err())
 	}
 }
 
 func (r *TokenReviewer) run(ctx context.Context, key [32]byte, token string, f *flight) {
-	ctx, cancel := context.WithTimeout(ctx, r.timeout)
-	defer cancel()
-	err := r.review(ctx, token)
+	defer f.cancel()
+	id, err := r.review(ctx, token)
+	id.Expires = tokenExpiry(token)
 
 	r.mu.Lock()
-	delete(r.inflight, key)
-	if StatusOf(err) != http.StatusServiceUnavailable {
-		r.store(key, err, tokenExpiry(token))
+	if r.inflight[key] == f {
+		delete(r.inflight, key)
 	}
-	f.err = err
+	if StatusOf(err) != http.StatusServiceUnavailable {
+		r.store(key, id, err, id.Expires)
+	}
+	f.id, f.err = id, err
 	r.mu.Unlock()
 	close(f.done)
 }
 
 // lookup returns a cached outcome; r.mu must be held.
-func (r *TokenReviewer) lookup(key [32]byte) (error, bool) {
+func (r *TokenReviewer) lookup(key [32]byte) (Identity, error, bool) {
 	el, ok := r.cache[key]
 	if !ok {
-		return nil, false
+		return Identity{}, nil, false
 	}
 	e := el.Value.(*cacheEntry)
 	if !r.now().Before(e.expires) {
 		r.order.Remove(el)
 		delete(r.cache, key)
-		return nil, false
+		return Identity{}, nil, false
 	}
-	return e.err, true
+	return e.id, e.err, true
 }
 
 // store caches an outcome until now+TTL or the token's expiry, whichever is
 // first; r.mu must be held.
-func (r *TokenReviewer) store(key [32]byte, err error, exp time.Time) {
+func (r *TokenReviewer) store(key [32]byte, id Identity, err error, exp time.Time) {
 	if r.ttl < 0 {
 		return
 	}
@@ -262,7 +287,7 @@ func (r *TokenReviewer) store(key [32]byte, err error, exp time.Time) {
 	for r.order.Len() >= r.maxEntries {
 		r.evict(now)
 	}
-	r.cache[key] = r.order.PushBack(&cacheEntry{key: key, err: err, expires: expires})
+	r.cache[key] = r.order.PushBack(&cacheEntry{key: key, id: id, err: err, expires: expires})
 }
 
 // evict drops every expired entry, or if none has expired the oldest one.
@@ -310,10 +335,11 @@ type tokenReviewStatus struct {
 }
 
 type userInfo struct {
-	Username string `json:"username"`
+	Username string              `json:"username"`
+	Extra    map[string][]string `json:"extra"`
 }
 
-func (r *TokenReviewer) review(ctx context.Context, token string) error {
+func (r *TokenReviewer) review(ctx context.Context, token string) (Identity, error) {
 	req := tokenReview{
 		APIVersion: "authentication.k8s.io/v1",
 		Kind:       "TokenReview",
@@ -328,46 +354,46 @@ func (r *TokenReviewer) review(ctx context.Context, token string) error {
 		Spec       tokenReviewSpec `json:"spec"`
 	}{req.APIVersion, req.Kind, req.Spec})
 	if err != nil {
-		return unavailable("tokenreview", err)
+		return Identity{}, unavailable("tokenreview", err)
 	}
 	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, r.url, bytes.NewReader(body))
 	if err != nil {
-		return unavailable("tokenreview", err)
+		return Identity{}, unavailable("tokenreview", err)
 	}
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set("Accept", "application/json")
 	resp, err := r.client.Do(httpReq)
 	if err != nil {
-		return unavailable("tokenreview request failed", redactErr(err, token))
+		return Identity{}, unavailable("tokenreview request failed", redactErr(err, token))
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, maxReviewBody))
 	if err != nil {
-		return unavailable("tokenreview: read response", redactErr(err, token))
+		return Identity{}, unavailable("tokenreview: read response", redactErr(err, token))
 	}
 	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusCreated {
 		// E.g. 403 when the server's own identity may not create
 		// tokenreviews: our problem, not the agent's, hence 503.
-		return unavailable("tokenreview: apiserver answered "+resp.Status, errors.New(snippet(data, token)))
+		return Identity{}, unavailable("tokenreview: apiserver answered "+resp.Status, errors.New(snippet(data, token)))
 	}
 	var out tokenReview
 	if err := json.Unmarshal(data, &out); err != nil {
-		return unavailable("tokenreview: undecodable response", errors.New("invalid JSON"))
+		return Identity{}, unavailable("tokenreview: undecodable response", errors.New("invalid JSON"))
 	}
 	st := out.Status
 	if st.Error != "" {
-		return unauthorized("token rejected: %s", snippet([]byte(st.Error), token))
+		return Identity{}, unauthorized("token rejected: %s", snippet([]byte(st.Error), token))
 	}
 	if !st.Authenticated {
-		return unauthorized("token not authenticated")
+		return Identity{}, unauthorized("token not authenticated")
 	}
 	if r.audience != "" && !contains(st.Audiences, r.audience) {
-		return forbidden("token is not for audience %q", r.audience)
+		return Identity{}, forbidden("token is not for audience %q", r.audience)
 	}
 	if st.User.Username != r.username {
-		return forbidden("token user %q is not %q", snippet([]byte(st.User.Username), token), r.username)
+		return Identity{}, forbidden("token user %q is not %q", snippet([]byte(st.User.Username), token), r.username)
 	}
-	return nil
+	return boundIdentity(st.User), nil
 }
 
 func contains(list []string, s string) bool {

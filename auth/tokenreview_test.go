@@ -2,6 +2,7 @@ package auth
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"net/http"
@@ -223,6 +224,56 @@ func TestAuthenticateCallerGivesUp(t *testing.T) {
 		t.Fatalf("got %v, want 503 wrapping context.Canceled", err)
 	}
 	f.setMode("") // lets the background review finish
+}
+
+// The review is shared by every caller with the same token and cancelled
+// when the last of them gives up: a peer that resets its login leaves no
+// call to the apiserver behind.
+func TestAuthenticateLastWaiterCancels(t *testing.T) {
+	f, r := newReviewSetup(t, ReviewOptions{Timeout: 20 * time.Second})
+	f.setMode("hang")
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+		}
+	}
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	errs := make(chan error, 2)
+	go func() { errs <- r.Authenticate(ctx1, sampleToken) }()
+	waitFor("the review to reach the apiserver", func() bool { return f.hangs.Load() == 1 })
+	go func() { errs <- r.Authenticate(ctx2, sampleToken) }()
+	waitFor("the second caller to join", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		fl := r.inflight[sha256.Sum256([]byte(sampleToken))]
+		return fl != nil && fl.waiters == 2
+	})
+	cancel1()
+	if err := <-errs; !errors.Is(err, context.Canceled) {
+		t.Fatalf("first caller: %v, want context.Canceled", err)
+	}
+	if n := f.hungUp.Load(); n != 0 {
+		t.Fatalf("review cancelled while a caller still waits for it")
+	}
+	cancel2()
+	if err := <-errs; !errors.Is(err, context.Canceled) {
+		t.Fatalf("second caller: %v, want context.Canceled", err)
+	}
+	waitFor("the apiserver to see the review cancelled", func() bool { return f.hungUp.Load() == 1 })
+	if n := f.requests.Load(); n != 1 {
+		t.Errorf("%d reviews, want 1 shared", n)
+	}
+	r.mu.Lock()
+	left := len(r.inflight)
+	r.mu.Unlock()
+	if left != 0 {
+		t.Errorf("%d reviews still registered in flight", left)
+	}
 }
 
 func TestCache(t *testing.T) {

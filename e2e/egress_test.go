@@ -40,7 +40,7 @@ func get(ctx context.Context, client *http.Client, url string) (string, error) {
 // TestEgressRequests sends HTTP requests through kube-apiserver's own
 // HTTPConnect egress dialer → server UDS → agent → loopback backend.
 func TestEgressRequests(t *testing.T) {
-	s := startServer(t)
+	s := startServer(t, "--route-agents=a1") // a1 advertises default-route
 	s.startAgent(t, "a1", "ipv4=127.0.0.1&default-route=true")
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
 	d := s.egressDialer(t)

@@ -167,7 +167,7 @@ chmod 755 /etc/init.d/fakenet
 	echo 'respawn_delay=1'
 	echo 'retry="TERM/10/KILL/5"'
 	echo 'KONNECTIVITY_WAIT_SECONDS=2'
-	echo 'KONNECTIVITY_SERVER_OPTS="--v=4 --graceful-shutdown-timeout=2s"'
+	echo 'KONNECTIVITY_SERVER_OPTS="--v=4 --graceful-shutdown-timeout=2s --route-agents=node1"'
 } >/etc/conf.d/$srv
 cp /etc/conf.d/$srv "$work/server.confd"
 {

@@ -45,6 +45,10 @@ type AgentConfig struct {
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
+	// TokenRefresh is how often each link reads the token again and, when
+	// it changed, presents it to its server on the control stream, so a
+	// rotated token never drops a tunnel (default 30s).
+	TokenRefresh time.Duration
 
 	DialTimeout  time.Duration // destination dial bound (default 5s)
 	KeepAlive    time.Duration // idle time before an HTTP/2 PING (default 30s)
@@ -74,6 +78,7 @@ func (c *AgentConfig) setDefaults() {
 	defaultDuration(&c.DrainTimeout, 30*time.Second)
 	defaultDuration(&c.SyncInterval, time.Second)
 	defaultDuration(&c.SyncCap, 10*time.Second)
+	defaultDuration(&c.TokenRefresh, 30*time.Second)
 	if c.SyncCap < c.SyncInterval {
 		c.SyncCap = c.SyncInterval
 	}

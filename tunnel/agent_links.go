@@ -39,6 +39,7 @@ type serverLink struct {
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
 	streams   atomic.Int64  // open tunnels on this link
+	token     string        // the token presented at login; read-only
 }
 
 func (l *serverLink) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
@@ -291,6 +292,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
 		conn:  newWatchedConn(&bufferedConn{Conn: conn, r: br}),
 		done:  make(chan struct{}),
 		drain: make(chan struct{}),
+		token: hello.Token,
 	}, nil
 }
 
@@ -389,18 +391,58 @@ func (a *Agent) heldServers() []string {
 }
 
 // serveControl answers the server's control stream: one line per event the
-// server must know about. Today that is "drain".
+// server must know about: "drain", and "token <token>" when the token file
+// holds a new token (the server reviews it and keeps the link on it).
 func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	flush := flusherOf(w)
 	flush()
-	select {
-	case <-l.drain:
-		io.WriteString(w, controlDrain+"\n")
-		flush()
-		<-r.Context().Done()
-	case <-r.Context().Done():
+	last := l.token
+	var tick <-chan time.Time
+	if a.cfg.Token != nil {
+		t := time.NewTicker(a.cfg.TokenRefresh)
+		defer t.Stop()
+		tick = t.C
 	}
+	for {
+		select {
+		case <-l.drain:
+			io.WriteString(w, controlDrain+"\n")
+			flush()
+			<-r.Context().Done()
+			return
+		case <-tick:
+			token, err := a.cfg.Token()
+			if err != nil {
+				a.quiet.log(a.log, slog.LevelWarn, "token refresh", "cannot read the token again; the server keeps the one it has", "err", err)
+				continue
+			}
+			if token == last || !validToken(token) {
+				continue
+			}
+			if _, err := io.WriteString(w, controlToken+" "+token+"\n"); err != nil {
+				return
+			}
+			flush()
+			last = token
+			a.log.Debug("presented a rotated token to the server", "server_id", l.id)
+		case <-r.Context().Done():
+			return
+		}
+	}
+}
+
+// validToken accepts what can travel on one control line.
+func validToken(t string) bool {
+	if t == "" || len(t) > maxControlLine-len(controlToken)-2 {
+		return false
+	}
+	for i := 0; i < len(t); i++ {
+		if t[i] <= ' ' || t[i] >= 0x7f {
+			return false
+		}
+	}
+	return true
 }
 
 // backoff is capped exponential backoff with jitter.

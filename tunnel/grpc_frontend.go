@@ -63,11 +63,17 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 		}
 	}
 	// A refused peer is told so on each of its streams (PERMISSION_DENIED)
-	// rather than by a reset connection it could not tell from a crash.
+	// rather than by a reset connection it could not tell from a crash;
+	// it keeps the connection only for the header timeout, with small
+	// windows, as a peer not admitted on the agent port.
 	var refused error
+	var small int32
 	if s.cfg.CheckFrontendPeer != nil {
 		if refused = s.cfg.CheckFrontendPeer(conn); refused != nil {
 			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", refused)
+			cut := time.AfterFunc(s.cfg.HeaderTimeout, func() { conn.Close() })
+			defer cut.Stop()
+			small = preAdmitStreamWindow
 		}
 	}
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -87,6 +93,7 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 	}
 	l, err := h2link.NewServer(h2conn, h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
+		PreAdmitStreamWindow: small, PreAdmitConnWindow: small,
 		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(h2conn),
 	}, handler)
 	if err != nil {

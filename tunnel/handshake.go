@@ -122,7 +122,7 @@ func readReply(br *bufio.Reader) (serverReply, error) {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()
 		r.ServerID = resp.Header.Get(hdrServerID)
-		return r, &StatusError{Code: resp.StatusCode, Msg: strings.TrimSpace(cleanErr(fmt.Errorf("%s", body)))}
+		return r, &StatusError{Code: resp.StatusCode, Msg: cleanErr(fmt.Errorf("%s", strings.TrimSpace(string(body))))}
 	}
 	r.ServerID = resp.Header.Get(hdrServerID)
 	if err := validID(r.ServerID); err != nil {

@@ -56,6 +56,8 @@ type agentConn struct {
 	bytesTo, bytesFrom atomic.Int64
 
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
+	principal   Principal          // what the agent's credential proves; fixed at login
+	cred        *linkCredential    // the credential the link stands on; set before it is registered
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no cc
 }
 

@@ -42,6 +42,12 @@ type ServerConfig struct {
 	// cheap checks (duplicate server, malformed hello); a *StatusError sets
 	// the status the agent sees. Nil admits every agent.
 	AuthenticateAgent func(ctx context.Context, c AgentCredentials) error
+	// IdentifyAgent, when set, is used instead of AuthenticateAgent: it
+	// also says what the credential proves, which Identity binds the
+	// agent's ID and identifiers to.
+	IdentifyAgent func(ctx context.Context, c AgentCredentials) (Principal, error)
+	// Identity says what an agent may claim given its Principal.
+	Identity IdentityPolicy
 	// CheckFrontendPeer may refuse a frontend connection (403) before its
 	// request is read, for example by the peer's Unix credentials.
 	CheckFrontendPeer func(net.Conn) error
@@ -53,6 +59,11 @@ type ServerConfig struct {
 	KeepAlive          time.Duration // idle time before an HTTP/2 PING (default 30s)
 	PingTimeout        time.Duration // how long a PING may go unanswered (default 15s)
 	MaxStreamsPerAgent int           // open tunnels per agent before it is skipped (default 10000)
+	// MaxUnadmitted bounds the agent-port connections accepted and not yet
+	// admitted (default 64); MaxReviews the AuthenticateAgent calls in
+	// flight (default 32). See admission.go.
+	MaxUnadmitted int
+	MaxReviews    int
 
 	// Metrics receives the server's metrics; nil makes a private registry.
 	Metrics *Metrics
@@ -71,6 +82,12 @@ func (c *ServerConfig) setDefaults() {
 	}
 	if c.Count < 1 {
 		c.Count = 1
+	}
+	if c.MaxUnadmitted <= 0 {
+		c.MaxUnadmitted = defaultMaxUnadmitted
+	}
+	if c.MaxReviews <= 0 {
+		c.MaxReviews = defaultMaxReviews
 	}
 	if len(c.Strategies) == 0 {
 		c.Strategies = []Strategy{StrategyDefault}
@@ -106,6 +123,8 @@ type Server struct {
 
 	Stats         ServerStats
 	metrics       *serverMetrics
+	gate          *admission // agent-port connections before they are admitted
+	identity      *identityState
 	quiet         *logLimiter  // repeated warnings: one line per key per 10s
 	hangups       hangups      // open Unix-socket tunnels, swept for clients that left
 	spareFD       *os.File     // released to answer 503 when out of file descriptors
@@ -138,6 +157,8 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		frontends: make(map[net.Conn]struct{}),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
+	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
+	s.identity = newIdentityState(cfg.Metrics)
 	s.quiet = newLogLimiter(10 * time.Second)
 	s.hangups.tunnels = map[net.Conn]*hangupEntry{}
 	s.spareFD, _ = os.Open(os.DevNull)
@@ -405,6 +426,13 @@ func (s *Server) Close() error {
 // HTTP/2 with this server as the client, until the connection ends.
 func (s *Server) serveAgentConn(raw net.Conn) {
 	remote := raw.RemoteAddr().String()
+	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
+	if pc == nil {
+		s.Stats.AgentsRefused.Add(1)
+		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted)
+		return
+	}
+	defer pc.release()
 	conn := raw
 	var tlsState tls.ConnectionState
 	deadline := time.Now().Add(s.cfg.HeaderTimeout)
@@ -426,15 +454,23 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		if tlsState.NegotiatedProtocol == "h2" {
 			// Upstream's agent: gRPC AgentService/Connect on the same port.
 			raw.SetDeadline(time.Time{})
-			s.serveUpstreamAgent(conn, tlsState, remote)
+			s.serveUpstreamAgent(conn, tlsState, remote, pc)
 			return
 		}
 	}
 	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
 	hello, err := readHello(br)
+	var principal Principal
 	if err == nil {
-		err = s.admit(hello, tlsState)
+		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		stop := watchHangup(conn, cancel)
+		principal, err = s.admit(ctx, hello, tlsState, remote)
+		if !stop() && err == nil {
+			err = statusErrorf(http.StatusBadRequest, "the agent hung up or sent data before the handshake answer")
+		}
+		cancel()
+		conn.SetReadDeadline(deadline)
 	}
 	if err != nil {
 		code := StatusCode(err)
@@ -454,6 +490,10 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ids, _ := ParseIdentifiers(hello.Identifiers) // checked in admit
+	if !pc.admit() {
+		conn.Close() // the header timeout came first
+		return
+	}
 	if err := writeSwitching(conn, s.cfg.ID, s.cfg.Count); err != nil {
 		conn.Close()
 		return
@@ -475,8 +515,17 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl}
-	if old := s.agents.add(a); old != nil {
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl, principal: principal}
+	s.watchCredential(a, hello.Token, tlsState)
+	old, ok := s.agents.claim(a)
+	if !ok {
+		stopControl()
+		a.endCredential()
+		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote)
+		cc.Close()
+		return
+	}
+	if old != nil {
 		// The same agent reconnected; its old connection may be half-dead.
 		// Let its tunnels finish, but route new dials to the new one.
 		old.draining.Store(true)
@@ -491,6 +540,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	// what it holds, not a parked stack): closing it unregisters the agent.
 	wc.onClose(func() {
 		stopControl()
+		a.endCredential()
 		s.agents.remove(a)
 		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.closeReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
 	})
@@ -509,13 +559,18 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 	}
 	defer resp.Body.Close()
 	// A small reader: this sits idle on every agent connection.
-	lines := bufio.NewReaderSize(io.LimitReader(resp.Body, 1<<20), 64)
+	lines := bufio.NewReaderSize(resp.Body, 64)
 	for {
-		line, err := lines.ReadString('\n')
+		line, err := readControlLine(lines)
 		if err != nil {
 			return
 		}
-		switch strings.TrimSpace(line) {
+		line = strings.TrimSpace(line)
+		if token, ok := strings.CutPrefix(line, controlToken+" "); ok {
+			s.newToken(a, strings.TrimSpace(token))
+			continue
+		}
+		switch line {
 		case controlDrain:
 			a.draining.Store(true)
 			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
@@ -524,23 +579,33 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate
-// connection costs no token review.
-func (s *Server) admit(h agentHello, tlsState tls.ConnectionState) error {
+// connection costs no token review; then it checks that the credential
+// backs the agent's ID and identifiers (identity.go). ctx bounds both,
+// under one review slot (admission.go): the connection's deadline, or the
+// login stream's life.
+func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) (Principal, error) {
 	if slices.Contains(h.Held, s.cfg.ID) {
-		return statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
+		return Principal{}, statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
 	}
 	if s.isShutting() {
-		return statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
+		return Principal{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
 	}
-	if _, err := ParseIdentifiers(h.Identifiers); err != nil {
-		return statusErrorf(http.StatusBadRequest, "%v", err)
+	ids, err := ParseIdentifiers(h.Identifiers)
+	if err != nil {
+		return Principal{}, statusErrorf(http.StatusBadRequest, "%v", err)
 	}
-	if s.cfg.AuthenticateAgent == nil {
-		return nil
+	var p Principal
+	err = s.review(ctx, h.ID, remote, func(ctx context.Context) error {
+		var err error
+		if p, err = s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState}); err != nil {
+			return err
+		}
+		return s.checkIdentity(ctx, p, h.ID, ids)
+	})
+	if err != nil {
+		return Principal{}, err
 	}
-	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
-	defer cancel()
-	return s.cfg.AuthenticateAgent(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState})
+	return p, nil
 }
 
 func errMsg(err error) string {

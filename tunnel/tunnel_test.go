@@ -396,7 +396,10 @@ func isTimeout(err error) bool {
 // destination; default spreads the rest.
 func TestDestHostRouting(t *testing.T) {
 	checkNoLeaks(t)
-	e := newEnv(t, func(c *ServerConfig) { c.Strategies = []Strategy{StrategyDestHost, StrategyDefault} })
+	e := newEnv(t, func(c *ServerConfig) {
+		c.Strategies = []Strategy{StrategyDestHost, StrategyDefault}
+		c.Identity.RouteAgents = []string{"b"} // b advertises a cidr=
+	})
 	a := e.startAgent("a", "ipv4=127.0.0.1&host=localhost", nil)
 	b := e.startAgent("b", "cidr=127.0.0.0/8", nil)
 	e.waitAgents(2)

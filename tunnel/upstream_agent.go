@@ -31,20 +31,44 @@ const agentConnectMethod = "/AgentService/Connect"
 
 // gRPC status codes for refusals on the agent port.
 const (
-	grpcUnauthenticated = 16
+	grpcResourceExhausted = 8
+	grpcUnauthenticated   = 16
 )
 
 var errUpstreamGone = errors.New("upstream agent stream ended")
 
 // serveUpstreamAgent runs the gRPC server side of one upstream agent
-// connection until it ends.
-func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string) {
+// connection until it ends. pc is the connection's admission: until its
+// one login stream is admitted, the connection keeps the header deadline
+// and every other stream is refused (see login).
+func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState, remote string, pc *pendingConn) {
+	var l *h2link.Conn // set before Serve starts any handler
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		s.serveUpstreamConnect(w, r, tlsState, remote)
+		if !pc.beginLogin() {
+			// A second stream while the login runs, or any stream after
+			// it: upstream agents use one stream per connection.
+			grpcTrailersOnly(w, grpcResourceExhausted, "one agent login per connection")
+			return
+		}
+		if !s.serveUpstreamConnect(w, r, tlsState, remote, pc, l) {
+			// A refused login ends the connection once its answer is out
+			// (the request context ends after the link has sent it): a
+			// peer gets one review per connection.
+			done := r.Context().Done()
+			s.goroutine(func() {
+				<-done
+				ctx, cancel := context.WithTimeout(s.baseCtx, time.Second)
+				defer cancel()
+				l.Shutdown(ctx)
+				l.Close()
+			})
+		}
 	})
-	// One stream carries all the agent's tunnels: a 16 MiB window for it.
+	// One stream carries all the agent's tunnels: a 16 MiB window for it,
+	// once admitted; until then the peer may make this end hold little.
 	l, err := h2link.NewServer(conn, h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: 4, StreamWindow: 16 << 20,
+		PreAdmitStreamWindow: preAdmitStreamWindow, PreAdmitConnWindow: preAdmitConnWindow,
 		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(conn),
 	}, handler)
 	if err != nil {
@@ -56,23 +80,37 @@ func (s *Server) serveUpstreamAgent(conn net.Conn, tlsState tls.ConnectionState,
 	conn.Close()
 }
 
-func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string) {
+// Receive windows of an upstream agent's connection before its login is
+// admitted: the login's request body is empty until the answer, so a
+// peer that has not logged in may make the server hold at most these.
+const (
+	preAdmitStreamWindow = 16 << 10
+	preAdmitConnWindow   = 64 << 10
+)
+
+// serveUpstreamConnect serves the login stream: it admits the agent, gives
+// its connection the full windows, and then carries its tunnels until the
+// stream ends. False means the login was refused.
+func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tlsState tls.ConnectionState, remote string, pc *pendingConn, l *h2link.Conn) bool {
 	if r.Method != http.MethodPost || r.URL.Path != agentConnectMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
-		return
+		return false
 	}
 	hello := agentHello{ID: r.Header.Get("agentid"), Identifiers: r.Header.Get("agentidentifiers")}
 	if auth := r.Header.Get("Authorization"); auth != "" {
 		token, ok := strings.CutPrefix(auth, "Bearer ")
 		if !ok {
 			grpcTrailersOnly(w, grpcUnauthenticated, "authorization is not a bearer token")
-			return
+			return false
 		}
 		hello.Token = strings.TrimSpace(token)
 	}
 	err := validID(hello.ID)
+	var principal Principal
 	if err == nil {
-		err = s.admit(hello, tlsState)
+		// The stream's context: a reset stream or a closed connection
+		// (the header deadline included) cancels the review.
+		principal, err = s.admit(r.Context(), hello, tlsState, remote)
 	}
 	if err != nil {
 		s.Stats.AgentsRefused.Add(1)
@@ -87,8 +125,12 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		}
 		s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "protocol", "grpc", "reason", errMsg(err))
 		grpcTrailersOnly(w, code, errMsg(err))
-		return
+		return false
 	}
+	if !pc.admit() {
+		return true // the header deadline came first: the connection is closed
+	}
+	l.RaiseWindows()
 	ids, _ := ParseIdentifiers(hello.Identifiers)
 
 	h := w.Header()
@@ -107,9 +149,17 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal}
 	ua.agent = a
-	if old := s.agents.add(a); old != nil {
+	s.watchCredential(a, hello.Token, tlsState)
+	defer a.endCredential()
+	old, ok := s.agents.claim(a)
+	if !ok {
+		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote, "protocol", "grpc")
+		g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
+		return false
+	}
+	if old != nil {
 		old.draining.Store(true)
 		s.goroutine(func() {
 			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
@@ -138,6 +188,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	}
 	g.finish(grpcOK, "")
 	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "protocol", "grpc", "err", why, "agents", s.agents.len())
+	return true
 }
 
 // upstreamAgent is the server's view of one upstream agent's stream.

@@ -1,0 +1,138 @@
+package auth
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+)
+
+const (
+	maxNodeBody      = 1 << 20
+	maxNodeEntries   = 4096
+	defaultNodeTTL   = time.Minute
+	nodeLookupPrefix = "/api/v1/nodes/"
+)
+
+// NodeLookup reads a Node's addresses (status.addresses) from the
+// kube-apiserver, so that an agent's ipv4=/ipv6= identifiers can be checked
+// against the node its token was issued for. The server's identity needs
+// "get" on nodes. It is safe for concurrent use.
+type NodeLookup struct {
+	client  *http.Client
+	server  string
+	timeout time.Duration
+	ttl     time.Duration
+	now     func() time.Time
+
+	mu    sync.Mutex
+	cache map[string]nodeEntry // by node name; at most maxNodeEntries
+}
+
+type nodeEntry struct {
+	addrs   []netip.Addr
+	expires time.Time
+}
+
+// NewNodeLookup returns a lookup through the apiserver described by cfg.
+// Answers are reused for ttl (default one minute); timeout bounds one call
+// (default 5s).
+func NewNodeLookup(cfg *RESTConfig, timeout, ttl time.Duration) (*NodeLookup, error) {
+	if cfg == nil {
+		return nil, errors.New("node lookup: no apiserver config")
+	}
+	if timeout <= 0 {
+		timeout = defaultReviewTimeout
+	}
+	if ttl <= 0 {
+		ttl = defaultNodeTTL
+	}
+	return &NodeLookup{client: cfg.HTTPClient(), server: cfg.Server(), timeout: timeout, ttl: ttl, now: time.Now, cache: map[string]nodeEntry{}}, nil
+}
+
+// Addresses returns the node's addresses (every type the kubelet reports
+// that parses as an IP: InternalIP, ExternalIP). A node that does not exist
+// is a 403 Error; a failed lookup a 503 Error.
+func (n *NodeLookup) Addresses(ctx context.Context, node string) ([]netip.Addr, error) {
+	if node == "" || len(node) > maxClaimLen {
+		return nil, forbidden("no node to look up")
+	}
+	n.mu.Lock()
+	if e, ok := n.cache[node]; ok && n.now().Before(e.expires) {
+		n.mu.Unlock()
+		return e.addrs, nil
+	}
+	n.mu.Unlock()
+
+	ctx, cancel := context.WithTimeout(ctx, n.timeout)
+	defer cancel()
+	addrs, err := n.get(ctx, node)
+	if err != nil {
+		return nil, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	now := n.now()
+	if len(n.cache) >= maxNodeEntries {
+		for k, e := range n.cache {
+			if !now.Before(e.expires) {
+				delete(n.cache, k)
+			}
+		}
+		if len(n.cache) >= maxNodeEntries {
+			clear(n.cache) // a cluster this large pays one lookup per node again
+		}
+	}
+	n.cache[node] = nodeEntry{addrs: addrs, expires: now.Add(n.ttl)}
+	return addrs, nil
+}
+
+func (n *NodeLookup) get(ctx context.Context, node string) ([]netip.Addr, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, n.server+nodeLookupPrefix+url.PathEscape(node), nil)
+	if err != nil {
+		return nil, unavailable("node lookup", err)
+	}
+	req.Header.Set("Accept", "application/json")
+	resp, err := n.client.Do(req)
+	if err != nil {
+		return nil, unavailable("node lookup request failed", err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxNodeBody))
+	if err != nil {
+		return nil, unavailable("node lookup: read response", err)
+	}
+	switch resp.StatusCode {
+	case http.StatusOK:
+	case http.StatusNotFound:
+		return nil, forbidden("node %q does not exist", node)
+	default:
+		// 403 here means the server may not read nodes: our problem.
+		return nil, unavailable(fmt.Sprintf("node lookup: apiserver answered %s", resp.Status), errors.New(clip(strings.Join(strings.Fields(string(data)), " "), 256)))
+	}
+	var obj struct {
+		Status struct {
+			Addresses []struct {
+				Type    string `json:"type"`
+				Address string `json:"address"`
+			} `json:"addresses"`
+		} `json:"status"`
+	}
+	if err := json.Unmarshal(data, &obj); err != nil {
+		return nil, unavailable("node lookup: undecodable response", errors.New("invalid JSON"))
+	}
+	var addrs []netip.Addr
+	for _, a := range obj.Status.Addresses {
+		if ip, err := netip.ParseAddr(a.Address); err == nil {
+			addrs = append(addrs, ip.Unmap())
+		}
+	}
+	return addrs, nil
+}
