@@ -68,7 +68,6 @@ func TestAgentDropsPingFloodingServer(t *testing.T) {
 			return
 		}
 		defer raw.Close()
-		raw.(*net.TCPConn).SetReadBuffer(4 << 10)
 		c := tls.Server(raw, &tls.Config{Certificates: []tls.Certificate{p.serverCert}})
 		br := bufio.NewReader(c)
 		if _, err := http.ReadRequest(br); err != nil {
@@ -82,13 +81,18 @@ func TestAgentDropsPingFloodingServer(t *testing.T) {
 		c.Write([]byte(http2.ClientPreface))
 		fr := http2.NewFramer(c, c)
 		fr.WriteSettings()
-		watchdog := time.AfterFunc(60*time.Second, func() { raw.Close() })
+		var stacks string
+		watchdog := time.AfterFunc(60*time.Second, func() {
+			buf := make([]byte, 1<<20)
+			stacks = onlyOurs(string(buf[:runtime.Stack(buf, true)]))
+			raw.Close()
+		})
 		defer watchdog.Stop()
 		n := 0
 		for ; fr.WritePing(false, [8]byte{byte(n)}) == nil; n++ {
 		}
 		if !watchdog.Stop() {
-			result <- fmt.Sprintf("the agent still read PINGs after 60 s (%d sent, none read back)", n)
+			result <- fmt.Sprintf("the agent still read PINGs after 60 s (%d sent, none read back)\n%s", n, stacks)
 			return
 		}
 		result <- fmt.Sprintf("ok: dropped after %d PINGs", n)

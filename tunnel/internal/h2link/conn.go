@@ -502,6 +502,10 @@ func (l *Conn) closeWith(err error) {
 	l.ctlClosed = true
 	l.ctlQueue = nil
 	l.ctlMu.Unlock()
+	// A writer stuck on a peer that does not read would hold a TLS
+	// connection's Close (its close_notify waits for the writer): release
+	// it first.
+	l.conn.SetWriteDeadline(time.Now())
 	l.conn.Close()
 	for _, st := range streams {
 		st.fail(l.closeErr)
