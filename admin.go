@@ -27,8 +27,9 @@ func jsonHandler(status func() any) http.Handler {
 	})
 }
 
-// addProcessMetrics registers what upstream's metrics lack: when the
-// process started and what build it runs.
+// addProcessMetrics registers when the process started and what build it
+// runs, and the process and Go families of a default Prometheus client
+// (process_metrics.go).
 func addProcessMetrics(m *tunnel.Metrics, prefix string) {
 	start := float64(time.Now().UnixNano()) / 1e9
 	m.GaugeFunc("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", nil, nil, func() float64 { return start })
@@ -36,6 +37,8 @@ func addProcessMetrics(m *tunnel.Metrics, prefix string) {
 	// The Go collector's name, so existing leak alerts work; two per open
 	// tunnel and a few per connection, so a count that only grows is a leak.
 	m.GaugeFunc("go_goroutines", "Number of goroutines that currently exist.", nil, nil, func() float64 { return float64(runtime.NumGoroutine()) })
+	addProcessFamilies(m)
+	addGoFamilies(m)
 }
 
 // serviceMux is a health mux with /metrics, and on the admin port also

@@ -11,7 +11,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/lease"
 )
 
 type agentOptions struct {
@@ -41,6 +43,39 @@ type agentOptions struct {
 	denyDestinations       string
 	openDestinations       string
 	destinations           *tunnel.DestinationPolicy
+	leases                 agentLeaseOptions
+}
+
+// agentLeaseOptions are upstream's lease-counting flags.
+type agentLeaseOptions struct {
+	count       bool
+	namespace   string
+	selector    string
+	source      string
+	kubeconfig  string
+	parsed      lease.Selector
+	countSource tunnel.CountSource
+
+	deprecatedLabel bool // --lease-label was given
+}
+
+// deprecatedAlias is a string flag that sets another flag's value and
+// remembers it was used, so the command can say which name to use.
+type deprecatedAlias struct {
+	target *string
+	set    *bool
+}
+
+func (d *deprecatedAlias) String() string {
+	if d.target == nil {
+		return ""
+	}
+	return *d.target
+}
+
+func (d *deprecatedAlias) Set(v string) error {
+	*d.target, *d.set = v, true
+	return nil
 }
 
 func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
@@ -82,23 +117,23 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	cf.tolerate("alpn-proto", false, "not supported")
 	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
 	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
-	cf.tolerate("count-server-leases", true, "leases are not used: the server count comes from the handshake")
-	cf.tolerate("lease-namespace", false, "leases are not used")
-	cf.tolerate("lease-label-selector", false, "leases are not used")
-	cf.tolerate("lease-label", false, "leases are not used")
-	cf.tolerate("server-count-source", false, "leases are not used")
-	cf.tolerate("kubeconfig", false, "the agent needs no Kubernetes API access")
-	cf.tolerate("kube-api-content-type", false, "the agent needs no Kubernetes API access")
+	f.BoolVar(&o.leases.count, "count-server-leases", false, "count the servers' coordination.k8s.io/v1 Leases (servers run --enable-lease-controller) and want a tunnel to that many servers")
+	f.StringVar(&o.leases.namespace, "lease-namespace", "kube-system", "namespace of the server Leases")
+	f.StringVar(&o.leases.selector, "lease-label-selector", "k8s-app=konnectivity-server", "label selector of the server Leases to count")
+	f.Var(&deprecatedAlias{target: &o.leases.selector, set: &o.leases.deprecatedLabel}, "lease-label", "deprecated: use --lease-label-selector")
+	f.StringVar(&o.leases.source, "server-count-source", "max", "how the lease count and the count servers announce combine: max (the larger) or default (the lease count alone, once known)")
+	f.StringVar(&o.leases.kubeconfig, "kubeconfig", "", "kubeconfig for counting Leases (default: the pod's ServiceAccount)")
+	cf.tolerate("kube-api-content-type", false, "Leases are read as JSON")
 	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
 	return o, cf
 }
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
 	o, cf := newAgentFlags(stderr)
-	return runDaemon("agent", cf, args, stderr, o.complete, o.run)
+	return runDaemon("agent", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
-func (o *agentOptions) complete() error {
+func (o *agentOptions) complete(cf *commandFlags) error {
 	if o.agentID == "" {
 		o.agentID = os.Getenv("PROXY_AGENT_ID")
 	}
@@ -109,8 +144,12 @@ func (o *agentOptions) complete() error {
 		}
 		o.agentID = host
 	}
-	if _, err := tunnel.ParseIdentifiers(o.identifiers); err != nil {
+	ids, err := tunnel.ParseIdentifiers(o.identifiers)
+	if err != nil {
 		return fmt.Errorf("--agent-identifiers: %w", err)
+	}
+	for _, why := range ids.Ignored {
+		cf.warn("--agent-identifiers: value ignored; upstream checks keys only, and it names nothing a dial can match", "identifier", why)
 	}
 	if len(o.serverAddrs()) == 0 {
 		return fmt.Errorf("--proxy-server-host is empty")
@@ -118,14 +157,27 @@ func (o *agentOptions) complete() error {
 	if (o.agentCert == "") != (o.agentKey == "") {
 		return fmt.Errorf("--agent-cert and --agent-key go together")
 	}
-	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
 		return err
 	}
-	var err error
 	if o.destinations, err = tunnel.NewDestinationPolicy(tunnel.DestinationRules{
 		Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations,
 	}); err != nil {
 		return err
+	}
+	if o.leases.parsed, err = lease.ParseSelector(o.leases.selector); err != nil {
+		return fmt.Errorf("--lease-label-selector: %w", err)
+	}
+	switch o.leases.source {
+	case "max":
+		o.leases.countSource = tunnel.CountMax
+	case "default", "":
+		o.leases.countSource = tunnel.CountLeases
+	default:
+		return fmt.Errorf("--server-count-source=%q: want default or max", o.leases.source)
+	}
+	if err := lease.CheckName(o.leases.namespace, ""); err != nil {
+		return fmt.Errorf("--lease-namespace: %w", err)
 	}
 	if o.maxStreams == 0 || o.maxStreams > 1<<31 {
 		return fmt.Errorf("--max-streams=%d: out of range", o.maxStreams)
@@ -183,6 +235,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		ServerAddrs:  o.serverAddrs(),
 		ExpandDNS:    o.expandDNS,
 		SyncForever:  o.syncForever,
+		CountSource:  o.leases.countSource,
 		ID:           o.agentID,
 		Identifiers:  o.identifiers,
 		TLS:          o.tlsConfig,
@@ -246,6 +299,8 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	trimDone := make(chan struct{})
 	go func() { defer close(trimDone); trimMemory(memCtx, trimInterval, log) }()
 	defer func() { stopMem(); <-pagesDone; <-trimDone }()
+	stopCounting := o.startLeaseCounter(ctx, agent, metrics, log)
+	defer stopCounting()
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
 
 	// The agent runs until ctx ends (SIGTERM) or a restart is asked for; in
@@ -275,4 +330,44 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			return execSelf(exe, env, log)
 		}
 	}
+}
+
+// startLeaseCounter counts the server Leases and hands the count to the
+// agent until ctx ends; stop waits for it. An agent that cannot reach the
+// apiserver warns once and goes on with the count the servers announce.
+func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agent, metrics *tunnel.Metrics, log *slog.Logger) (stop func()) {
+	if o.leases.deprecatedLabel {
+		log.Warn("--lease-label is deprecated on the agent: use --lease-label-selector")
+	}
+	if !o.leases.count {
+		return func() {}
+	}
+	fail := func(err error) func() {
+		log.Warn("cannot count server leases: using the server count the servers announce", "err", err)
+		return func() {}
+	}
+	rc, err := auth.LoadKubeconfig(o.leases.kubeconfig, "")
+	if err != nil {
+		return fail(err)
+	}
+	client, err := lease.NewClient(rc, o.leases.namespace)
+	if err != nil {
+		return fail(err)
+	}
+	counter, err := lease.NewCounter(lease.CounterConfig{
+		Client:       client,
+		Selector:     o.leases.parsed,
+		PollInterval: o.syncCap,
+		OnChange:     agent.SetLeaseCount,
+		Metrics:      metrics,
+		Logger:       log,
+	})
+	if err != nil {
+		return fail(err)
+	}
+	log.Info("counting server leases", "apiserver", rc.Server(), "namespace", o.leases.namespace, "selector", o.leases.parsed.String(), "server_count_source", o.leases.source)
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); counter.Run(cctx) }()
+	return func() { cancel(); <-done }
 }

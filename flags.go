@@ -30,29 +30,60 @@ func (f *compatFlag) Set(v string) error {
 }
 func (f *compatFlag) IsBoolFlag() bool { return f.isBool }
 
-// commandFlags wraps a flag.FlagSet with the klog-style logging flags every
+// commandFlags wraps a flag.FlagSet with the klog logging flags every
 // command accepts and the upstream flags it only tolerates.
 type commandFlags struct {
 	*flag.FlagSet
 	compat []*compatFlag
+	// warnings are found while checking flags, before the logger exists;
+	// runDaemon logs them once it does.
+	warnings []startWarning
 
 	verbosity int
 	logFormat string
-	logFile   string
+	// klog's output flags, with klog's meaning (see logOutput).
+	logFile, logDir           string
+	logToStderr, alsoToStderr bool
+	legacyThreshold           bool
+	stderrThreshold           klogSeverity
+	alsoThreshold             klogSeverity
+	logFileMaxSize            uint64
+}
+
+// startWarning is one line logged at start: a flag or value this binary
+// reads differently from upstream, with what it does instead.
+type startWarning struct {
+	msg  string
+	args []any
+}
+
+// warn queues a start-up warning.
+func (cf *commandFlags) warn(msg string, args ...any) {
+	cf.warnings = append(cf.warnings, startWarning{msg, args})
 }
 
 func newCommandFlags(name string, stderr io.Writer) *commandFlags {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	cf := &commandFlags{FlagSet: fs}
-	fs.IntVar(&cf.verbosity, "v", 0, "log verbosity: 0 logs events that matter, 4 and up add per-dial debug lines")
+	cf := &commandFlags{FlagSet: fs, stderrThreshold: severityError}
+	fs.IntVar(&cf.verbosity, "v", 0, "log verbosity: 0 logs events that matter, 4 and up add per-dial debug lines (upstream's default is 4)")
 	fs.StringVar(&cf.logFormat, "log-format", "text", "log format: text or json")
-	fs.StringVar(&cf.logFile, "log-file", "", "append logs to this file instead of stderr")
-	// klog flags that real manifests pass; logs always go to stderr (or --log-file).
-	for _, name := range []string{"logtostderr", "alsologtostderr", "add-dir-header", "skip-headers", "skip-log-headers", "one-output"} {
+	// klog's flags, with klog's defaults and precedence.
+	fs.BoolVar(&cf.logToStderr, "logtostderr", true, "log to stderr only; --log-file and --log-dir are ignored while this is true (as klog does)")
+	fs.BoolVar(&cf.alsoToStderr, "alsologtostderr", false, "with --logtostderr=false, log to stderr as well as to --log-file")
+	fs.StringVar(&cf.logFile, "log-file", "", "with --logtostderr=false, append logs to this file")
+	fs.StringVar(&cf.logDir, "log-dir", "", "with --logtostderr=false and no --log-file, klog writes files here; not honoured: logs go to stderr")
+	fs.Var(&cf.stderrThreshold, "stderrthreshold", "with --logtostderr=false, lines at or above this severity (INFO, WARNING, ERROR, FATAL) also go to stderr")
+	fs.Var(&cf.alsoThreshold, "alsologtostderrthreshold", "with --alsologtostderr, lines at or above this severity go to stderr")
+	fs.BoolVar(&cf.legacyThreshold, "legacy-stderr-threshold-behavior", true, "false makes --stderrthreshold filter stderr even with --logtostderr=true")
+	fs.Uint64Var(&cf.logFileMaxSize, "log-file-max-size", 1800, "klog's size limit of --log-file in MB; not honoured (0, no limit, is what this binary does): rotate with logrotate copytruncate")
+	// klog header and flush settings: the slog format has no such headers
+	// and is not buffered, so they change nothing a reader would miss.
+	for _, name := range []string{"add-dir-header", "skip-headers", "skip-log-headers", "one-output"} {
 		cf.tolerate(name, true, "")
 	}
-	for _, name := range []string{"vmodule", "log-dir", "stderrthreshold", "log-file-max-size", "log-flush-frequency", "log_backtrace_at"} {
+	cf.tolerate("log-flush-frequency", false, "")
+	for _, name := range []string{"vmodule", "log-backtrace-at"} {
 		cf.tolerate(name, false, "klog setting; logging here is log/slog")
 	}
 	return cf
@@ -70,23 +101,86 @@ func (cf *commandFlags) tolerate(name string, isBool bool, reason string) {
 	cf.Var(f, name, help)
 }
 
+// normalizeArgs rewrites "--log_file=x" to "--log-file=x" for flags defined
+// with a hyphen, as klog's underscore names are normalised upstream. Values
+// are not touched.
+func (cf *commandFlags) normalizeArgs(args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = a
+		if a == "--" {
+			copy(out[i:], args[i:])
+			break
+		}
+		if !strings.HasPrefix(a, "-") || !strings.Contains(a, "_") {
+			continue
+		}
+		dashes := "-"
+		if strings.HasPrefix(a, "--") {
+			dashes = "--"
+		}
+		name, value, hasValue := strings.Cut(a[len(dashes):], "=")
+		if !strings.Contains(name, "_") || cf.Lookup(name) != nil {
+			continue
+		}
+		if norm := strings.ReplaceAll(name, "_", "-"); cf.Lookup(norm) != nil {
+			out[i] = dashes + norm
+			if hasValue {
+				out[i] += "=" + value
+			}
+		}
+	}
+	return out
+}
+
+// parseArgs parses flags interspersed with positional arguments, as
+// upstream's command line (pflag) does, and returns the positional ones.
+func (cf *commandFlags) parseArgs(args []string) (stray []string, err error) {
+	rest := cf.normalizeArgs(args)
+	for {
+		before := rest
+		if err := cf.Parse(rest); err != nil {
+			return nil, err
+		}
+		rest = cf.Args()
+		if len(rest) == 0 {
+			return stray, nil
+		}
+		if used := len(before) - len(rest); used > 0 && before[used-1] == "--" {
+			return append(stray, rest...), nil // everything after "--" is positional
+		}
+		// A bare "true"/"false" after a boolean flag given without "=":
+		// the flag is true either way, here as upstream.
+		arg := rest[0]
+		if used := len(before) - len(rest); used > 0 && (arg == "true" || arg == "false") {
+			prev := before[used-1]
+			if name := strings.TrimLeft(prev, "-"); strings.HasPrefix(prev, "-") && !strings.Contains(name, "=") {
+				if f := cf.Lookup(name); f != nil && isBoolFlag(f) {
+					arg = prev + " " + arg + " (a boolean flag takes a value only as " + prev + "=" + arg + "; read as " + prev + "=true)"
+				}
+			}
+		}
+		stray = append(stray, arg)
+		rest = rest[1:]
+	}
+}
+
+func isBoolFlag(f *flag.Flag) bool {
+	b, ok := f.Value.(interface{ IsBoolFlag() bool })
+	return ok && b.IsBoolFlag()
+}
+
 // parse parses args and returns a logger built from the logging flags. It
 // warns, one line each, about upstream flags that were given but have no
-// effect here.
+// effect here, and about positional arguments (ignored, as upstream does).
 func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, error) {
-	if err := cf.Parse(args); err != nil {
+	stray, err := cf.parseArgs(args)
+	if err != nil {
 		return nil, err
 	}
-	if cf.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %s", strings.Join(cf.Args(), " "))
-	}
-	out := stderr
-	if cf.logFile != "" {
-		f, err := os.OpenFile(cf.logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o640)
-		if err != nil {
-			return nil, fmt.Errorf("--log-file: %w", err)
-		}
-		out = f // lives as long as the process
+	out, err := cf.logOutput(stderr)
+	if err != nil {
+		return nil, err
 	}
 	level := slog.LevelInfo
 	if cf.verbosity >= 4 {
@@ -103,13 +197,115 @@ func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, er
 		return nil, fmt.Errorf("--log-format=%q: want text or json", cf.logFormat)
 	}
 	log := slog.New(h)
+	if len(stray) > 0 {
+		log.Warn("positional arguments ignored, as upstream ignores them", "args", strings.Join(stray, " "))
+	}
 	sort.Slice(cf.compat, func(i, j int) bool { return cf.compat[i].name < cf.compat[j].name })
 	for _, f := range cf.compat {
 		if f.set && f.reason != "" {
 			log.Warn("flag accepted for compatibility but not honoured", "flag", "--"+f.name, "value", f.value, "reason", f.reason)
 		}
 	}
+	cf.flushWarnings(log)
 	return log, nil
+}
+
+// flushWarnings logs the queued start-up warnings.
+func (cf *commandFlags) flushWarnings(log *slog.Logger) {
+	for _, w := range cf.warnings {
+		log.Warn(w.msg, w.args...)
+	}
+	cf.warnings = nil
+}
+
+// logOutput decides where log lines go, with klog's precedence: with
+// --logtostderr (the default) only stderr, and --log-file is ignored (a
+// warning says so); otherwise --log-file, plus stderr for the lines
+// --alsologtostderr or --stderrthreshold pick. Lines never vanish: with
+// neither a file nor stderr they go to stderr.
+func (cf *commandFlags) logOutput(stderr io.Writer) (io.Writer, error) {
+	if cf.logToStderr {
+		if cf.logFile != "" || cf.logDir != "" {
+			cf.warn("--log-file and --log-dir are ignored while --logtostderr=true (the default), as klog does; logging to stderr",
+				"log_file", cf.logFile, "log_dir", cf.logDir)
+		}
+		if !cf.legacyThreshold {
+			return &severityWriter{w: stderr, min: cf.stderrThreshold}, nil
+		}
+		return stderr, nil
+	}
+	if cf.logFile == "" {
+		if cf.logDir != "" {
+			cf.warn("--log-dir is not honoured (klog's per-severity files); logging to stderr", "log_dir", cf.logDir)
+		} else {
+			cf.warn("--logtostderr=false without --log-file: klog would write files under " + os.TempDir() + "; logging to stderr")
+		}
+		return stderr, nil
+	}
+	f, err := os.OpenFile(cf.logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o640)
+	if err != nil {
+		// Said on stderr by runDaemon: the file is not there to say it.
+		return nil, fmt.Errorf("--log-file: %w", err)
+	}
+	if cf.logFileMaxSize != 0 && cf.wasSet("log-file-max-size") {
+		cf.warn("--log-file-max-size is not honoured: the log file grows without limit; rotate it (logrotate copytruncate)", "log_file_max_size_mb", cf.logFileMaxSize)
+	}
+	// f lives as long as the process.
+	min := cf.stderrThreshold
+	if cf.alsoToStderr {
+		min = cf.alsoThreshold
+	}
+	return io.MultiWriter(f, &severityWriter{w: stderr, min: min}), nil
+}
+
+// klogSeverity is a klog severity flag value: INFO, WARNING, ERROR, FATAL
+// or 0..3.
+type klogSeverity int
+
+const (
+	severityInfo klogSeverity = iota
+	severityWarning
+	severityError
+	severityFatal
+)
+
+var severityNames = []string{"INFO", "WARNING", "ERROR", "FATAL"}
+
+func (s *klogSeverity) String() string { return severityNames[*s] }
+func (s *klogSeverity) Set(v string) error {
+	for i, n := range severityNames {
+		if strings.EqualFold(v, n) || v == strconv.Itoa(i) {
+			*s = klogSeverity(i)
+			return nil
+		}
+	}
+	return fmt.Errorf("want INFO, WARNING, ERROR or FATAL")
+}
+
+// severityWriter passes on the log lines at or above min. One Write is one
+// line from a slog handler; its level is read from the line's level field
+// (level=WARN in text, "level":"WARN" in JSON).
+type severityWriter struct {
+	w   io.Writer
+	min klogSeverity
+}
+
+func (sw *severityWriter) Write(p []byte) (int, error) {
+	if sw.min == severityInfo || lineSeverity(p) >= sw.min {
+		return sw.w.Write(p)
+	}
+	return len(p), nil
+}
+
+func lineSeverity(p []byte) klogSeverity {
+	line := string(p)
+	switch {
+	case strings.Contains(line, "level=ERROR") || strings.Contains(line, `"level":"ERROR"`):
+		return severityError
+	case strings.Contains(line, "level=WARN") || strings.Contains(line, `"level":"WARN"`):
+		return severityWarning
+	}
+	return severityInfo
 }
 
 // wasSet reports whether the flag was given on the command line.
@@ -151,9 +347,15 @@ func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, c
 		return 2
 	}
 	if err := complete(); err != nil {
-		fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
+		if cf.logToStderr {
+			fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
+		} else {
+			// Into --log-file and, as an error, onto stderr too.
+			log.Error("konnectivity "+name+": bad flags", "err", err)
+		}
 		return 2
 	}
+	cf.flushWarnings(log)
 	ctx, stop := signalContext(log)
 	defer stop()
 	if err := run(ctx, log); err != nil {

@@ -122,7 +122,7 @@ func TestServerAndAgentCommands(t *testing.T) {
 		"--health-server-port=" + agentHealth, "--admin-server-port=" + agentAdmin, "--drain-timeout=1s", "--sync-interval=50ms"}); err != nil {
 		t.Fatal(err)
 	}
-	if err := ao.complete(); err != nil {
+	if err := ao.complete(acf); err != nil {
 		t.Fatal(err)
 	}
 	log := slog.New(slog.DiscardHandler)

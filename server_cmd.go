@@ -23,6 +23,7 @@ import (
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/lease"
 )
 
 type serverOptions struct {
@@ -52,6 +53,7 @@ type serverOptions struct {
 	adminBindAddress      string
 	enableProfiling       bool
 	serverID              string
+	serverIDFixed         bool // from --server-id or $PROXY_SERVER_ID: the same after a self-restart
 	serverCount           int
 	proxyStrategies       string
 	agentWait             time.Duration
@@ -77,6 +79,16 @@ type serverOptions struct {
 	restartGrace          time.Duration
 	restartOnBinaryChange bool
 	restartCheckInterval  time.Duration
+	leases                serverLeaseOptions
+}
+
+// serverLeaseOptions are upstream's lease controller flags and this
+// binary's timing flags (upstream fixes the timing).
+type serverLeaseOptions struct {
+	enable                bool
+	namespace, label      string
+	labels                map[string]string
+	duration, renew, cull time.Duration
 }
 
 func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
@@ -148,9 +160,12 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	cf.tolerate("kubeconfig-qps", false, "TokenReview results are cached instead")
 	cf.tolerate("kubeconfig-burst", false, "TokenReview results are cached instead")
 	cf.tolerate("kube-api-content-type", false, "TokenReview uses JSON")
-	cf.tolerate("enable-lease-controller", true, "leases are not used: agents learn the server count from the handshake")
-	cf.tolerate("lease-namespace", false, "leases are not used")
-	cf.tolerate("lease-label", false, "leases are not used")
+	f.BoolVar(&o.leases.enable, "enable-lease-controller", false, "keep a coordination.k8s.io/v1 Lease for this server (renewed, deleted on exit) and delete expired ones, so agents with --count-server-leases can count the servers")
+	f.StringVar(&o.leases.namespace, "lease-namespace", "kube-system", "namespace of the server Leases")
+	f.StringVar(&o.leases.label, "lease-label", "k8s-app=konnectivity-server", "labels of this server's Lease (k=v,k2=v2); expired Leases with these labels are deleted")
+	f.DurationVar(&o.leases.duration, "lease-duration", lease.DefaultDuration, "how long the server's Lease stays valid without renewal (whole seconds; upstream fixes 30s)")
+	f.DurationVar(&o.leases.renew, "lease-renew-interval", lease.DefaultRenewInterval, "how often the server renews its Lease (upstream fixes 15s)")
+	f.DurationVar(&o.leases.cull, "lease-gc-interval", lease.DefaultGCInterval, "how often expired server Leases are looked for and deleted (upstream fixes 15s)")
 	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
 	return o, cf
 }
@@ -190,6 +205,7 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.serverID == "" {
 		o.serverID = os.Getenv("PROXY_SERVER_ID")
 	}
+	o.serverIDFixed = o.serverID != ""
 	if o.serverID == "" {
 		var b [8]byte
 		rand.Read(b[:])
@@ -197,6 +213,18 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	}
 	if o.serverCount < 1 {
 		return fmt.Errorf("--server-count=%d: want at least 1", o.serverCount)
+	}
+	if o.leases.enable {
+		var err error
+		if o.leases.labels, err = lease.ParseLabels(o.leases.label); err != nil {
+			return fmt.Errorf("--lease-label: %w", err)
+		}
+		if o.leases.duration < time.Second || o.leases.renew <= 0 || o.leases.renew >= o.leases.duration || o.leases.cull <= 0 {
+			return fmt.Errorf("--lease-renew-interval=%s must be positive and shorter than --lease-duration=%s (at least 1s), --lease-gc-interval=%s positive", o.leases.renew, o.leases.duration, o.leases.cull)
+		}
+		if err := lease.CheckName(o.leases.namespace, lease.NamePrefix+o.serverID); err != nil {
+			return fmt.Errorf("--enable-lease-controller: %w (set --lease-namespace, or a --server-id of lower-case letters, digits and '-')", err)
+		}
 	}
 	if o.maxUnadmitted < 1 || o.maxAgentReviews < 1 {
 		return fmt.Errorf("--max-unadmitted-agent-connections=%d, --max-concurrent-agent-reviews=%d: want at least 1 each", o.maxUnadmitted, o.maxAgentReviews)
@@ -207,8 +235,18 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.tokenAuth() && (o.agentNamespace == "" || o.agentServiceAccount == "" || o.authAudience == "") {
 		return fmt.Errorf("token auth needs all of --agent-namespace, --agent-service-account and --authentication-audience")
 	}
-	if _, err := tlsVersion(o.tlsMinVersion); err != nil {
+	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
 		return err
+	}
+	switch {
+	case o.backendDialTimeout < 0:
+		return fmt.Errorf("--backend-dial-timeout=%s: want 0 or more", o.backendDialTimeout)
+	case o.backendDialTimeout == 0:
+		// Upstream's 0 is "no bound"; kube-apiserver's gRPC client gives up
+		// after 30s anyway, and its HTTP CONNECT dialer never does, so an
+		// unanswered dial would hang a request for good.
+		o.backendDialTimeout = noDialTimeoutBound
+		cf.warn("--backend-dial-timeout=0 (upstream: no bound) is read as " + noDialTimeoutBound.String() + ", kube-apiserver's own gRPC dial backstop, so an unanswered HTTP CONNECT dial cannot hang for good")
 	}
 	for _, v := range splitList(o.routeAgents) {
 		if !validRouteAgent(v) {
@@ -217,6 +255,9 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	}
 	return nil
 }
+
+// noDialTimeoutBound stands for --backend-dial-timeout=0.
+const noDialTimeoutBound = 30 * time.Second
 
 // splitList splits a comma list, dropping blanks.
 func splitList(s string) []string {
@@ -245,14 +286,29 @@ func (o *serverOptions) tokenAuth() bool {
 	return o.agentNamespace != "" || o.agentServiceAccount != "" || o.authAudience != ""
 }
 
+// tlsVersion reads --tls-min-version. Upstream's VersionTLS10 and
+// VersionTLS11 are read as TLS 1.2: 1.0 and 1.1 are deprecated (RFC 8996)
+// and every kube-apiserver and agent speaks 1.2.
 func tlsVersion(s string) (uint16, error) {
 	switch s {
-	case "VersionTLS12", "":
+	case "VersionTLS10", "VersionTLS11", "VersionTLS12", "":
 		return tls.VersionTLS12, nil
 	case "VersionTLS13":
 		return tls.VersionTLS13, nil
 	}
-	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13", s)
+	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are read as VersionTLS12)", s)
+}
+
+// checkTLSVersion checks --tls-min-version and warns when an upstream
+// value is read as TLS 1.2.
+func checkTLSVersion(cf *commandFlags, s string) error {
+	if _, err := tlsVersion(s); err != nil {
+		return err
+	}
+	if s == "VersionTLS10" || s == "VersionTLS11" {
+		cf.warn("--tls-min-version below TLS 1.2 is not offered (RFC 8996 deprecates 1.0 and 1.1); using VersionTLS12", "tls_min_version", s)
+	}
+	return nil
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
@@ -424,6 +480,9 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	go func() { defer close(trimDone); trimMemory(memCtx, trimInterval, log) }()
 	defer func() { stopMem(); <-pagesDone; <-trimDone }()
 
+	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
+	defer func() { stopLeases(true) }()
+
 	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
 	var runErr error
 	for waiting := true; waiting; {
@@ -440,6 +499,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			log.Info("restarting in place: draining tunnels", "trigger", why, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
 			o.stopServing(srv, o.restartGrace, log, serving, nServing)
+			// With a fixed server ID the new image renews the same Lease,
+			// so agents never see the count dip; a random ID is a new
+			// server, and the old one's Lease goes now.
+			stopLeases(!o.serverIDFixed)
+			stopLeases = func(bool) {}
 			for _, s := range services {
 				s.stop()
 			}
@@ -452,6 +516,8 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
 	o.stopServing(srv, o.gracefulShutdown, log, serving, nServing)
+	stopLeases(true)
+	stopLeases = func(bool) {}
 	if o.udsName != "" {
 		// An adopted socket does not unlink itself on close.
 		if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -568,13 +634,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 	mtls := o.clusterCACert != ""
 	var reviewer *auth.TokenReviewer
 	if o.tokenAuth() {
-		var rc *auth.RESTConfig
-		var err error
-		if o.kubeconfig != "" {
-			rc, err = auth.LoadKubeconfig(o.kubeconfig, o.kubeCtx)
-		} else {
-			rc, err = auth.InClusterConfig()
-		}
+		rc, err := o.restConfig()
 		if err != nil {
 			return nil, nil, fmt.Errorf("token auth: %w", err)
 		}
@@ -651,6 +711,68 @@ func tokenPrincipal(id auth.Identity, account string) tunnel.Principal {
 		p.Credential = "pod:" + id.Node + "/" + id.Pod
 	}
 	return p
+}
+
+// restConfig is how the server reaches kube-apiserver (TokenReview,
+// Leases): --kubeconfig, else the pod's ServiceAccount.
+func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
+	if o.kubeconfig != "" {
+		return auth.LoadKubeconfig(o.kubeconfig, o.kubeCtx)
+	}
+	return auth.InClusterConfig()
+}
+
+// startLeases runs the lease controller until stop is called; stop waits
+// for it and, if release, deletes the server's Lease. Without apiserver
+// access it logs why and the server runs without a Lease: leases never stop
+// the data path.
+func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func(release bool)) {
+	lease.RegisterServerMetrics(metrics)
+	if !o.leases.enable {
+		return func(bool) {}
+	}
+	fail := func(err error) func(bool) {
+		log.Error("lease controller off: this server keeps no Lease, so agents that count leases do not count it", "err", err)
+		return func(bool) {}
+	}
+	rc, err := o.restConfig()
+	if err != nil {
+		return fail(err)
+	}
+	client, err := lease.NewClient(rc, o.leases.namespace)
+	if err != nil {
+		return fail(err)
+	}
+	ctl, err := lease.NewController(lease.ControllerConfig{
+		Client:        client,
+		ServerID:      o.serverID,
+		Labels:        o.leases.labels,
+		Duration:      o.leases.duration,
+		RenewInterval: o.leases.renew,
+		GCInterval:    o.leases.cull,
+		Metrics:       metrics,
+		Logger:        log,
+	})
+	if err != nil {
+		return fail(err)
+	}
+	log.Info("lease controller on", "apiserver", rc.Server(), "lease", o.leases.namespace+"/"+ctl.Name(), "labels", lease.FormatLabels(o.leases.labels),
+		"duration", o.leases.duration.String(), "renew_interval", o.leases.renew.String())
+	lctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); ctl.Run(lctx) }()
+	return func(release bool) {
+		cancel()
+		<-done
+		if !release {
+			return
+		}
+		if err := ctl.Release(context.Background()); err != nil {
+			log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
+			return
+		}
+		log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+	}
 }
 
 func loadCAPool(path string) (*x509.CertPool, error) {

@@ -35,6 +35,9 @@ type fakeAPIServer struct {
 	srv     *httptest.Server
 	reviews atomic.Int64
 	noCert  atomic.Int64 // requests that came without a client certificate
+	// other serves every request that is not a TokenReview, when set
+	// (TestUpstreamManifests: Leases on the same apiserver).
+	other atomic.Pointer[http.Handler]
 }
 
 func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
@@ -82,6 +85,13 @@ func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
 			"spec":       req.Spec,
 			"status":     status,
 		})
+	})
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		if h := f.other.Load(); h != nil {
+			(*h).ServeHTTP(w, r)
+			return
+		}
+		http.NotFound(w, r)
 	})
 	f.srv = httptest.NewUnstartedServer(mux)
 	f.srv.TLS = newServerTLSRequiringClient(t, p)

@@ -33,6 +33,10 @@ type AgentConfig struct {
 	// SyncForever keeps probing a load-balanced address after the count is
 	// reached, so a server added behind it is found without a tunnel drop.
 	SyncForever bool
+	// CountSource says how a server count from Leases (SetLeaseCount)
+	// combines with the count servers announce. Without a lease count the
+	// announced count is used either way.
+	CountSource CountSource
 
 	ID          string
 	Identifiers string // upstream --agent-identifiers syntax, sent as is
@@ -113,9 +117,12 @@ type Agent struct {
 
 	mu       sync.Mutex
 	links    map[*serverLink]struct{}
-	maxCount int           // largest server count announced by a live server (at least 1)
+	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
 	changed  chan struct{} // closed and replaced when links change
 	draining bool
+	// Also guarded by mu: the two counts maxCount combines.
+	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
+	leaseCount int // valid server Leases (at least 1); 0 while unknown
 
 	linkWG  sync.WaitGroup // goroutines serving links
 	streams sync.WaitGroup // handlers in flight
@@ -128,6 +135,36 @@ type Agent struct {
 type AgentStats struct {
 	DialsOK, DialsFailed, OpenStreams atomic.Int64
 	BytesToDest, BytesFromDest        atomic.Int64
+}
+
+// CountSource is how the agent combines the server count from Leases with
+// the count servers announce (upstream's --server-count-source).
+type CountSource int
+
+const (
+	// CountMax wants the larger of the two counts ("max").
+	CountMax CountSource = iota
+	// CountLeases wants the lease count alone once it is known ("default"
+	// upstream, with --count-server-leases).
+	CountLeases
+)
+
+// SetLeaseCount gives the agent the number of valid server Leases (0: not
+// known). Seekers on a load-balanced address follow the new count at once.
+func (a *Agent) SetLeaseCount(n int) {
+	a.mu.Lock()
+	if n < 0 || n == a.leaseCount {
+		a.mu.Unlock()
+		return
+	}
+	was := a.maxCount
+	a.leaseCount = n
+	a.recountLocked()
+	held, want := len(a.links), a.maxCount
+	a.mu.Unlock()
+	if want != was {
+		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", held, want), "lease_count", n, "was", was)
+	}
 }
 
 // NewAgent checks cfg and returns an Agent that is not yet running.
@@ -155,6 +192,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		changed:  make(chan struct{}),
 		quiet:    newLogLimiter(10 * time.Second),
 	}
+	a.announced = 1
 	a.metrics = newAgentMetrics(cfg.Metrics, a)
 	return a, nil
 }
@@ -173,7 +211,8 @@ func (a *Agent) ReadyAll() (bool, string) {
 }
 
 // Connected returns how many servers the agent holds a tunnel to, and how
-// many it wants (the largest count a live server announced).
+// many it wants (the largest count a live server announced, combined with
+// the lease count by CountSource).
 func (a *Agent) Connected() (held, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -303,7 +342,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
+	a.metrics.packets.inc(segToAgent, pktDialReq)
 	dest := a.openDestination(w, r)
+	a.metrics.packets.inc(segFromAgent, pktDialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
 	}
@@ -351,6 +392,9 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	cancel()
 	if err != nil {
 		a.Stats.DialsFailed.Add(1)
+		if r.Context().Err() != nil {
+			a.metrics.packets.inc(segToAgent, pktDialCls) // the server gave the dial up (RST_STREAM)
+		}
 		code := http.StatusBadGateway
 		var ne net.Error
 		var denied *deniedError
@@ -384,12 +428,18 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	up := a.deliverUpload(r.Body, dest)
 	var n int64
 	var downErr error
+	// Each read from the destination is sent as one DATA Packet.
+	to := a.countingWriter(w)
 	if rc := rawSocket(dest); rc != nil {
-		n, downErr = copyFromSocket(w, rc, flush) // one frame less than copyStream
+		n, downErr = copyFromSocket(to, rc, flush) // one frame less than copyStream
 	} else {
-		n, downErr = copyStream(w, dest, flush)
+		n, downErr = copyStream(to, dest, flush)
 	}
+	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
+	if downErr == nil {
+		a.metrics.packets.inc(segFromAgent, pktCloseRsp) // the destination's end, as END_STREAM
+	}
 	select {
 	case <-up.Done():
 		if _, upErr := up.Result(); downErr == nil && upErr == nil {
@@ -423,9 +473,21 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	a.countUpload(up)
 	r.Body.Close()
 	a.metrics.resets.Inc()
+	if downErr != nil {
+		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), pktData)
+	} else {
+		a.metrics.streamErrs.inc(segToAgent, codeCanceled, pktData)
+	}
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
 	panic(http.ErrAbortHandler)
+}
+
+// countingWriter counts each write to w as a DATA Packet from the agent.
+func (a *Agent) countingWriter(w io.Writer) *packetWriter {
+	pw := packetWriters.Get().(*packetWriter)
+	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}
+	return pw
 }
 
 // halfClose handles a destination that finished first while the client is
@@ -454,7 +516,8 @@ func (a *Agent) countUpload(up *h2link.Delivery) {
 func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	after := func(err error) error {
 		if err == nil {
-			err = closeWrite(dest) // the client half-closed: pass it on
+			a.metrics.packets.inc(segToAgent, pktCloseReq) // END_STREAM from the server
+			err = closeWrite(dest)                         // the client half-closed: pass it on
 		}
 		if err != nil {
 			dest.Close()

@@ -125,6 +125,7 @@ func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
 	if isCheap(err) {
 		delay = jitter(a.cfg.SyncInterval)
 	}
+	a.metrics.toServerFailures.Inc()
 	a.quiet.log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
 	return delay
 }
@@ -353,6 +354,9 @@ func (a *Agent) serveLink(l *serverLink) {
 		lk.Serve()
 	}
 	l.conn.Close()
+	if brokeOff(l.conn) {
+		a.metrics.fromServerFailures.Inc()
+	}
 	a.mu.Lock()
 	delete(a.links, l)
 	a.recountLocked()
@@ -361,14 +365,23 @@ func (a *Agent) serveLink(l *serverLink) {
 	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.closeReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
 }
 
-// recountLocked adopts the largest count live servers announce and wakes
-// the seekers. With no live server the last count stands.
+// recountLocked adopts the largest count live servers announce (with no
+// live server the last one stands), combines it with the lease count and
+// wakes the seekers.
 func (a *Agent) recountLocked() {
 	if len(a.links) > 0 {
-		a.maxCount = 1
+		a.announced = 1
 		for l := range a.links {
-			a.maxCount = max(a.maxCount, l.count)
+			a.announced = max(a.announced, l.count)
 		}
+	}
+	a.maxCount = a.announced
+	switch {
+	case a.leaseCount <= 0:
+	case a.cfg.CountSource == CountLeases:
+		a.maxCount = a.leaseCount
+	default:
+		a.maxCount = max(a.announced, a.leaseCount)
 	}
 	close(a.changed)
 	a.changed = make(chan struct{})
@@ -407,6 +420,7 @@ func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Reque
 	for {
 		select {
 		case <-l.drain:
+			a.metrics.packets.inc(segFromAgent, pktDrain)
 			io.WriteString(w, controlDrain+"\n")
 			flush()
 			<-r.Context().Done()
@@ -467,4 +481,13 @@ func jitter(d time.Duration) time.Duration {
 		return 0
 	}
 	return d/2 + rand.N(d/2+1)
+}
+
+// brokeOff reports whether a server connection ended with a read error
+// other than the server's clean close or this side's own close: upstream's
+// Recv failure.
+func brokeOff(c *watchedConn) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.readErr != nil && !errors.Is(c.readErr, io.EOF) && !errors.Is(c.readErr, net.ErrClosed)
 }

@@ -9,6 +9,12 @@ type agentMetrics struct {
 	dialDenied   *Counter
 	resets       *Counter
 	panics       *Counter
+	// serverFailures counts upstream's deprecated server_connection_failure_count:
+	// to_server, a connection to a server that could not be made; from_server,
+	// one that broke (a read error other than the server's clean close).
+	toServerFailures, fromServerFailures *Counter
+	packets                              packetCounts
+	streamErrs                           streamErrors
 }
 
 func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
@@ -22,9 +28,15 @@ func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
 		resets:       m.Counter(agentPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:       m.Counter(agentPrefix+"panics_total", "Panics recovered in per-tunnel goroutines (each ended one tunnel).", nil),
 	}
+	const serverFailures = agentPrefix + "server_connection_failure_count"
+	const serverFailuresHelp = "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server): a connection that could not be made, or one that broke. DEPRECATED upstream, please use stream_errors_total."
+	am.toServerFailures = m.Counter(serverFailures, serverFailuresHelp, []string{"direction"}, "to_server")
+	am.fromServerFailures = m.Counter(serverFailures, serverFailuresHelp, []string{"direction"}, "from_server")
+	am.packets.register(m, agentPrefix+"stream_packets_total", segFromAgent, segToAgent)
+	am.streamErrs.register(m, agentPrefix+"stream_errors_total", segFromAgent, segToAgent)
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
 		func() float64 { held, _ := a.Connected(); return float64(held) })
-	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced).", nil, nil,
+	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
 		func() float64 { _, want := a.Connected(); return float64(want) })
 	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
 		func() float64 { return float64(a.Stats.OpenStreams.Load()) })

@@ -58,6 +58,7 @@ func FuzzParseIdentifiers(f *testing.F) {
 		"host=%zz",
 		"default-route=maybe",
 		"cidr=10.0.0.0/33",
+		"ipv4=${HOST_IP}&ipv6=:::::&default-route=",
 		"",
 	} {
 		f.Add(seed)

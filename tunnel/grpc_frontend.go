@@ -249,6 +249,7 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 		grpcTrailersOnly(w, grpcInvalidArgument, fmt.Sprintf("first packet is %s, want DIAL_REQ", req.Type))
 		return
 	}
+	s.metrics.packets.inc(segFromClient, pktDialReq)
 
 	w.Header().Set("Content-Type", "application/grpc")
 	w.WriteHeader(http.StatusOK)
@@ -263,7 +264,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
-		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
+		s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
 		return grpcOK, ""
 	}
 	if err := checkDialTarget(req.Address); err != nil {
@@ -275,9 +276,10 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	connectID := s.nextConnectID.Add(1)
 	// The client's packets are decoded as the upload is read: DATA payloads
 	// become upload bytes without a copy through a pipe or a goroutine.
-	in := &grpcUploadReader{body: body, buf: buf, closeReq: make(chan struct{})}
+	in := &grpcUploadReader{body: body, buf: buf, closeReq: make(chan struct{}), packets: &s.metrics.packets}
 	up := newUpload(bufio.NewReaderSize(in, 4096), func() { body.Close() }, s.goroutine)
 	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
+	up.packets = packetCounter{&s.metrics.packets.n[segToAgent][pktData]}
 	closeReq := in.closeReq
 	defer body.Close()
 
@@ -287,12 +289,12 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
-		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
+		s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
 		return grpcOK, ""
 	}
 	s.Stats.DialsOK.Add(1)
 	defer st.close()
-	if err := g.send(packet{Type: pktDialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
+	if err := s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
 		return grpcUnavailable, "write DIAL_RSP"
 	}
 	up.start()
@@ -310,7 +312,13 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 				s.Stats.BytesFromAgent.Add(int64(n))
 				st.agent.bytesFrom.Add(int64(n))
 				msg := putDataPrefix(buf, connectID, n)
-				if werr := g.write(msg); werr != nil {
+				s.metrics.packets.inc(segFromAgent, pktData)
+				s.metrics.packets.inc(segToClient, pktData)
+				written := time.Now()
+				werr := g.write(msg)
+				s.metrics.frontendWrite.ObserveDuration(time.Since(written))
+				if werr != nil {
+					s.metrics.streamErrs.inc(segToClient, codeUnavailable, pktData)
 					downDone <- werr
 					return
 				}
@@ -330,14 +338,18 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		rsp := packet{Type: pktCloseRsp, ConnectID: connectID}
 		if err != nil {
 			rsp.Error = err.Error()
+			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
+		} else {
+			s.metrics.packets.inc(segFromAgent, pktCloseRsp)
 		}
-		g.send(rsp)
+		s.sendGRPC(g, rsp)
 		return grpcOK, ""
 	case <-closeReq:
 		// The client closed the connection: end the tunnel, then confirm.
 		st.close()
 		<-downDone
-		g.send(packet{Type: pktCloseRsp, ConnectID: connectID})
+		s.metrics.packets.inc(segToAgent, pktCloseReq)
+		s.sendGRPC(g, packet{Type: pktCloseRsp, ConnectID: connectID})
 		return grpcOK, ""
 	case <-ctx.Done():
 		// The client reset the call or went away.
@@ -356,6 +368,7 @@ type grpcUploadReader struct {
 	pending  []byte // the rest of the current DATA payload (aliases buf)
 	closeReq chan struct{}
 	err      error
+	packets  *packetCounts
 }
 
 func (u *grpcUploadReader) Read(p []byte) (int, error) {
@@ -373,6 +386,9 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 			u.err = fmt.Errorf("bad packet: %w", err)
 			return 0, u.err
 		}
+		if pkt.Type >= 0 && int(pkt.Type) < numPacketTypes {
+			u.packets.inc(segFromClient, pkt.Type)
+		}
 		switch pkt.Type {
 		case pktData:
 			u.pending = pkt.Data
@@ -386,4 +402,14 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 	n := copy(p, u.pending)
 	u.pending = u.pending[n:]
 	return n, nil
+}
+
+// sendGRPC writes one Packet to the frontend, counted and timed as
+// upstream's frontend writes are.
+func (s *Server) sendGRPC(g *grpcStream, p packet) error {
+	s.metrics.packets.inc(segToClient, p.Type)
+	written := time.Now()
+	err := g.send(p)
+	s.metrics.frontendWrite.ObserveDuration(time.Since(written))
+	return err
 }

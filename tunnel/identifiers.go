@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/netip"
 	"net/url"
+	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -16,15 +18,32 @@ type Identifiers struct {
 	Addrs        []netip.Addr // ipv4= and ipv6= values
 	CIDRs        []netip.Prefix
 	DefaultRoute bool
+	// Ignored lists the values that name nothing a dial can match, one
+	// "key=value: why" each, in the order given. They are dropped, not
+	// refused: upstream checks keys only, so its manifests carry values
+	// such as an unexpanded ${HOST_IP} and still start.
+	Ignored []string
 }
 
 // maxIdentifiersLen bounds what an agent may send, so a hostile agent cannot
 // make the server hold a large routing table for it.
 const maxIdentifiersLen = 8 << 10
 
-// ParseIdentifiers parses upstream's --agent-identifiers syntax. Unknown keys
-// and malformed values are errors, as upstream's agent rejects them too.
-func ParseIdentifiers(s string) (Identifiers, error) {
+// identifierKeys are the keys upstream's agent accepts.
+var identifierKeys = []string{"host", "ipv4", "ipv6", "cidr", "default-route"}
+
+// ParseIdentifiers parses upstream's --agent-identifiers syntax. Bad query
+// syntax and unknown keys are errors, as upstream's agent refuses them; a
+// value that cannot be used is dropped and listed in Ignored.
+func ParseIdentifiers(s string) (Identifiers, error) { return parseIdentifiers(s, true) }
+
+// parseFromAgent reads the identifiers an agent sent as upstream's server
+// does: an unknown key is dropped (listed in Ignored) rather than refused,
+// so an agent newer than the server, with a key the server does not know,
+// still connects.
+func parseFromAgent(s string) (Identifiers, error) { return parseIdentifiers(s, false) }
+
+func parseIdentifiers(s string, strictKeys bool) (Identifiers, error) {
 	var ids Identifiers
 	if len(s) > maxIdentifiersLen {
 		return ids, fmt.Errorf("agent identifiers: %d bytes, more than the %d allowed", len(s), maxIdentifiersLen)
@@ -32,54 +51,76 @@ func ParseIdentifiers(s string) (Identifiers, error) {
 	if strings.TrimSpace(s) == "" {
 		return ids, nil
 	}
-	values, err := url.ParseQuery(s)
-	if err != nil {
-		return ids, fmt.Errorf("agent identifiers %q: %w", s, err)
-	}
-	for key, vals := range values {
-		for _, v := range vals {
-			if err := ids.add(key, v); err != nil {
-				return Identifiers{}, fmt.Errorf("agent identifiers: %w", err)
+	// Pairs in the order given (url.ParseQuery's map loses it), so that
+	// Ignored reads like the flag.
+	for pair := range strings.SplitSeq(s, "&") {
+		if pair == "" {
+			continue
+		}
+		rawKey, rawValue, _ := strings.Cut(pair, "=")
+		key, err := url.QueryUnescape(rawKey)
+		if err != nil {
+			return Identifiers{}, fmt.Errorf("agent identifiers %q: %w", s, err)
+		}
+		value, err := url.QueryUnescape(rawValue)
+		if err != nil {
+			return Identifiers{}, fmt.Errorf("agent identifiers %q: %w", s, err)
+		}
+		if !slices.Contains(identifierKeys, key) {
+			if !strictKeys {
+				ids.Ignored = append(ids.Ignored, fmt.Sprintf("%s=%s: unknown key", key, value))
+				continue
 			}
+			return Identifiers{}, fmt.Errorf("agent identifiers: unknown identifier %q (want host, ipv4, ipv6, cidr or default-route)", key)
+		}
+		if why := ids.add(key, value); why != "" {
+			ids.Ignored = append(ids.Ignored, fmt.Sprintf("%s=%s: %s", key, value, why))
 		}
 	}
 	return ids, nil
 }
 
-func (ids *Identifiers) add(key, value string) error {
+// add records one value of a known key, or says why it cannot be used.
+func (ids *Identifiers) add(key, value string) (why string) {
+	if value == "" {
+		if key == "default-route" {
+			return "empty value, read as false (as upstream does)"
+		}
+		return "empty value"
+	}
+	if strings.Contains(value, "${") || strings.Contains(value, "$(") {
+		return "an unexpanded variable (Kubernetes expands only $(VAR) in args, and only for variables the container defines)"
+	}
 	switch key {
 	case "host":
-		if value == "" || strings.ContainsAny(value, " \t/") {
-			return fmt.Errorf("host=%q: not a host name", value)
+		if strings.ContainsAny(value, " \t/") {
+			return "not a host name"
 		}
 		ids.Hosts = append(ids.Hosts, strings.ToLower(value))
 	case "ipv4", "ipv6":
 		addr, err := netip.ParseAddr(value)
 		if err != nil {
-			return fmt.Errorf("%s=%q: %w", key, value, err)
+			return "not an IP address"
 		}
 		if (key == "ipv4") != addr.Is4() {
-			return fmt.Errorf("%s=%q: wrong address family", key, value)
+			return "wrong address family"
 		}
 		ids.Addrs = append(ids.Addrs, addr)
 	case "cidr":
 		prefix, err := netip.ParsePrefix(value)
 		if err != nil {
-			return fmt.Errorf("cidr=%q: %w", value, err)
+			return "not a CIDR prefix"
 		}
 		ids.CIDRs = append(ids.CIDRs, prefix.Masked())
 	case "default-route":
-		switch strings.ToLower(value) {
-		case "true", "":
-			ids.DefaultRoute = true
-		case "false":
-		default:
-			return fmt.Errorf("default-route=%q: want true or false", value)
+		// strconv.ParseBool, as upstream reads it.
+		b, err := strconv.ParseBool(value)
+		if err != nil {
+			return "not true or false"
 		}
-	default:
-		return fmt.Errorf("unknown identifier %q (want host, ipv4, ipv6, cidr or default-route)", key)
+		ids.DefaultRoute = ids.DefaultRoute || b
 	}
-	return nil
+	return ""
 }
 
 // String renders the identifiers back into the query syntax.

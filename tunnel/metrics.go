@@ -18,6 +18,15 @@ import (
 type Metrics struct {
 	mu       sync.Mutex
 	families map[string]*family
+	onScrape []func() // run before each scrape writes; guarded by mu
+}
+
+// OnScrape registers f to run at the start of every scrape, before any
+// value is read: for families read together from one source.
+func (m *Metrics) OnScrape(f func()) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.onScrape = append(m.onScrape, f)
 }
 
 // NewMetrics returns an empty registry.
@@ -62,6 +71,23 @@ type gaugeFunc func() float64
 
 func (f gaugeFunc) write(w io.Writer, name, labels string) {
 	fmt.Fprintf(w, "%s%s %s\n", name, labels, formatFloat(f()))
+}
+
+// summaryFunc reads a summary (quantile and value pairs, sum, count) when
+// scraped.
+type summaryFunc func() (quantiles [][2]float64, sum float64, count uint64)
+
+func (f summaryFunc) write(w io.Writer, name, labels string) {
+	q, sum, count := f()
+	inner := strings.TrimSuffix(strings.TrimPrefix(labels, "{"), "}")
+	if inner != "" {
+		inner += ","
+	}
+	for _, p := range q {
+		fmt.Fprintf(w, "%s{%squantile=\"%s\"} %s\n", name, inner, formatFloat(p[0]), formatFloat(p[1]))
+	}
+	fmt.Fprintf(w, "%s_sum%s %s\n", name, labels, formatFloat(sum))
+	fmt.Fprintf(w, "%s_count%s %d\n", name, labels, count)
 }
 
 // Histogram counts observations into fixed buckets.
@@ -162,6 +188,11 @@ func (m *Metrics) CounterFunc(name, help string, labelNames []string, values []s
 	m.family(name, help, "counter", labelNames).get(values, func() series { return gaugeFunc(f) })
 }
 
+// SummaryFunc registers a summary read from f at scrape time.
+func (m *Metrics) SummaryFunc(name, help string, f func() (quantiles [][2]float64, sum float64, count uint64)) {
+	m.family(name, help, "summary", nil).get(nil, func() series { return summaryFunc(f) })
+}
+
 // Histogram returns the histogram with the given upper bounds (seconds).
 func (m *Metrics) Histogram(name, help string, bounds []float64, labelNames []string, values ...string) *Histogram {
 	return m.family(name, help, "histogram", labelNames).get(values, func() series {
@@ -176,7 +207,11 @@ func (m *Metrics) WriteText(w io.Writer) error {
 	for _, f := range m.families {
 		fams = append(fams, f)
 	}
+	hooks := append([]func(){}, m.onScrape...)
 	m.mu.Unlock()
+	for _, f := range hooks {
+		f()
+	}
 	sort.Slice(fams, func(i, j int) bool { return fams[i].name < fams[j].name })
 	var b strings.Builder
 	for _, f := range fams {
@@ -217,9 +252,12 @@ var (
 func escapeLabel(s string) string { return labelEscaper.Replace(s) }
 func escapeHelp(s string) string  { return helpEscaper.Replace(s) }
 
-// Buckets used by the upstream metrics of the same names.
+// Buckets of the upstream metrics of the same names, so that recorded
+// dashboards keep their meaning: the server's latencies (dial_duration_seconds,
+// frontend_write_duration_seconds), the server's connection_duration_seconds
+// and the agent's dial_duration_seconds.
 var (
-	dialBuckets       = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
-	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 12.5, 30}
-	connectionBuckets = []float64{1, 10, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600}
+	latencyBuckets    = []float64{0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
+	connectionBuckets = []float64{1, 5, 15, 30, 60, 300, 900, 1800, 3600, 14400, 43200, 86400}
+	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
 )

@@ -489,7 +489,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		conn.Close()
 		return
 	}
-	ids, _ := ParseIdentifiers(hello.Identifiers) // checked in admit
+	ids, _ := parseFromAgent(hello.Identifiers) // checked in admit
 	if !pc.admit() {
 		conn.Close() // the header timeout came first
 		return
@@ -572,6 +572,7 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 		}
 		switch line {
 		case controlDrain:
+			s.metrics.packets.inc(segFromAgent, pktDrain)
 			a.draining.Store(true)
 			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
 		}
@@ -590,7 +591,7 @@ func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.Connectio
 	if s.isShutting() {
 		return Principal{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
 	}
-	ids, err := ParseIdentifiers(h.Identifiers)
+	ids, err := parseFromAgent(h.Identifiers)
 	if err != nil {
 		return Principal{}, statusErrorf(http.StatusBadRequest, "%v", err)
 	}
@@ -687,6 +688,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
+	s.metrics.packets.inc(segFromClient, pktDialReq) // a CONNECT request read and its peer admitted
 
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
 	up.raw = rawSocket(conn)
@@ -698,15 +700,25 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
+		if failureReason(err) == reasonFrontendClosed {
+			s.metrics.packets.inc(segFromClient, pktDialCls) // the client hung up during the dial
+		}
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		s.metrics.packets.inc(segToClient, pktDialRsp)
 		writeStatus(conn, StatusCode(err), errMsg(err))
 		return nil, nil
 	}
 	s.Stats.DialsOK.Add(1)
-	if _, err := io.WriteString(conn, connectEstablished); err != nil {
+	s.metrics.packets.inc(segToClient, pktDialRsp)
+	written := time.Now()
+	_, err = io.WriteString(conn, connectEstablished)
+	s.metrics.frontendWrite.ObserveDuration(time.Since(written))
+	if err != nil {
 		st.close()
 		return nil, nil
 	}
+	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][pktData], &s.metrics.packets.n[segToAgent][pktData]}
+	up.closes = packetCounter{&s.metrics.packets.n[segFromClient][pktCloseReq], &s.metrics.packets.n[segToAgent][pktCloseReq]}
 	return st, up
 }
 
@@ -714,14 +726,19 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 // upstream agent) or whose client is not a plain socket: this goroutine
 // copies what the agent sends to the client.
 func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
-	n, err := copyStream(conn, st.body, nil)
+	// Each write to the client is a DATA Packet received from the agent and
+	// sent on to the client.
+	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData]}}
+	n, err := copyStream(to, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		// The agent reset the stream or the client went away: abort both.
 		s.metrics.resets.Inc()
+		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
 		return
 	}
+	s.metrics.countEnd()
 	// The destination finished sending. Pass the half-close on and wait for
 	// the client to finish sending too (or for the agent to stop reading).
 	closeWrite(conn)
@@ -760,7 +777,10 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
 	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		s.metrics.resets.Inc()
+		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
+		return
 	}
+	s.metrics.countEnd()
 }
 
 // maxConnectHead bounds a CONNECT request head; kube-apiserver's is ~50 bytes.
@@ -909,10 +929,16 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)
+	s.metrics.packets.inc(segToAgent, pktDialReq)
 	resp, err := a.roundTrip(req)
 	timer.Stop()
 	stopGone()
 	if err != nil {
+		if why.Load() == reasonFrontendClosed {
+			s.metrics.packets.inc(segToAgent, pktDialCls) // RST_STREAM before the answer
+		} else {
+			s.metrics.streamErrs.inc(segToAgent, streamErrorCode(err), pktDialReq)
+		}
 		body.abandon()
 		a.streams.Add(-1)
 		cancel()
@@ -924,6 +950,7 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		}
 		return nil, fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
 	}
+	s.metrics.packets.inc(segFromAgent, pktDialRsp)
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()

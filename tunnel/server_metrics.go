@@ -1,37 +1,50 @@
 package tunnel
 
+import (
+	"context"
+	"errors"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+)
+
 // Server metrics use upstream's names and labels where the concept exists,
 // so existing dashboards keep working.
 const serverPrefix = "konnectivity_network_proxy_server_"
 
 type serverMetrics struct {
-	dialDuration *Histogram
-	connDuration *Histogram
-	established  *Gauge
-	httpConns    *Gauge
-	grpcConns    *Gauge
-	pending      *Gauge
-	resets       *Counter
-	panics       *Counter
-	failures     map[string]*Counter
+	dialDuration  *Histogram
+	frontendWrite *Histogram
+	connDuration  *Histogram
+	established   *Gauge
+	httpConns     *Gauge
+	grpcConns     *Gauge
+	pending       *Gauge
+	resets        *Counter
+	panics        *Counter
+	failures      map[string]*Counter
+	packets       packetCounts
+	streamErrs    streamErrors
 }
 
 func newServerMetrics(m *Metrics, s *Server) *serverMetrics {
 	sm := &serverMetrics{
-		dialDuration: m.Histogram(serverPrefix+"dial_duration_seconds", "Time from a frontend dial request to the agent's answer, for successful dials.", dialBuckets, nil),
-		connDuration: m.Histogram(serverPrefix+"connection_duration_seconds", "How long established tunnels stayed open.", connectionBuckets, nil),
-		established:  m.Gauge(serverPrefix+"established_connections", "Open tunnels (dials the agent answered).", nil),
-		httpConns:    m.Gauge(serverPrefix+"http_connections", "Open HTTP CONNECT frontend connections.", nil),
-		grpcConns:    m.Gauge(serverPrefix+"grpc_connections", "Open gRPC frontend streams, by method.", []string{"service_method"}, "Proxy"),
-		pending:      m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
-		resets:       m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
-		panics:       m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
-		failures:     map[string]*Counter{},
+		dialDuration:  m.Histogram(serverPrefix+"dial_duration_seconds", "Time from a frontend dial request to the agent's answer, for successful dials.", latencyBuckets, nil),
+		frontendWrite: m.Histogram(serverPrefix+"frontend_write_duration_seconds", "Time of one write to the frontend: the dial's answer, and each DATA packet on the gRPC frontend.", latencyBuckets, nil),
+		connDuration:  m.Histogram(serverPrefix+"connection_duration_seconds", "How long established tunnels stayed open.", connectionBuckets, nil),
+		established:   m.Gauge(serverPrefix+"established_connections", "Open tunnels (dials the agent answered).", nil),
+		httpConns:     m.Gauge(serverPrefix+"http_connections", "Open HTTP CONNECT frontend connections.", nil),
+		grpcConns:     m.Gauge(serverPrefix+"grpc_connections", "Open gRPC frontend streams, by method.", []string{"service_method"}, "Proxy"),
+		pending:       m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
+		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
+		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
+		failures:      map[string]*Counter{},
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
 	}
 	m.Gauge(serverPrefix+"grpc_connections", "", []string{"service_method"}, "Connect") // agents speak HTTP/2 CONNECT, not gRPC
+	sm.packets.register(m, serverPrefix+"stream_packets_total", segFromClient, segToClient, segFromAgent, segToAgent)
+	sm.streamErrs.register(m, serverPrefix+"stream_errors_total", segFromClient, segToClient, segFromAgent, segToAgent)
 	m.GaugeFunc(serverPrefix+"ready_backend_connections", "Connected agents (deprecated upstream; see ready_backends).", nil, nil,
 		func() float64 { return float64(s.agents.len()) })
 	for _, st := range s.cfg.Strategies {
@@ -76,4 +89,22 @@ func (r *registry) countFor(st Strategy, maxStreams int64) int {
 		}
 	}
 	return n
+}
+
+// countEnd counts a tunnel's clean end from the agent's side: its
+// END_STREAM is upstream's CLOSE_RSP from the agent, passed on to the
+// client.
+func (sm *serverMetrics) countEnd() {
+	sm.packets.inc(segFromAgent, pktCloseRsp)
+	sm.packets.inc(segToClient, pktCloseRsp)
+}
+
+// streamErrorCode is the gRPC code upstream would report for err: a stream
+// the peer reset is Canceled, anything else (a broken connection, a failed
+// write) Unavailable.
+func streamErrorCode(err error) string {
+	if errors.Is(err, h2link.ErrStreamReset) || errors.Is(err, context.Canceled) {
+		return codeCanceled
+	}
+	return codeUnavailable
 }

@@ -50,6 +50,7 @@ type AgentSideStatus struct {
 	AgentID     string       `json:"agentID"`
 	Held        int          `json:"held"`
 	Want        int          `json:"want"`
+	LeaseCount  int          `json:"leaseCount,omitempty"` // valid server Leases, when counted
 	OpenStreams int64        `json:"openStreams"`
 	Servers     []LinkStatus `json:"servers"`
 }
@@ -66,7 +67,7 @@ type LinkStatus struct {
 // Status reports the agent's server connections, sorted by server ID.
 func (a *Agent) Status() AgentSideStatus {
 	a.mu.Lock()
-	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.links), Want: a.maxCount, Servers: []LinkStatus{}}
+	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.links), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []LinkStatus{}}
 	for l := range a.links {
 		st.Servers = append(st.Servers, LinkStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
 	}

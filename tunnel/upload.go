@@ -28,6 +28,11 @@ type upload struct {
 	counters      []*atomic.Int64 // bytes read are added to each
 	raw           syscall.RawConn // the client's socket, when it is a plain one: see copyTo
 	callerSends   bool            // the frontend sends the body itself (see sentByCaller)
+	// packets counts each chunk sent on as one DATA Packet (see packets.go)
+	// in each counter that is set; set before start, read after it.
+	packets packetCounter
+	closes  packetCounter // the client's clean end of sending (EOF)
+	sender  packetWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -119,6 +124,12 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 	for _, c := range b.u.counters {
 		c.Add(int64(n))
 	}
+	if n > 0 {
+		b.u.packets.inc()
+	}
+	if err == io.EOF {
+		b.u.closes.inc()
+	}
 	if err != nil {
 		b.u.finish()
 	}
@@ -155,6 +166,7 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 		_, err := w.Write(p)
 		u.br.Discard(n)
 		u.count(n)
+		u.packets.inc()
 		if err != nil {
 			u.finish()
 			return err
@@ -180,8 +192,12 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	if err := b.sendBuffered(w); err != nil {
 		return err
 	}
-	n, err := copyFromSocket(w, b.u.raw, nil)
+	b.u.sender = packetWriter{w: w, c: b.u.packets}
+	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
+	if err == nil {
+		b.u.closes.inc()
+	}
 	b.u.finish()
 	return err
 }

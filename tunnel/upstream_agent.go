@@ -131,7 +131,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		return true // the header deadline came first: the connection is closed
 	}
 	l.RaiseWindows()
-	ids, _ := ParseIdentifiers(hello.Identifiers)
+	ids, _ := parseFromAgent(hello.Identifiers)
 
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")

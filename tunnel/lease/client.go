@@ -1,0 +1,452 @@
+package lease
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spinifex/konnectivity/auth"
+)
+
+// Bounds on what the apiserver may send: a Lease is a few hundred bytes, so
+// these are generous and still keep a broken or hostile endpoint from
+// exhausting memory.
+const (
+	maxObjectSize = 1 << 20  // one Lease, one Status, one watch event
+	maxListSize   = 16 << 20 // one LeaseList
+	maxErrorBody  = 64 << 10
+)
+
+// APIError is an answer from the apiserver other than success: its HTTP
+// status code and the Status reason (e.g. "NotFound", "Conflict"), which
+// is what the lease metrics are labelled with.
+type APIError struct {
+	Code    int
+	Reason  string
+	Message string
+}
+
+func (e *APIError) Error() string {
+	if e.Message != "" {
+		return fmt.Sprintf("apiserver: %d %s: %s", e.Code, e.Reason, e.Message)
+	}
+	return fmt.Sprintf("apiserver: %d %s", e.Code, e.Reason)
+}
+
+// apiStatus returns the code and reason of an API error; ok is false for
+// errors that never reached the apiserver (network, TLS, decoding).
+func apiStatus(err error) (code int, reason string, ok bool) {
+	var ae *APIError
+	if errors.As(err, &ae) {
+		return ae.Code, ae.Reason, true
+	}
+	return 0, "", false
+}
+
+func isCode(err error, code int) bool {
+	c, _, ok := apiStatus(err)
+	return ok && c == code
+}
+
+// reasonFor is the Status reason client-go assumes when the body of an
+// error answer is not a Status.
+func reasonFor(code int) string {
+	switch code {
+	case http.StatusBadRequest:
+		return "BadRequest"
+	case http.StatusUnauthorized:
+		return "Unauthorized"
+	case http.StatusForbidden:
+		return "Forbidden"
+	case http.StatusNotFound:
+		return "NotFound"
+	case http.StatusMethodNotAllowed:
+		return "MethodNotAllowed"
+	case http.StatusConflict:
+		return "Conflict"
+	case http.StatusGone:
+		return "Expired"
+	case http.StatusUnprocessableEntity:
+		return "Invalid"
+	case http.StatusTooManyRequests:
+		return "TooManyRequests"
+	case http.StatusGatewayTimeout:
+		return "Timeout"
+	case http.StatusServiceUnavailable:
+		return "ServiceUnavailable"
+	}
+	if code >= 500 {
+		return "InternalError"
+	}
+	return "Unknown"
+}
+
+// statusJSON is a metav1.Status.
+type statusJSON struct {
+	Kind    string `json:"kind"`
+	Message string `json:"message"`
+	Reason  string `json:"reason"`
+	Code    int    `json:"code"`
+}
+
+func decodeStatus(code int, body []byte) *APIError {
+	e := &APIError{Code: code}
+	var st statusJSON
+	if json.Unmarshal(body, &st) == nil && st.Kind == "Status" {
+		e.Reason, e.Message = st.Reason, st.Message
+		if st.Code != 0 {
+			e.Code = st.Code
+		}
+	}
+	if e.Reason == "" {
+		e.Reason = reasonFor(e.Code)
+	}
+	if len(e.Message) > 256 {
+		e.Message = e.Message[:256] + "..."
+	}
+	return e
+}
+
+// Client reads and writes Leases in one namespace.
+type Client struct {
+	http      *http.Client
+	base      string // .../namespaces/<ns>/leases
+	namespace string
+}
+
+// NewClient returns a client for the Leases of namespace on the apiserver
+// cfg describes. Credentials come from cfg on every request (a token file is
+// re-read, so a rotated ServiceAccount token is used).
+func NewClient(cfg *auth.RESTConfig, namespace string) (*Client, error) {
+	if cfg == nil {
+		return nil, errors.New("lease client: no apiserver config")
+	}
+	if err := CheckName(namespace, ""); err != nil {
+		return nil, err
+	}
+	return &Client{
+		http:      cfg.HTTPClient(),
+		base:      cfg.Server() + "/apis/coordination.k8s.io/v1/namespaces/" + namespace + "/leases",
+		namespace: namespace,
+	}, nil
+}
+
+// Namespace is the namespace the client works in.
+func (c *Client) Namespace() string { return c.namespace }
+
+// do sends one request and returns the body of a 2xx answer, read up to
+// limit bytes; any other answer is an *APIError.
+func (c *Client) do(ctx context.Context, method, u string, body []byte, limit int64) ([]byte, error) {
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, u, rd)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", "application/json")
+	req.Header.Set("User-Agent", "konnectivity")
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("%s leases: %w", method, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+		return nil, decodeStatus(resp.StatusCode, data)
+	}
+	data, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
+	if err != nil {
+		return nil, fmt.Errorf("%s leases: read answer: %w", method, err)
+	}
+	if int64(len(data)) > limit {
+		return nil, fmt.Errorf("%s leases: answer larger than %d bytes", method, limit)
+	}
+	return data, nil
+}
+
+func (c *Client) objectURL(name string) string { return c.base + "/" + url.PathEscape(name) }
+
+// Get returns the named Lease.
+func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
+	data, err := c.do(ctx, http.MethodGet, c.objectURL(name), nil, maxObjectSize)
+	if err != nil {
+		return nil, err
+	}
+	return decodeLease(data)
+}
+
+// Create creates l and returns the stored Lease.
+func (c *Client) Create(ctx context.Context, l *Lease) (*Lease, error) {
+	body, err := l.encode()
+	if err != nil {
+		return nil, err
+	}
+	data, err := c.do(ctx, http.MethodPost, c.base, body, maxObjectSize)
+	if err != nil {
+		return nil, err
+	}
+	return decodeLease(data)
+}
+
+// Update replaces l; it fails with 409 Conflict when the stored Lease is no
+// longer at l.ResourceVersion.
+func (c *Client) Update(ctx context.Context, l *Lease) (*Lease, error) {
+	body, err := l.encode()
+	if err != nil {
+		return nil, err
+	}
+	data, err := c.do(ctx, http.MethodPut, c.objectURL(l.Name), body, maxObjectSize)
+	if err != nil {
+		return nil, err
+	}
+	return decodeLease(data)
+}
+
+// Delete deletes the named Lease. A non-empty resourceVersion is a
+// precondition: the Lease is deleted only if it was not changed since (a
+// renewal in between makes it 409 Conflict).
+func (c *Client) Delete(ctx context.Context, name, resourceVersion string) error {
+	var body []byte
+	if resourceVersion != "" {
+		body, _ = json.Marshal(map[string]any{
+			"apiVersion":    "v1",
+			"kind":          "DeleteOptions",
+			"preconditions": map[string]string{"resourceVersion": resourceVersion},
+		})
+	}
+	_, err := c.do(ctx, http.MethodDelete, c.objectURL(name), body, maxObjectSize)
+	return err
+}
+
+// List returns the Leases matching selector and the list's resourceVersion,
+// from which a watch continues.
+func (c *Client) List(ctx context.Context, selector string) ([]*Lease, string, error) {
+	q := url.Values{}
+	if selector != "" {
+		q.Set("labelSelector", selector)
+	}
+	u := c.base
+	if len(q) > 0 {
+		u += "?" + q.Encode()
+	}
+	data, err := c.do(ctx, http.MethodGet, u, nil, maxListSize)
+	if err != nil {
+		return nil, "", err
+	}
+	var list struct {
+		Metadata struct {
+			ResourceVersion string `json:"resourceVersion"`
+		} `json:"metadata"`
+		Items []json.RawMessage `json:"items"`
+	}
+	if err := json.Unmarshal(data, &list); err != nil {
+		return nil, "", fmt.Errorf("decode LeaseList: %w", err)
+	}
+	leases := make([]*Lease, 0, len(list.Items))
+	for _, item := range list.Items {
+		l, err := decodeLease(item)
+		if err != nil {
+			return nil, "", err
+		}
+		leases = append(leases, l)
+	}
+	return leases, list.Metadata.ResourceVersion, nil
+}
+
+// Event is one watch event. Type is ADDED, MODIFIED, DELETED or BOOKMARK;
+// Lease is nil for a BOOKMARK, which only carries ResourceVersion.
+type Event struct {
+	Type            string
+	Lease           *Lease
+	ResourceVersion string
+}
+
+// Watch streams changes to the Leases matching selector after
+// resourceVersion, for at most timeout (the apiserver ends the watch then).
+// Events arrive on the returned channel, which is closed when the watch ends;
+// after that, the error function says why (nil for a normal end, an
+// *APIError with code 410 when resourceVersion is too old and the caller
+// must list again). Cancelling ctx ends the watch.
+func (c *Client) Watch(ctx context.Context, selector, resourceVersion string, timeout time.Duration) (<-chan Event, func() error, error) {
+	q := url.Values{}
+	q.Set("watch", "true")
+	q.Set("allowWatchBookmarks", "true")
+	if selector != "" {
+		q.Set("labelSelector", selector)
+	}
+	if resourceVersion != "" {
+		q.Set("resourceVersion", resourceVersion)
+	}
+	q.Set("timeoutSeconds", strconv.Itoa(int(timeout/time.Second)))
+	// The apiserver ends the watch at timeout; the client deadline is a
+	// backstop against one that never does.
+	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
+	req, err := http.NewRequestWithContext(wctx, http.MethodGet, c.base+"?"+q.Encode(), nil)
+	if err != nil {
+		cancel()
+		return nil, nil, err
+	}
+	req.Header.Set("Accept", "application/json")
+	req.Header.Set("User-Agent", "konnectivity")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		cancel()
+		return nil, nil, fmt.Errorf("watch leases: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+		resp.Body.Close()
+		cancel()
+		return nil, nil, decodeStatus(resp.StatusCode, data)
+	}
+	events := make(chan Event)
+	var werr error // written by the reader goroutine before it closes events
+	go func() {
+		defer close(events)
+		defer cancel()
+		defer resp.Body.Close()
+		werr = readEvents(wctx, resp.Body, events)
+	}()
+	return events, func() error { return werr }, nil
+}
+
+// readEvents decodes watch events from body until it ends. Each event may
+// take at most maxObjectSize bytes.
+func readEvents(ctx context.Context, body io.Reader, out chan<- Event) error {
+	lr := &budgetReader{r: body}
+	dec := json.NewDecoder(lr)
+	for {
+		lr.budget = maxObjectSize
+		var ev struct {
+			Type   string          `json:"type"`
+			Object json.RawMessage `json:"object"`
+		}
+		if err := dec.Decode(&ev); err != nil {
+			if errors.Is(err, io.EOF) || ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("watch leases: %w", err)
+		}
+		var e Event
+		switch ev.Type {
+		case "ADDED", "MODIFIED", "DELETED":
+			l, err := decodeLease(ev.Object)
+			if err != nil {
+				return fmt.Errorf("watch leases: %w", err)
+			}
+			e = Event{Type: ev.Type, Lease: l, ResourceVersion: l.ResourceVersion}
+		case "BOOKMARK":
+			var b struct {
+				Metadata struct {
+					ResourceVersion string `json:"resourceVersion"`
+				} `json:"metadata"`
+			}
+			if err := json.Unmarshal(ev.Object, &b); err != nil {
+				return fmt.Errorf("watch leases: bookmark: %w", err)
+			}
+			e = Event{Type: ev.Type, ResourceVersion: b.Metadata.ResourceVersion}
+		case "ERROR":
+			var st statusJSON
+			_ = json.Unmarshal(ev.Object, &st)
+			return decodeStatus(cmpOr(st.Code, http.StatusInternalServerError), ev.Object)
+		default:
+			return fmt.Errorf("watch leases: unknown event type %q", truncate(ev.Type, 32))
+		}
+		select {
+		case out <- e:
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+func cmpOr(a, b int) int {
+	if a != 0 {
+		return a
+	}
+	return b
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "..."
+	}
+	return s
+}
+
+// budgetReader fails once more than budget bytes were read since the
+// budget was last set, bounding one watch event.
+type budgetReader struct {
+	r      io.Reader
+	budget int64
+}
+
+var errEventTooLarge = errors.New("watch event larger than 1 MiB")
+
+func (b *budgetReader) Read(p []byte) (int, error) {
+	if b.budget <= 0 {
+		return 0, errEventTooLarge
+	}
+	if int64(len(p)) > b.budget {
+		p = p[:b.budget]
+	}
+	n, err := b.r.Read(p)
+	b.budget -= int64(n)
+	return n, err
+}
+
+// CheckName checks that namespace (and name, unless empty) are what the
+// apiserver accepts for a Lease, so a bad flag fails at start, not at every
+// renewal.
+func CheckName(namespace, name string) error {
+	if err := validName(namespace, 63); err != nil || strings.Contains(namespace, ".") {
+		if err == nil {
+			err = errors.New("must not contain '.'")
+		}
+		return fmt.Errorf("lease namespace %q: %w", truncate(namespace, 64), err)
+	}
+	if name == "" {
+		return nil
+	}
+	if err := validName(name, 253); err != nil {
+		return fmt.Errorf("lease name %q: %w", truncate(name, 260), err)
+	}
+	return nil
+}
+
+// validName checks a DNS-1123 subdomain (a Lease or namespace name), up to
+// max characters.
+func validName(s string, max int) error {
+	if s == "" {
+		return errors.New("empty")
+	}
+	if len(s) > max {
+		return fmt.Errorf("longer than %d characters", max)
+	}
+	for _, part := range strings.Split(s, ".") {
+		if part == "" {
+			return errors.New("must be lower-case letters, digits, '-' and '.', not starting or ending with '-' or '.'")
+		}
+		for i := 0; i < len(part); i++ {
+			ch := part[i]
+			alnum := ch >= 'a' && ch <= 'z' || ch >= '0' && ch <= '9'
+			if !alnum && (ch != '-' || i == 0 || i == len(part)-1) {
+				return errors.New("must be lower-case letters, digits, '-' and '.', not starting or ending with '-' or '.'")
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,50 @@
+package tunnel
+
+import (
+	"strings"
+	"testing"
+)
+
+// Packet and error counts are exposed with upstream's label names and
+// values, and an increment shows in the next scrape.
+func TestPacketCountsExposition(t *testing.T) {
+	m := NewMetrics()
+	var p packetCounts
+	var e streamErrors
+	p.register(m, "x_stream_packets_total", segFromAgent, segToAgent)
+	e.register(m, "x_stream_errors_total", segFromAgent)
+	p.inc(segFromAgent, pktData)
+	p.inc(segFromAgent, pktData)
+	p.inc(segToAgent, pktDialReq)
+	e.inc(segFromAgent, codeUnavailable, pktData)
+	pw := &packetWriter{w: &strings.Builder{}, c: packetCounter{&p.n[segToAgent][pktData], nil}}
+	pw.Write([]byte("abc"))
+	var b strings.Builder
+	m.WriteText(&b)
+	out := b.String()
+	for _, want := range []string{
+		"# TYPE x_stream_packets_total counter\n",
+		`x_stream_packets_total{segment="from_agent",packet_type="DATA"} 2` + "\n",
+		`x_stream_packets_total{segment="to_agent",packet_type="DIAL_REQ"} 1` + "\n",
+		`x_stream_packets_total{segment="to_agent",packet_type="DATA"} 1` + "\n",
+		`x_stream_packets_total{segment="to_agent",packet_type="DRAIN"} 0` + "\n",
+		`x_stream_errors_total{segment="from_agent",code="Unavailable",packet_type="DATA"} 1` + "\n",
+		`x_stream_errors_total{segment="from_agent",code="Canceled",packet_type="DIAL_REQ"} 0` + "\n",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("exposition lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, `segment="from_client"`) {
+		t.Errorf("segments not registered are exposed:\n%s", out)
+	}
+}
+
+// Counting a packet allocates nothing.
+func TestPacketCountingAllocs(t *testing.T) {
+	var p packetCounts
+	c := packetCounter{&p.n[segFromClient][pktData], &p.n[segToAgent][pktData]}
+	if n := testing.AllocsPerRun(100, func() { c.inc(); p.inc(segToClient, pktCloseRsp) }); n != 0 {
+		t.Errorf("%v allocations per count", n)
+	}
+}
