@@ -59,7 +59,7 @@ e2e: build
 e2e-kube: build
 	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 75m -run '^TestKubeAPIServer$$' -v .
 
-# HTTP/2 conformance of the link's serving end (also part of e2e): docs/h2spec.md.
+# HTTP/2 conformance of the link's serving end (also part of e2e): RELIABILITY.md, "HTTP/2 conformance".
 h2spec: build
 	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m -run '^TestH2Spec$$' ./
 
