@@ -4,9 +4,12 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"os"
+	"os/signal"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel"
+	"golang.org/x/sys/unix"
 )
 
 // daemon is the skeleton the long-running commands (server and agent)
@@ -168,4 +171,33 @@ func startMemoryUpkeep(ctx context.Context, ready func() bool, log *slog.Logger)
 	go func() { defer close(pagesDone); releaseWhenReady(ctx, ready, log) }()
 	go func() { defer close(trimDone); trimMemory(ctx, trimInterval, log) }()
 	return func() { cancel(); <-pagesDone; <-trimDone }
+}
+
+// signalContext is cancelled by the first SIGTERM or SIGINT; a second one
+// exits the process at once.
+func signalContext(log *slog.Logger) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	ch := make(chan os.Signal, 2)
+	signal.Notify(ch, unix.SIGTERM, unix.SIGINT)
+	done := make(chan struct{})
+	go func() {
+		select {
+		case sig := <-ch:
+			log.Info("signal received: shutting down gracefully (send again to exit at once)", "signal", sig.String())
+			cancel()
+		case <-done:
+			return
+		}
+		select {
+		case sig := <-ch:
+			log.Warn("second signal: exiting now", "signal", sig.String())
+			os.Exit(1)
+		case <-done:
+		}
+	}()
+	return ctx, func() {
+		signal.Stop(ch)
+		close(done)
+		cancel()
+	}
 }

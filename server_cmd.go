@@ -14,7 +14,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -815,33 +814,4 @@ func listenUnix(path string, mode os.FileMode, deleteExisting bool) (*net.UnixLi
 		return nil, fmt.Errorf("frontend socket mode: %w", err)
 	}
 	return ln, nil
-}
-
-// signalContext is cancelled by the first SIGTERM or SIGINT; a second one
-// exits the process at once.
-func signalContext(log *slog.Logger) (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	ch := make(chan os.Signal, 2)
-	signal.Notify(ch, unix.SIGTERM, unix.SIGINT)
-	done := make(chan struct{})
-	go func() {
-		select {
-		case sig := <-ch:
-			log.Info("signal received: shutting down gracefully (send again to exit at once)", "signal", sig.String())
-			cancel()
-		case <-done:
-			return
-		}
-		select {
-		case sig := <-ch:
-			log.Warn("second signal: exiting now", "signal", sig.String())
-			os.Exit(1)
-		case <-done:
-		}
-	}()
-	return ctx, func() {
-		signal.Stop(ch)
-		close(done)
-		cancel()
-	}
 }
