@@ -23,12 +23,13 @@ type daemon struct {
 	log       *slog.Logger
 	listeners *listenerSet
 	services  []*httpService
+	exec      func(exe, env string, log *slog.Logger) error // execSelf; tests replace it
 }
 
 // newDaemon adopts the listeners a previous image of this process handed
 // over, if any; listen takes them by name.
 func newDaemon(log *slog.Logger) *daemon {
-	return &daemon{log: log, listeners: newListenerSet(log)}
+	return &daemon{log: log, listeners: newListenerSet(log), exec: execSelf}
 }
 
 // listen returns the listener called name: the inherited one when it is
@@ -147,7 +148,7 @@ func (d *daemon) Run(ctx context.Context, w work) error {
 				return nil
 			}
 			// Only a failed exec returns; the supervisor's respawn takes over.
-			return execSelf(exe, env, d.log)
+			return d.exec(exe, env, d.log)
 		}
 		err := w.shutdown(ended, cause)
 		d.exited(w)
