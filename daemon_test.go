@@ -8,70 +8,12 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/spinifex/konnectivity/tunnel"
 )
-
-// fakeWork records which of its parts the daemon called.
-type fakeWork struct {
-	done                      chan error
-	shutdowns, drains, exits  atomic.Int32
-	shutdownEnded             atomic.Bool
-	shutdownCause, shutdownOK error
-	onDrain                   func()
-}
-
-func newFakeWork() *fakeWork { return &fakeWork{done: make(chan error, 1)} }
-
-func (f *fakeWork) work() work {
-	return work{
-		done: f.done,
-		shutdown: func(ended bool, cause error) error {
-			f.shutdowns.Add(1)
-			f.shutdownEnded.Store(ended)
-			f.shutdownCause = cause
-			return f.shutdownOK
-		},
-		drain: func(string) {
-			f.drains.Add(1)
-			if f.onDrain != nil {
-				f.onDrain()
-			}
-		},
-		exited:      func() { f.exits.Add(1) },
-		memoryReady: func() bool { return true },
-	}
-}
-
-// runDaemonFor runs a daemon whose exec fails with errExecRefused, so that
-// a test can never replace the test binary.
-func runDaemonFor(t *testing.T, ctx context.Context, w work) <-chan error {
-	t.Helper()
-	d := newDaemon(slog.New(slog.DiscardHandler))
-	d.exec = func(exe, env string, _ *slog.Logger) error { return errExecRefused }
-	t.Cleanup(d.Close)
-	out := make(chan error, 1)
-	go func() { out <- d.Run(ctx, w) }()
-	return out
-}
-
-var errExecRefused = errors.New("exec refused by the test")
-
-func waitRun(t *testing.T, out <-chan error) error {
-	t.Helper()
-	select {
-	case err := <-out:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("daemon.Run did not return within 10s")
-		return nil
-	}
-}
 
 // TestDaemonStopSignalShutsDown: a stop signal (ctx) shuts the command
 // down once, not as ended on its own, and runs its exit clean-up.
@@ -189,26 +131,6 @@ func TestDaemonServices(t *testing.T) {
 	if c, err := net.Dial("tcp", addr); err == nil {
 		c.Close()
 		t.Errorf("health port %s still accepts after Close", addr)
-	}
-}
-
-// sendHUPUntil sends this process SIGHUP until drained is closed: the
-// daemon subscribes to SIGHUP only once Run has started. The caller keeps a
-// channel notified of SIGHUP, so that none kills the test binary.
-func sendHUPUntil(t *testing.T, drained <-chan struct{}) {
-	t.Helper()
-	deadline := time.After(10 * time.Second)
-	for {
-		if err := unix.Kill(os.Getpid(), unix.SIGHUP); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case <-drained:
-			return
-		case <-time.After(50 * time.Millisecond):
-		case <-deadline:
-			t.Fatal("no drain within 10s of SIGHUP")
-		}
 	}
 }
 

@@ -5,6 +5,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -16,8 +17,11 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // freePort returns a loopback port below the ephemeral range, never the
@@ -197,4 +201,80 @@ func startTrimmer(t *testing.T, interval time.Duration) {
 			t.Error("trimMemory did not end with its context")
 		}
 	})
+}
+
+// fakeWork records which of its parts the daemon called.
+type fakeWork struct {
+	done                      chan error
+	shutdowns, drains, exits  atomic.Int32
+	shutdownEnded             atomic.Bool
+	shutdownCause, shutdownOK error
+	onDrain                   func()
+}
+
+func newFakeWork() *fakeWork { return &fakeWork{done: make(chan error, 1)} }
+
+func (f *fakeWork) work() work {
+	return work{
+		done: f.done,
+		shutdown: func(ended bool, cause error) error {
+			f.shutdowns.Add(1)
+			f.shutdownEnded.Store(ended)
+			f.shutdownCause = cause
+			return f.shutdownOK
+		},
+		drain: func(string) {
+			f.drains.Add(1)
+			if f.onDrain != nil {
+				f.onDrain()
+			}
+		},
+		exited:      func() { f.exits.Add(1) },
+		memoryReady: func() bool { return true },
+	}
+}
+
+// runDaemonFor runs a daemon whose exec fails with errExecRefused, so that
+// a test can never replace the test binary.
+func runDaemonFor(t *testing.T, ctx context.Context, w work) <-chan error {
+	t.Helper()
+	d := newDaemon(slog.New(slog.DiscardHandler))
+	d.exec = func(exe, env string, _ *slog.Logger) error { return errExecRefused }
+	t.Cleanup(d.Close)
+	out := make(chan error, 1)
+	go func() { out <- d.Run(ctx, w) }()
+	return out
+}
+
+var errExecRefused = errors.New("exec refused by the test")
+
+func waitRun(t *testing.T, out <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-out:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("daemon.Run did not return within 10s")
+		return nil
+	}
+}
+
+// sendHUPUntil sends this process SIGHUP until drained is closed: the
+// daemon subscribes to SIGHUP only once Run has started. The caller keeps a
+// channel notified of SIGHUP, so that none kills the test binary.
+func sendHUPUntil(t *testing.T, drained <-chan struct{}) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		if err := unix.Kill(os.Getpid(), unix.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-drained:
+			return
+		case <-time.After(50 * time.Millisecond):
+		case <-deadline:
+			t.Fatal("no drain within 10s of SIGHUP")
+		}
+	}
 }
