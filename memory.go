@@ -96,9 +96,9 @@ func releaseWhenReady(ctx context.Context, ready func() bool, log *slog.Logger) 
 
 // Returning memory after a burst: the Go runtime keeps freed heap for
 // reuse and gives it back to the OS only once a garbage collection has
-// found it free, and an idle daemon allocates too little to start one. A
-// thousand concurrent tunnels then left a server holding 150 MiB for
-// minutes after they closed. Every trimInterval the daemon compares what it
+// found it free, and an idle daemon allocates too little to start one:
+// left alone, a thousand concurrent tunnels leave a server holding 150 MiB
+// for minutes after they close. Every trimInterval the daemon compares what it
 // holds with what it needs and, past trimSlack, collects and returns the
 // rest (debug.FreeOSMemory); it does the same once a burst of new tunnels
 // has gone quiet (see shouldTrim). The check reads runtime/metrics and
