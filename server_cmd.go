@@ -313,14 +313,11 @@ func checkTLSVersion(cf *commandFlags, s string) error {
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	minTLS, _ := tlsVersion(o.tlsMinVersion)
-	mintCtx, stopMinting := context.WithCancel(ctx)
-	waitMinting, err := o.startMinting(mintCtx, log)
+	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
-		stopMinting()
 		return err
 	}
-	stopMint := func() { stopMinting(); waitMinting() }
-	defer stopMint()
+	defer stopMinting()
 	agentTLS, agentCert, err := o.agentTLSConfig(minTLS, log)
 	if err != nil {
 		return err
@@ -350,14 +347,10 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	if err := o.listen(d, srv, minTLS, metrics, serve); err != nil {
 		return err
 	}
-	ready := []check{{"agents", srv.Ready}}
-	if !o.readyzRequiresAgent {
-		ready = []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
-	}
 	if err := d.startServices(serviceOptions{
 		healthAddr: servicePort(o.healthBindAddress, o.healthPort),
 		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
-		ready:      ready,
+		ready:      o.readyChecks(srv),
 		metrics:    metrics,
 		status:     func() any { return srv.Status() },
 		profiling:  o.enableProfiling,
@@ -365,23 +358,15 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
-	defer func() { stopLeases(true) }()
+	defer stopLeases(true)
 
-	stop := func(grace time.Duration) {
-		ctx, cancel := context.WithTimeout(context.Background(), grace)
-		defer cancel()
-		if err := srv.Shutdown(ctx); err != nil {
-			log.Warn("grace period over; open tunnels closed", "err", err)
-		}
-		serving.Wait()
-	}
+	stop := func(grace time.Duration) { stopServing(srv, grace, &serving, log) }
 	return d.Run(ctx, work{
 		done: done,
 		shutdown: func(_ bool, cause error) error {
 			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
 			stop(o.gracefulShutdown)
 			stopLeases(true)
-			stopLeases = func(bool) {}
 			if cause != nil && !errors.Is(cause, tunnel.ErrServerClosed) {
 				return cause
 			}
@@ -394,14 +379,33 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// so agents never see the count dip; a random ID is a new
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
-			stopLeases = func(bool) {}
-			stopMint()
+			stopMinting()
 		},
 		exited:                o.removeSocket(log),
 		memoryReady:           func() bool { return srv.AgentCount() > 0 },
 		restartOnBinaryChange: o.restartOnBinaryChange,
 		restartCheckInterval:  o.restartCheckInterval,
 	})
+}
+
+// readyChecks is /readyz: an agent must be connected unless
+// --readyz-requires-agent=false, which reports without failing.
+func (o *serverOptions) readyChecks(srv *tunnel.Server) []check {
+	if !o.readyzRequiresAgent {
+		return []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
+	}
+	return []check{{"agents", srv.Ready}}
+}
+
+// stopServing sends GOAWAY to agents, lets tunnels finish within grace and
+// waits for the accept loops to return.
+func stopServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		log.Warn("grace period over; open tunnels closed", "err", err)
+	}
+	serving.Wait()
 }
 
 // servicePort is the address of a health or admin service, "" when its
@@ -584,9 +588,9 @@ func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls
 
 // startMinting mints --cluster-cert/--cluster-key from --mint-ca-cert and
 // --mint-ca-key when they are missing or no longer right, and keeps them
-// renewed while the server runs; the agent listener's reloader picks up
-// each new pair.
-func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wait func(), err error) {
+// renewed until stop; the agent listener's reloader picks up each new
+// pair. stop waits for the renewals to end and may be called again.
+func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (stop func(), err error) {
 	if o.mintCAKey == "" {
 		return func() {}, nil
 	}
@@ -607,12 +611,13 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wai
 	if err != nil {
 		return nil, fmt.Errorf("mint the agent-listener certificate: %w", err)
 	}
+	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		m.Renew(ctx, o.mintCheckInterval)
 	}()
-	return func() { <-done }, nil
+	return func() { cancel(); <-done }, nil
 }
 
 // agentAuthenticator decides how agents prove themselves: a client
@@ -722,7 +727,8 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 }
 
 // startLeases runs the lease controller until stop is called; stop waits
-// for it and, if release, deletes the server's Lease. Without apiserver
+// for it and, if release, deletes the server's Lease. Only the first call
+// of stop acts. Without apiserver
 // access it logs why and the server runs without a Lease: leases never stop
 // the data path.
 func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func(release bool)) {
@@ -760,17 +766,20 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics
 	lctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); ctl.Run(lctx) }()
+	var once sync.Once
 	return func(release bool) {
-		cancel()
-		<-done
-		if !release {
-			return
-		}
-		if err := ctl.Release(context.Background()); err != nil {
-			log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
-			return
-		}
-		log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+		once.Do(func() {
+			cancel()
+			<-done
+			if !release {
+				return
+			}
+			if err := ctl.Release(context.Background()); err != nil {
+				log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
+				return
+			}
+			log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+		})
 	}
 }
 
