@@ -101,9 +101,9 @@ func TestTrimMemoryShrinksParkedStacks(t *testing.T) {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
 	base := ms.StackInuse
-	// The trimmer runs first, as in the daemons: the goroutines are new to it.
+	// The trimmer samples first, as in the daemons: the goroutines are new
+	// to it.
 	startTrimmer(t, 50*time.Millisecond)
-	time.Sleep(100 * time.Millisecond) // its first sample
 
 	release := make(chan struct{})
 	var parked sync.WaitGroup
@@ -137,33 +137,4 @@ func TestTrimMemoryShrinksParkedStacks(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-}
-
-//go:noinline
-func growStack(depth int) byte {
-	var pad [480]byte
-	pad[depth%len(pad)] = byte(depth)
-	if depth == 0 {
-		return pad[0]
-	}
-	return growStack(depth-1) + pad[1]
-}
-
-// startTrimmer runs trimMemory for the rest of the test and checks at the
-// end that it stops with its context.
-func startTrimmer(t *testing.T, interval time.Duration) {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		trimMemory(ctx, interval, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	}()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			t.Error("trimMemory did not end with its context")
-		}
-	})
 }
