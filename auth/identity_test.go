@@ -1,6 +1,7 @@
 package auth
 
 import (
+	"errors"
 	"net/http"
 	"net/netip"
 	"slices"
@@ -92,6 +93,15 @@ func TestNodeLookup(t *testing.T) {
 		if _, err := n.Addresses(testCtx(t), name); StatusOf(err) != http.StatusServiceUnavailable {
 			t.Errorf("%s: want 503, got %v", name, err)
 		}
+	}
+	// A 403 (the server may not get nodes) is told apart from a failure,
+	// and remembered for the TTL; a failure is not.
+	before = f.requests.Load()
+	if _, err := n.Addresses(testCtx(t), "secret"); !errors.Is(err, ErrNodesForbidden) || f.requests.Load() != before {
+		t.Errorf("secret again: want ErrNodesForbidden from the cache, got %v (%d requests)", err, f.requests.Load()-before)
+	}
+	if _, err := n.Addresses(testCtx(t), "broken"); errors.Is(err, ErrNodesForbidden) || f.requests.Load() != before+1 {
+		t.Errorf("broken again: want a new request and no ErrNodesForbidden, got %v (%d requests)", err, f.requests.Load()-before)
 	}
 	if _, err := n.Addresses(testCtx(t), ""); StatusOf(err) != http.StatusForbidden {
 		t.Errorf("empty name: %v", err)

@@ -21,6 +21,11 @@ const (
 	nodeLookupPrefix = "/api/v1/nodes/"
 )
 
+// ErrNodesForbidden is wrapped by the error of a lookup the apiserver
+// answered 403: the server's identity may not get nodes (upstream's RBAC,
+// system:auth-delegator, does not grant it).
+var ErrNodesForbidden = errors.New("the apiserver forbids this server to get nodes")
+
 // NodeLookup reads a Node's addresses (status.addresses) from the
 // kube-apiserver, so that an agent's ipv4=/ipv6= identifiers can be checked
 // against the node its token was issued for. The server's identity needs
@@ -33,11 +38,12 @@ type NodeLookup struct {
 	now     func() time.Time
 
 	mu    sync.Mutex
-	cache map[string]nodeEntry // by node name; at most maxNodeEntries
+	cache map[string]nodeEntry // by node name; at most maxNodeEntries; guarded by mu
 }
 
 type nodeEntry struct {
 	addrs   []netip.Addr
+	denied  bool // the apiserver answered 403: ErrNodesForbidden until expires
 	expires time.Time
 }
 
@@ -59,7 +65,9 @@ func NewNodeLookup(cfg *RESTConfig, timeout, ttl time.Duration) (*NodeLookup, er
 
 // Addresses returns the node's addresses (every type the kubelet reports
 // that parses as an IP: InternalIP, ExternalIP). A node that does not exist
-// is a 403 Error; a failed lookup a 503 Error.
+// is a 403 Error; a failed lookup a 503 Error, which wraps
+// ErrNodesForbidden when the apiserver answered 403 (remembered for the
+// TTL, as answers are, so agents logging in meanwhile cost no call).
 func (n *NodeLookup) Addresses(ctx context.Context, node string) ([]netip.Addr, error) {
 	if node == "" || len(node) > maxClaimLen {
 		return nil, forbidden("no node to look up")
@@ -67,6 +75,9 @@ func (n *NodeLookup) Addresses(ctx context.Context, node string) ([]netip.Addr, 
 	n.mu.Lock()
 	if e, ok := n.cache[node]; ok && n.now().Before(e.expires) {
 		n.mu.Unlock()
+		if e.denied {
+			return nil, unavailable("node lookup: apiserver answered 403 Forbidden (cached)", ErrNodesForbidden)
+		}
 		return e.addrs, nil
 	}
 	n.mu.Unlock()
@@ -74,7 +85,8 @@ func (n *NodeLookup) Addresses(ctx context.Context, node string) ([]netip.Addr, 
 	ctx, cancel := context.WithTimeout(ctx, n.timeout)
 	defer cancel()
 	addrs, err := n.get(ctx, node)
-	if err != nil {
+	denied := errors.Is(err, ErrNodesForbidden)
+	if err != nil && !denied {
 		return nil, err
 	}
 	n.mu.Lock()
@@ -90,8 +102,8 @@ func (n *NodeLookup) Addresses(ctx context.Context, node string) ([]netip.Addr, 
 			clear(n.cache) // a cluster this large pays one lookup per node again
 		}
 	}
-	n.cache[node] = nodeEntry{addrs: addrs, expires: now.Add(n.ttl)}
-	return addrs, nil
+	n.cache[node] = nodeEntry{addrs: addrs, denied: denied, expires: now.Add(n.ttl)}
+	return addrs, err
 }
 
 func (n *NodeLookup) get(ctx context.Context, node string) ([]netip.Addr, error) {
@@ -113,8 +125,10 @@ func (n *NodeLookup) get(ctx context.Context, node string) ([]netip.Addr, error)
 	case http.StatusOK:
 	case http.StatusNotFound:
 		return nil, forbidden("node %q does not exist", node)
+	case http.StatusForbidden:
+		// The server may not read nodes: our RBAC, not the agent's claim.
+		return nil, unavailable(fmt.Sprintf("node lookup: apiserver answered %s", resp.Status), fmt.Errorf("%w: %s", ErrNodesForbidden, clip(strings.Join(strings.Fields(string(data)), " "), 256)))
 	default:
-		// 403 here means the server may not read nodes: our problem.
 		return nil, unavailable(fmt.Sprintf("node lookup: apiserver answered %s", resp.Status), errors.New(clip(strings.Join(strings.Fields(string(data)), " "), 256)))
 	}
 	var obj struct {

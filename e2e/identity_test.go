@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -22,6 +23,10 @@ type boundAPIServer struct {
 	mu     sync.Mutex
 	tokens map[string]boundToken // guarded by mu
 	nodes  map[string][]string   // node name -> addresses; guarded by mu
+	// forbidNodes answers 403 to every Node read, as kube-apiserver does
+	// for an identity without get on nodes (upstream's RBAC).
+	forbidNodes atomic.Bool
+	nodeGets    atomic.Int64
 }
 
 type boundToken struct{ node, pod, uid string }
@@ -78,10 +83,16 @@ func startBoundAPIServer(t *testing.T, p *pki) *boundAPIServer {
 			http.Error(w, `{"kind":"Status","code":401}`, http.StatusUnauthorized)
 			return
 		}
+		b.nodeGets.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		if b.forbidNodes.Load() {
+			w.WriteHeader(http.StatusForbidden)
+			_, _ = fmt.Fprintf(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","message":"nodes %q is forbidden: User \"system:serviceaccount:kube-system:konnectivity-server\" cannot get resource \"nodes\" in API group \"\" at the cluster scope","reason":"Forbidden","code":403}`, r.PathValue("name"))
+			return
+		}
 		b.mu.Lock()
 		addrs, ok := b.nodes[r.PathValue("name")]
 		b.mu.Unlock()
-		w.Header().Set("Content-Type", "application/json")
 		if !ok {
 			w.WriteHeader(http.StatusNotFound)
 			_, _ = io.WriteString(w, `{"kind":"Status","reason":"NotFound","code":404}`)

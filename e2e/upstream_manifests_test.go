@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -27,7 +28,18 @@ type upstreamManifest struct {
 	// The start-up warnings each process must print, and no other: each
 	// names a row of README "Differences from upstream".
 	serverWarns, agentWarns []string
+	// bound: the fake apiserver answers as Kubernetes 1.30+ does for a
+	// pod-bound token (node-name and pod-name claims, the pod's name the
+	// agent's default ID), and its Node lookups as named. Empty: as
+	// before 1.30, no claims.
+	bound string
 }
+
+// How the fake apiserver of a bound manifest answers GET /api/v1/nodes/NAME.
+const (
+	boundNodesForbidden = "nodes-forbidden" // 403: upstream's RBAC grants no get on nodes
+	boundNodesReadable  = "nodes-readable"  // the Node, with the agent's $(HOST_IP) as its address
+)
 
 // Warnings, one per row of README "Differences from upstream" that these
 // command lines meet.
@@ -38,30 +50,60 @@ const (
 	// The fake apiserver answers TokenReviews as Kubernetes before 1.30
 	// does, without the token's node (README "agent identity" row).
 	warnIdentityOff = "agent identity binding is off for tokens without node claims"
+	// The server may not get nodes: node-bound agents' addresses are
+	// dropped (README "agent identity" rows).
+	warnAddressDropped = "ipv4=/ipv6= identifiers of agents with node-bound tokens are dropped"
 	// An agent counting Leases outside a pod has no API access: it says so
 	// once and goes on with the announced count (README "--count-server-leases" row).
 	warnLeaseAgent = "cannot count server leases: using the server count the servers announce"
 )
 
+// The kind example's command lines (apiserver-network-proxy examples/kind).
+var (
+	anpKindServer = []string{
+		"--log-file=/var/log/konnectivity-server.log", "--logtostderr=true", "--log-file-max-size=0",
+		"--uds-name=/etc/kubernetes/konnectivity-server/konnectivity-server.socket", "--delete-existing-uds-file",
+		"--cluster-cert=/etc/kubernetes/pki/apiserver.crt", "--cluster-key=/etc/kubernetes/pki/apiserver.key",
+		"--server-port=0", "--agent-port=8091", "--health-port=8092", "--admin-port=8093", "--keepalive-time=1h",
+		"--mode=grpc", "--agent-namespace=kube-system", "--agent-service-account=konnectivity-agent",
+		"--kubeconfig=/etc/kubernetes/admin.conf", "--authentication-audience=system:konnectivity-server",
+	}
+	anpKindAgent = []string{
+		"--logtostderr=true", "--ca-cert=/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+		"--proxy-server-host=konnectivity-server.kube-system.svc.cluster.local", "--proxy-server-port=8091",
+		"--sync-interval=5s", "--sync-interval-cap=30s", "--probe-interval=5s",
+		"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
+		"--agent-identifiers=ipv4=$(HOST_IP)",
+	}
+)
+
 var upstreamManifests = []upstreamManifest{
 	{
-		name: "anp-examples-kind",
-		server: []string{
-			"--log-file=/var/log/konnectivity-server.log", "--logtostderr=true", "--log-file-max-size=0",
-			"--uds-name=/etc/kubernetes/konnectivity-server/konnectivity-server.socket", "--delete-existing-uds-file",
-			"--cluster-cert=/etc/kubernetes/pki/apiserver.crt", "--cluster-key=/etc/kubernetes/pki/apiserver.key",
-			"--server-port=0", "--agent-port=8091", "--health-port=8092", "--admin-port=8093", "--keepalive-time=1h",
-			"--mode=grpc", "--agent-namespace=kube-system", "--agent-service-account=konnectivity-agent",
-			"--kubeconfig=/etc/kubernetes/admin.conf", "--authentication-audience=system:konnectivity-server",
-		},
-		agent: []string{
-			"--logtostderr=true", "--ca-cert=/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
-			"--proxy-server-host=konnectivity-server.kube-system.svc.cluster.local", "--proxy-server-port=8091",
-			"--sync-interval=5s", "--sync-interval-cap=30s", "--probe-interval=5s",
-			"--service-account-token-path=/var/run/secrets/tokens/konnectivity-agent-token",
-			"--agent-identifiers=ipv4=$(HOST_IP)",
-		},
+		name:        "anp-examples-kind",
+		server:      anpKindServer,
+		agent:       anpKindAgent,
 		serverWarns: []string{warnLogFileIgnored, warnIdentityOff},
+		agentWarns:  []string{warnProbeInterval},
+	},
+	{
+		// Kubernetes 1.30+: the agent's projected token is bound to its
+		// pod, and upstream's RBAC (system:auth-delegator) does not let
+		// the server get nodes. The agent's ID is its default, the host
+		// name (the pod's name), and its ipv4=$(HOST_IP) is dropped.
+		name:        "anp-examples-kind-pod-bound-token-nodes-forbidden",
+		server:      anpKindServer,
+		agent:       anpKindAgent,
+		bound:       boundNodesForbidden,
+		serverWarns: []string{warnLogFileIgnored, warnAddressDropped},
+		agentWarns:  []string{warnProbeInterval},
+	},
+	{
+		// The same with `get nodes` granted: the address is the Node's, kept.
+		name:        "anp-examples-kind-pod-bound-token-nodes-readable",
+		server:      anpKindServer,
+		agent:       anpKindAgent,
+		bound:       boundNodesReadable,
+		serverWarns: []string{warnLogFileIgnored},
 		agentWarns:  []string{warnProbeInterval},
 	},
 	{
@@ -227,7 +269,26 @@ func TestUpstreamManifests(t *testing.T) {
 			}
 			t.Cleanup(func() { os.RemoveAll(dir) })
 			p := newPKI(t, dir)
-			api := startFakeAPIServer(t, p)
+			var api *fakeAPIServer
+			var bound *boundAPIServer
+			if m.bound == "" {
+				api = startFakeAPIServer(t, p)
+			} else {
+				bound = startBoundAPIServer(t, p)
+				api = bound.fakeAPIServer
+				// The agent passes no --agent-id: its ID is the host name,
+				// in a DaemonSet pod the pod's name.
+				host, err := os.Hostname()
+				if err != nil {
+					t.Fatal(err)
+				}
+				bound.issue(goodToken, "node-e2e", host, "uid-e2e")
+				if m.bound == boundNodesForbidden {
+					bound.forbidNodes.Store(true)
+				} else {
+					bound.setNode("node-e2e", "127.0.0.1")
+				}
+			}
 			// The same apiserver keeps the Leases of --enable-lease-controller.
 			leases := startFakeLeaseAPI(t)
 			var leaseAPI http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -297,6 +358,9 @@ func TestUpstreamManifests(t *testing.T) {
 			backend := startHTTPBackend(t, "127.0.0.1", "b1")
 			checkReachable(t, s.egressDialerProto(t, proto), backend, "b1", 3)
 
+			if bound != nil {
+				checkBoundAgent(t, m, "http://127.0.0.1:"+strconv.Itoa(env.adminPort), healthz, bound)
+			}
 			if slices.Contains(m.server, "--enable-lease-controller") {
 				waitFor(t, 10*time.Second, "the server keeps its Lease", func() bool {
 					leases.mu.Lock()
@@ -321,6 +385,46 @@ func TestUpstreamManifests(t *testing.T) {
 			checkWarnings(t, "agent", agt.out.String(), m.agentWarns)
 		})
 	}
+}
+
+// checkBoundAgent: the agent logged in under its default ID with a
+// pod-bound token; its ipv4= routes when the Node backs it and is dropped
+// (counted as address_unverifiable) when the server may not read Nodes.
+func checkBoundAgent(t *testing.T, m upstreamManifest, admin, health string, api *boundAPIServer) {
+	t.Helper()
+	host, _ := os.Hostname()
+	resp, err := http.Get(admin + "/debug/tunnels")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var st struct {
+		Agents []struct {
+			ID          string `json:"id"`
+			Identifiers string `json:"identifiers"`
+		} `json:"agents"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Agents) != 1 || st.Agents[0].ID != host {
+		t.Fatalf("agents %+v, want one with the host name %q as its ID", st.Agents, host)
+	}
+	wantIDs, wantDropped := "ipv4=127.0.0.1", 0.0
+	if m.bound == boundNodesForbidden {
+		wantIDs, wantDropped = "", 1
+	}
+	if got := st.Agents[0].Identifiers; got != wantIDs {
+		t.Errorf("the agent routes by %q, want %q", got, wantIDs)
+	}
+	const refusals = "konnectivity_network_proxy_server_agent_identity_refusals_total"
+	if v := metricValue(t, health+"/metrics", refusals, "reason", "address_unverifiable"); v != wantDropped {
+		t.Errorf("%s{reason=address_unverifiable} = %v, want %v", refusals, v, wantDropped)
+	}
+	if n := api.nodeGets.Load(); n == 0 {
+		t.Errorf("the server never asked the apiserver for the Node")
+	}
+	t.Logf("agent %q admitted with a pod-bound token, routes by %q (Node lookups: %d, %s)", host, st.Agents[0].Identifiers, api.nodeGets.Load(), m.bound)
 }
 
 // checkWarnings: out holds one WARN line for each entry of want (matched

@@ -26,6 +26,9 @@ type Principal struct {
 	// Node is the node a bound token was issued for; empty when the
 	// credential names none (an unbound token, or Kubernetes before 1.30).
 	Node string
+	// Pod is the pod a bound token was issued for (its name, without the
+	// namespace); empty when the credential names none.
+	Pod string
 	// Names are a client certificate's CN and DNS SANs, Addrs its IP SANs.
 	Names []string
 	Addrs []netip.Addr
@@ -80,7 +83,11 @@ type IdentityPolicy struct {
 	// IDs, "serviceaccount:NAMESPACE/NAME", or "*" for every agent.
 	RouteAgents []string
 	// NodeAddresses returns a node's addresses, to check the ipv4=/ipv6=
-	// identifiers of a node-bound agent. Nil refuses such identifiers.
+	// identifiers of a node-bound agent. An error wrapping
+	// ErrNodesForbidden (the server may not read Nodes), or a nil
+	// NodeAddresses, drops such identifiers: the agent is admitted without
+	// them. A StatusError 403 (no such node) refuses the agent; any other
+	// error is a 503 (retry).
 	NodeAddresses func(ctx context.Context, node string) ([]netip.Addr, error)
 	// Recheck is how often a token agent's token is reviewed again while
 	// its link lives (and at the token's expiry). Default one minute;
@@ -88,17 +95,24 @@ type IdentityPolicy struct {
 	Recheck time.Duration
 }
 
-// Why an agent's claims were refused, also the metric labels.
+// ErrNodesForbidden is what IdentityPolicy.NodeAddresses wraps when the
+// apiserver forbids the server to read Nodes: the ipv4=/ipv6= identifiers
+// of node-bound agents cannot be checked, so they are dropped.
+var ErrNodesForbidden = errors.New("the server may not read Node objects")
+
+// Why an agent's claims were refused (or, for address_unverifiable,
+// dropped), also the metric labels.
 const (
-	identityNodeMismatch    = "node_mismatch"        // ID or host= is not the token's node
-	identityAddressUnbacked = "address_unbacked"     // ipv4=/ipv6= the credential cannot back
-	identityRouteUntrusted  = "route_untrusted"      // cidr=/default-route from an agent not trusted for them
-	identityCertMismatch    = "certificate_mismatch" // ID or identifiers not in the certificate
-	identityInUse           = "id_in_use"            // ID connected with another credential
-	identityTokenInvalid    = "token_invalid"        // a live link's token failed its review
+	identityNodeMismatch      = "node_mismatch"        // ID not the token's node or pod, or host= not its node
+	identityAddressUnbacked   = "address_unbacked"     // ipv4=/ipv6= the credential cannot back
+	identityAddressUnverified = "address_unverifiable" // ipv4=/ipv6= dropped: the Node cannot be read
+	identityRouteUntrusted    = "route_untrusted"      // cidr=/default-route from an agent not trusted for them
+	identityCertMismatch      = "certificate_mismatch" // ID or identifiers not in the certificate
+	identityInUse             = "id_in_use"            // ID connected with another credential
+	identityTokenInvalid      = "token_invalid"        // a live link's token failed its review
 )
 
-var identityReasons = []string{identityNodeMismatch, identityAddressUnbacked, identityRouteUntrusted, identityCertMismatch, identityInUse, identityTokenInvalid}
+var identityReasons = []string{identityNodeMismatch, identityAddressUnbacked, identityAddressUnverified, identityRouteUntrusted, identityCertMismatch, identityInUse, identityTokenInvalid}
 
 // minTokenRefresh bounds how often an admitted agent can make the server
 // review a new token it sends on its control stream.
@@ -128,14 +142,15 @@ func (c *linkCredential) currentToken() string {
 
 // identityState is the server's identity bookkeeping.
 type identityState struct {
-	refused      map[string]*Counter // by reason; fixed after NewServer
-	noClaimsOnce sync.Once
+	refused        map[string]*Counter // by reason; fixed after NewServer
+	noClaimsOnce   sync.Once
+	unverifiedOnce sync.Once // the warning that addresses are dropped
 }
 
 func newIdentityState(m *Metrics) *identityState {
 	st := &identityState{refused: map[string]*Counter{}}
 	for _, r := range identityReasons {
-		st.refused[r] = m.Counter(serverPrefix+"agent_identity_refusals_total", "Agent logins refused, and links closed, because the credential does not back what the agent claims, by reason.", []string{"reason"}, r)
+		st.refused[r] = m.Counter(serverPrefix+"agent_identity_refusals_total", "Agent logins refused, links closed, and (address_unverifiable) identifiers dropped, because the credential does not back what the agent claims, by reason.", []string{"reason"}, r)
 	}
 	return st
 }
@@ -161,8 +176,16 @@ func (s *Server) authenticate(ctx context.Context, c AgentCredentials) (Principa
 // checkIdentity refuses an agent whose ID or identifiers its credential
 // does not back, and a login under an ID that is connected with another
 // credential. Refusals are 403s carrying the reason; a node lookup that
-// could not be done is a 503 (retry).
-func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids Identifiers) error {
+// could not be done is a 503 (retry). It returns the identifiers the agent
+// is registered with: ids, less the ipv4=/ipv6= a node-bound agent claims
+// when the server cannot read its Node (listed in Ignored).
+//
+// A node-bound agent's ID may be its token's node or pod name: the ID
+// routes no dial (identifiers do), it names the link, and one credential
+// holds an ID at a time, so either name is as strong. Upstream's
+// DaemonSets pass no --agent-id and the agent's default is the host name:
+// the pod's name, or with hostNetwork the node's.
+func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids Identifiers) (Identifiers, error) {
 	pol := &s.cfg.Identity
 	switch {
 	case p.Kind == PrincipalToken && p.Node == "" && !pol.IgnoreNodeClaims:
@@ -170,62 +193,93 @@ func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids 
 			s.log.Warn("agent identity binding is off for tokens without node claims: the apiserver's TokenReview named no node (Kubernetes before 1.30, or a token not bound to a pod); such agents may use any ID and identifiers", "agent", id)
 		})
 	case p.Kind == PrincipalToken && p.Node != "" && !pol.IgnoreNodeClaims:
-		if !strings.EqualFold(id, p.Node) {
-			return s.identityRefused(identityNodeMismatch, "agent ID %q is not the node %q its token was issued for", id, p.Node)
+		if !strings.EqualFold(id, p.Node) && (p.Pod == "" || !strings.EqualFold(id, p.Pod)) {
+			if p.Pod == "" {
+				return ids, s.identityRefused(identityNodeMismatch, "agent ID %q is not the node %q its token was issued for", id, p.Node)
+			}
+			return ids, s.identityRefused(identityNodeMismatch, "agent ID %q is neither the node %q nor the pod %q its token was issued for", id, p.Node, p.Pod)
 		}
 		for _, h := range ids.Hosts {
 			if !strings.EqualFold(strings.TrimSuffix(h, "."), p.Node) {
-				return s.identityRefused(identityNodeMismatch, "identifier host=%s is not the node %q the agent's token was issued for", h, p.Node)
+				return ids, s.identityRefused(identityNodeMismatch, "identifier host=%s is not the node %q the agent's token was issued for", h, p.Node)
 			}
 		}
 		if len(ids.Addrs) > 0 {
-			if err := s.checkNodeAddrs(ctx, p.Node, ids.Addrs); err != nil {
-				return err
+			verified, err := s.checkNodeAddrs(ctx, p.Node, ids.Addrs)
+			if err != nil {
+				return ids, err
+			}
+			if !verified {
+				ids = s.dropUnverifiedAddrs(id, p.Node, ids)
 			}
 		}
 	case p.Kind == PrincipalCertificate && pol.CertificateNames:
 		if !containsFold(p.Names, id) {
-			return s.identityRefused(identityCertMismatch, "agent ID %q is not a name in its client certificate", id)
+			return ids, s.identityRefused(identityCertMismatch, "agent ID %q is not a name in its client certificate", id)
 		}
 		for _, h := range ids.Hosts {
 			if !containsFold(p.Names, strings.TrimSuffix(h, ".")) {
-				return s.identityRefused(identityCertMismatch, "identifier host=%s is not a name in the agent's client certificate", h)
+				return ids, s.identityRefused(identityCertMismatch, "identifier host=%s is not a name in the agent's client certificate", h)
 			}
 		}
 		for _, a := range ids.Addrs {
 			if !slices.Contains(p.Addrs, a.Unmap()) {
-				return s.identityRefused(identityAddressUnbacked, "identifier %s is not an IP address in the agent's client certificate", addrIdentifier(a))
+				return ids, s.identityRefused(identityAddressUnbacked, "identifier %s is not an IP address in the agent's client certificate", addrIdentifier(a))
 			}
 		}
 	}
 	if (len(ids.CIDRs) > 0 || ids.DefaultRoute) && !s.trustedForRoutes(p, id) {
-		return s.identityRefused(identityRouteUntrusted, "cidr= and default-route identifiers are accepted only from agents listed in --route-agents (agent %q is not)", id)
+		return ids, s.identityRefused(identityRouteUntrusted, "cidr= and default-route identifiers are accepted only from agents listed in --route-agents (agent %q is not)", id)
 	}
 	if s.agents.heldByOther(id, p.Credential) {
-		return s.identityRefused(identityInUse, "agent ID %q is connected with another credential", id)
+		return ids, s.identityRefused(identityInUse, "agent ID %q is connected with another credential", id)
 	}
-	return nil
+	return ids, nil
 }
 
-func (s *Server) checkNodeAddrs(ctx context.Context, node string, claimed []netip.Addr) error {
+// checkNodeAddrs checks claimed addresses against the node's. verified
+// false with no error: the server cannot read the Node (no lookup, or the
+// apiserver forbids it), so the addresses are neither backed nor refuted.
+func (s *Server) checkNodeAddrs(ctx context.Context, node string, claimed []netip.Addr) (verified bool, err error) {
 	lookup := s.cfg.Identity.NodeAddresses
 	if lookup == nil {
-		return s.identityRefused(identityAddressUnbacked, "identifier %s cannot be checked: this server does not look up node addresses", addrIdentifier(claimed[0]))
+		return false, nil
 	}
 	have, err := lookup(ctx, node)
-	if err != nil {
-		if StatusCode(err) == http.StatusServiceUnavailable || !errors.As(err, new(*StatusError)) {
-			s.quiet.log(s.log, slog.LevelWarn, "node lookup", "node address lookup failed; agents claiming ipv4=/ipv6= are refused until it works", "node", node, "err", err)
-			return statusErrorf(http.StatusServiceUnavailable, "authentication unavailable: the node's addresses could not be read")
-		}
-		return s.identityRefused(identityAddressUnbacked, "identifiers ipv4=/ipv6= cannot be backed: %s", errMsg(err))
+	switch {
+	case errors.Is(err, ErrNodesForbidden):
+		return false, nil
+	case err != nil && StatusCode(err) == http.StatusForbidden:
+		return false, s.identityRefused(identityAddressUnbacked, "identifiers ipv4=/ipv6= cannot be backed: %s", errMsg(err))
+	case err != nil:
+		s.quiet.log(s.log, slog.LevelWarn, "node lookup", "node address lookup failed; agents claiming ipv4=/ipv6= are refused until it works", "node", node, "err", err)
+		return false, statusErrorf(http.StatusServiceUnavailable, "authentication unavailable: the node's addresses could not be read")
 	}
 	for _, a := range claimed {
 		if !slices.Contains(have, a.Unmap()) {
-			return s.identityRefused(identityAddressUnbacked, "identifier %s is not an address of node %q", addrIdentifier(a), node)
+			return false, s.identityRefused(identityAddressUnbacked, "identifier %s is not an address of node %q", addrIdentifier(a), node)
 		}
 	}
-	return nil
+	return true, nil
+}
+
+// dropUnverifiedAddrs admits a node-bound agent without the ipv4=/ipv6=
+// identifiers the server cannot check, so no dial is routed to it by
+// them: counted per agent, the warning naming the fix logged once.
+func (s *Server) dropUnverifiedAddrs(id, node string, ids Identifiers) Identifiers {
+	s.identity.refused[identityAddressUnverified].Inc()
+	s.identity.unverifiedOnce.Do(func() {
+		why := "this server has no Node lookup"
+		if s.cfg.Identity.NodeAddresses != nil {
+			why = "the apiserver answered 403 to reading the Node"
+		}
+		s.log.Warn("ipv4=/ipv6= identifiers of agents with node-bound tokens are dropped (no dial is routed by them): "+why+"; grant get on nodes to the server's kubeconfig identity (README \"Agent identity\") or run with --bind-agent-identity=false", "agent", id, "node", node)
+	})
+	for _, a := range ids.Addrs {
+		ids.Ignored = append(ids.Ignored, addrIdentifier(a)+": cannot be verified against the Node")
+	}
+	ids.Addrs = nil
+	return ids
 }
 
 func addrIdentifier(a netip.Addr) string {

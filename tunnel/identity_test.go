@@ -28,14 +28,22 @@ type fakeTokens struct {
 	reviews atomic.Int64
 }
 
-type fakeToken struct{ node, podUID string }
+type fakeToken struct{ node, podUID, pod string }
 
 func newFakeTokens() *fakeTokens { return &fakeTokens{tokens: map[string]fakeToken{}} }
 
 func (f *fakeTokens) add(token, node, podUID string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.tokens[token] = fakeToken{node, podUID}
+	f.tokens[token] = fakeToken{node: node, podUID: podUID}
+}
+
+// addPod is add for a token that also names its pod, as Kubernetes 1.30's
+// pod-bound tokens do.
+func (f *fakeTokens) addPod(token, node, pod, podUID string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.tokens[token] = fakeToken{node: node, podUID: podUID, pod: pod}
 }
 
 func (f *fakeTokens) revoke(token string) {
@@ -57,7 +65,7 @@ func (f *fakeTokens) identify(ctx context.Context, c AgentCredentials) (Principa
 	if !ok {
 		return Principal{}, &StatusError{Code: http.StatusUnauthorized, Msg: "token not authenticated"}
 	}
-	p := Principal{Kind: PrincipalToken, Node: tk.node, Account: "kube-system/konnectivity-agent", Credential: "sa:kube-system/konnectivity-agent"}
+	p := Principal{Kind: PrincipalToken, Node: tk.node, Pod: tk.pod, Account: "kube-system/konnectivity-agent", Credential: "sa:kube-system/konnectivity-agent"}
 	if tk.podUID != "" {
 		p.Credential = "pod:" + tk.podUID
 	}
@@ -65,14 +73,20 @@ func (f *fakeTokens) identify(ctx context.Context, c AgentCredentials) (Principa
 }
 
 // tokenEnv is a server that admits agents by token only, binds them with
-// f, and knows node-a's address is 127.0.0.1.
+// f, and knows node-a's address is 127.0.0.1. The apiserver forbids it to
+// read node-f; node-down cannot be read for now.
 func tokenEnv(t *testing.T, f *fakeTokens, log *lockedBuf, mutate func(*ServerConfig)) *env {
 	return newEnv(t, func(c *ServerConfig) {
 		c.AgentTLS.ClientAuth = tls.VerifyClientCertIfGiven
 		c.IdentifyAgent = f.identify
 		c.Identity.NodeAddresses = func(ctx context.Context, node string) ([]netip.Addr, error) {
-			if node == "node-a" {
+			switch node {
+			case "node-a":
 				return []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("::1")}, nil
+			case "node-f":
+				return nil, fmt.Errorf("%w: nodes \"node-f\" is forbidden", ErrNodesForbidden)
+			case "node-down":
+				return nil, &StatusError{Code: http.StatusServiceUnavailable, Msg: "apiserver unreachable"}
 			}
 			return nil, &StatusError{Code: http.StatusForbidden, Msg: fmt.Sprintf("node %q does not exist", node)}
 		}
@@ -113,6 +127,8 @@ func TestIdentityBindsTokenToNode(t *testing.T) {
 	checkNoLeaks(t)
 	f := newFakeTokens()
 	f.add("tok-a", "node-a", "uid-a")
+	f.addPod("tok-a-pod", "node-a", "konnectivity-agent-x7k2p", "uid-a-pod")
+	f.addPod("tok-down", "node-down", "konnectivity-agent-d", "uid-d")
 	f.add("tok-unbound", "", "")
 	var log lockedBuf
 	e := tokenEnv(t, f, &log, nil)
@@ -123,6 +139,12 @@ func TestIdentityBindsTokenToNode(t *testing.T) {
 	}{
 		{"own node", "node-a", "host=node-a&ipv4=127.0.0.1&ipv6=::1", "tok-a", ""},
 		{"other ID", "node-b", "", "tok-a", identityNodeMismatch},
+		{"pod-bound token, the pod's name as ID", "konnectivity-agent-x7k2p", "host=node-a&ipv4=127.0.0.1", "tok-a-pod", ""},
+		{"pod-bound token, the pod's name in capitals", "Konnectivity-Agent-X7K2P", "", "tok-a-pod", ""},
+		{"pod-bound token, the node's name as ID", "node-a", "", "tok-a-pod", ""},
+		{"pod-bound token, another pod's name", "konnectivity-agent-zzzzz", "", "tok-a-pod", identityNodeMismatch},
+		{"pod-bound token, its pod's name as host=", "konnectivity-agent-x7k2p", "host=konnectivity-agent-x7k2p", "tok-a-pod", identityNodeMismatch},
+		{"pod-bound token, address not the node's", "konnectivity-agent-x7k2p", "ipv4=127.0.0.2", "tok-a-pod", identityAddressUnbacked},
 		{"other host", "node-a", "host=node-b", "tok-a", identityNodeMismatch},
 		{"two hosts", "node-a", "host=node-a&host=node-b", "tok-a", identityNodeMismatch},
 		{"address not the node's", "node-a", "ipv4=127.0.0.2", "tok-a", identityAddressUnbacked},
@@ -161,6 +183,17 @@ func TestIdentityBindsTokenToNode(t *testing.T) {
 	if !strings.Contains(out, `is not the node \"node-a\" its token was issued for`) {
 		t.Errorf("the refusal reason is not in the log:\n%s", out)
 	}
+	if err := rawLogin(t, e, "konnectivity-agent-zzzzz", "", "tok-a-pod", false); err == nil || !strings.Contains(err.Error(), `agent ID "konnectivity-agent-zzzzz" is neither the node "node-a" nor the pod "konnectivity-agent-x7k2p"`) {
+		t.Errorf("another pod's name: the refusal does not name the node and the pod: %v", err)
+	}
+	// A Node lookup that failed (apiserver unreachable, 5xx) is a 503: the
+	// agent retries, nothing is counted as a refusal.
+	if err := rawLogin(t, e, "node-down", "ipv4=127.0.0.1", "tok-down", false); StatusCode(err) != http.StatusServiceUnavailable {
+		t.Errorf("node lookup down: want 503, got %v", err)
+	}
+	if n := refusals(e, identityAddressUnverified); n != 0 {
+		t.Errorf("address_unverifiable counted %d times with a working or failing lookup, want 0", n)
+	}
 
 	// Relaxed, node-a's token may claim node-b again (the old behaviour).
 	relaxed := tokenEnv(t, f, nil, func(c *ServerConfig) { c.Identity.IgnoreNodeClaims = true })
@@ -174,10 +207,78 @@ func TestIdentityBindsTokenToNode(t *testing.T) {
 			t.Errorf("route agents %q: %v", trust, err)
 		}
 	}
-	// Without a node lookup, addresses cannot be backed.
-	noLookup := tokenEnv(t, f, nil, func(c *ServerConfig) { c.Identity.NodeAddresses = nil })
-	if err := rawLogin(t, noLookup, "node-a", "ipv4=127.0.0.1", "tok-a", false); StatusCode(err) != http.StatusForbidden {
-		t.Errorf("no node lookup: want 403, got %v", err)
+	// Without a node lookup, addresses cannot be backed: the agent is
+	// admitted without them (TestIdentityUnverifiableAddresses).
+	var noLookupLog lockedBuf
+	noLookup := tokenEnv(t, f, &noLookupLog, func(c *ServerConfig) { c.Identity.NodeAddresses = nil })
+	if err := rawLogin(t, noLookup, "node-a", "ipv4=127.0.0.1", "tok-a", false); err != nil {
+		t.Errorf("no node lookup: refused: %v", err)
+	}
+	if n := refusals(noLookup, identityAddressUnverified); n != 1 {
+		t.Errorf("no node lookup: address_unverifiable counted %d times, want 1", n)
+	}
+	if !strings.Contains(noLookupLog.String(), "this server has no Node lookup") {
+		t.Errorf("no node lookup: no warning:\n%s", noLookupLog.String())
+	}
+}
+
+// A server the apiserver forbids to read Nodes (upstream's RBAC grants
+// none) admits a node-bound agent without its ipv4=/ipv6= identifiers, on
+// both agent protocols: no dial is routed to it by those addresses, the
+// metric counts each agent, and one warning per server names the fix.
+// Its host= (checked against the token) still routes.
+func TestIdentityUnverifiableAddresses(t *testing.T) {
+	checkNoLeaks(t)
+	f := newFakeTokens()
+	f.addPod("tok-f1", "node-f", "konnectivity-agent-f1", "uid-f1")
+	f.addPod("tok-f2", "node-f", "konnectivity-agent-f2", "uid-f2")
+	var log lockedBuf
+	e := tokenEnv(t, f, &log, nil)
+	noCert := func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.pki.pool, ServerName: name}, nil }
+
+	// Ours: upstream's DaemonSet passes no --agent-id, so the ID is the pod's name.
+	e.startAgent("konnectivity-agent-f1", "host=node-f&ipv4=127.0.0.1&ipv6=::1", func(c *AgentConfig) {
+		c.TLS = noCert
+		c.Token = func() (string, error) { return "tok-f1", nil }
+	})
+	// Upstream's (gRPC), the same.
+	resp, end := upstreamLogin(t, e, "konnectivity-agent-f2", "ipv4=127.0.0.1", "tok-f2")
+	defer end()
+	if resp.StatusCode != 200 || resp.Header.Get("grpc-status") != "" {
+		t.Fatalf("upstream agent: %s %v", resp.Status, resp.Header)
+	}
+	e.waitAgents(2)
+	for _, id := range []string{"konnectivity-agent-f1", "konnectivity-agent-f2"} {
+		a := findAgent(e, id)
+		if len(a.ids.Addrs) != 0 {
+			t.Errorf("%s: registered with addresses %v, want none", id, a.ids.Addrs)
+		}
+		if len(a.ids.Ignored) == 0 || !strings.Contains(a.ids.Ignored[0], "cannot be verified") {
+			t.Errorf("%s: ignored identifiers %q", id, a.ids.Ignored)
+		}
+	}
+	all := int64(1 << 30)
+	for _, host := range []string{"127.0.0.1", "::1"} {
+		if a := e.srv.agents.pick(host, []Strategy{StrategyDestHost}, all, nil); a != nil {
+			t.Errorf("a dial to %s is routed to %s by a dropped address", host, a.id)
+		}
+	}
+	if a := e.srv.agents.pick("node-f", []Strategy{StrategyDestHost}, all, nil); a == nil || a.id != "konnectivity-agent-f1" {
+		t.Errorf("host=node-f does not route to its agent: %v", a)
+	}
+	if n := refusals(e, identityAddressUnverified); n != 2 {
+		t.Errorf("address_unverifiable counted %d times, want 2 (one per agent)", n)
+	}
+	out := log.String()
+	if n := strings.Count(out, "grant get on nodes to the server's kubeconfig identity"); n != 1 {
+		t.Errorf("the warning naming the fix was logged %d times, want once:\n%s", n, out)
+	}
+	// Our agent serves dials (by the default strategy; the upstream
+	// login above is a bare stream that serves none, so it leaves first).
+	end()
+	e.waitAgents(1)
+	if err := e.echoOnce(echoServer(t)); err != nil {
+		t.Fatalf("dial: %v", err)
 	}
 }
 

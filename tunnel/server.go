@@ -478,10 +478,11 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	br := bufio.NewReaderSize(lim, 4096)
 	hello, err := readHello(br)
 	var principal Principal
+	var ids Identifiers
 	if err == nil {
 		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
 		stop := watchHangup(conn, cancel)
-		principal, err = s.admit(ctx, hello, tlsState, remote)
+		principal, ids, err = s.admit(ctx, hello, tlsState, remote)
 		if !stop() && err == nil {
 			err = statusErrorf(http.StatusBadRequest, "the agent hung up or sent data before the handshake answer")
 		}
@@ -505,7 +506,6 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		conn.Close()
 		return
 	}
-	ids, _ := parseFromAgent(hello.Identifiers) // checked in admit
 	if !pc.admit() {
 		conn.Close() // the header timeout came first
 		return
@@ -551,7 +551,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 			old.shutdown(ctx)
 		})
 	}
-	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "agents", s.agents.len())
+	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
 	// No goroutine waits for the connection to end (an idle agent costs
 	// what it holds, not a parked stack): closing it unregisters the agent.
 	wc.onClose(func() {
@@ -599,17 +599,18 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 // connection costs no token review; then it checks that the credential
 // backs the agent's ID and identifiers (identity.go). ctx bounds both,
 // under one review slot (admission.go): the connection's deadline, or the
-// login stream's life.
-func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) (Principal, error) {
+// login stream's life. It returns the identifiers to register the agent
+// with: those the credential backs.
+func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) (Principal, Identifiers, error) {
 	if slices.Contains(h.Held, s.cfg.ID) {
-		return Principal{}, statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
 	}
 	if s.isShutting() {
-		return Principal{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
 	}
 	ids, err := parseFromAgent(h.Identifiers)
 	if err != nil {
-		return Principal{}, statusErrorf(http.StatusBadRequest, "%v", err)
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusBadRequest, "%v", err)
 	}
 	var p Principal
 	err = s.review(ctx, h.ID, remote, func(ctx context.Context) error {
@@ -617,12 +618,13 @@ func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.Connectio
 		if p, err = s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState}); err != nil {
 			return err
 		}
-		return s.checkIdentity(ctx, p, h.ID, ids)
+		ids, err = s.checkIdentity(ctx, p, h.ID, ids)
+		return err
 	})
 	if err != nil {
-		return Principal{}, err
+		return Principal{}, Identifiers{}, err
 	}
-	return p, nil
+	return p, ids, nil
 }
 
 func errMsg(err error) string {

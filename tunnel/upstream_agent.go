@@ -107,10 +107,11 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	}
 	err := validID(hello.ID)
 	var principal Principal
+	var ids Identifiers
 	if err == nil {
 		// The stream's context: a reset stream or a closed connection
 		// (the header deadline included) cancels the review.
-		principal, err = s.admit(r.Context(), hello, tlsState, remote)
+		principal, ids, err = s.admit(r.Context(), hello, tlsState, remote)
 	}
 	if err != nil {
 		s.Stats.AgentsRefused.Add(1)
@@ -131,7 +132,6 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		return true // the header deadline came first: the connection is closed
 	}
 	l.RaiseWindows()
-	ids, _ := parseFromAgent(hello.Identifiers)
 
 	h := w.Header()
 	h.Set("Content-Type", "application/grpc")
@@ -167,7 +167,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 			old.shutdown(ctx)
 		})
 	}
-	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "agents", s.agents.len())
+	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
 
 	readDone := make(chan error, 1)
 	go func() { readDone <- ua.readLoop(r.Body) }()
