@@ -69,9 +69,6 @@ func (a *activity) down() {
 	}
 }
 
-// downN is down as an h2link write hook.
-func (a *activity) downN(int) { a.down() }
-
 // quietTunnel is a frontend tunnel a draining server may close at a quiet
 // moment: closeQuiet ends it the way the client sees a server closing an
 // idle connection.

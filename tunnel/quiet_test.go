@@ -1,3 +1,5 @@
+//lint:file-ignore SA1019 the gRPC dialer uses x/net/http2's Transport for HTTP/2 with prior knowledge, one connection per dial as konnectivity-client does.
+
 package tunnel
 
 import (
@@ -218,6 +220,10 @@ func TestShutdownClosesIdleKeepAlivesQuietly(t *testing.T) {
 
 func testQuietRestart(t *testing.T, grpc bool) {
 	checkNoLeaks(t)
+	quiet := drainQuiet
+	if grpc {
+		quiet = drainQuietGRPC
+	}
 	p := newPKI(t)
 	agentLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -340,9 +346,9 @@ func testQuietRestart(t *testing.T, grpc bool) {
 				// client needs to see its idle connection closed is the
 				// race every keep-alive server has; not measured here.)
 				if rand.IntN(4) == 0 {
-					time.Sleep(2*drainQuiet + time.Duration(rand.IntN(int(2*drainQuiet))))
+					time.Sleep(2*quiet + time.Duration(rand.IntN(int(2*quiet))))
 				} else {
-					time.Sleep(time.Duration(rand.IntN(int(drainQuiet / 2))))
+					time.Sleep(time.Duration(rand.IntN(int(quiet / 2))))
 				}
 			}
 		}()
