@@ -54,6 +54,7 @@ type stream struct {
 	counted        bool        // counts against MaxConcurrentStreams: open, or its handler still runs
 	resetByThePeer bool        // the peer reset the stream while its handler ran
 	answered       bool        // the serving end: the response head went out
+	resetting      bool        // a RST_STREAM is on its way: the first reset's code is the one sent
 	sendWindow     window      // what this end may still send
 	stopCtx        func() bool // the client end: stops the request context's watch
 
@@ -490,7 +491,8 @@ func (st *stream) fail(err error) {
 func (st *stream) reset(code http2.ErrCode, err error) (sent bool) {
 	l := st.l
 	l.mu.Lock()
-	already := st.state == stateClosed
+	already := st.state == stateClosed || st.resetting
+	st.resetting = true
 	l.mu.Unlock()
 	if already {
 		return false
