@@ -312,7 +312,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	quietCh := make(chan struct{})
 	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, closeQuiet: func() { close(quietCh) }}
 	s.addQuiet(qt)
-	defer s.removeQuiet(qt)
+	defer s.removeQuiet(qt.act)
 	up.start()
 
 	// Downstream: the agent's bytes become DATA packets, read straight into

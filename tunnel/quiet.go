@@ -93,9 +93,9 @@ func (s *Server) addQuiet(t *quietTunnel) {
 	s.mu.Unlock()
 }
 
-func (s *Server) removeQuiet(t *quietTunnel) {
+func (s *Server) removeQuiet(act *activity) {
 	s.mu.Lock()
-	delete(s.quietTunnels, t.act)
+	delete(s.quietTunnels, act)
 	s.mu.Unlock()
 }
 

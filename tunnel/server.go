@@ -655,24 +655,37 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		return
 	}
 	defer st.close()
-	s.hangups.add(conn, func() {
-		s.log.Debug("client closed its socket; ending the tunnel")
-		st.close()
-		conn.Close()
-	})
-	defer s.hangups.remove(conn)
-	qt := &quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, closeQuiet: func() {
-		conn.Close()
-		st.close()
-	}}
-	s.addQuiet(qt)
-	defer s.removeQuiet(qt)
+	s.watchTunnel(conn, st, up)
+	defer s.unwatchTunnel(conn, up)
 	up.start()
 	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
 		s.carryDirect(conn, st, up, body)
 		return
 	}
 	s.carryCopy(conn, st, up)
+}
+
+// watchTunnel registers an open tunnel with the sweeper (its client hung
+// up) and with a drain (a quiet moment to close it) until unwatchTunnel.
+// Apart from serveFrontendConn, whose frame stays parked for the tunnel's
+// life and must stay small (see (*Agent).carry).
+//
+//go:noinline
+func (s *Server) watchTunnel(conn net.Conn, st *stream, up *upload) {
+	s.hangups.add(conn, func() {
+		s.log.Debug("client closed its socket; ending the tunnel")
+		st.close()
+		conn.Close()
+	})
+	s.addQuiet(&quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, closeQuiet: func() {
+		conn.Close()
+		st.close()
+	}})
+}
+
+func (s *Server) unwatchTunnel(conn net.Conn, up *upload) {
+	s.hangups.remove(conn)
+	s.removeQuiet(&up.act)
 }
 
 // openFrontendTunnel reads the CONNECT request, checks the peer, opens a
@@ -772,19 +785,27 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 	}
 }
 
-// carryDirect carries a tunnel on a link between a plain client socket
-// and the stream with this one goroutine: it sends the upload itself while
-// the link's read loop writes what the agent sends straight to the socket
-// (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
-	// Each write to the client is a DATA Packet received from the agent
-	// and sent on to the client, and the tunnel's activity toward it.
+// watchDeliveries counts each write of the agent's bytes to the client as
+// a DATA Packet and stamps the tunnel's activity toward the client. Apart
+// from carryDirect, whose frame stays parked for the tunnel's life (see
+// (*Agent).carry).
+//
+//go:noinline
+func (s *Server) watchDeliveries(body *h2link.Body, up *upload) {
 	fromAgent, toClient, act := &s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData], &up.act
 	body.OnWrite(func(int) {
 		fromAgent.Add(1)
 		toClient.Add(1)
 		act.down()
 	})
+}
+
+// carryDirect carries a tunnel on a link between a plain client socket
+// and the stream with this one goroutine: it sends the upload itself while
+// the link's read loop writes what the agent sends straight to the socket
+// (see sink.go).
+func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
+	s.watchDeliveries(body, up)
 	down := body.DeliverTo(conn, func(err error) error {
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too

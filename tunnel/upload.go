@@ -197,7 +197,7 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	if err := b.sendBuffered(w); err != nil {
 		return err
 	}
-	b.u.sender = packetWriter{w: w, c: b.u.packets, up: &b.u.act}
+	b.u.sender.w, b.u.sender.c, b.u.sender.up = w, b.u.packets, &b.u.act
 	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
 	if err == nil {
