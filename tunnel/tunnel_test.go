@@ -469,33 +469,44 @@ func TestStrategyDefaultSpreads(t *testing.T) {
 func TestAgentAuthRefusals(t *testing.T) {
 	checkNoLeaks(t)
 	e := newEnv(t, func(c *ServerConfig) { c.HeaderTimeout = 500 * time.Millisecond })
-	// An agent with a certificate from another CA fails the TLS handshake.
+	// Garbage and TLS-less bytes on the agent port: each is closed and
+	// counted as a refusal.
+	junk := []string{"GET / HTTP/1.1\r\n\r\n", "\x00\x01\x02garbage", ""}
+	for _, b := range junk {
+		c, err := net.Dial("tcp", e.agentAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.WriteString(c, b)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.Copy(io.Discard, c); isTimeout(err) { // the server must close it
+			t.Errorf("agent port kept a connection that sent %q", b)
+		}
+		c.Close()
+	}
+	waitUntil(t, func() bool { return e.srv.Stats.AgentsRefused.Load() == int64(len(junk)) }, "every junk connection counted as refused")
+	before := e.srv.Stats.AgentsRefused.Load()
+
+	// An agent with a certificate from another CA fails the TLS handshake:
+	// wait for its refusals to be counted, and it must never be admitted
+	// meanwhile.
 	other := newPKI(t)
 	bad := e.startAgent("foreign", "", func(c *AgentConfig) {
 		c.TLS = func(name string) (*tls.Config, error) {
 			return &tls.Config{RootCAs: e.pki.pool, ServerName: name, Certificates: []tls.Certificate{other.agentCert}}, nil
 		}
 	})
-	// Garbage and TLS-less bytes on the agent port.
-	for _, junk := range []string{"GET / HTTP/1.1\r\n\r\n", "\x00\x01\x02garbage", ""} {
-		c, err := net.Dial("tcp", e.agentAddr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		io.WriteString(c, junk)
-		c.SetReadDeadline(time.Now().Add(5 * time.Second))
-		if _, err := io.Copy(io.Discard, c); isTimeout(err) { // the server must close it
-			t.Errorf("agent port kept a connection that sent %q", junk)
-		}
-		c.Close()
-	}
-	time.Sleep(200 * time.Millisecond)
-	if e.srv.AgentCount() != 0 {
+	admitted := false
+	waitUntil(t, func() bool {
+		admitted = admitted || e.srv.AgentCount() != 0
+		return admitted || e.srv.Stats.AgentsRefused.Load() >= before+2
+	}, "the foreign agent refused twice")
+	if admitted {
 		t.Fatal("foreign agent admitted")
 	}
 	bad.stop()
-	if e.srv.Stats.AgentsRefused.Load() == 0 {
-		t.Fatal("no refusal counted")
+	if n := e.srv.AgentCount(); n != 0 {
+		t.Fatalf("foreign agent admitted: server has %d agents", n)
 	}
 	// A good agent still gets in and works.
 	e.startAgent("good", "", nil)
