@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -25,40 +24,6 @@ import (
 // the handshake and then abuses HTTP/2. In every case the server must keep
 // serving a well-behaved client and agent, cut or isolate the abuser, and
 // hold bounded memory.
-
-// heapInuse returns HeapInuse after a full collection.
-func heapInuse() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapInuse
-}
-
-// echoOnce checks that a fresh tunnel to echo carries a round trip.
-func (e *env) echoOnce(echo string) error {
-	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(10 * time.Second))
-	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", echo)
-	br := bufio.NewReader(conn)
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		return fmt.Errorf("CONNECT answer: %w", err)
-	}
-	if resp.StatusCode != 200 {
-		return fmt.Errorf("CONNECT status %d", resp.StatusCode)
-	}
-	io.WriteString(conn, "ping")
-	got := make([]byte, 4)
-	if _, err := io.ReadFull(br, got); err != nil || string(got) != "ping" {
-		return fmt.Errorf("echo %q: %v", got, err)
-	}
-	return nil
-}
 
 // Many frontend connections that send their CONNECT head one byte every
 // 100 ms: a well-behaved client and agent are served meanwhile, and every

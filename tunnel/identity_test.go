@@ -119,8 +119,6 @@ func rawLogin(t *testing.T, e *env, id, identifiers, token string, cert bool) er
 	return err
 }
 
-func refusals(e *env, reason string) uint64 { return e.srv.identity.refused[reason].Value() }
-
 // An agent holding node-a's token may call itself node-a and claim
 // node-a's names and addresses, nothing else.
 func TestIdentityBindsTokenToNode(t *testing.T) {
