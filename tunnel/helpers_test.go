@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 // pki is a throwaway CA with a server and an agent certificate.
@@ -250,45 +251,17 @@ func echoServer(t testing.TB) string {
 	return serveTCP(t, func(c net.Conn) { io.Copy(c, c); c.(*net.TCPConn).CloseWrite() })
 }
 
-// serveTCP runs handle for each connection on a loopback listener.
+// serveTCP runs handle for each connection on a loopback listener until
+// the test ends.
 func serveTCP(t testing.TB, handle func(net.Conn)) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				handle(c)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr().String()
+	s := testnet.Serve(ln, handle)
+	t.Cleanup(s.Close)
+	return s.Addr()
 }
 
 // checkNoLeaks fails the test if goroutines started during it are still
