@@ -48,22 +48,6 @@ func (p *pairEnv) rotate(t *testing.T) *x509.Certificate {
 	return parseCertFile(t, p.certFile)
 }
 
-func served(t *testing.T, r *Reloader) *x509.Certificate {
-	t.Helper()
-	c, err := r.GetCertificate(&tls.ClientHelloInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c2, err := r.GetClientCertificate(&tls.CertificateRequestInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c != c2 {
-		t.Fatal("GetCertificate and GetClientCertificate disagree")
-	}
-	return c.Leaf
-}
-
 func TestReloaderPicksUpNewPair(t *testing.T) {
 	p := newPairEnv(t)
 	first := served(t, p.r)
