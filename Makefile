@@ -16,7 +16,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test lint unit e2e e2e-kube fuzz bench bench-quick bench-compare soak install clean tools image-overlay test-images test-openrc agent-image
+.PHONY: all build demo test lint unit e2e e2e-kube h2spec fuzz bench bench-quick bench-compare soak install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -59,6 +59,10 @@ e2e: build
 e2e-kube: build
 	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 75m -run '^TestKubeAPIServer$$' -v .
 
+# HTTP/2 conformance of the link's serving end (also part of e2e): RELIABILITY.md, "HTTP/2 conformance".
+h2spec: build
+	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m -run '^TestH2Spec$$' ./
+
 OVERLAY          ?= bin/eks-node-overlay.tar.gz
 AGENT_IMAGE      ?= bin/konnectivity-agent-image.tar
 AGENT_IMAGE_REPO ?= spinifex/konnectivity-agent
@@ -84,8 +88,8 @@ test: lint unit e2e e2e-kube test-images test-openrc agent-image
 
 FUZZTIME ?= 20s
 fuzz:
-	@for target in $$($(GO) test -list 'Fuzz.*' ./tunnel/ | grep ^Fuzz); do \
-		echo "== tunnel $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s ./tunnel/ || exit 1; done
+	@for pkg in ./tunnel/ ./tunnel/internal/h2link/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s $$pkg || exit 1; done; done
 	@for pkg in ./auth/ ./certs/ ./images/ociimage/ ./tunnel/lease/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
 

@@ -190,6 +190,20 @@ var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 // serveGRPCStream runs one /ProxyService/Proxy call: DIAL_REQ, DIAL_RSP,
 // then DATA both ways until either side closes.
 func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release func()) {
+	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
+		// Not gRPC at all (a probe, curl, a conformance suite): a plain
+		// HTTP answer says what this socket is. What the request still
+		// sends is read first (at most 64 KiB, for at most a second), so
+		// the client gets the answer, or the link's verdict on a malformed
+		// body, rather than a reset of a request it is still sending.
+		stop := time.AfterFunc(time.Second, func() { r.Body.Close() })
+		io.Copy(io.Discard, io.LimitReader(r.Body, 64<<10))
+		stop.Stop()
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusUnsupportedMediaType)
+		io.WriteString(w, "konnectivity gRPC frontend: requests must be gRPC (POST, content-type application/grpc)\n")
+		return
+	}
 	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
 		return

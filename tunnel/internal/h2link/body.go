@@ -12,7 +12,7 @@ import (
 // Body is what the peer sends on a stream: the response body on the client
 // end, the request body on the serving end.
 type Body struct {
-	st *stream
+	st *stream // immutable
 }
 
 // SendUpload sends the request body of a stream whose caller sends it (a

@@ -73,11 +73,12 @@ type Config struct {
 	MaxHeaderListSize uint32
 
 	// MaxPeerResets bounds, on the serving end, the streams the peer may
-	// reset while their handler still runs, beyond the ones it let finish:
-	// each such reset takes one from a budget of this size, each handler
-	// that finishes without a reset and each second give one back. A peer
+	// reset before they were answered while their handler still runs (and
+	// the streams it opens past MaxConcurrentStreams), beyond the ones it
+	// let finish: each takes one from a budget of this size; each handler
+	// that finishes without a reset, and each second, give one back. A peer
 	// that empties it (rapid reset) gets GOAWAY ENHANCE_YOUR_CALM and is
-	// dropped. Default 1000.
+	// dropped. Tunnels reset after their answer cost nothing. Default 1000.
 	MaxPeerResets int
 
 	// BaseContext is the parent of every handler's request context on the

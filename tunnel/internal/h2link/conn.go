@@ -49,6 +49,7 @@ type Conn struct {
 	ctlFlushing bool                        // under ctlMu: a flusher goroutine runs
 	ctlClosed   bool                        // under ctlMu: the connection is closed, nothing more is queued
 	flushers    sync.WaitGroup              // flusher goroutines; the read loop waits for them
+	ctlOverflow atomic.Bool                 // the queue hit MaxQueuedControl: the read loop ends the connection
 
 	mu         sync.Mutex
 	windowCond *sync.Cond         // on mu: send windows grew, or the connection or a stream ended
@@ -205,7 +206,9 @@ func (l *Conn) writeSettings() error {
 // ones: SETTINGS_INITIAL_WINDOW_SIZE, and a WINDOW_UPDATE for the
 // connection and for each open stream. The owner calls it once it has
 // admitted the peer; again, or without pre-admission windows, it does
-// nothing.
+// nothing. A handler may call it: NewServer returns before any handler
+// runs (they start with Serve), so the handler can use the *Conn its
+// owner stored from NewServer's result.
 func (l *Conn) RaiseWindows() {
 	l.mu.Lock()
 	if l.closed {
@@ -231,7 +234,7 @@ func (l *Conn) RaiseWindows() {
 			// (§6.9.2); only this end's account of them grows here.
 			st.rmu.Lock()
 			st.recvWindow.add(streamDelta)
-			st.recvSize += streamDelta
+			st.recvSize += int32(streamDelta)
 			st.rmu.Unlock()
 		}
 	}
@@ -298,8 +301,10 @@ func (l *Conn) writeControl(f func(*http2.Framer) error) {
 		return
 	}
 	if len(l.ctlQueue) >= l.cfg.MaxQueuedControl {
+		// Callers may hold a stream's rmu: the read loop, which checks
+		// this flag after every frame, ends the connection.
+		l.ctlOverflow.Store(true)
 		l.ctlMu.Unlock()
-		l.calm(fmt.Errorf("%w: more than %d control frames queued for a peer that does not read", errCalm, l.cfg.MaxQueuedControl))
 		return
 	}
 	l.ctlQueue = append(l.ctlQueue, f)
@@ -312,20 +317,6 @@ func (l *Conn) writeControl(f func(*http2.Framer) error) {
 	if start {
 		go l.flushControl()
 	}
-}
-
-// calm ends a connection whose peer exceeded a limit: GOAWAY
-// ENHANCE_YOUR_CALM if it can be written without waiting, then close.
-func (l *Conn) calm(err error) {
-	if l.wmu.TryLock() {
-		l.conn.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-		l.mu.Lock()
-		last := l.lastPeerID
-		l.mu.Unlock()
-		l.fr.WriteGoAway(last, http2.ErrCodeEnhanceYourCalm, nil)
-		l.wmu.Unlock()
-	}
-	l.closeWith(err)
 }
 
 // flushControl sends queued control frames until the queue is empty. The
@@ -494,7 +485,7 @@ func (l *Conn) closeWith(err error) {
 		return
 	}
 	l.closed = true
-	l.closeErr = fmt.Errorf("%w: %v", ErrClosed, err)
+	l.closeErr = fmt.Errorf("%w: %w", ErrClosed, err)
 	if errors.Is(err, ErrClosed) {
 		l.closeErr = ErrClosed
 	}
@@ -511,6 +502,10 @@ func (l *Conn) closeWith(err error) {
 	l.ctlClosed = true
 	l.ctlQueue = nil
 	l.ctlMu.Unlock()
+	// A writer stuck on a peer that does not read would hold a TLS
+	// connection's Close (its close_notify waits for the writer): release
+	// it first.
+	l.conn.SetWriteDeadline(time.Now())
 	l.conn.Close()
 	for _, st := range streams {
 		st.fail(l.closeErr)

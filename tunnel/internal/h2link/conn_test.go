@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -32,7 +34,13 @@ type fakeAgent struct {
 // link's SETTINGS and answered with settings of its own.
 func newLinkPair(t *testing.T, keepAlive, pingWait time.Duration, settings ...http2.Setting) (*Conn, *fakeAgent) {
 	t.Helper()
-	client, server := connPair(t, "tcp", "127.0.0.1:0")
+	return newLinkPairOn(t, "tcp", "127.0.0.1:0", keepAlive, pingWait, settings...)
+}
+
+// newLinkPairOn is newLinkPair on a connection of network to address.
+func newLinkPairOn(t *testing.T, network, address string, keepAlive, pingWait time.Duration, settings ...http2.Setting) (*Conn, *fakeAgent) {
+	t.Helper()
+	client, server := connPair(t, network, address)
 	var wg sync.WaitGroup
 	spawn := func(f func()) { wg.Add(1); go func() { defer wg.Done(); f() }() }
 	l, err := NewClient(client, Config{KeepAlive: keepAlive, PingTimeout: pingWait, Spawn: spawn})
@@ -66,7 +74,9 @@ func waitLinkEnded(t *testing.T, l *Conn, failure string) {
 	select {
 	case <-l.readerDone:
 	case <-time.After(5 * time.Second):
-		t.Fatal(failure)
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		t.Fatalf("%s\n%s", failure, onlyOurs(string(buf)))
 	}
 }
 
@@ -564,4 +574,36 @@ func TestLinkRetiresWhenStreamIDsRunOut(t *testing.T) {
 	}
 	// No tunnel open: closed at once, and the agent redials.
 	waitLinkEnded(t, l, "a link with no stream IDs left and no tunnel stayed open")
+}
+
+// The client end facing a hostile peer (the server's end of an agent
+// connection): PINGs it must answer, sent by a peer that never reads, end
+// the connection once the default MaxQueuedControl answers wait.
+func TestLinkPingFloodWithoutReading(t *testing.T) {
+	checkNoLeaks(t)
+	// A Unix socket: its buffers are small and fixed, where loopback TCP
+	// would take megabytes of answers before the link has to queue any.
+	l, a := newLinkPairOn(t, "unix", filepath.Join(t.TempDir(), "s"), 0, 0)
+	a.conn.SetDeadline(time.Time{}) // no write deadline: a write cut short breaks the framing
+	watchdog := time.AfterFunc(30*time.Second, func() { a.conn.Close() })
+	defer watchdog.Stop()
+	var n int
+	for ; a.fr.WritePing(false, [8]byte{byte(n)}) == nil; n++ {
+		if n%4096 == 0 {
+			l.ctlMu.Lock()
+			queued := len(l.ctlQueue)
+			l.ctlMu.Unlock()
+			if queued > DefaultMaxQueuedControl {
+				t.Fatalf("%d control frames queued, limit %d", queued, DefaultMaxQueuedControl)
+			}
+		}
+	}
+	if !watchdog.Stop() {
+		t.Fatal("still open after 30 s of PINGs sent without reading")
+	}
+	waitLinkEnded(t, l, "the link did not end after the flood")
+	if !errors.Is(l.err(), errCalm) {
+		t.Fatalf("link ended with %v, want ENHANCE_YOUR_CALM", l.err())
+	}
+	t.Logf("dropped after %d PINGs", n)
 }

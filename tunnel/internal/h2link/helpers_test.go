@@ -10,7 +10,7 @@ import (
 
 // connPair listens on network and address, dials it and returns both ends
 // (the dialled one first); the caller closes them.
-func connPair(t *testing.T, network, address string) (near, far net.Conn) {
+func connPair(t testing.TB, network, address string) (near, far net.Conn) {
 	t.Helper()
 	ln, err := net.Listen(network, address)
 	if err != nil {
@@ -60,7 +60,7 @@ func checkNoLeaks(t *testing.T) {
 func onlyOurs(stacks string) string {
 	var keep []string
 	for _, g := range strings.Split(stacks, "\n\n") {
-		if strings.Contains(g, "h2link") {
+		if strings.Contains(g, "h2link") || strings.Contains(g, "http2") {
 			keep = append(keep, g)
 		}
 	}

@@ -17,6 +17,10 @@ func (l *Conn) readLoop() {
 	defer close(l.readerDone)
 	defer l.flushers.Wait() // after closeWith: no flusher starts any more
 	for {
+		if l.ctlOverflow.Load() {
+			l.goAwayClose(http2.ErrCodeEnhanceYourCalm, fmt.Errorf("%w: more than %d control frames queued for a peer that does not read", errCalm, l.cfg.MaxQueuedControl))
+			return
+		}
 		f, err := l.fr.ReadFrame()
 		if err == nil {
 			l.lastRead.Store(time.Now().UnixNano())
@@ -29,6 +33,10 @@ func (l *Conn) readLoop() {
 		if errors.As(err, &se) {
 			l.streamError(se)
 			continue
+		}
+		if errors.Is(err, errCalm) {
+			l.goAwayClose(http2.ErrCodeEnhanceYourCalm, err)
+			return
 		}
 		var ce http2.ConnectionError
 		if errors.As(err, &ce) {
@@ -45,18 +53,36 @@ func (l *Conn) readLoop() {
 }
 
 // goAwayClose ends the connection for a connection error: GOAWAY with
-// code if it can be written without waiting for a writer, then close.
+// code, after the control frames already queued, unless the write lock or
+// the write takes longer than goAwayWait (a peer that does not read);
+// then close. Only the read loop calls it.
 func (l *Conn) goAwayClose(code http2.ErrCode, err error) {
-	if l.wmu.TryLock() {
-		l.conn.SetWriteDeadline(time.Now().Add(time.Second))
-		l.mu.Lock()
-		last := l.lastPeerID
-		l.mu.Unlock()
-		l.fr.WriteGoAway(last, code, nil)
-		l.wmu.Unlock()
+	l.mu.Lock()
+	l.goAway = true
+	last := l.lastPeerID
+	l.mu.Unlock()
+	written := make(chan struct{})
+	go func() { // waited for below: the close ends its write
+		defer close(written)
+		l.wmu.Lock()
+		defer l.wmu.Unlock()
+		l.conn.SetWriteDeadline(time.Now().Add(goAwayWait))
+		if l.ctlOverflow.Load() || l.flushControlWLocked() == nil {
+			l.fr.WriteGoAway(last, code, nil)
+		}
+	}()
+	t := time.NewTimer(goAwayWait)
+	select {
+	case <-written:
+	case <-t.C:
 	}
+	t.Stop()
 	l.closeWith(err)
+	<-written
 }
+
+// goAwayWait bounds the wait to tell a failing peer why.
+const goAwayWait = time.Second
 
 // streamError answers a frame that is an error for one stream only
 // (RFC 9113 §5.4.2): RST_STREAM, and the stream, if open, ends.
@@ -68,10 +94,10 @@ func (l *Conn) streamError(se http2.StreamError) {
 	}
 	l.mu.Unlock()
 	err := fmt.Errorf("%w: %v", ErrStreamReset, se)
-	if st != nil {
-		st.reset(se.Code, err)
+	if st != nil && st.reset(se.Code, err) {
 		return
 	}
+	// Not open, or closed meanwhile: the peer is told all the same.
 	id, code := se.StreamID, se.Code
 	l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, code) })
 }
@@ -125,7 +151,15 @@ func (l *Conn) handle(f http2.Frame) error {
 		return l.onWindowUpdate(f)
 	case *http2.PriorityFrame:
 		if f.StreamDep == f.StreamID {
-			return http2.StreamError{StreamID: f.StreamID, Code: http2.ErrCodeProtocol} // §5.3.1: a stream cannot depend on itself
+			// §5.3.1: a stream cannot depend on itself. Answered here, not
+			// through streamError: PRIORITY does not open an idle stream.
+			l.mu.Lock()
+			st := l.streams[f.StreamID]
+			l.mu.Unlock()
+			if st == nil || !st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: depends on itself", ErrStreamReset)) {
+				id := f.StreamID
+				l.writeControl(func(fr *http2.Framer) error { return fr.WriteRSTStream(id, http2.ErrCodeProtocol) })
+			}
 		}
 	case *http2.PushPromiseFrame:
 		return http2.ConnectionError(http2.ErrCodeProtocol) // push is disabled
@@ -209,7 +243,9 @@ func (l *Conn) onRSTStream(f *http2.RSTStreamFrame) error {
 	l.mu.Unlock()
 	switch {
 	case st != nil:
-		st.resetByPeer(f.ErrCode)
+		if st.resetByPeer(f.ErrCode) {
+			return fmt.Errorf("%w: more than %d streams reset by the peer while their handlers ran (rapid reset)", errCalm, l.cfg.MaxPeerResets)
+		}
 	case idle:
 		return http2.ConnectionError(http2.ErrCodeProtocol)
 	}

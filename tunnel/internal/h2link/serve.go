@@ -38,8 +38,7 @@ func (l *Conn) onRequest(f *http2.MetaHeadersFrame) error {
 	}
 	l.mu.Unlock()
 	if exhausted {
-		l.calm(fmt.Errorf("%w: streams opened past the concurrency limit again and again", errCalm))
-		return nil
+		return fmt.Errorf("%w: streams opened past the concurrency limit again and again", errCalm)
 	}
 	if refuse {
 		return http2.StreamError{StreamID: id, Code: http2.ErrCodeRefusedStream}
@@ -60,7 +59,9 @@ func (l *Conn) onRequest(f *http2.MetaHeadersFrame) error {
 	st := newStream(l, id, state)
 	l.mu.Unlock()
 	st.cancelCtx = cancel
-	st.declared = declared
+	if declared >= 0 {
+		st.clen = &contentLength{declared: declared}
+	}
 	st.eof = f.StreamEnded()
 	if st.eof && declared > 0 {
 		cancel()
@@ -298,6 +299,9 @@ func (st *stream) writeHeaderBlock(code int, header http.Header, end bool) error
 	done := false
 	if end {
 		done = st.endSendLocked()
+	}
+	if code > 0 {
+		st.answered = true
 	}
 	l.mu.Unlock()
 	l.lockWrite()

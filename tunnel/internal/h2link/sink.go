@@ -28,8 +28,8 @@ import (
 // delivery is the progress of a stream's bytes into a socket.
 type Delivery struct {
 	done    chan struct{} // closed when delivery ended
-	written atomic.Int64
-	err     error // set before done is closed: nil after a clean END_STREAM
+	written atomic.Int64  // bytes written so far; any goroutine
+	err     error         // written once, before done is closed: nil after a clean END_STREAM
 }
 
 // Done is closed once everything was delivered, or delivery failed.
@@ -72,13 +72,15 @@ func RawSocket(r io.Reader) syscall.RawConn {
 	return rc
 }
 
-// socketSink is a delivery in progress on a plain socket. Guarded by the
-// stream's rmu.
+// socketSink is a delivery in progress on a plain socket.
 type socketSink struct {
-	conn   net.Conn
-	raw    syscall.RawConn
-	after  func(error) error // runs once at the end, outside every lock; must not block
-	d      *Delivery
+	// Immutable once set in stream.sink (under rmu).
+	conn  net.Conn
+	raw   syscall.RawConn
+	after func(error) error // runs once at the end, outside every lock; must not block
+	d     *Delivery
+
+	// Under the stream's rmu.
 	writer bool // a writer goroutine drains the queue: the read loop only queues
 	ended  bool // the end was reported (or is being)
 }

@@ -42,19 +42,20 @@ func (s streamState) String() string { return stateNames[s] }
 type stream struct {
 	// Immutable once the stream is published in Conn.streams.
 	l         *Conn
-	id        uint32
 	body      io.ReadCloser      // the client end: the upload; nil for a GET
 	cancelCtx context.CancelFunc // the serving end: ends the handler's request context
 	respReady chan struct{}      // the client end: closed once resp or respErr is set
+	id        uint32
 
-	// Guarded by Conn.mu.
+	// Guarded by Conn.mu. (The small fields first: they share a word with id.)
 	state          streamState
-	sendWindow     window      // what this end may still send
-	stopCtx        func() bool // the client end: stops the request context's watch
 	bodyClosed     bool        // body.Close was called
 	handlerRunning bool        // the serving end: the handler has not returned
 	counted        bool        // counts against MaxConcurrentStreams: open, or its handler still runs
 	resetByThePeer bool        // the peer reset the stream while its handler ran
+	answered       bool        // the serving end: the response head went out
+	sendWindow     window      // what this end may still send
+	stopCtx        func() bool // the client end: stops the request context's watch
 
 	// Guarded by rmu: the receive side.
 	rmu        sync.Mutex
@@ -63,25 +64,29 @@ type stream struct {
 	respErr    error          // the client end: why no answer comes
 	queue      []*[]byte      // received payloads, oldest first
 	head       int            // bytes of queue[0] already read
-	eof        bool           // END_STREAM received: the reader gets io.EOF after the queue
 	recvErr    error          // the stream was reset or the connection failed
 	recvWindow window         // what the peer may still send
-	recvSize   int64          // the window this end gives the stream
 	unacked    int64          // consumed but not yet returned to the peer
-	readerGone bool           // the body was closed
 	sink       *socketSink    // set by DeliverTo: bytes go straight to a socket
-	declared   int64          // the serving end: the request's content-length, or -1
-	received   int64          // the serving end: DATA bytes received, while declared >= 0
+	clen       *contentLength // the serving end: set when the request declared its length
+	recvSize   int32          // the window this end gives the stream
+	eof        bool           // END_STREAM received: the reader gets io.EOF after the queue
+	readerGone bool           // the body was closed
 }
 
 func newStream(l *Conn, id uint32, state streamState) *stream {
-	st := &stream{l: l, id: id, state: state, respReady: make(chan struct{}), declared: -1}
+	st := &stream{l: l, id: id, state: state, respReady: make(chan struct{})}
 	st.sendWindow = window{int64(l.peerWindow)}
 	st.recvWindow = window{int64(l.streamWindow)}
-	st.recvSize = int64(l.streamWindow)
+	st.recvSize = l.streamWindow
 	st.recvCond = sync.NewCond(&st.rmu)
 	return st
 }
+
+// contentLength is a request's declared length and the DATA received so
+// far (RFC 9113 §8.1.1: they must match). Few requests on this link carry
+// one, so the stream holds a pointer. Under the stream's rmu.
+type contentLength struct{ declared, received int64 }
 
 // endSendLocked moves the state on for END_STREAM sent; done means both
 // halves ended and the caller removes the stream. The caller holds Conn.mu.
@@ -310,16 +315,16 @@ func (st *stream) writeData(p []byte, end bool) error {
 // receive queues a DATA payload for the reader, or hands it straight to
 // the stream's socket (see sink.go).
 func (st *stream) receive(data []byte, flow int64) error {
+	st.rmu.Lock()
 	next, err := st.receiveRLocked(data, flow)
+	st.rmu.Unlock()
 	next()
 	return err
 }
 
-// receiveRLocked is receive's part under rmu, which it takes; what it
-// returns runs once rmu is released.
+// receiveRLocked is receive's part under rmu, which the caller holds; what
+// it returns runs once rmu is released.
 func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err error) {
-	st.rmu.Lock()
-	defer st.rmu.Unlock()
 	if !st.l.serving && st.resp == nil {
 		return noop, fmt.Errorf("%w: DATA before the answer", ErrStreamReset)
 	}
@@ -327,9 +332,9 @@ func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err erro
 	if st.recvWindow.avail() < 0 {
 		return noop, http2.StreamError{StreamID: st.id, Code: http2.ErrCodeFlowControl, Cause: fmt.Errorf("the peer overran the stream window")}
 	}
-	if st.declared >= 0 {
-		st.received += int64(len(data))
-		if st.received > st.declared {
+	if c := st.clen; c != nil {
+		c.received += int64(len(data))
+		if c.received > c.declared {
 			return noop, http2.StreamError{StreamID: st.id, Code: http2.ErrCodeProtocol, Cause: fmt.Errorf("more DATA than content-length")}
 		}
 	}
@@ -374,7 +379,7 @@ func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err erro
 // refillRLocked returns consumed credit to the peer in batches; the caller
 // holds rmu.
 func (st *stream) refillRLocked() {
-	if st.unacked < st.recvSize/4 { // a quarter: fewer WINDOW_UPDATEs, three quarters still in flight
+	if st.unacked < int64(st.recvSize)/4 { // a quarter: fewer WINDOW_UPDATEs, three quarters still in flight
 		return
 	}
 	n := st.unacked
@@ -387,7 +392,7 @@ func (st *stream) refillRLocked() {
 // endRecv records END_STREAM from the peer.
 func (st *stream) endRecv() {
 	st.rmu.Lock()
-	if st.declared >= 0 && st.received != st.declared {
+	if c := st.clen; c != nil && c.received != c.declared {
 		st.rmu.Unlock()
 		st.reset(http2.ErrCodeProtocol, fmt.Errorf("%w: DATA did not match content-length", ErrStreamReset))
 		return
@@ -479,14 +484,15 @@ func (st *stream) fail(err error) {
 	st.abort()
 }
 
-// reset ends the stream from this side with RST_STREAM.
-func (st *stream) reset(code http2.ErrCode, err error) {
+// reset ends the stream from this side with RST_STREAM; sent is false if
+// it had ended already, and nothing was sent.
+func (st *stream) reset(code http2.ErrCode, err error) (sent bool) {
 	l := st.l
 	l.mu.Lock()
 	already := st.state == stateClosed
 	l.mu.Unlock()
 	if already {
-		return
+		return false
 	}
 	st.finish(err)
 	id := st.id
@@ -495,29 +501,29 @@ func (st *stream) reset(code http2.ErrCode, err error) {
 	if code != http2.ErrCodeNo {
 		st.abort()
 	}
+	return true
 }
 
 // resetByPeer handles RST_STREAM from the peer. After its END_STREAM a
 // reset (NO_ERROR: "stop sending") loses nothing that was received. On
-// the serving end a reset of a stream whose handler still runs is charged
-// to the rapid-reset budget.
-func (st *stream) resetByPeer(code http2.ErrCode) {
+// the serving end a reset of a stream whose handler still runs and has not
+// answered yet (the work a rapid reset wastes: a dial, a login) is charged
+// to the rapid-reset budget; exhausted reports it empty. A tunnel the peer
+// ends after its answer costs nothing.
+func (st *stream) resetByPeer(code http2.ErrCode) (exhausted bool) {
 	l := st.l
 	if l.serving {
 		l.mu.Lock()
-		exhausted := false
-		if st.handlerRunning && !st.resetByThePeer {
+		if st.handlerRunning && !st.answered && !st.resetByThePeer {
 			st.resetByThePeer = true
 			exhausted = l.chargeResetLocked()
 		}
 		l.mu.Unlock()
-		if exhausted {
-			l.calm(fmt.Errorf("%w: more than %d streams reset by the peer while their handlers ran (rapid reset)", errCalm, l.cfg.MaxPeerResets))
-		}
 	}
 	st.finish(fmt.Errorf("%w by the agent (%v)", ErrStreamReset, code))
 	st.remove()
 	st.abort()
+	return exhausted
 }
 
 // chargeResetLocked takes one from the rapid-reset budget, after adding
