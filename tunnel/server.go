@@ -114,9 +114,12 @@ type Server struct {
 	mu        sync.Mutex
 	listeners map[*net.Listener]struct{}
 	frontends map[net.Conn]struct{}
-	shutting  bool           // no new connections are accepted
-	closed    bool           // everything is being torn down
-	wg        sync.WaitGroup // every goroutine the server starts
+	// quietTunnels are the open frontend tunnels a drain may close at a
+	// quiet moment (quiet.go).
+	quietTunnels map[*activity]*quietTunnel
+	shutting     bool           // no new connections are accepted
+	closed       bool           // everything is being torn down
+	wg           sync.WaitGroup // every goroutine the server starts
 
 	acceptLoops sync.WaitGroup
 	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
@@ -135,6 +138,7 @@ type Server struct {
 type ServerStats struct {
 	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
 	BytesToAgent, BytesFromAgent                      atomic.Int64
+	ClosedQuiet                                       atomic.Int64 // tunnels a drain closed at a quiet moment
 }
 
 // NewServer checks cfg and returns a Server that is not yet serving.
@@ -155,6 +159,8 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cancelAll: cancel,
 		listeners: make(map[*net.Listener]struct{}),
 		frontends: make(map[net.Conn]struct{}),
+
+		quietTunnels: make(map[*activity]*quietTunnel),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
@@ -358,6 +364,15 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	for s.pending.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(2 * time.Millisecond)
 	}
+	// Tunnels that would never end (keep-alive connections) close at a
+	// quiet moment, so their clients dial again and nothing is cut.
+	stopQuiet := make(chan struct{})
+	s.goroutine(func() { s.closeQuietTunnels(ctx, stopQuiet) })
+	defer func() {
+		if n := s.Stats.ClosedQuiet.Load(); n > 0 {
+			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
+		}
+	}()
 
 	var wg sync.WaitGroup
 	for _, a := range s.agents.snapshot() {
@@ -384,6 +399,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+	close(stopQuiet)
 	s.Close()
 	<-drained
 	return err
@@ -645,9 +661,15 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		conn.Close()
 	})
 	defer s.hangups.remove(conn)
+	qt := &quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, closeQuiet: func() {
+		conn.Close()
+		st.close()
+	}}
+	s.addQuiet(qt)
+	defer s.removeQuiet(qt)
 	up.start()
 	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
-		s.carryDirect(conn, st, body)
+		s.carryDirect(conn, st, up, body)
 		return
 	}
 	s.carryCopy(conn, st, up)
@@ -730,7 +752,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 	// Each write to the client is a DATA Packet received from the agent and
 	// sent on to the client.
-	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData]}}
+	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData]}, down: &up.act}
 	n, err := copyStream(to, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
@@ -754,7 +776,15 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
 // (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
+func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
+	// Each write to the client is a DATA Packet received from the agent
+	// and sent on to the client, and the tunnel's activity toward it.
+	fromAgent, toClient, act := &s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData], &up.act
+	body.OnWrite(func(int) {
+		fromAgent.Add(1)
+		toClient.Add(1)
+		act.down()
+	})
 	down := body.DeliverTo(conn, func(err error) error {
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too
