@@ -1,6 +1,7 @@
 package auth
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -435,4 +436,76 @@ func noToken(t *testing.T, err error, secrets ...string) {
 			t.Errorf("error leaks a token: %q", err.Error())
 		}
 	}
+}
+
+func listenUnix(t *testing.T, path string) *net.UnixListener {
+	t.Helper()
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+// newReviewSetup starts a fake apiserver that requires the kubeconfig's
+// client certificate and returns a reviewer for it.
+func newReviewSetup(t *testing.T, opts ReviewOptions) (*fakeAPIServer, *TokenReviewer) {
+	t.Helper()
+	f := newFakeAPIServer(t, fakeOpts{requireClientCert: true})
+	cfg, err := ParseKubeconfig([]byte(f.kubeconfigInline()), t.TempDir(), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if opts.Audience == "" {
+		opts.Audience = testAudience
+	}
+	if opts.Namespace == "" {
+		opts.Namespace = testNS
+	}
+	if opts.ServiceAccount == "" {
+		opts.ServiceAccount = testSA
+	}
+	r, err := NewTokenReviewer(cfg, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f, r
+}
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// peerHelperEnv makes the test binary act as a frontend client: connect to
+// the socket named by the variable, print what the server answers, exit.
+const peerHelperEnv = "KONNECTIVITY_AUTH_PEER_HELPER_SOCKET"
+
+// TestMain lets the test binary double as a frontend client (peerHelper)
+// that the peer-credential tests run under another identity.
+func TestMain(m *testing.M) {
+	if sock := os.Getenv(peerHelperEnv); sock != "" {
+		os.Exit(peerHelper(sock))
+	}
+	os.Exit(m.Run())
+}
+
+func peerHelper(sock string) int {
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "helper:", err)
+		return 2
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	fmt.Fprintf(c, "CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+	out, err := io.ReadAll(c)
+	os.Stdout.Write(out)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "helper:", err)
+		return 2
+	}
+	return 0
 }

@@ -19,35 +19,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// peerHelperEnv makes the test binary act as a frontend client: connect to
-// the socket named by the variable, print what the server answers, exit.
-const peerHelperEnv = "KONNECTIVITY_AUTH_PEER_HELPER_SOCKET"
-
-func TestMain(m *testing.M) {
-	if sock := os.Getenv(peerHelperEnv); sock != "" {
-		os.Exit(peerHelper(sock))
-	}
-	os.Exit(m.Run())
-}
-
-func peerHelper(sock string) int {
-	c, err := net.Dial("unix", sock)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "helper:", err)
-		return 2
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(20 * time.Second))
-	fmt.Fprintf(c, "CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-	out, err := io.ReadAll(c)
-	os.Stdout.Write(out)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "helper:", err)
-		return 2
-	}
-	return 0
-}
-
 func TestPeerCredentialsSelf(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "s")
 	ln := listenUnix(t, sock)

@@ -41,16 +41,6 @@ func TestParseUIDList(t *testing.T) {
 	}
 }
 
-func listenUnix(t *testing.T, path string) *net.UnixListener {
-	t.Helper()
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	return ln
-}
-
 func statOwner(t *testing.T, path string) (uid, gid uint32, mode os.FileMode) {
 	t.Helper()
 	st, err := os.Lstat(path)

@@ -19,37 +19,6 @@ const (
 	agentUser    = "system:serviceaccount:kube-system:konnectivity-agent"
 )
 
-// newReviewSetup starts a fake apiserver that requires the kubeconfig's
-// client certificate and returns a reviewer for it.
-func newReviewSetup(t *testing.T, opts ReviewOptions) (*fakeAPIServer, *TokenReviewer) {
-	t.Helper()
-	f := newFakeAPIServer(t, fakeOpts{requireClientCert: true})
-	cfg, err := ParseKubeconfig([]byte(f.kubeconfigInline()), t.TempDir(), "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if opts.Audience == "" {
-		opts.Audience = testAudience
-	}
-	if opts.Namespace == "" {
-		opts.Namespace = testNS
-	}
-	if opts.ServiceAccount == "" {
-		opts.ServiceAccount = testSA
-	}
-	r, err := NewTokenReviewer(cfg, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return f, r
-}
-
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 func TestAuthenticate(t *testing.T) {
 	f, r := newReviewSetup(t, ReviewOptions{CacheTTL: -1})
 	f.addToken(sampleToken, identity{agentUser, []string{testAudience}})

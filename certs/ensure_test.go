@@ -5,74 +5,10 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 	"time"
 )
-
-// ensureEnv is one directory with a CA file and an output pair.
-type ensureEnv struct {
-	dir, caFile, certFile, keyFile string
-	ca                             *CA
-}
-
-func newEnsureEnv(t *testing.T) *ensureEnv {
-	t.Helper()
-	dir := t.TempDir()
-	ca := newCA(t, "ensure-ca")
-	caFile, _ := writeCA(t, dir, ca)
-	return &ensureEnv{dir: dir, caFile: caFile, ca: ca,
-		certFile: filepath.Join(dir, "out", "tls.crt"), keyFile: filepath.Join(dir, "out", "tls.key")}
-}
-
-func (e *ensureEnv) opts() EnsureOptions {
-	return EnsureOptions{
-		CertFile: e.certFile, KeyFile: e.keyFile, CA: e.ca,
-		Request: Request{
-			CommonName:  "konnectivity-server",
-			DNSNames:    []string{"konnectivity.example", "localhost"},
-			IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
-			Validity:    365 * 24 * time.Hour,
-		},
-		RenewBefore: 720 * time.Hour,
-	}
-}
-
-func (e *ensureEnv) ensure(t *testing.T, o EnsureOptions) Result {
-	t.Helper()
-	res, err := Ensure(o)
-	if err != nil {
-		t.Fatalf("Ensure: %v", err)
-	}
-	return res
-}
-
-// verify checks the pair on disk with openssl and Go's TLS loader.
-func (e *ensureEnv) verify(t *testing.T, o EnsureOptions) {
-	t.Helper()
-	purpose := "sslserver"
-	if o.Request.Client {
-		purpose = "sslclient"
-	}
-	opensslVerify(t, e.caFile, e.certFile, purpose)
-	if got, want := opensslSANs(t, e.certFile), wantSANs(o.Request.DNSNames, o.Request.IPAddresses); !slices.Equal(got, want) {
-		t.Fatalf("SANs per openssl %v, want %v", got, want)
-	}
-	opensslSameKey(t, e.certFile, e.keyFile)
-	if _, err := tls.LoadX509KeyPair(e.certFile, e.keyFile); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func expectMinted(t *testing.T, res Result, reason string) {
-	t.Helper()
-	if !res.Minted {
-		t.Fatalf("reused (%s), want minted because %q", res.Reason, reason)
-	}
-	mustContain(t, res.Reason, reason)
-	mustContain(t, res.String(), "minted: ")
-}
 
 func expectReused(t *testing.T, res Result) {
 	t.Helper()

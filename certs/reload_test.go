@@ -10,9 +10,10 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 // pairEnv holds a served pair that tests replace on disk.
@@ -45,22 +46,6 @@ func (p *pairEnv) rotate(t *testing.T) *x509.Certificate {
 	o.CA = p.ca
 	expectMinted(t, p.ensure(t, o), "not signed by the current CA")
 	return parseCertFile(t, p.certFile)
-}
-
-func served(t *testing.T, r *Reloader) *x509.Certificate {
-	t.Helper()
-	c, err := r.GetCertificate(&tls.ClientHelloInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c2, err := r.GetClientCertificate(&tls.CertificateRequestInfo{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c != c2 {
-		t.Fatal("GetCertificate and GetClientCertificate disagree")
-	}
-	return c.Leaf
 }
 
 func TestReloaderPicksUpNewPair(t *testing.T) {
@@ -161,38 +146,9 @@ func echoServer(t *testing.T, cfg *tls.Config) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr().String()
+	s := testnet.Serve(ln, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	t.Cleanup(s.Close)
+	return s.Addr()
 }
 
 // roundTrip sends a line and expects it back.

@@ -9,9 +9,10 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
+
+	"github.com/spinifex/konnectivity/e2e/internal/testnet"
 )
 
 // Backends the tests reach through the tunnel. All listen on loopback and
@@ -70,13 +71,8 @@ func sha(b []byte) string {
 	return hex.EncodeToString(s[:])
 }
 
-// tcpBackend runs handle for every accepted connection.
-type tcpBackend struct {
-	l     net.Listener
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
-}
+// tcpBackend runs handle for every accepted connection until the test ends.
+type tcpBackend struct{ *testnet.Server }
 
 func startTCPBackend(t *testing.T, host string, handle func(net.Conn)) *tcpBackend {
 	t.Helper()
@@ -84,59 +80,15 @@ func startTCPBackend(t *testing.T, host string, handle func(net.Conn)) *tcpBacke
 	if err != nil {
 		t.Fatalf("listen %s: %v", host, err)
 	}
-	b := &tcpBackend{l: l, conns: map[net.Conn]struct{}{}}
-	b.wg.Add(1)
-	go func() {
-		defer b.wg.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			b.mu.Lock()
-			if b.conns == nil { // closed
-				b.mu.Unlock()
-				c.Close()
-				return
-			}
-			b.conns[c] = struct{}{}
-			b.mu.Unlock()
-			b.wg.Add(1)
-			go func() {
-				defer b.wg.Done()
-				defer func() {
-					b.mu.Lock()
-					delete(b.conns, c)
-					b.mu.Unlock()
-					c.Close()
-				}()
-				handle(c)
-			}()
-		}
-	}()
-	t.Cleanup(b.close)
+	b := &tcpBackend{testnet.Serve(l, handle)}
+	t.Cleanup(b.Close)
 	return b
 }
 
-func (b *tcpBackend) addr() string { return b.l.Addr().String() }
+func (b *tcpBackend) addr() string { return b.Addr() }
 
 // active is the number of accepted connections whose handler still runs.
-func (b *tcpBackend) active() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return len(b.conns)
-}
-
-func (b *tcpBackend) close() {
-	b.l.Close()
-	b.mu.Lock()
-	for c := range b.conns {
-		c.Close()
-	}
-	b.conns = nil
-	b.mu.Unlock()
-	b.wg.Wait()
-}
+func (b *tcpBackend) active() int { return b.Active() }
 
 // echoHandler copies everything back and half-closes when the client does.
 func echoHandler(c net.Conn) {

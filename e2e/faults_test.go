@@ -19,6 +19,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/testnet"
 )
 
 // Faults with real processes: kill -9, a throttled link, file-descriptor
@@ -139,46 +141,19 @@ func startFaultFirehose(t *testing.T, host string) *faultFirehose {
 		t.Fatalf("listen %s: %v", host, err)
 	}
 	f := &faultFirehose{addr: l.Addr().String()}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	srv := testnet.Serve(l, func(c net.Conn) {
+		f.open.Add(1)
+		defer f.open.Add(-1)
+		buf := make([]byte, 32<<10)
 		for {
-			c, err := l.Accept()
+			n, err := c.Write(buf)
+			f.written.Add(int64(n))
 			if err != nil {
 				return
 			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			f.open.Add(1)
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer f.open.Add(-1)
-				defer c.Close()
-				buf := make([]byte, 32<<10)
-				for {
-					n, err := c.Write(buf)
-					f.written.Add(int64(n))
-					if err != nil {
-						return
-					}
-				}
-			}()
 		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
 	})
+	t.Cleanup(srv.Close)
 	return f
 }
 

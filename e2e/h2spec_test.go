@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/e2e/internal/testnet"
 	"github.com/summerwind/h2spec/config"
 	"github.com/summerwind/h2spec/generic"
 	"github.com/summerwind/h2spec/hpack"
@@ -136,50 +137,22 @@ func bridgeToUnix(t *testing.T, sock string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	track := func(c net.Conn, add bool) {
-		mu.Lock()
-		defer mu.Unlock()
-		if add {
-			conns[c] = true
+	srv := testnet.Serve(ln, func(c net.Conn) {
+		u, err := net.Dial("unix", sock)
+		if err != nil {
+			return
+		}
+		defer u.Close()
+		done := make(chan struct{})
+		go func() { io.Copy(c, u); c.(*net.TCPConn).CloseWrite(); close(done) }()
+		if _, err := io.Copy(u, c); err != nil {
+			u.Close() // c was closed, not half-closed: end the other way too
 		} else {
-			delete(conns, c)
+			u.(*net.UnixConn).CloseWrite()
 		}
-	}
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
+		<-done
 	})
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("unix", sock)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			track(c, true)
-			track(u, true)
-			wg.Go(func() {
-				defer func() { c.Close(); u.Close(); track(c, false); track(u, false) }()
-				done := make(chan struct{}, 2)
-				go func() { io.Copy(u, c); u.(*net.UnixConn).CloseWrite(); done <- struct{}{} }()
-				go func() { io.Copy(c, u); c.(*net.TCPConn).CloseWrite(); done <- struct{}{} }()
-				<-done
-				<-done
-			})
-		}
-	})
+	t.Cleanup(srv.Close)
 	return ln.Addr().String()
 }
 

@@ -5,6 +5,7 @@ import "testing"
 // The server count an agent wants: what live servers announce, combined
 // with the count of server Leases as CountSource says.
 func TestAgentCountSources(t *testing.T) {
+	checkNoLeaks(t)
 	for _, tc := range []struct {
 		name      string
 		source    CountSource

@@ -23,13 +23,6 @@ import (
 // so the benchmark process holds only the server.
 const swarmEnv = "KONNECTIVITY_TEST_AGENT_SWARM"
 
-func TestMain(m *testing.M) {
-	if os.Getenv(swarmEnv) != "" {
-		os.Exit(runAgentSwarm())
-	}
-	os.Exit(m.Run())
-}
-
 // runAgentSwarm runs N agents against ADDR until its stdin closes.
 func runAgentSwarm() int {
 	dir := os.Getenv(swarmEnv)

@@ -15,6 +15,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -260,9 +261,13 @@ func TestDestinationResetIsAbruptForClient(t *testing.T) {
 	stream := newRandStream(t)
 	data := make([]byte, announced)
 	stream.Read(data)
+	var clientGot atomic.Int64 // bytes the client has read in observe
 	reset := serveTCP(t, func(c net.Conn) {
 		c.Write(data[:before])
-		time.Sleep(100 * time.Millisecond) // let the bytes leave the agent first
+		// The bytes reach the client before the reset.
+		for deadline := time.Now().Add(10 * time.Second); clientGot.Load() < before && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
+		}
 		c.(*net.TCPConn).SetLinger(0)
 		c.Close() // RST
 	})
@@ -272,7 +277,8 @@ func TestDestinationResetIsAbruptForClient(t *testing.T) {
 		io.Copy(io.Discard, c)
 	})
 
-	observe := func(dest string) (got []byte, took time.Duration, readErr, writeErr error) {
+	observe := func(dest string, wantWriteErr bool) (got []byte, took time.Duration, readErr, writeErr error) {
+		clientGot.Store(0)
 		conn, br, resp := e.connect(dest)
 		defer conn.Close()
 		if resp.StatusCode != 200 {
@@ -280,22 +286,20 @@ func TestDestinationResetIsAbruptForClient(t *testing.T) {
 		}
 		start := time.Now()
 		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
-		got, readErr = io.ReadAll(br)
+		got, readErr = io.ReadAll(io.TeeReader(br, countWriter{&clientGot}))
 		took = time.Since(start)
-		// Give the server a moment to finish closing, then probe the
-		// write side twice (the first write to a closed Unix socket peer
-		// already fails; two makes it independent of timing).
-		time.Sleep(50 * time.Millisecond)
+		// Probe the write side. Where a failure is expected, probe until
+		// it comes (the server may still be closing), within a bound.
 		conn.SetWriteDeadline(time.Now().Add(2 * time.Second))
 		_, writeErr = conn.Write([]byte("after the end"))
-		if writeErr == nil {
-			time.Sleep(50 * time.Millisecond)
+		for deadline := time.Now().Add(2 * time.Second); wantWriteErr && writeErr == nil && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
 			_, writeErr = conn.Write([]byte("after the end"))
 		}
 		return
 	}
 
-	got, took, readErr, writeErr := observe(reset)
+	got, took, readErr, writeErr := observe(reset, true)
 	if isTimeout(readErr) {
 		t.Fatalf("reset: the client read never ended (%v)", readErr)
 	}
@@ -320,7 +324,7 @@ func TestDestinationResetIsAbruptForClient(t *testing.T) {
 	// socket there is no reset to pass on. After a clean end the tunnel is
 	// half-closed and the client may go on sending (see
 	// TestDestinationHalfCloseKeepsUpload).
-	got, _, readErr, writeErr = observe(clean)
+	got, _, readErr, writeErr = observe(clean, false)
 	if readErr != nil || !bytes.Equal(got, data[:before]) {
 		t.Fatalf("clean end: got %d bytes, err %v", len(got), readErr)
 	}
@@ -483,3 +487,8 @@ func TestShutdownLetsTransfersFinish(t *testing.T) {
 		t.Errorf("Shutdown: %v", err)
 	}
 }
+
+// countWriter counts what is written to it.
+type countWriter struct{ n *atomic.Int64 }
+
+func (w countWriter) Write(p []byte) (int, error) { w.n.Add(int64(len(p))); return len(p), nil }

@@ -273,14 +273,3 @@ func TestAgentDrainPrefersOthers(t *testing.T) {
 	held.Close()
 	<-draining.done
 }
-
-func waitUntil(t *testing.T, cond func() bool, what string) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not true within 10s: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}

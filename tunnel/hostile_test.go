@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -25,40 +24,6 @@ import (
 // the handshake and then abuses HTTP/2. In every case the server must keep
 // serving a well-behaved client and agent, cut or isolate the abuser, and
 // hold bounded memory.
-
-// heapInuse returns HeapInuse after a full collection.
-func heapInuse() uint64 {
-	runtime.GC()
-	runtime.GC()
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.HeapInuse
-}
-
-// echoOnce checks that a fresh tunnel to echo carries a round trip.
-func (e *env) echoOnce(echo string) error {
-	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(10 * time.Second))
-	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", echo)
-	br := bufio.NewReader(conn)
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		return fmt.Errorf("CONNECT answer: %w", err)
-	}
-	if resp.StatusCode != 200 {
-		return fmt.Errorf("CONNECT status %d", resp.StatusCode)
-	}
-	io.WriteString(conn, "ping")
-	got := make([]byte, 4)
-	if _, err := io.ReadFull(br, got); err != nil || string(got) != "ping" {
-		return fmt.Errorf("echo %q: %v", got, err)
-	}
-	return nil
-}
 
 // Many frontend connections that send their CONNECT head one byte every
 // 100 ms: a well-behaved client and agent are served meanwhile, and every
@@ -117,7 +82,7 @@ func TestSlowlorisFrontend(t *testing.T) {
 	}
 	// Meanwhile an agent connects and a client is served, well inside the
 	// header timeout.
-	time.Sleep(200 * time.Millisecond)
+	waitUntil(t, func() bool { return e.srv.Stats.FrontendOpen.Load() == slow }, "every slow connection being read")
 	start := time.Now()
 	e.startAgent("a1", "", nil)
 	e.waitAgents(1)
@@ -154,13 +119,18 @@ func TestSlowlorisFrontend(t *testing.T) {
 
 // Connections to the agent port that start a TLS handshake and never finish
 // it (or never start) are cut at the header timeout; a good agent connects
-// and is used meanwhile.
+// and is used meanwhile. The unadmitted limit is above the attack so that
+// every slow connection waits for the timeout (the limit has its own test,
+// TestHostileUnadmittedLimit).
 func TestSlowlorisAgentPort(t *testing.T) {
 	checkNoLeaks(t)
 	const headerTimeout = time.Second
-	e := newEnv(t, func(c *ServerConfig) { c.HeaderTimeout = headerTimeout })
-	echo := echoServer(t)
 	const slow = 200
+	e := newEnv(t, func(c *ServerConfig) {
+		c.HeaderTimeout = headerTimeout
+		c.MaxUnadmitted = 2 * slow
+	})
+	echo := echoServer(t)
 	// The first bytes of a TLS ClientHello record header, then nothing.
 	partial := []byte{0x16, 0x03, 0x01, 0x02, 0x00, 0x01}
 	cut := make(chan time.Duration, slow)
@@ -187,7 +157,7 @@ func TestSlowlorisAgentPort(t *testing.T) {
 			cut <- time.Since(start)
 		}()
 	}
-	time.Sleep(200 * time.Millisecond)
+	waitUntil(t, func() bool { return e.srv.gate.open.Load() == slow }, "every slow connection waiting to be admitted")
 	start := time.Now()
 	e.startAgent("a1", "", nil)
 	e.waitAgents(1)
@@ -258,7 +228,7 @@ func TestBadCredentialFlood(t *testing.T) {
 			}
 		}()
 	}
-	time.Sleep(300 * time.Millisecond)
+	waitUntil(t, func() bool { return badCert.Load() > 0 && badToken.Load() > 0 }, "both floods refused at least once")
 	start := time.Now()
 	e.startAgent("good-cert", "", nil)
 	e.startAgent("good-token", "", func(c *AgentConfig) {
@@ -341,7 +311,7 @@ func TestTokenNeverLogged(t *testing.T) {
 		c.TLS = func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.pki.pool, ServerName: name}, nil }
 		c.Token = func() (string, error) { return secret, nil }
 	})
-	time.Sleep(300 * time.Millisecond)
+	waitUntil(t, func() bool { return e.srv.Stats.AgentsRefused.Load() > 0 }, "the bad-token agent refused")
 	bad.stop()
 	e.startAgent("good", "", func(c *AgentConfig) {
 		c.Logger = log

@@ -249,14 +249,32 @@ func TestNoAgent503(t *testing.T) {
 // A dial that arrives before any agent waits for one instead of failing.
 func TestDialWaitsForAgent(t *testing.T) {
 	checkNoLeaks(t)
-	e := newEnv(t, func(c *ServerConfig) { c.AgentWait = 5 * time.Second })
+	m := NewMetrics()
+	e := newEnv(t, func(c *ServerConfig) {
+		c.AgentWait = 5 * time.Second
+		c.Metrics = m
+	})
 	echo := echoServer(t)
-	go func() {
-		time.Sleep(200 * time.Millisecond)
-		e.startAgent("late", "", nil)
-	}()
-	conn, _, resp := e.connect(echo)
-	conn.Close()
+	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(20 * time.Second))
+	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", echo)
+	waitUntil(t, func() bool {
+		var b strings.Builder
+		m.WriteText(&b)
+		return strings.Contains(b.String(), "konnectivity_network_proxy_server_pending_backend_dials 1\n")
+	}, "the dial waits for an agent")
+	if n := e.srv.AgentCount(); n != 0 {
+		t.Fatalf("%d agents before the late one started", n)
+	}
+	e.startAgent("late", "", nil)
+	resp, err := http.ReadResponse(bufioReader(conn), nil)
+	if err != nil {
+		t.Fatalf("read CONNECT answer: %v", err)
+	}
 	if resp.StatusCode != 200 {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
@@ -308,10 +326,13 @@ func TestStalledTunnelDoesNotBlockOthers(t *testing.T) {
 	e := newEnv(t, nil)
 	e.startAgent("a1", "", nil)
 	e.waitAgents(1)
+	var fired, filled atomic.Int64 // bytes the firehose and the stalled client got written
 	firehose := serveTCP(t, func(c net.Conn) {
 		buf := make([]byte, 64<<10)
 		for {
-			if _, err := c.Write(buf); err != nil {
+			n, err := c.Write(buf)
+			fired.Add(int64(n))
+			if err != nil {
 				return
 			}
 		}
@@ -332,12 +353,14 @@ func TestStalledTunnelDoesNotBlockOthers(t *testing.T) {
 		buf := make([]byte, 64<<10)
 		stalledDest.SetWriteDeadline(time.Now().Add(3 * time.Second))
 		for {
-			if _, err := stalledDest.Write(buf); err != nil {
+			n, err := stalledDest.Write(buf)
+			filled.Add(int64(n))
+			if err != nil {
 				return
 			}
 		}
 	}()
-	time.Sleep(500 * time.Millisecond) // let both windows fill
+	waitStalled(t, "both stalled tunnels' windows full", &fired, &filled)
 
 	conn, br, resp3 := e.connect(echo)
 	defer conn.Close()
@@ -385,11 +408,6 @@ func TestAgentLossEndsTunnelsAndFailsOver(t *testing.T) {
 	if resp2.StatusCode != 200 {
 		t.Fatalf("after failover: %s", resp2.Status)
 	}
-}
-
-func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // destHost sends a dial to the agent whose identifiers name the
@@ -469,33 +487,44 @@ func TestStrategyDefaultSpreads(t *testing.T) {
 func TestAgentAuthRefusals(t *testing.T) {
 	checkNoLeaks(t)
 	e := newEnv(t, func(c *ServerConfig) { c.HeaderTimeout = 500 * time.Millisecond })
-	// An agent with a certificate from another CA fails the TLS handshake.
+	// Garbage and TLS-less bytes on the agent port: each is closed and
+	// counted as a refusal.
+	junk := []string{"GET / HTTP/1.1\r\n\r\n", "\x00\x01\x02garbage", ""}
+	for _, b := range junk {
+		c, err := net.Dial("tcp", e.agentAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.WriteString(c, b)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.Copy(io.Discard, c); isTimeout(err) { // the server must close it
+			t.Errorf("agent port kept a connection that sent %q", b)
+		}
+		c.Close()
+	}
+	waitUntil(t, func() bool { return e.srv.Stats.AgentsRefused.Load() == int64(len(junk)) }, "every junk connection counted as refused")
+	before := e.srv.Stats.AgentsRefused.Load()
+
+	// An agent with a certificate from another CA fails the TLS handshake:
+	// wait for its refusals to be counted, and it must never be admitted
+	// meanwhile.
 	other := newPKI(t)
 	bad := e.startAgent("foreign", "", func(c *AgentConfig) {
 		c.TLS = func(name string) (*tls.Config, error) {
 			return &tls.Config{RootCAs: e.pki.pool, ServerName: name, Certificates: []tls.Certificate{other.agentCert}}, nil
 		}
 	})
-	// Garbage and TLS-less bytes on the agent port.
-	for _, junk := range []string{"GET / HTTP/1.1\r\n\r\n", "\x00\x01\x02garbage", ""} {
-		c, err := net.Dial("tcp", e.agentAddr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		io.WriteString(c, junk)
-		c.SetReadDeadline(time.Now().Add(5 * time.Second))
-		if _, err := io.Copy(io.Discard, c); isTimeout(err) { // the server must close it
-			t.Errorf("agent port kept a connection that sent %q", junk)
-		}
-		c.Close()
-	}
-	time.Sleep(200 * time.Millisecond)
-	if e.srv.AgentCount() != 0 {
+	admitted := false
+	waitUntil(t, func() bool {
+		admitted = admitted || e.srv.AgentCount() != 0
+		return admitted || e.srv.Stats.AgentsRefused.Load() >= before+2
+	}, "the foreign agent refused twice")
+	if admitted {
 		t.Fatal("foreign agent admitted")
 	}
 	bad.stop()
-	if e.srv.Stats.AgentsRefused.Load() == 0 {
-		t.Fatal("no refusal counted")
+	if n := e.srv.AgentCount(); n != 0 {
+		t.Fatalf("foreign agent admitted: server has %d agents", n)
 	}
 	// A good agent still gets in and works.
 	e.startAgent("good", "", nil)
@@ -586,7 +615,7 @@ func TestGracefulShutdown(t *testing.T) {
 		defer cancel()
 		done <- e.srv.Shutdown(ctx)
 	}()
-	time.Sleep(100 * time.Millisecond)
+	waitUntil(t, e.srv.isShutting, "the server shutting down")
 	// The open tunnel still works during the drain.
 	io.WriteString(conn, "still here")
 	got := make([]byte, 10)
@@ -613,7 +642,7 @@ func TestAgentDrain(t *testing.T) {
 		t.Fatal(resp.Status)
 	}
 	a.cancel() // begin draining
-	time.Sleep(100 * time.Millisecond)
+	waitUntil(t, func() bool { return e.srv.agentDraining("a1") }, "the server saw the agent drain")
 	io.WriteString(conn, "drain")
 	got := make([]byte, 5)
 	if _, err := io.ReadFull(br, got); err != nil || string(got) != "drain" {
@@ -657,7 +686,12 @@ func TestAgentStopsWithSilentDestination(t *testing.T) {
 	a := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 300 * time.Millisecond })
 	e.waitAgents(1)
 	stop := make(chan struct{})
-	dest := serveTCP(t, func(c net.Conn) { <-stop })
+	halfClosed := make(chan struct{})
+	dest := serveTCP(t, func(c net.Conn) {
+		io.Copy(io.Discard, c) // until the client's half-close arrives
+		close(halfClosed)
+		<-stop
+	})
 	t.Cleanup(func() { close(stop) })
 	conn, _, resp := e.connect(dest)
 	defer conn.Close()
@@ -665,7 +699,11 @@ func TestAgentStopsWithSilentDestination(t *testing.T) {
 		t.Fatal(resp.Status)
 	}
 	conn.(*net.UnixConn).CloseWrite() // half-closed: the client still waits for an answer
-	time.Sleep(100 * time.Millisecond)
+	select {
+	case <-halfClosed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the half-close never reached the destination")
+	}
 	a.cancel()
 	select {
 	case <-a.done:

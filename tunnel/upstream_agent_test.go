@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -208,10 +209,13 @@ func TestUpstreamAgentStallIsolated(t *testing.T) {
 	startFakeUpstreamAgent(t, e, "upstream-1", "ipv4=127.0.0.1")
 	e.startAgent("ours", "host=localhost", nil)
 	e.waitAgents(2)
+	var fired atomic.Int64
 	firehose := serveTCP(t, func(c net.Conn) {
 		b := make([]byte, 64<<10)
 		for {
-			if _, err := c.Write(b); err != nil {
+			n, err := c.Write(b)
+			fired.Add(int64(n))
+			if err != nil {
 				return
 			}
 		}
@@ -221,7 +225,7 @@ func TestUpstreamAgentStallIsolated(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatal(resp.Status)
 	}
-	time.Sleep(300 * time.Millisecond)
+	waitStalled(t, "the stalled tunnel's windows full", &fired)
 	echo := echoServer(t)
 	_, port, _ := net.SplitHostPort(echo)
 	conn, br, resp := e.connect(net.JoinHostPort("localhost", port))

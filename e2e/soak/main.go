@@ -49,6 +49,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/testnet"
 )
 
 type config struct {
@@ -294,39 +296,14 @@ func listen(ctx context.Context, wg *sync.WaitGroup, handle func(net.Conn)) (str
 	if err != nil {
 		return "", err
 	}
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
+	srv := testnet.Serve(ln, handle)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		<-ctx.Done()
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
+		srv.Close()
 	}()
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer func() { mu.Lock(); delete(conns, c); mu.Unlock(); c.Close() }()
-				handle(c)
-			}()
-		}
-	}()
-	return ln.Addr().String(), nil
+	return srv.Addr(), nil
 }
 
 // digestServe reads a 16-byte header (up, down), sends down random bytes

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -13,12 +14,15 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 // pki is a throwaway CA with a server and an agent certificate.
@@ -247,45 +251,17 @@ func echoServer(t testing.TB) string {
 	return serveTCP(t, func(c net.Conn) { io.Copy(c, c); c.(*net.TCPConn).CloseWrite() })
 }
 
-// serveTCP runs handle for each connection on a loopback listener.
+// serveTCP runs handle for each connection on a loopback listener until
+// the test ends.
 func serveTCP(t testing.TB, handle func(net.Conn)) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	conns := map[net.Conn]bool{}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = true
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				handle(c)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr().String()
+	s := testnet.Serve(ln, handle)
+	t.Cleanup(s.Close)
+	return s.Addr()
 }
 
 // checkNoLeaks fails the test if goroutines started during it are still
@@ -330,3 +306,223 @@ func certRequestFor(dns string, ips ...string) certs.Request {
 	}
 	return req
 }
+
+// testLB is a round-robin TCP load balancer on loopback. It can also
+// blackhole: stop forwarding on every open connection without closing any,
+// as a dead network path looks.
+type testLB struct {
+	ln net.Listener
+
+	mu       sync.Mutex
+	backends []string
+	next     int
+	conns    map[net.Conn]bool
+	frozen   bool
+	thaw     chan struct{}
+
+	wg sync.WaitGroup
+}
+
+func newTestLB(t testing.TB, backends ...string) *testLB {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb := &testLB{ln: ln, backends: backends, conns: map[net.Conn]bool{}, thaw: make(chan struct{})}
+	lb.wg.Add(1)
+	go lb.serve()
+	t.Cleanup(lb.close)
+	return lb
+}
+
+func (lb *testLB) addr() string { return lb.ln.Addr().String() }
+
+func (lb *testLB) setBackends(b ...string) {
+	lb.mu.Lock()
+	defer lb.mu.Unlock()
+	lb.backends = b
+}
+
+func (lb *testLB) serve() {
+	defer lb.wg.Done()
+	for {
+		c, err := lb.ln.Accept()
+		if err != nil {
+			return
+		}
+		lb.mu.Lock()
+		backend := ""
+		if len(lb.backends) > 0 {
+			backend = lb.backends[lb.next%len(lb.backends)]
+			lb.next++
+		}
+		lb.mu.Unlock()
+		if backend == "" {
+			c.Close()
+			continue
+		}
+		up, err := net.Dial("tcp", backend)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		lb.track(c, up)
+		lb.wg.Add(2)
+		go lb.pipe(up, c)
+		go lb.pipe(c, up)
+	}
+}
+
+func (lb *testLB) track(cs ...net.Conn) {
+	lb.mu.Lock()
+	defer lb.mu.Unlock()
+	for _, c := range cs {
+		lb.conns[c] = true
+	}
+}
+
+// pipe copies src to dst, pausing (without closing anything) while frozen.
+func (lb *testLB) pipe(dst, src net.Conn) {
+	defer lb.wg.Done()
+	defer dst.Close()
+	defer src.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		lb.mu.Lock()
+		frozen, thaw := lb.frozen, lb.thaw
+		lb.mu.Unlock()
+		if frozen {
+			<-thaw // drop nothing, forward nothing, until closed
+			return
+		}
+		if n > 0 {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			if err == io.EOF {
+				if cw, ok := dst.(interface{ CloseWrite() error }); ok {
+					cw.CloseWrite()
+				}
+			}
+			return
+		}
+	}
+}
+
+// blackhole stops forwarding on all connections, open and new.
+func (lb *testLB) blackhole() {
+	lb.mu.Lock()
+	defer lb.mu.Unlock()
+	lb.frozen = true
+}
+
+func (lb *testLB) close() {
+	lb.ln.Close()
+	lb.mu.Lock()
+	if lb.frozen {
+		close(lb.thaw)
+		lb.frozen = false
+	}
+	for c := range lb.conns {
+		c.Close()
+	}
+	lb.mu.Unlock()
+	lb.wg.Wait()
+}
+
+// waitUntil polls cond until it holds, failing the test after 10s.
+func waitUntil(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not true within 10s: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitStalled waits until every counter has moved and then stood still for
+// several polls in a row: the writers behind them are blocked.
+func waitStalled(t *testing.T, what string, counters ...*atomic.Int64) {
+	t.Helper()
+	const still = 5 // polls 20ms apart
+	snap := func() []int64 {
+		v := make([]int64, len(counters))
+		for i, c := range counters {
+			v[i] = c.Load()
+		}
+		return v
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	last, same := snap(), 0
+	for same < still {
+		if time.Now().After(deadline) {
+			t.Fatalf("not stalled within 10s: %s (counters %v)", what, last)
+		}
+		time.Sleep(20 * time.Millisecond)
+		cur := snap()
+		if slices.Equal(cur, last) && !slices.Contains(cur, 0) {
+			same++
+		} else {
+			same = 0
+		}
+		last = cur
+	}
+}
+
+// TestMain lets the test binary double as the agent swarm of the agent
+// benchmarks (see runAgentSwarm).
+func TestMain(m *testing.M) {
+	if os.Getenv(swarmEnv) != "" {
+		os.Exit(runAgentSwarm())
+	}
+	os.Exit(m.Run())
+}
+
+// isTimeout reports whether err is a deadline expiry.
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// heapInuse returns HeapInuse after a full collection.
+func heapInuse() uint64 {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapInuse
+}
+
+// echoOnce checks that a fresh tunnel to echo carries a round trip.
+func (e *env) echoOnce(echo string) error {
+	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", echo)
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		return fmt.Errorf("CONNECT answer: %w", err)
+	}
+	if resp.StatusCode != 200 {
+		return fmt.Errorf("CONNECT status %d", resp.StatusCode)
+	}
+	io.WriteString(conn, "ping")
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(br, got); err != nil || string(got) != "ping" {
+		return fmt.Errorf("echo %q: %v", got, err)
+	}
+	return nil
+}
+
+// refusals is the server's count of identity refusals for reason.
+func refusals(e *env, reason string) uint64 { return e.srv.identity.refused[reason].Value() }
