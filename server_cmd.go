@@ -24,6 +24,7 @@ import (
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 type serverOptions struct {
@@ -327,7 +328,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
-	metrics := tunnel.NewMetrics()
+	metrics := promtext.NewRegistry()
 	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
 	metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "Expiry of the certificate each listener serves, in seconds since the Unix epoch.",
 		[]string{"listener"}, []string{"agents"}, func() float64 { return float64(agentCert.NotAfter().Unix()) })
@@ -642,7 +643,7 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wai
 // TokenReview, either of the two when both are configured. It also returns
 // the lookup of a node's addresses that binds token agents' ipv4=/ipv6=
 // identifiers (nil without token auth or identity binding).
-func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Metrics) (identify func(context.Context, tunnel.AgentCredentials) (tunnel.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
+func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.Registry) (identify func(context.Context, tunnel.AgentCredentials) (tunnel.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
 	mtls := o.clusterCACert != ""
 	var reviewer *auth.TokenReviewer
 	if o.tokenAuth() {
@@ -680,7 +681,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 	}
 	// Token reviews by result (cache hits included): what an operator
 	// checks when agents cannot get in.
-	reviews := map[int]*tunnel.Counter{}
+	reviews := map[int]*promtext.Counter{}
 	for code, result := range map[int]string{http.StatusOK: "authenticated", http.StatusUnauthorized: "unauthorized", http.StatusForbidden: "forbidden", http.StatusServiceUnavailable: "error"} {
 		reviews[code] = metrics.Counter("konnectivity_network_proxy_server_token_reviews_total", "Agent token checks, by result.", []string{"result"}, result)
 	}
@@ -747,7 +748,7 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 // for it and, if release, deletes the server's Lease. Without apiserver
 // access it logs why and the server runs without a Lease: leases never stop
 // the data path.
-func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func(release bool)) {
+func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Registry, log *slog.Logger) (stop func(release bool)) {
 	lease.RegisterServerMetrics(metrics)
 	if !o.leases.enable {
 		return func(bool) {}

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Admission bounds what a peer on the agent port can make the server do
@@ -47,12 +49,12 @@ type admission struct {
 	reviews  chan struct{} // a slot per AuthenticateAgent call in flight
 	inflight atomic.Int64  // reviews holding a slot, for the gauge
 
-	dropped  *Counter // connections closed at once: MaxUnadmitted reached
-	timedOut *Counter // connections closed at the header timeout, not admitted
-	refused  *Counter // reviews that could not be done (authentication unavailable)
+	dropped  *promtext.Counter // connections closed at once: MaxUnadmitted reached
+	timedOut *promtext.Counter // connections closed at the header timeout, not admitted
+	refused  *promtext.Counter // reviews that could not be done (authentication unavailable)
 }
 
-func newAdmission(m *Metrics, maxUnadmitted, maxReviews int) *admission {
+func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admission {
 	a := &admission{max: int64(maxUnadmitted), reviews: make(chan struct{}, maxReviews)}
 	const name = serverPrefix + "unadmitted_agent_connections_closed_total"
 	const help = "Agent-port connections closed before they were admitted, by reason: limit (more than --max-unadmitted-agent-connections were waiting) or timeout (not admitted within the header timeout)."

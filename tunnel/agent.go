@@ -16,7 +16,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.
@@ -67,7 +69,7 @@ type AgentConfig struct {
 	// Resolver looks up a server host for ExpandDNS; nil uses the system resolver.
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 	// Metrics receives the agent's metrics; nil makes a private registry.
-	Metrics *Metrics
+	Metrics *promtext.Registry
 	// Destinations limits what the agent dials; nil denies only the
 	// built-in ranges (link-local, cloud metadata) and zoned addresses.
 	Destinations *DestinationPolicy
@@ -97,7 +99,7 @@ func (c *AgentConfig) setDefaults() {
 		c.Dialer = d.DialContext
 	}
 	if c.Metrics == nil {
-		c.Metrics = NewMetrics()
+		c.Metrics = promtext.NewRegistry()
 	}
 	if c.Destinations == nil {
 		c.Destinations, _ = NewDestinationPolicy(DestinationRules{})
@@ -342,9 +344,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
-	a.metrics.packets.inc(segToAgent, pktDialReq)
+	a.metrics.packets.inc(segToAgent, grpcwire.DialReq)
 	dest := a.openDestination(w, r)
-	a.metrics.packets.inc(segFromAgent, pktDialRsp) // answered: 200 below, or an error
+	a.metrics.packets.inc(segFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
 	}
@@ -393,7 +395,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	if err != nil {
 		a.Stats.DialsFailed.Add(1)
 		if r.Context().Err() != nil {
-			a.metrics.packets.inc(segToAgent, pktDialCls) // the server gave the dial up (RST_STREAM)
+			a.metrics.packets.inc(segToAgent, grpcwire.DialCls) // the server gave the dial up (RST_STREAM)
 		}
 		code := http.StatusBadGateway
 		var ne net.Error
@@ -438,7 +440,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
 	if downErr == nil {
-		a.metrics.packets.inc(segFromAgent, pktCloseRsp) // the destination's end, as END_STREAM
+		a.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM
 	}
 	select {
 	case <-up.Done():
@@ -474,9 +476,9 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	r.Body.Close()
 	a.metrics.resets.Inc()
 	if downErr != nil {
-		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), pktData)
+		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), grpcwire.Data)
 	} else {
-		a.metrics.streamErrs.inc(segToAgent, codeCanceled, pktData)
+		a.metrics.streamErrs.inc(segToAgent, codeCanceled, grpcwire.Data)
 	}
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
@@ -486,7 +488,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 // countingWriter counts each write to w as a DATA Packet from the agent.
 func (a *Agent) countingWriter(w io.Writer) *packetWriter {
 	pw := packetWriters.Get().(*packetWriter)
-	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}
+	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][grpcwire.Data]}
 	return pw
 }
 
@@ -516,8 +518,8 @@ func (a *Agent) countUpload(up *h2link.Delivery) {
 func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	after := func(err error) error {
 		if err == nil {
-			a.metrics.packets.inc(segToAgent, pktCloseReq) // END_STREAM from the server
-			err = closeWrite(dest)                         // the client half-closed: pass it on
+			a.metrics.packets.inc(segToAgent, grpcwire.CloseReq) // END_STREAM from the server
+			err = closeWrite(dest)                               // the client half-closed: pass it on
 		}
 		if err != nil {
 			dest.Close()

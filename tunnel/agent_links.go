@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
@@ -420,7 +421,7 @@ func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Reque
 	for {
 		select {
 		case <-l.drain:
-			a.metrics.packets.inc(segFromAgent, pktDrain)
+			a.metrics.packets.inc(segFromAgent, grpcwire.Drain)
 			io.WriteString(w, controlDrain+"\n")
 			flush()
 			<-r.Context().Done()

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Principal is what an agent's credential proves about it. The zero value
@@ -142,13 +144,13 @@ func (c *linkCredential) currentToken() string {
 
 // identityState is the server's identity bookkeeping.
 type identityState struct {
-	refused        map[string]*Counter // by reason; fixed after NewServer
+	refused        map[string]*promtext.Counter // by reason; fixed after NewServer
 	noClaimsOnce   sync.Once
 	unverifiedOnce sync.Once // the warning that addresses are dropped
 }
 
-func newIdentityState(m *Metrics) *identityState {
-	st := &identityState{refused: map[string]*Counter{}}
+func newIdentityState(m *promtext.Registry) *identityState {
+	st := &identityState{refused: map[string]*promtext.Counter{}}
 	for _, r := range identityReasons {
 		st.refused[r] = m.Counter(serverPrefix+"agent_identity_refusals_total", "Agent logins refused, links closed, and (address_unverifiable) identifiers dropped, because the credential does not back what the agent claims, by reason.", []string{"reason"}, r)
 	}

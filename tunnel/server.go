@@ -19,7 +19,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // AgentCredentials is what an agent presented when it connected.
@@ -66,7 +68,7 @@ type ServerConfig struct {
 	MaxReviews    int
 
 	// Metrics receives the server's metrics; nil makes a private registry.
-	Metrics *Metrics
+	Metrics *promtext.Registry
 
 	Logger *slog.Logger
 }
@@ -96,7 +98,7 @@ func (c *ServerConfig) setDefaults() {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Metrics == nil {
-		c.Metrics = NewMetrics()
+		c.Metrics = promtext.NewRegistry()
 	}
 }
 
@@ -572,7 +574,7 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 		}
 		switch line {
 		case controlDrain:
-			s.metrics.packets.inc(segFromAgent, pktDrain)
+			s.metrics.packets.inc(segFromAgent, grpcwire.Drain)
 			a.draining.Store(true)
 			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
 		}
@@ -690,7 +692,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
-	s.metrics.packets.inc(segFromClient, pktDialReq) // a CONNECT request read and its peer admitted
+	s.metrics.packets.inc(segFromClient, grpcwire.DialReq) // a CONNECT request read and its peer admitted
 
 	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
 	up.raw = rawSocket(conn)
@@ -703,15 +705,15 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
 		if failureReason(err) == reasonFrontendClosed {
-			s.metrics.packets.inc(segFromClient, pktDialCls) // the client hung up during the dial
+			s.metrics.packets.inc(segFromClient, grpcwire.DialCls) // the client hung up during the dial
 		}
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
-		s.metrics.packets.inc(segToClient, pktDialRsp)
+		s.metrics.packets.inc(segToClient, grpcwire.DialRsp)
 		writeStatus(conn, StatusCode(err), errMsg(err))
 		return nil, nil
 	}
 	s.Stats.DialsOK.Add(1)
-	s.metrics.packets.inc(segToClient, pktDialRsp)
+	s.metrics.packets.inc(segToClient, grpcwire.DialRsp)
 	written := time.Now()
 	_, err = io.WriteString(conn, connectEstablished)
 	s.metrics.frontendWrite.ObserveDuration(time.Since(written))
@@ -719,8 +721,8 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		st.close()
 		return nil, nil
 	}
-	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][pktData], &s.metrics.packets.n[segToAgent][pktData]}
-	up.closes = packetCounter{&s.metrics.packets.n[segFromClient][pktCloseReq], &s.metrics.packets.n[segToAgent][pktCloseReq]}
+	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.Data], &s.metrics.packets.n[segToAgent][grpcwire.Data]}
+	up.closes = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.CloseReq], &s.metrics.packets.n[segToAgent][grpcwire.CloseReq]}
 	return st, up
 }
 
@@ -730,14 +732,14 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 	// Each write to the client is a DATA Packet received from the agent and
 	// sent on to the client.
-	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][pktData], &s.metrics.packets.n[segToClient][pktData]}}
+	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data]}}
 	n, err := copyStream(to, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		// The agent reset the stream or the client went away: abort both.
 		s.metrics.resets.Inc()
-		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
+		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
 		return
 	}
 	s.metrics.countEnd()
@@ -779,7 +781,7 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
 	st.agent.bytesFrom.Add(n)
 	if err != nil {
 		s.metrics.resets.Inc()
-		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
+		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
 		return
 	}
 	s.metrics.countEnd()
@@ -931,15 +933,15 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)
-	s.metrics.packets.inc(segToAgent, pktDialReq)
+	s.metrics.packets.inc(segToAgent, grpcwire.DialReq)
 	resp, err := a.roundTrip(req)
 	timer.Stop()
 	stopGone()
 	if err != nil {
 		if why.Load() == reasonFrontendClosed {
-			s.metrics.packets.inc(segToAgent, pktDialCls) // RST_STREAM before the answer
+			s.metrics.packets.inc(segToAgent, grpcwire.DialCls) // RST_STREAM before the answer
 		} else {
-			s.metrics.streamErrs.inc(segToAgent, streamErrorCode(err), pktDialReq)
+			s.metrics.streamErrs.inc(segToAgent, streamErrorCode(err), grpcwire.DialReq)
 		}
 		body.abandon()
 		a.streams.Add(-1)
@@ -952,7 +954,7 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		}
 		return nil, fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
 	}
-	s.metrics.packets.inc(segFromAgent, pktDialRsp)
+	s.metrics.packets.inc(segFromAgent, grpcwire.DialRsp)
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()

@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 func TestConnectEchoSequentialAndConcurrent(t *testing.T) {
@@ -677,7 +679,7 @@ func TestAgentStopsWithSilentDestination(t *testing.T) {
 // A panic in one tunnel's code ends that tunnel only, on either side.
 func TestPanicsEndOnlyTheirTunnel(t *testing.T) {
 	checkNoLeaks(t)
-	m := NewMetrics()
+	m := promtext.NewRegistry()
 	var frontendPanics atomic.Bool
 	e := newEnv(t, func(c *ServerConfig) {
 		c.Metrics = m
@@ -688,7 +690,7 @@ func TestPanicsEndOnlyTheirTunnel(t *testing.T) {
 			return nil
 		}
 	})
-	agentMetrics := NewMetrics()
+	agentMetrics := promtext.NewRegistry()
 	e.startAgent("a1", "", func(c *AgentConfig) {
 		c.Metrics = agentMetrics
 		c.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
