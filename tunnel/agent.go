@@ -355,7 +355,7 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	// drain timeout) the destination is closed, so a silent destination
 	// cannot hold this handler, and with it a shutdown, forever.
 	stopWatch := context.AfterFunc(r.Context(), func() { dest.Close() })
-	defer func() { // one defer, not three: see carry on frame sizes
+	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		stopWatch()
 		dest.Close()
 		a.Stats.OpenStreams.Add(-1)
@@ -421,9 +421,8 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 
 // carry moves the tunnel's bytes once the destination answered: the link
 // delivers the upload to the destination (see deliverUpload) while this
-// goroutine sends what the destination says. Its frames are kept small on
-// purpose: an idle tunnel parks here, and the collector shrinks a parked
-// goroutine's stack only while it uses under a quarter of it.
+// goroutine sends what the destination says. An idle tunnel parks here:
+// see "Parked stacks" in doc.go.
 func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
 	flush()
@@ -433,7 +432,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	// Each read from the destination is sent as one DATA Packet.
 	to := a.countingWriter(w)
 	if rc := rawSocket(dest); rc != nil {
-		n, downErr = copyFromSocket(to, rc, flush) // one frame less than copyStream
+		n, downErr = copyFromSocket(to, rc, flush) // not through copyStream: one frame less parked
 	} else {
 		n, downErr = copyStream(to, dest, flush)
 	}
@@ -498,7 +497,7 @@ func (a *Agent) countingWriter(w io.Writer) *packetWriter {
 // still reads loses nothing. closed is false when no half-close was
 // possible (the upload still runs); otherwise upErr is how the upload ended.
 func halfClose(w http.ResponseWriter, up *h2link.Delivery) (closed bool, upErr error) {
-	hc, ok := w.(halfCloser)
+	hc, ok := w.(closeWriter)
 	if !ok || hc.CloseWrite() != nil {
 		return false, nil
 	}
@@ -537,9 +536,3 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	}()
 	return d
 }
-
-// halfCloser is a response that can end while its request is still read:
-// the link's responses can.
-type halfCloser interface{ CloseWrite() error }
-
-var _ io.Reader = (*bufferedConn)(nil)

@@ -12,11 +12,11 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"golang.org/x/sys/unix"
 )
 
 // target is one address the agent dials. serverName is the name the
@@ -231,7 +231,7 @@ func isDuplicate(err error) bool {
 // so retrying at the base interval is fine and brings the agent back soon
 // after the server returns.
 func isCheap(err error) bool {
-	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET)
+	return errors.Is(err, unix.ECONNREFUSED) || errors.Is(err, unix.ECONNRESET)
 }
 
 // dial connects to t, performs the handshake and returns the link, not yet

@@ -17,7 +17,6 @@ const (
 	hdrAgentID       = "Konnectivity-Agent-Id"
 	hdrIdentifiers   = "Konnectivity-Agent-Identifiers"
 	hdrHeldServers   = "Konnectivity-Held-Servers"
-	hdrDraining      = "Konnectivity-Agent-Draining"
 	hdrServerID      = "Konnectivity-Server-Id"
 	hdrServerCount   = "Konnectivity-Server-Count"
 	maxHandshakeHead = 16 << 10

@@ -16,12 +16,12 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"golang.org/x/sys/unix"
 )
 
 // AgentCredentials is what an agent presented when it connected.
@@ -240,7 +240,7 @@ func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Con
 			if s.isShutting() {
 				return ErrServerClosed
 			}
-			if countPending && (errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)) && s.refuseWithSpare(ln) {
+			if countPending && (errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)) && s.refuseWithSpare(ln) {
 				continue // one waiting client got its 503; the rest wait or come back
 			}
 			var ne net.Error
@@ -657,8 +657,8 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 
 // openFrontendTunnel reads the CONNECT request, checks the peer, opens a
 // stream through an agent and tells the client 200. On failure it answers
-// the error itself and returns nil. (Apart from serveFrontendConn so that
-// the frames of an idle tunnel's goroutine stay small: see (*Agent).carry.)
+// the error itself and returns nil. It returns before the tunnel parks:
+// see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *upload) {
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
@@ -790,12 +790,11 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
 // maxConnectHead bounds a CONNECT request head; kube-apiserver's is ~50 bytes.
 const maxConnectHead = 16 << 10
 
-// headReaders recycles the readers of CONNECT heads. Every dial needs one
-// for about fifty bytes; allocated afresh, they were 4 KiB of garbage per
-// dial, two fifths of all a dial allocates (BenchmarkDialEcho). A reader
-// goes back only from the path where nothing else can still hold it (the
-// upload has drained it after the client was told 200); readers of dials
-// that failed are left to the collector.
+// headReaders recycles the 4 KiB readers of CONNECT heads, one per dial
+// for a head of about fifty bytes. A reader goes back only from the path
+// where nothing else can still hold it (the upload has drained it after the
+// client was told 200); readers of dials that failed are left to the
+// collector.
 var headReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4096) }}
 
 // stream is one open tunnel through an agent.
@@ -888,11 +887,11 @@ func (s *Server) open(addr string, up *upload) (*stream, error) {
 // waitAgent returns an agent for host, waiting up to AgentWait for one to
 // connect. It gives up early if the client goes away.
 func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload) (*agentConn, error) {
-	max := int64(s.cfg.MaxStreamsPerAgent)
+	maxStreams := int64(s.cfg.MaxStreamsPerAgent)
 	var timer *time.Timer
 	for {
 		changed := s.agents.waitChan()
-		if a := s.agents.pick(host, s.cfg.Strategies, max, exclude); a != nil {
+		if a := s.agents.pick(host, s.cfg.Strategies, maxStreams, exclude); a != nil {
 			if timer != nil {
 				timer.Stop()
 			}
