@@ -25,15 +25,15 @@ import (
 type AgentConfig struct {
 	// ServerAddrs are host:port addresses of the server's agent listener.
 	// One address may be a load balancer in front of several servers: the
-	// agent then keeps dialling it until it holds a tunnel to as many
+	// agent then keeps dialling it until it holds a connection to as many
 	// distinct servers as they announce. Several addresses are each dialled
 	// and held directly.
 	ServerAddrs []string
 	// ExpandDNS resolves each address's host to all its A/AAAA records and
-	// holds a tunnel to each (the TLS server name stays the host name).
+	// holds a connection to each (the TLS server name stays the host name).
 	ExpandDNS bool
 	// SyncForever keeps probing a load-balanced address after the count is
-	// reached, so a server added behind it is found without a tunnel drop.
+	// reached, so a server added behind it is found without a connection drop.
 	SyncForever bool
 	// CountSource says how a server count from Leases (SetLeaseCount)
 	// combines with the count servers announce. Without a lease count the
@@ -51,9 +51,9 @@ type AgentConfig struct {
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
-	// TokenRefresh is how often each link reads the token again and, when
+	// TokenRefresh is how often each connection reads the token again and, when
 	// it changed, presents it to its server on the control stream, so a
-	// rotated token never drops a tunnel (default 30s).
+	// rotated token never drops a connection (default 30s).
 	TokenRefresh time.Duration
 
 	DialTimeout  time.Duration // destination dial bound (default 5s)
@@ -111,22 +111,22 @@ func (c *AgentConfig) setDefaults() {
 	}
 }
 
-// Agent keeps tunnels to every server and serves the servers' CONNECT
+// Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
 type Agent struct {
 	cfg AgentConfig
 	log *slog.Logger
 
 	mu       sync.Mutex
-	links    map[*serverLink]struct{}
+	conns    map[*serverConn]struct{}
 	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{} // closed and replaced when links change
+	changed  chan struct{} // closed and replaced when connections change
 	draining bool
 	// Also guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
 
-	linkWG  sync.WaitGroup // goroutines serving links
+	connWG  sync.WaitGroup // goroutines serving connections
 	streams sync.WaitGroup // handlers in flight
 	Stats   AgentStats
 	metrics *agentMetrics
@@ -162,7 +162,7 @@ func (a *Agent) SetLeaseCount(n int) {
 	was := a.maxCount
 	a.leaseCount = n
 	a.recountLocked()
-	held, want := len(a.links), a.maxCount
+	held, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
 	if want != was {
 		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", held, want), "lease_count", n, "was", was)
@@ -189,7 +189,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	a := &Agent{
 		cfg:      cfg,
 		log:      cfg.Logger,
-		links:    make(map[*serverLink]struct{}),
+		conns:    make(map[*serverConn]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
 		quiet:    newLogLimiter(10 * time.Second),
@@ -199,29 +199,29 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	return a, nil
 }
 
-// Ready reports whether the agent holds a tunnel to at least one server;
+// Ready reports whether the agent holds a connection to at least one server;
 // the message says how many of the announced servers it holds.
 func (a *Agent) Ready() (bool, string) {
 	n, want := a.Connected()
 	return n > 0, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// ReadyAll reports whether the agent holds a tunnel to every server.
+// ReadyAll reports whether the agent holds a connection to every server.
 func (a *Agent) ReadyAll() (bool, string) {
 	n, want := a.Connected()
 	return n >= want, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// Connected returns how many servers the agent holds a tunnel to, and how
+// Connected returns how many servers the agent holds a connection to, and how
 // many it wants (the largest count a live server announced, combined with
 // the lease count by CountSource).
 func (a *Agent) Connected() (held, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return len(a.links), a.maxCount
+	return len(a.conns), a.maxCount
 }
 
-// Run holds tunnels to the servers until ctx ends. A server that is away
+// Run holds connections to the servers until ctx ends. A server that is away
 // never ends it: it is redialled with capped, jittered exponential backoff.
 // When ctx ends the agent drains: it tells every server (so new dials go to
 // other agents while any fit), lets open tunnels finish for up to
@@ -249,8 +249,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	managers.Wait()
 	// GOAWAY on every server connection, then close what is left.
 	a.goAwayLinks()
-	a.closeLinks()
-	a.linkWG.Wait()
+	a.closeConns()
+	a.connWG.Wait()
 	a.streams.Wait()
 	return nil
 }
@@ -258,31 +258,31 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) beginDrain() {
 	a.mu.Lock()
 	a.draining = true
-	links := make([]*serverLink, 0, len(a.links))
-	for l := range a.links {
-		links = append(links, l)
+	conns := make([]*serverConn, 0, len(a.conns))
+	for l := range a.conns {
+		conns = append(conns, l)
 	}
 	a.mu.Unlock()
-	for _, l := range links {
+	for _, l := range conns {
 		l.sendDrain()
 	}
-	a.log.Info("draining: servers told to prefer other agents", "servers", len(links), "open_tunnels", a.Stats.OpenStreams.Load())
+	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.OpenStreams.Load())
 }
 
 func (a *Agent) goAwayLinks() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for l := range a.links {
+	for l := range a.conns {
 		if lk := l.link.Load(); lk != nil {
 			lk.GoAwayNow()
 		}
 	}
 }
 
-func (a *Agent) closeLinks() {
+func (a *Agent) closeConns() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for l := range a.links {
+	for l := range a.conns {
 		l.conn.Close()
 	}
 }

@@ -27,7 +27,7 @@ const (
 type agentHello struct {
 	ID          string
 	Identifiers string
-	Held        []string // server IDs the agent already holds a tunnel to
+	Held        []string // server IDs the agent already holds a connection to
 	Token       string   // bearer token, if any; never logged
 }
 

@@ -124,8 +124,8 @@ const minTokenRefresh = time.Second
 // valid may finish before the link is closed.
 const revokeGrace = 5 * time.Second
 
-// linkCredential is the credential a live agent link stands on.
-type linkCredential struct {
+// connCredential is the credential a live agent connection stands on.
+type connCredential struct {
 	tls tls.ConnectionState // fixed at login
 
 	mu      sync.Mutex
@@ -136,7 +136,7 @@ type linkCredential struct {
 	ended   bool        // the link is gone: no more reviews; guarded by mu
 }
 
-func (c *linkCredential) currentToken() string {
+func (c *connCredential) currentToken() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.token
@@ -340,7 +340,7 @@ func (r *registry) claim(a *agentConn) (replaced *agentConn, ok bool) {
 // watchCredential starts the periodic review of a token agent's token.
 // The link's end must call endCredential.
 func (s *Server) watchCredential(a *agentConn, token string, tlsState tls.ConnectionState) {
-	a.cred = &linkCredential{tls: tlsState, token: token, expires: a.principal.Expires}
+	a.cred = &connCredential{tls: tlsState, token: token, expires: a.principal.Expires}
 	if a.principal.Kind != PrincipalToken || s.cfg.Identity.Recheck < 0 {
 		return
 	}

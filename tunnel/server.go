@@ -510,21 +510,21 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		h2conn = &bufferedConn{Conn: conn, r: br}
 	}
 	wc := newWatchedConn(h2conn)
-	cc, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc)})
+	link, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc)})
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
 		wc.Close()
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), cc: cc, conn: wc, stopControl: stopControl, principal: principal}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal}
 	s.watchCredential(a, hello.Token, tlsState)
 	old, ok := s.agents.claim(a)
 	if !ok {
 		stopControl()
 		a.endCredential()
 		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote)
-		cc.Close()
+		link.Close()
 		return
 	}
 	if old != nil {
@@ -555,7 +555,7 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 	if err != nil {
 		return
 	}
-	resp, err := a.cc.RoundTrip(req)
+	resp, err := a.link.RoundTrip(req)
 	if err != nil {
 		return
 	}
@@ -589,7 +589,7 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 // with: those the credential backs.
 func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) (Principal, Identifiers, error) {
 	if slices.Contains(h.Held, s.cfg.ID) {
-		return Principal{}, Identifiers{}, statusErrorf(http.StatusConflict, "agent already holds a tunnel to server %s", s.cfg.ID)
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusConflict, "agent already holds a connection to server %s", s.cfg.ID)
 	}
 	if s.isShutting() {
 		return Principal{}, Identifiers{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
