@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"log/slog"
 	"net"
@@ -217,4 +218,28 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 		err := <-ended
 		return err != nil && errors.Is(err, os.ErrDeadlineExceeded)
 	}
+}
+
+// register puts an admitted agent, ours or an upstream one, in the registry:
+// it watches the credential the agent logged in with and claims the agent's
+// ID. An agent that reconnected replaces its old connection, which may be
+// half-dead: the old one is drained (its tunnels may finish, new dials go
+// to the new one) within the keepalive and PING timeouts. It returns false,
+// registering nothing, when another credential took the ID during the
+// login; the caller then ends the credential watch and the connection.
+func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionState) bool {
+	s.watchCredential(a, token, tlsState)
+	old, ok := s.agents.claim(a)
+	if !ok {
+		return false
+	}
+	if old != nil {
+		old.draining.Store(true)
+		s.goroutine(func() {
+			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
+			defer cancel()
+			old.shutdown(ctx)
+		})
+	}
+	return true
 }

@@ -518,24 +518,12 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
 	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal}
-	s.watchCredential(a, hello.Token, tlsState)
-	old, ok := s.agents.claim(a)
-	if !ok {
+	if !s.register(a, hello.Token, tlsState) {
 		stopControl()
 		a.endCredential()
 		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote)
 		link.Close()
 		return
-	}
-	if old != nil {
-		// The same agent reconnected; its old connection may be half-dead.
-		// Let its tunnels finish, but route new dials to the new one.
-		old.draining.Store(true)
-		s.goroutine(func() {
-			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
-			defer cancel()
-			old.shutdown(ctx)
-		})
 	}
 	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
 	// No goroutine waits for the connection to end (an idle agent costs

@@ -152,21 +152,11 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	}
 	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal}
 	ua.agent = a
-	s.watchCredential(a, hello.Token, tlsState)
 	defer a.endCredential()
-	old, ok := s.agents.claim(a)
-	if !ok {
+	if !s.register(a, hello.Token, tlsState) {
 		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote, "protocol", "grpc")
 		g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
 		return false
-	}
-	if old != nil {
-		old.draining.Store(true)
-		s.goroutine(func() {
-			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
-			defer cancel()
-			old.shutdown(ctx)
-		})
 	}
 	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
 
