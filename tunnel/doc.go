@@ -26,9 +26,9 @@
 // Server: server.go (lifecycle: Serve*, Shutdown, Close), frontend.go (a
 // client's CONNECT on the frontend socket), grpc_frontend.go (the gRPC
 // front door), admission.go (an agent's connection until it is admitted,
-// and the limits on it), register.go (admitted agents of both kinds join the
-// registry), dial.go (picking an agent and opening a tunnel through it),
-// upstream_agent.go (upstream's gRPC agents), registry.go, identity.go.
+// the limits on it, and register, which puts admitted agents of both kinds
+// in the registry), dial.go (picking an agent and opening a tunnel through
+// it), upstream_agent.go (upstream's gRPC agents), registry.go, identity.go.
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go (a
 // connection per server), destinations.go (the destination policy).
 // Shared: handshake.go (the Upgrade request), upload.go, buffers.go,
