@@ -34,23 +34,27 @@ func addProcessMetrics(m *promtext.Registry, prefix string) {
 	start := float64(time.Now().UnixNano()) / 1e9
 	m.GaugeFunc("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", nil, nil, func() float64 { return start })
 	m.GaugeFunc(prefix+"build_info", "Build of the running binary; the value is always 1.", []string{"version", "goversion"}, []string{versionString(), runtime.Version()}, func() float64 { return 1 })
-	// The Go collector's name, so existing leak alerts work; two per open
+	// The Go collector's name, so existing leak alerts work: one per open
 	// tunnel and a few per connection, so a count that only grows is a leak.
 	m.GaugeFunc("go_goroutines", "Number of goroutines that currently exist.", nil, nil, func() float64 { return float64(runtime.NumGoroutine()) })
 	addProcessFamilies(m)
 	addGoFamilies(m)
 }
 
-// serviceMux is a health mux with /metrics, and on the admin port also
-// /debug/tunnels and, when asked, pprof.
-func serviceMux(ready []check, readyAll []check, m *promtext.Registry, status func() any, admin, profiling bool) *http.ServeMux {
+// serviceMux is the health service's mux: /healthz, /livez, /readyz and
+// /metrics.
+func serviceMux(ready, readyAll []check, m *promtext.Registry) *http.ServeMux {
 	mux := healthMux(ready, readyAll...)
 	mux.Handle("/metrics", metricsHandler(m))
-	if admin {
-		mux.Handle("/debug/tunnels", jsonHandler(status))
-		if profiling {
-			addProfiling(mux)
-		}
+	return mux
+}
+
+// adminMux adds to a service mux what only the admin port serves:
+// /debug/tunnels and, with profiling, pprof.
+func adminMux(mux *http.ServeMux, status func() any, profiling bool) *http.ServeMux {
+	mux.Handle("/debug/tunnels", jsonHandler(status))
+	if profiling {
+		addProfiling(mux)
 	}
 	return mux
 }

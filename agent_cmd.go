@@ -261,45 +261,24 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	d := newDaemon(log)
+	defer d.Close()
 	ready := []check{{"server-connected", agent.Ready}}
 	readyAll := []check{{"all-servers-connected", agent.ReadyAll}}
 	if o.readyzAll {
 		ready = readyAll
 	}
-	var services []*httpService
-	defer func() {
-		for _, s := range services {
-			s.stop()
-		}
-	}()
-	status := func() any { return agent.Status() }
-	ls := newListenerSet(log)
-	if o.healthPort != 0 {
-		s, err := startHTTP("health", ls, hostPort(o.healthHost, o.healthPort), serviceMux(ready, readyAll, metrics, status, false, false), log)
-		if err != nil {
-			return err
-		}
-		services = append(services, s)
+	if err := d.startServices(serviceOptions{
+		healthAddr: servicePort(o.healthHost, o.healthPort),
+		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
+		ready:      ready,
+		readyAll:   readyAll,
+		metrics:    metrics,
+		status:     func() any { return agent.Status() },
+		profiling:  o.enableProfiling,
+	}); err != nil {
+		return err
 	}
-	if o.adminPort != 0 {
-		mux := serviceMux(ready, readyAll, metrics, status, true, o.enableProfiling)
-		s, err := startHTTP("admin", ls, hostPort(o.adminBindAddress, o.adminPort), mux, log)
-		if err != nil {
-			return err
-		}
-		services = append(services, s)
-	}
-	ls.closeUnused()
-	releaseStartupPages(log)
-	memCtx, stopMem := context.WithCancel(ctx)
-	pagesDone := make(chan struct{})
-	go func() {
-		defer close(pagesDone)
-		releaseWhenReady(memCtx, func() bool { ok, _ := agent.ReadyAll(); return ok }, log)
-	}()
-	trimDone := make(chan struct{})
-	go func() { defer close(trimDone); trimMemory(memCtx, trimInterval, log) }()
-	defer func() { stopMem(); <-pagesDone; <-trimDone }()
 	stopCounting := o.startLeaseCounter(ctx, agent, metrics, log)
 	defer stopCounting()
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
@@ -310,33 +289,23 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	defer stopRun()
 	runDone := make(chan error, 1)
 	go func() { runDone <- agent.Run(runCtx) }()
-	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
-	for {
-		select {
-		case err := <-runDone:
-			log.Info("stopped")
-			return err
-		case why := <-restart:
-			exe, env, ok := ls.prepareRestart(why)
-			if !ok {
-				continue
+	stop := func() error { stopRun(); return <-runDone }
+	return d.Run(ctx, work{
+		done: runDone,
+		shutdown: func(ended bool, cause error) error {
+			if ended {
+				return cause
 			}
-			log.Info("restarting in place: draining tunnels", "trigger", why, "drain_timeout", o.drainTimeout.String())
-			stopRun()
-			<-runDone
-			for _, s := range services {
-				s.stop()
-			}
-			services = nil
-			if ctx.Err() != nil {
-				// SIGTERM or SIGINT came during the drain: stop as asked
-				// instead of coming back as a new image that never saw it.
-				log.Info("stop requested while draining for a restart: exiting instead of re-executing")
-				return nil
-			}
-			return execSelf(exe, env, log)
-		}
-	}
+			return stop()
+		},
+		drain: func(trigger string) {
+			log.Info("restarting in place: draining tunnels", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
+			stop()
+		},
+		memoryReady:           func() bool { ok, _ := agent.ReadyAll(); return ok },
+		restartOnBinaryChange: o.restartOnBinaryChange,
+		restartCheckInterval:  o.restartCheckInterval,
+	})
 }
 
 // startLeaseCounter counts the server Leases and hands the count to the

@@ -1,50 +1,11 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 )
-
-func opensslCmd(t *testing.T, args ...string) string {
-	t.Helper()
-	bin, err := exec.LookPath("openssl")
-	if err != nil {
-		t.Fatalf("the openssl command is required by this test (install openssl): %v", err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("openssl %s: %v\n%s", strings.Join(args, " "), err, out)
-	}
-	return string(out)
-}
-
-// k3sStyleCA makes a CA the way k3s stores it: SEC1 "EC PRIVATE KEY".
-func k3sStyleCA(t *testing.T, dir string) (certFile, keyFile string) {
-	t.Helper()
-	keyFile = filepath.Join(dir, "server-ca.key")
-	certFile = filepath.Join(dir, "server-ca.crt")
-	conf := filepath.Join(dir, "ca.cnf")
-	if err := os.WriteFile(conf, []byte("[req]\ndistinguished_name=dn\nprompt=no\n[dn]\nCN=x\n[ca]\nbasicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	opensslCmd(t, "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", keyFile)
-	opensslCmd(t, "req", "-x509", "-new", "-config", conf, "-extensions", "ca", "-key", keyFile, "-subj", "/CN=k3s-server-ca", "-days", "3650", "-out", certFile)
-	return certFile, keyFile
-}
-
-func runCertArgs(args ...string) (code int, stdout, stderr string) {
-	var o, e bytes.Buffer
-	code = runCert(args, &o, &e)
-	return code, o.String(), e.String()
-}
 
 func TestRunCert(t *testing.T) {
 	dir := t.TempDir()

@@ -251,11 +251,11 @@ func (cf *commandFlags) logOutput(stderr io.Writer) (io.Writer, error) {
 		cf.warn("--log-file-max-size is not honoured: the log file grows without limit; rotate it (logrotate copytruncate)", "log_file_max_size_mb", cf.logFileMaxSize)
 	}
 	// f lives as long as the process.
-	min := cf.stderrThreshold
+	threshold := cf.stderrThreshold
 	if cf.alsoToStderr {
-		min = cf.alsoThreshold
+		threshold = cf.alsoThreshold
 	}
-	return io.MultiWriter(f, &severityWriter{w: stderr, min: min}), nil
+	return io.MultiWriter(f, &severityWriter{w: stderr, min: threshold}), nil
 }
 
 // klogSeverity is a klog severity flag value: INFO, WARNING, ERROR, FATAL

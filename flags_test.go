@@ -10,50 +10,6 @@ import (
 	"time"
 )
 
-// parseLogs parses args with fresh flags of cmd ("server" or "agent"), runs
-// complete, logs one line at each level and returns stderr and the logger's
-// file contents (if --log-file was used).
-func parseLogs(t *testing.T, cmd string, args []string) (stderr string, code int) {
-	t.Helper()
-	var errb bytes.Buffer
-	var cf *commandFlags
-	var complete func() error
-	switch cmd {
-	case "server":
-		o, f := newServerFlags(&errb)
-		cf, complete = f, func() error { return o.complete(f) }
-	default:
-		o, f := newAgentFlags(&errb)
-		cf, complete = f, func() error { return o.complete(f) }
-	}
-	log, err := cf.parse(args, &errb)
-	if err != nil {
-		return errb.String() + err.Error(), 2
-	}
-	if err := complete(); err != nil {
-		return errb.String() + err.Error(), 2
-	}
-	cf.flushWarnings(log)
-	log.Info("an info line")
-	log.Warn("a warn line")
-	log.Error("an error line")
-	return errb.String(), 0
-}
-
-func serverArgs(extra ...string) []string {
-	return append([]string{"--mode=grpc", "--uds-name=/tmp/x.sock", "--cluster-cert=c", "--cluster-key=k"}, extra...)
-}
-
-func warnLines(out string) []string {
-	var w []string
-	for _, l := range strings.Split(out, "\n") {
-		if strings.Contains(l, "level=WARN") && !strings.Contains(l, "a warn line") {
-			w = append(w, l)
-		}
-	}
-	return w
-}
-
 // TestKlogOutputFlags: logs never vanish from stderr. klog ignores
 // --log-file while --logtostderr is true (its default), and so does this
 // binary, with a warning; with --logtostderr=false the file gets every

@@ -82,8 +82,8 @@ type httpService struct {
 }
 
 // startHTTP listens on addr (or adopts the inherited listener of that
-// name) and serves h until stop. Port 0 in the flag value means the service
-// is off, so callers skip it before calling.
+// name) and serves h until stop. It is called only for a service that is
+// on (daemon.startServices).
 func startHTTP(name string, ls *listenerSet, addr string, h http.Handler, log *slog.Logger) (*httpService, error) {
 	ln, err := ls.listen(name, "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
 	if err != nil {

@@ -7,12 +7,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -207,73 +205,4 @@ func TestServerAndAgentCommands(t *testing.T) {
 	if _, err := os.Stat(uds); !os.IsNotExist(err) {
 		t.Errorf("socket still there after stop: %v", err)
 	}
-}
-
-// freePort returns a loopback port below the ephemeral range, never the
-// same one twice in this test binary.
-func freePort(t *testing.T) string {
-	t.Helper()
-	for range 1000 {
-		port := 20000 + rand.IntN(12000)
-		if _, dup := givenPorts.LoadOrStore(port, true); dup {
-			continue
-		}
-		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err != nil {
-			continue
-		}
-		ln.Close()
-		return strconv.Itoa(port)
-	}
-	t.Fatal("no free loopback port found")
-	return ""
-}
-
-// givenPorts remembers the ports freePort handed out.
-var givenPorts sync.Map
-
-func httpStatus(url string) int {
-	c := http.Client{Timeout: 2 * time.Second}
-	resp, err := c.Get(url)
-	if err != nil {
-		return 0
-	}
-	resp.Body.Close()
-	return resp.StatusCode
-}
-
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func httpBody(t *testing.T, url string) string {
-	t.Helper()
-	c := http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return string(b)
-}
-
-func httpBackend(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.WriteString(w, "backend "+r.URL.Path)
-	})}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	return ln.Addr().String()
 }

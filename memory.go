@@ -96,9 +96,9 @@ func releaseWhenReady(ctx context.Context, ready func() bool, log *slog.Logger) 
 
 // Returning memory after a burst: the Go runtime keeps freed heap for
 // reuse and gives it back to the OS only once a garbage collection has
-// found it free, and an idle daemon allocates too little to start one. A
-// thousand concurrent tunnels then left a server holding 150 MiB for
-// minutes after they closed. Every trimInterval the daemon compares what it
+// found it free, and an idle daemon allocates too little to start one:
+// left alone, a thousand concurrent tunnels leave a server holding 150 MiB
+// for minutes after they close. Every trimInterval the daemon compares what it
 // holds with what it needs and, past trimSlack, collects and returns the
 // rest (debug.FreeOSMemory); it does the same once a burst of new tunnels
 // has gone quiet (see shouldTrim). The check reads runtime/metrics and
@@ -112,29 +112,50 @@ const (
 // trimMemory checks every interval until ctx ends; the caller owns it as a
 // goroutine.
 func trimMemory(ctx context.Context, interval time.Duration, log *slog.Logger) {
+	newTrimmer(log).run(ctx, interval)
+}
+
+// trimmer is the state of one trimMemory loop, owned by its goroutine.
+type trimmer struct {
+	log   *slog.Logger
+	last  heapSample // the previous check's sample
+	since trimState
+}
+
+// newTrimmer takes the first sample: goroutines started after it count as
+// new to the trimmer.
+func newTrimmer(log *slog.Logger) *trimmer {
+	last := readHeap()
+	return &trimmer{log: log, last: last, since: newTrimState(last)}
+}
+
+func (t *trimmer) run(ctx context.Context, interval time.Duration) {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
-	last := readHeap()
-	since := newTrimState(last)
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
 		}
-		now := readHeap()
-		since.observe(now)
-		if shouldTrim(now, last, since) {
-			// Two collections: the first moves sync.Pool contents (copy
-			// buffers) to the pools' victim caches, the second frees them.
-			runtime.GC()
-			debug.FreeOSMemory()
-			after := readHeap()
-			log.Debug("returned free memory to the OS", "held_before_bytes", now.held, "held_after_bytes", after.held)
-			since, now = newTrimState(after), after
-		}
-		last = now
+		t.check()
 	}
+}
+
+// check trims when shouldTrim says so.
+func (t *trimmer) check() {
+	now := readHeap()
+	t.since.observe(now)
+	if shouldTrim(now, t.last, t.since) {
+		// Two collections: the first moves sync.Pool contents (copy
+		// buffers) to the pools' victim caches, the second frees them.
+		runtime.GC()
+		debug.FreeOSMemory()
+		after := readHeap()
+		t.log.Debug("returned free memory to the OS", "held_before_bytes", now.held, "held_after_bytes", after.held)
+		t.since, now = newTrimState(after), after
+	}
+	t.last = now
 }
 
 // trimState is what the trimmer remembers of its last trim.

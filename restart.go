@@ -130,7 +130,7 @@ func (ls *listenerSet) handOver() (string, error) {
 		return "", err
 	}
 	for _, nl := range ls.open {
-		sc, ok := nl.ln.(syscall.Conn)
+		sc, ok := nl.ln.(syscall.Conn) // the net package's interface; x/sys/unix has none
 		if !ok {
 			return fail(fmt.Errorf("listener %s cannot be handed over", nl.name))
 		}
@@ -203,7 +203,7 @@ func execSelf(exe string, handOverEnv string, log *slog.Logger) error {
 		}
 	}
 	log.Info("re-executing in place", "exe", exe, "pid", os.Getpid())
-	err := syscall.Exec(exe, os.Args, env)
+	err := unix.Exec(exe, os.Args, env)
 	return fmt.Errorf("exec %s: %w", exe, err)
 }
 
@@ -217,15 +217,11 @@ func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger) <
 		return changed
 	}
 	stamp := func() (string, error) {
-		fi, err := os.Stat(exe)
-		if err != nil {
-			return "", err
+		var st unix.Stat_t
+		if err := unix.Stat(exe, &st); err != nil {
+			return "", &os.PathError{Op: "stat", Path: exe, Err: err}
 		}
-		st, _ := fi.Sys().(*syscall.Stat_t)
-		if st == nil {
-			return fmt.Sprint(fi.Size(), fi.ModTime().UnixNano()), nil
-		}
-		return fmt.Sprint(st.Dev, st.Ino, fi.Size(), fi.ModTime().UnixNano()), nil
+		return fmt.Sprint(st.Dev, st.Ino, st.Size, st.Mtim.Nano()), nil
 	}
 	first, err := stamp()
 	if err != nil {
@@ -266,7 +262,7 @@ func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger) <
 func restartRequests(ctx context.Context, onBinaryChange bool, every time.Duration, log *slog.Logger) <-chan string {
 	out := make(chan string, 1)
 	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
+	signal.Notify(hup, unix.SIGHUP)
 	var replaced <-chan struct{}
 	if onBinaryChange {
 		replaced = binaryWatcher(ctx, every, log)

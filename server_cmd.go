@@ -14,10 +14,9 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strings"
-	"syscall"
+	"sync"
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
@@ -25,6 +24,7 @@ import (
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"golang.org/x/sys/unix"
 )
 
 type serverOptions struct {
@@ -313,16 +313,12 @@ func checkTLSVersion(cf *commandFlags, s string) error {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	strategies, _ := tunnel.ParseStrategies(o.proxyStrategies)
 	minTLS, _ := tlsVersion(o.tlsMinVersion)
-
-	mintCtx, stopMinting := context.WithCancel(ctx)
-	waitMinting, err := o.startMinting(mintCtx, log)
+	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
-		stopMinting()
 		return err
 	}
-	defer func() { stopMinting(); waitMinting() }()
+	defer stopMinting()
 	agentTLS, agentCert, err := o.agentTLSConfig(minTLS, log)
 	if err != nil {
 		return err
@@ -330,11 +326,104 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
 	metrics := promtext.NewRegistry()
 	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
-	metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "Expiry of the certificate each listener serves, in seconds since the Unix epoch.",
-		[]string{"listener"}, []string{"agents"}, func() float64 { return float64(agentCert.NotAfter().Unix()) })
-	identify, nodeAddrs, err := o.agentAuthenticator(log, metrics)
+	addCertificateMetric(metrics, "agents", agentCert)
+	cfg, err := o.serverConfig(agentTLS, metrics, log)
 	if err != nil {
 		return err
+	}
+	srv, err := tunnel.NewServer(cfg)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+
+	d := newDaemon(log)
+	defer d.Close()
+	var serving sync.WaitGroup
+	done := make(chan error, 3) // one per accept loop, so none blocks
+	serve := func(f func() error) {
+		serving.Add(1)
+		go func() { defer serving.Done(); done <- f() }()
+	}
+	if err := o.listen(d, srv, minTLS, metrics, serve); err != nil {
+		return err
+	}
+	if err := d.startServices(serviceOptions{
+		healthAddr: servicePort(o.healthBindAddress, o.healthPort),
+		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
+		ready:      o.readyChecks(srv),
+		metrics:    metrics,
+		status:     func() any { return srv.Status() },
+		profiling:  o.enableProfiling,
+	}); err != nil {
+		return err
+	}
+	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
+	defer stopLeases(true)
+
+	stop := func(grace time.Duration) { stopServing(srv, grace, &serving, log) }
+	return d.Run(ctx, work{
+		done: done,
+		shutdown: func(_ bool, cause error) error {
+			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
+			stop(o.gracefulShutdown)
+			stopLeases(true)
+			if cause != nil && !errors.Is(cause, tunnel.ErrServerClosed) {
+				return cause
+			}
+			return nil
+		},
+		drain: func(trigger string) {
+			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
+			stop(o.restartGrace)
+			// With a fixed server ID the new image renews the same Lease,
+			// so agents never see the count dip; a random ID is a new
+			// server, and the old one's Lease goes now.
+			stopLeases(!o.serverIDFixed)
+			stopMinting()
+		},
+		exited:                o.removeSocket(log),
+		memoryReady:           func() bool { return srv.AgentCount() > 0 },
+		restartOnBinaryChange: o.restartOnBinaryChange,
+		restartCheckInterval:  o.restartCheckInterval,
+	})
+}
+
+// readyChecks is /readyz: an agent must be connected unless
+// --readyz-requires-agent=false, which reports without failing.
+func (o *serverOptions) readyChecks(srv *tunnel.Server) []check {
+	if !o.readyzRequiresAgent {
+		return []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
+	}
+	return []check{{"agents", srv.Ready}}
+}
+
+// stopServing sends GOAWAY to agents, lets tunnels finish within grace and
+// waits for the accept loops to return.
+func stopServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		log.Warn("grace period over; open tunnels closed", "err", err)
+	}
+	serving.Wait()
+}
+
+// servicePort is the address of a health or admin service, "" when its
+// port is 0 (the service is off).
+func servicePort(host string, port int) string {
+	if port == 0 {
+		return ""
+	}
+	return hostPort(host, port)
+}
+
+// serverConfig turns the flags into the tunnel server's configuration.
+func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Registry, log *slog.Logger) (tunnel.ServerConfig, error) {
+	strategies, _ := tunnel.ParseStrategies(o.proxyStrategies)
+	identify, nodeAddrs, err := o.agentAuthenticator(log, metrics)
+	if err != nil {
+		return tunnel.ServerConfig{}, err
 	}
 	recheck := o.tokenRecheck
 	if recheck <= 0 {
@@ -368,7 +457,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		allowed := auth.DefaultAllowedUIDs()
 		if o.frontendAllowedUIDs != "" {
 			if allowed, err = auth.ParseUIDList(o.frontendAllowedUIDs); err != nil {
-				return fmt.Errorf("--frontend-allowed-uids: %w", err)
+				return tunnel.ServerConfig{}, fmt.Errorf("--frontend-allowed-uids: %w", err)
 			}
 		}
 		cfg.CheckFrontendPeer = func(c net.Conn) error {
@@ -381,31 +470,27 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			return nil
 		}
 	}
-	srv, err := tunnel.NewServer(cfg)
-	if err != nil {
-		return err
-	}
+	return cfg, nil
+}
 
+// addCertificateMetric exports the expiry of the certificate a listener
+// serves.
+func addCertificateMetric(m *promtext.Registry, listener string, cert *certs.Reloader) {
+	m.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "Expiry of the certificate each listener serves, in seconds since the Unix epoch.",
+		[]string{"listener"}, []string{listener}, func() float64 { return float64(cert.NotAfter().Unix()) })
+}
+
+// listen opens (or adopts) the frontends and the agent listener and has
+// serve run an accept loop on each.
+func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error)) error {
 	// One data path, two front doors: HTTP CONNECT or gRPC.
 	serveFrontend := srv.ServeFrontend
 	if o.mode == "grpc" {
 		serveFrontend = srv.ServeGRPC
 	}
-	var (
-		serving  = make(chan error, 4)
-		nServing int
-		services []*httpService
-	)
-	defer func() {
-		for _, s := range services {
-			s.stop()
-		}
-	}()
-	// Listeners are adopted from a previous image of this process when it
-	// re-executed itself, so the socket (path and inode) and ports stay.
-	ls := newListenerSet(log)
+	log := d.log
 	if o.udsName != "" {
-		ln, err := ls.listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
+		ln, err := d.listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
 			return listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
 		})
 		if err != nil {
@@ -413,147 +498,44 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		}
 		if o.udsOwner != "" || o.udsGroup != "" {
 			if err := auth.ApplySocketOwnership(o.udsName, o.udsMode.mode, o.udsOwner, o.udsGroup); err != nil {
-				ln.Close()
 				return fmt.Errorf("frontend socket %s: %w", o.udsName, err)
 			}
 		}
 		log.Info("listening", "service", "frontend", "mode", o.mode, "uds", o.udsName, "uds_mode", o.udsMode.String())
-		nServing++
-		go func() { serving <- serveFrontend(ln) }()
+		serve(func() error { return serveFrontend(ln) })
 	}
 	if o.serverPort != 0 {
 		tcfg, frontCert, err := o.frontendTLSConfig(minTLS, log)
 		if err != nil {
 			return err
 		}
-		addr := hostPort(o.serverBindAddress, o.serverPort)
-		ln, err := ls.listen("frontend-tcp", "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
+		ln, err := d.listenTCP("frontend-tcp", hostPort(o.serverBindAddress, o.serverPort))
 		if err != nil {
 			return fmt.Errorf("TCP frontend: %w", err)
 		}
 		log.Info("listening", "service", "frontend", "mode", o.mode, "addr", ln.Addr().String(), "tls", "mTLS", "not_after", frontCert.NotAfter().UTC().Format(time.RFC3339))
-		metrics.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "", []string{"listener"}, []string{"frontend"},
-			func() float64 { return float64(frontCert.NotAfter().Unix()) })
-		nServing++
-		go func() { serving <- serveFrontend(tls.NewListener(ln, tcfg)) }()
+		addCertificateMetric(metrics, "frontend", frontCert)
+		serve(func() error { return serveFrontend(tls.NewListener(ln, tcfg)) })
 	}
-	agentAddr := hostPort(o.agentBindAddress, o.agentPort)
-	agentLn, err := ls.listen("agents", "tcp", agentAddr, func() (net.Listener, error) { return net.Listen("tcp", agentAddr) })
+	ln, err := d.listenTCP("agents", hostPort(o.agentBindAddress, o.agentPort))
 	if err != nil {
-		srv.Close()
 		return fmt.Errorf("agent listener: %w", err)
 	}
-	log.Info("listening", "service", "agents", "addr", agentLn.Addr().String(), "server_id", o.serverID, "server_count", o.serverCount)
-	nServing++
-	go func() { serving <- srv.ServeAgents(agentLn) }()
-
-	ready := []check{{"agents", srv.Ready}}
-	if !o.readyzRequiresAgent {
-		ready = []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
-	}
-	status := func() any { return srv.Status() }
-	if o.healthPort != 0 {
-		s, err := startHTTP("health", ls, hostPort(o.healthBindAddress, o.healthPort), serviceMux(ready, nil, metrics, status, false, false), log)
-		if err != nil {
-			srv.Close()
-			return err
-		}
-		services = append(services, s)
-	}
-	if o.adminPort != 0 {
-		mux := serviceMux(ready, nil, metrics, status, true, o.enableProfiling)
-		s, err := startHTTP("admin", ls, hostPort(o.adminBindAddress, o.adminPort), mux, log)
-		if err != nil {
-			srv.Close()
-			return err
-		}
-		services = append(services, s)
-	}
-	ls.closeUnused()
-	releaseStartupPages(log)
-	memCtx, stopMem := context.WithCancel(ctx)
-	pagesDone := make(chan struct{})
-	go func() {
-		defer close(pagesDone)
-		releaseWhenReady(memCtx, func() bool { return srv.AgentCount() > 0 }, log)
-	}()
-	trimDone := make(chan struct{})
-	go func() { defer close(trimDone); trimMemory(memCtx, trimInterval, log) }()
-	defer func() { stopMem(); <-pagesDone; <-trimDone }()
-
-	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
-	defer func() { stopLeases(true) }()
-
-	restart := restartRequests(ctx, o.restartOnBinaryChange, o.restartCheckInterval, log)
-	var runErr error
-	for waiting := true; waiting; {
-		select {
-		case <-ctx.Done():
-			waiting = false
-		case runErr = <-serving:
-			nServing--
-			waiting = false
-		case why := <-restart:
-			exe, env, ok := ls.prepareRestart(why)
-			if !ok {
-				continue
-			}
-			log.Info("restarting in place: draining tunnels", "trigger", why, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
-			o.stopServing(srv, o.restartGrace, log, serving, nServing)
-			// With a fixed server ID the new image renews the same Lease,
-			// so agents never see the count dip; a random ID is a new
-			// server, and the old one's Lease goes now.
-			stopLeases(!o.serverIDFixed)
-			stopLeases = func(bool) {}
-			for _, s := range services {
-				s.stop()
-			}
-			services = nil
-			stopMinting()
-			waitMinting()
-			if ctx.Err() != nil {
-				// SIGTERM or SIGINT came during the drain: stop as asked
-				// instead of coming back as a new image that never saw it.
-				log.Info("stop requested while draining for a restart: exiting instead of re-executing")
-				if o.udsName != "" {
-					if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
-						log.Warn("remove frontend socket", "err", err)
-					}
-				}
-				log.Info("stopped")
-				return nil
-			}
-			// Only a failed exec returns; the supervisor's respawn takes over.
-			return execSelf(exe, env, log)
-		}
-	}
-	log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
-	o.stopServing(srv, o.gracefulShutdown, log, serving, nServing)
-	stopLeases(true)
-	stopLeases = func(bool) {}
-	if o.udsName != "" {
-		// An adopted socket does not unlink itself on close.
-		if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
-			log.Warn("remove frontend socket", "err", err)
-		}
-	}
-	log.Info("stopped")
-	if runErr != nil && !errors.Is(runErr, tunnel.ErrServerClosed) {
-		return runErr
-	}
+	log.Info("listening", "service", "agents", "addr", ln.Addr().String(), "server_id", o.serverID, "server_count", o.serverCount)
+	serve(func() error { return srv.ServeAgents(ln) })
 	return nil
 }
 
-// stopServing sends GOAWAY to agents, lets tunnels finish within grace and
-// waits for the accept loops to return.
-func (o *serverOptions) stopServing(srv *tunnel.Server, grace time.Duration, log *slog.Logger, serving chan error, n int) {
-	ctx, cancel := context.WithTimeout(context.Background(), grace)
-	defer cancel()
-	if err := srv.Shutdown(ctx); err != nil {
-		log.Warn("grace period over; open tunnels closed", "err", err)
-	}
-	for ; n > 0; n-- {
-		<-serving
+// removeSocket returns what an exit does to the frontend socket: an
+// adopted socket does not unlink itself on close, so it is removed here.
+func (o *serverOptions) removeSocket(log *slog.Logger) func() {
+	return func() {
+		if o.udsName == "" {
+			return
+		}
+		if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
+			log.Warn("remove frontend socket", "err", err)
+		}
 	}
 }
 
@@ -607,9 +589,9 @@ func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls
 
 // startMinting mints --cluster-cert/--cluster-key from --mint-ca-cert and
 // --mint-ca-key when they are missing or no longer right, and keeps them
-// renewed while the server runs; the agent listener's reloader picks up
-// each new pair.
-func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wait func(), err error) {
+// renewed until stop; the agent listener's reloader picks up each new
+// pair. stop waits for the renewals to end and may be called again.
+func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (stop func(), err error) {
 	if o.mintCAKey == "" {
 		return func() {}, nil
 	}
@@ -630,12 +612,13 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (wai
 	if err != nil {
 		return nil, fmt.Errorf("mint the agent-listener certificate: %w", err)
 	}
+	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		m.Renew(ctx, o.mintCheckInterval)
 	}()
-	return func() { <-done }, nil
+	return func() { cancel(); <-done }, nil
 }
 
 // agentAuthenticator decides how agents prove themselves: a client
@@ -745,7 +728,8 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 }
 
 // startLeases runs the lease controller until stop is called; stop waits
-// for it and, if release, deletes the server's Lease. Without apiserver
+// for it and, if release, deletes the server's Lease. Only the first call
+// of stop acts. Without apiserver
 // access it logs why and the server runs without a Lease: leases never stop
 // the data path.
 func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Registry, log *slog.Logger) (stop func(release bool)) {
@@ -783,17 +767,20 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 	lctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); ctl.Run(lctx) }()
+	var once sync.Once
 	return func(release bool) {
-		cancel()
-		<-done
-		if !release {
-			return
-		}
-		if err := ctl.Release(context.Background()); err != nil {
-			log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
-			return
-		}
-		log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+		once.Do(func() {
+			cancel()
+			<-done
+			if !release {
+				return
+			}
+			if err := ctl.Release(context.Background()); err != nil {
+				log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
+				return
+			}
+			log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+		})
 	}
 }
 
@@ -826,9 +813,9 @@ func listenUnix(path string, mode os.FileMode, deleteExisting bool) (*net.UnixLi
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("frontend socket directory: %w", err)
 	}
-	old := syscall.Umask(0o777 &^ int(mode.Perm()))
+	old := unix.Umask(0o777 &^ int(mode.Perm()))
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	syscall.Umask(old)
+	unix.Umask(old)
 	if err != nil {
 		return nil, fmt.Errorf("frontend socket: %w", err)
 	}
@@ -837,33 +824,4 @@ func listenUnix(path string, mode os.FileMode, deleteExisting bool) (*net.UnixLi
 		return nil, fmt.Errorf("frontend socket mode: %w", err)
 	}
 	return ln, nil
-}
-
-// signalContext is cancelled by the first SIGTERM or SIGINT; a second one
-// exits the process at once.
-func signalContext(log *slog.Logger) (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	ch := make(chan os.Signal, 2)
-	signal.Notify(ch, syscall.SIGTERM, syscall.SIGINT)
-	done := make(chan struct{})
-	go func() {
-		select {
-		case sig := <-ch:
-			log.Info("signal received: shutting down gracefully (send again to exit at once)", "signal", sig.String())
-			cancel()
-		case <-done:
-			return
-		}
-		select {
-		case sig := <-ch:
-			log.Warn("second signal: exiting now", "signal", sig.String())
-			os.Exit(1)
-		case <-done:
-		}
-	}()
-	return ctx, func() {
-		signal.Stop(ch)
-		close(done)
-		cancel()
-	}
 }

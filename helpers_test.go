@@ -1,0 +1,280 @@
+package main
+
+// Helpers shared by the tests of package main.
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// freePort returns a loopback port below the ephemeral range, never the
+// same one twice in this test binary.
+func freePort(t *testing.T) string {
+	t.Helper()
+	for range 1000 {
+		port := 20000 + rand.IntN(12000)
+		if _, dup := givenPorts.LoadOrStore(port, true); dup {
+			continue
+		}
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		return strconv.Itoa(port)
+	}
+	t.Fatal("no free loopback port found")
+	return ""
+}
+
+// givenPorts remembers the ports freePort handed out.
+var givenPorts sync.Map
+
+func httpStatus(url string) int {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 10s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func httpBody(t *testing.T, url string) string {
+	t.Helper()
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func httpBackend(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "backend "+r.URL.Path)
+	})}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return ln.Addr().String()
+}
+
+// parseLogs parses args with fresh flags of cmd ("server" or "agent"), runs
+// complete, logs one line at each level and returns stderr and the logger's
+// file contents (if --log-file was used).
+func parseLogs(t *testing.T, cmd string, args []string) (stderr string, code int) {
+	t.Helper()
+	var errb bytes.Buffer
+	var cf *commandFlags
+	var complete func() error
+	switch cmd {
+	case "server":
+		o, f := newServerFlags(&errb)
+		cf, complete = f, func() error { return o.complete(f) }
+	default:
+		o, f := newAgentFlags(&errb)
+		cf, complete = f, func() error { return o.complete(f) }
+	}
+	log, err := cf.parse(args, &errb)
+	if err != nil {
+		return errb.String() + err.Error(), 2
+	}
+	if err := complete(); err != nil {
+		return errb.String() + err.Error(), 2
+	}
+	cf.flushWarnings(log)
+	log.Info("an info line")
+	log.Warn("a warn line")
+	log.Error("an error line")
+	return errb.String(), 0
+}
+
+func serverArgs(extra ...string) []string {
+	return append([]string{"--mode=grpc", "--uds-name=/tmp/x.sock", "--cluster-cert=c", "--cluster-key=k"}, extra...)
+}
+
+func warnLines(out string) []string {
+	var w []string
+	for _, l := range strings.Split(out, "\n") {
+		if strings.Contains(l, "level=WARN") && !strings.Contains(l, "a warn line") {
+			w = append(w, l)
+		}
+	}
+	return w
+}
+
+func opensslCmd(t *testing.T, args ...string) string {
+	t.Helper()
+	bin, err := exec.LookPath("openssl")
+	if err != nil {
+		t.Fatalf("the openssl command is required by this test (install openssl): %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("openssl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// k3sStyleCA makes a CA the way k3s stores it: SEC1 "EC PRIVATE KEY".
+func k3sStyleCA(t *testing.T, dir string) (certFile, keyFile string) {
+	t.Helper()
+	keyFile = filepath.Join(dir, "server-ca.key")
+	certFile = filepath.Join(dir, "server-ca.crt")
+	conf := filepath.Join(dir, "ca.cnf")
+	if err := os.WriteFile(conf, []byte("[req]\ndistinguished_name=dn\nprompt=no\n[dn]\nCN=x\n[ca]\nbasicConstraints=critical,CA:TRUE\nkeyUsage=critical,keyCertSign\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	opensslCmd(t, "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", keyFile)
+	opensslCmd(t, "req", "-x509", "-new", "-config", conf, "-extensions", "ca", "-key", keyFile, "-subj", "/CN=k3s-server-ca", "-days", "3650", "-out", certFile)
+	return certFile, keyFile
+}
+
+func runCertArgs(args ...string) (code int, stdout, stderr string) {
+	var o, e bytes.Buffer
+	code = runCert(args, &o, &e)
+	return code, o.String(), e.String()
+}
+
+//go:noinline
+func growStack(depth int) byte {
+	var pad [480]byte
+	pad[depth%len(pad)] = byte(depth)
+	if depth == 0 {
+		return pad[0]
+	}
+	return growStack(depth-1) + pad[1]
+}
+
+// startTrimmer runs a trimmer for the rest of the test and checks at the
+// end that it stops with its context. Its first sample is taken before
+// startTrimmer returns.
+func startTrimmer(t *testing.T, interval time.Duration) {
+	ctx, cancel := context.WithCancel(context.Background())
+	tr := newTrimmer(slog.New(slog.DiscardHandler))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tr.run(ctx, interval)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Error("trimMemory did not end with its context")
+		}
+	})
+}
+
+// fakeWork records which of its parts the daemon called.
+type fakeWork struct {
+	done                      chan error
+	shutdowns, drains, exits  atomic.Int32
+	shutdownEnded             atomic.Bool
+	shutdownCause, shutdownOK error
+	onDrain                   func()
+}
+
+func newFakeWork() *fakeWork { return &fakeWork{done: make(chan error, 1)} }
+
+func (f *fakeWork) work() work {
+	return work{
+		done: f.done,
+		shutdown: func(ended bool, cause error) error {
+			f.shutdowns.Add(1)
+			f.shutdownEnded.Store(ended)
+			f.shutdownCause = cause
+			return f.shutdownOK
+		},
+		drain: func(string) {
+			f.drains.Add(1)
+			if f.onDrain != nil {
+				f.onDrain()
+			}
+		},
+		exited:      func() { f.exits.Add(1) },
+		memoryReady: func() bool { return true },
+	}
+}
+
+// runDaemonFor runs a daemon whose exec fails with errExecRefused, so that
+// a test can never replace the test binary.
+func runDaemonFor(t *testing.T, ctx context.Context, w work) <-chan error {
+	t.Helper()
+	d := newDaemon(slog.New(slog.DiscardHandler))
+	d.exec = func(exe, env string, _ *slog.Logger) error { return errExecRefused }
+	t.Cleanup(d.Close)
+	out := make(chan error, 1)
+	go func() { out <- d.Run(ctx, w) }()
+	return out
+}
+
+var errExecRefused = errors.New("exec refused by the test")
+
+func waitRun(t *testing.T, out <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-out:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("daemon.Run did not return within 10s")
+		return nil
+	}
+}
+
+// sendHUPUntil sends this process SIGHUP until drained is closed: the
+// daemon subscribes to SIGHUP only once Run has started. The caller keeps a
+// channel notified of SIGHUP, so that none kills the test binary.
+func sendHUPUntil(t *testing.T, drained <-chan struct{}) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		if err := unix.Kill(os.Getpid(), unix.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-drained:
+			return
+		case <-time.After(50 * time.Millisecond):
+		case <-deadline:
+			t.Fatal("no drain within 10s of SIGHUP")
+		}
+	}
+}
