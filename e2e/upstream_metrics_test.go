@@ -211,11 +211,13 @@ func TestUpstreamMetrics(t *testing.T) {
 			} {
 				moved("server", sb, sa, srvPrefix+"stream_packets_total", c.min, "segment", c.seg, "packet_type", c.typ)
 			}
-			agentCounts := []struct{ seg, typ string }{{"to_agent", "DIAL_REQ"}, {"from_agent", "DIAL_RSP"}, {"from_agent", "DATA"}}
+			// Each DATA the agent sends back is counted where it is written to
+			// the client: a gRPC Packet, or a write to the client's socket.
+			moved("server", sb, sa, srvPrefix+"stream_packets_total", dials, "segment", "to_client", "packet_type", "DATA")
+			moved("server", sb, sa, srvPrefix+"stream_packets_total", dials, "segment", "from_agent", "packet_type", "DATA")
+			agentCounts := []struct{ seg, typ string }{{"to_agent", "DIAL_REQ"}, {"from_agent", "DIAL_RSP"}, {"from_agent", "DATA"}, {"to_agent", "DATA"}}
 			if mode == "grpc" {
-				// Upstream's own frontend: each DATA Packet is counted and its write timed.
-				moved("server", sb, sa, srvPrefix+"stream_packets_total", dials, "segment", "to_client", "packet_type", "DATA")
-				moved("server", sb, sa, srvPrefix+"stream_packets_total", dials, "segment", "from_agent", "packet_type", "DATA")
+				// Upstream's own frontend: each DATA Packet's write is timed.
 				moved("server", sb, sa, srvPrefix+"frontend_write_duration_seconds", 2*dials)
 			} else {
 				moved("server", sb, sa, srvPrefix+"frontend_write_duration_seconds", dials)

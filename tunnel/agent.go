@@ -525,12 +525,15 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 		}
 		return err
 	}
+	// Each write to the destination is a DATA Packet received from the server.
+	toAgent := &a.metrics.packets.n[segToAgent][grpcwire.Data]
 	if lb, ok := body.(*h2link.Body); ok {
+		lb.OnWrite(func(int) { toAgent.Add(1) })
 		return lb.DeliverTo(dest, after)
 	}
 	d := h2link.NewDelivery()
 	go func() {
-		n, err := copyStream(dest, body, nil)
+		n, err := copyStream(&packetWriter{w: dest, c: packetCounter{toAgent}}, body, nil)
 		d.Add(n)
 		d.Complete(after(err))
 	}()

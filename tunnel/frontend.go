@@ -40,9 +40,15 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 		conn.Close()
 	})
 	defer s.hangups.remove(conn)
+	qt := &quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, closeQuiet: func() {
+		conn.Close()
+		st.close()
+	}}
+	s.addQuiet(qt)
+	defer s.removeQuiet(qt)
 	up.start()
 	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
-		s.carryDirect(conn, st, body)
+		s.carryDirect(conn, st, up, body)
 		return
 	}
 	s.carryCopy(conn, st, up)
@@ -125,7 +131,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 	// Each write to the client is a DATA Packet received from the agent and
 	// sent on to the client.
-	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data]}}
+	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data]}, down: &up.act}
 	n, err := copyStream(to, st.body, nil)
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
@@ -149,7 +155,15 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
 // (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, body *h2link.Body) {
+func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
+	// Each write to the client is a DATA Packet received from the agent
+	// and sent on to the client, and the tunnel's activity toward it.
+	fromAgent, toClient, act := &s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data], &up.act
+	body.OnWrite(func(int) {
+		fromAgent.Add(1)
+		toClient.Add(1)
+		act.down()
+	})
 	down := body.DeliverTo(conn, func(err error) error {
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too

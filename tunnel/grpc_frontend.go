@@ -77,6 +77,11 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			small = preAdmitStreamWindow
 		}
 	}
+	// A draining server lets the connection go once its calls are done:
+	// GOAWAY, then close when idle (konnectivity-client uses one
+	// connection per dial and closes it itself on CLOSE_RSP).
+	var l *h2link.Conn
+	var goingAway sync.Once
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		defer release()
 		if refused != nil {
@@ -84,6 +89,9 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			return
 		}
 		s.serveGRPCStream(w, r, release)
+		if s.isShutting() {
+			goingAway.Do(func() { s.goroutine(func() { l.Shutdown(s.baseCtx) }) })
+		}
 	})
 	// The same HTTP/2 link as an agent connection, in the serving role:
 	// every frame written by whoever has it, two DATA frames per system
@@ -92,7 +100,8 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 	if _, isTLS := conn.(*tls.Conn); !isTLS {
 		h2conn = h2link.NewBatcher(conn)
 	}
-	l, err := h2link.NewServer(h2conn, h2link.Config{
+	var err error
+	l, err = h2link.NewServer(h2conn, h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
 		PreAdmitStreamWindow: small, PreAdmitConnWindow: small,
 		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(h2conn),
@@ -298,6 +307,13 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
 		return grpcUnavailable, "write DIAL_RSP"
 	}
+	// A draining server ends a quiet tunnel as the destination closing
+	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
+	// connection its HTTP client holds idle.
+	quietCh := make(chan struct{})
+	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, closeQuiet: func() { close(quietCh) }}
+	s.addQuiet(qt)
+	defer s.removeQuiet(qt)
 	up.start()
 
 	// Downstream: the agent's bytes become DATA packets, read straight into
@@ -317,6 +333,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 				s.metrics.packets.inc(segToClient, grpcwire.Data)
 				written := time.Now()
 				werr := g.write(msg)
+				up.act.down()
 				s.metrics.frontendWrite.ObserveDuration(time.Since(written))
 				if werr != nil {
 					s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
@@ -344,6 +361,15 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 			s.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp)
 		}
 		s.sendGRPC(g, rsp)
+		return grpcOK, ""
+	case <-quietCh:
+		// Drained at a quiet moment: the client's connection was idle.
+		// CLOSE_RSP goes first, so the client sees the end (and its
+		// next write fails, unsent, so its HTTP client retries) as
+		// soon as possible; the agent's stream ends after.
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID})
+		st.close()
+		<-downDone
 		return grpcOK, ""
 	case <-closeReq:
 		// The client closed the connection: end the tunnel, then confirm.

@@ -96,13 +96,22 @@ func (e *streamErrors) register(m *promtext.Registry, name string, segs ...segme
 // packetWriter counts each write as one DATA Packet: one read from a
 // socket, sent on as DATA frames.
 type packetWriter struct {
-	w io.Writer
-	c packetCounter
+	w    io.Writer
+	c    packetCounter
+	up   *activity // when set, each write is a read from the client
+	down *activity // when set, each write goes toward the client
 }
 
 func (p *packetWriter) Write(b []byte) (int, error) {
 	p.c.inc()
-	return p.w.Write(b)
+	if p.up != nil {
+		p.up.up()
+	}
+	n, err := p.w.Write(b)
+	if p.down != nil && n > 0 {
+		p.down.down()
+	}
+	return n, err
 }
 
 // packetWriters recycles the counting writers of tunnels that ended, so

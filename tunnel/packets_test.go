@@ -51,3 +51,28 @@ func TestPacketCountingAllocs(t *testing.T) {
 		t.Errorf("%v allocations per count", n)
 	}
 }
+
+// TestSinkWritesCountAsDATA: the bytes the link writes straight to a
+// socket (the server's to the client in HTTP CONNECT mode, the agent's to
+// its destination) count as DATA Packets like every other write.
+func TestSinkWritesCountAsDATA(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	a := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	c := e.echoOne(echoServer(t))
+	c.Close()
+	srv := &e.srv.metrics.packets.n
+	for _, n := range []struct {
+		name string
+		v    uint64
+	}{
+		{"server to_client DATA", srv[segToClient][grpcwire.Data].Load()},
+		{"server from_agent DATA", srv[segFromAgent][grpcwire.Data].Load()},
+		{"agent to_agent DATA", a.metrics.packets.n[segToAgent][grpcwire.Data].Load()},
+	} {
+		if n.v == 0 {
+			t.Errorf("%s: not counted", n.name)
+		}
+	}
+}

@@ -110,9 +110,12 @@ type Server struct {
 	mu        sync.Mutex
 	listeners map[*net.Listener]struct{}
 	frontends map[net.Conn]struct{}
-	shutting  bool           // no new connections are accepted
-	closed    bool           // everything is being torn down
-	wg        sync.WaitGroup // every goroutine the server starts
+	// quietTunnels are the open frontend tunnels a drain may close at a
+	// quiet moment (quiet.go).
+	quietTunnels map[*activity]*quietTunnel
+	shutting     bool           // no new connections are accepted
+	closed       bool           // everything is being torn down
+	wg           sync.WaitGroup // every goroutine the server starts
 
 	acceptLoops sync.WaitGroup
 	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
@@ -131,6 +134,7 @@ type Server struct {
 type ServerStats struct {
 	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
 	BytesToAgent, BytesFromAgent                      atomic.Int64
+	ClosedQuiet                                       atomic.Int64 // tunnels a drain closed at a quiet moment
 }
 
 // NewServer checks cfg and returns a Server that is not yet serving.
@@ -151,6 +155,8 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cancelAll: cancel,
 		listeners: make(map[*net.Listener]struct{}),
 		frontends: make(map[net.Conn]struct{}),
+
+		quietTunnels: make(map[*activity]*quietTunnel),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
@@ -354,6 +360,15 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	for s.pending.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(2 * time.Millisecond)
 	}
+	// Tunnels that would never end (keep-alive connections) close at a
+	// quiet moment, so their clients dial again and nothing is cut.
+	stopQuiet := make(chan struct{})
+	s.goroutine(func() { s.closeQuietTunnels(ctx, stopQuiet) })
+	defer func() {
+		if n := s.Stats.ClosedQuiet.Load(); n > 0 {
+			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
+		}
+	}()
 
 	var wg sync.WaitGroup
 	for _, a := range s.agents.snapshot() {
@@ -380,6 +395,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
+	close(stopQuiet)
 	s.Close()
 	<-drained
 	return err

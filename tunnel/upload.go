@@ -33,6 +33,9 @@ type upload struct {
 	packets packetCounter
 	closes  packetCounter // the client's clean end of sending (EOF)
 	sender  packetWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
+	// act is the tunnel's activity (quiet.go): reads from the client
+	// stamp it here, writes toward the client where they are made.
+	act activity
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -125,6 +128,7 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 		c.Add(int64(n))
 	}
 	if n > 0 {
+		b.u.act.up()
 		b.u.packets.inc()
 	}
 	if err == io.EOF {
@@ -163,6 +167,7 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 	u := b.u
 	if n := u.br.Buffered(); n > 0 {
 		p, _ := u.br.Peek(n)
+		u.act.up()
 		_, err := w.Write(p)
 		u.br.Discard(n)
 		u.count(n)
@@ -192,7 +197,7 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	if err := b.sendBuffered(w); err != nil {
 		return err
 	}
-	b.u.sender = packetWriter{w: w, c: b.u.packets}
+	b.u.sender = packetWriter{w: w, c: b.u.packets, up: &b.u.act}
 	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
 	if err == nil {

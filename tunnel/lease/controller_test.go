@@ -24,7 +24,7 @@ var testLabels = map[string]string{"k8s-app": "konnectivity-server"}
 // changes (and every 50ms, for conditions on metrics or logs).
 func waitFake(t *testing.T, f *fakeAPI, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.NewTimer(10 * time.Second)
+	deadline := time.NewTimer(30 * time.Second) // a 10,001-Lease list under -race on a busy machine
 	defer deadline.Stop()
 	for {
 		f.mu.Lock()

@@ -84,6 +84,9 @@ func (b *Body) WriteTo(w io.Writer) (int64, error) {
 		n, taken, err := writeChunks(w, chunks, head)
 		written += n
 		st.rmu.Lock()
+		if n > 0 && st.onWrite != nil {
+			st.onWrite(int(n))
+		}
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
 		st.refillRLocked()
 		st.rmu.Unlock()

@@ -40,5 +40,7 @@
 // The package knows nothing of its users: an upload that sends itself
 // implements SendTo(io.Writer) error (and CallerSends() bool when its
 // caller sends it through (*Body).SendUpload); a connection whose writes
-// should be gathered passes its Batcher in Config.Batch.
+// should be gathered passes its Batcher in Config.Batch; a caller that
+// counts the writes DeliverTo makes for it, or watches a stream's last
+// activity, sets (*Body).OnWrite.
 package h2link

@@ -85,6 +85,18 @@ type socketSink struct {
 	ended  bool // the end was reported (or is being)
 }
 
+// OnWrite has f told of each write of the stream's received bytes that
+// DeliverTo or WriteTo makes (n > 0 bytes, one or more DATA payloads in
+// one system call), in order, as the write returns: a count of writes, or
+// a stamp of the stream's last activity. Set it before either starts. f
+// runs with the stream's lock held, from the read loop or a writer, so it
+// must be a few atomic operations and never block.
+func (b *Body) OnWrite(f func(n int)) {
+	b.st.rmu.Lock()
+	b.st.onWrite = f
+	b.st.rmu.Unlock()
+}
+
 // DeliverTo sends everything the peer sends on the stream to conn. At the
 // stream's clean end after gets nil (it passes the half-close on); when
 // the stream was reset, the link failed or conn refused a write, it gets
@@ -175,6 +187,9 @@ func (st *stream) writeToSinkRLocked(data []byte) (n int, failed error) {
 		return 0, os.NewSyscallError("write", werr)
 	}
 	s.d.written.Add(int64(n))
+	if n > 0 && st.onWrite != nil {
+		st.onWrite(n)
+	}
 	return n, nil
 }
 
@@ -198,6 +213,9 @@ func (st *stream) drainSink() {
 		n, taken, err := writeChunks(s.conn, chunks, head)
 		s.d.written.Add(n)
 		st.rmu.Lock()
+		if n > 0 && st.onWrite != nil {
+			st.onWrite(int(n))
+		}
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
 		st.refillRLocked()
 		if err != nil {

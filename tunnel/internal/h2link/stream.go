@@ -54,6 +54,7 @@ type stream struct {
 	counted        bool        // counts against MaxConcurrentStreams: open, or its handler still runs
 	resetByThePeer bool        // the peer reset the stream while its handler ran
 	answered       bool        // the serving end: the response head went out
+	resetting      bool        // a RST_STREAM is on its way: the first reset's code is the one sent
 	sendWindow     window      // what this end may still send
 	stopCtx        func() bool // the client end: stops the request context's watch
 
@@ -68,6 +69,7 @@ type stream struct {
 	recvWindow window         // what the peer may still send
 	unacked    int64          // consumed but not yet returned to the peer
 	sink       *socketSink    // set by DeliverTo: bytes go straight to a socket
+	onWrite    func(n int)    // set by OnWrite: told of each write of the stream's bytes
 	clen       *contentLength // the serving end: set when the request declared its length
 	recvSize   int32          // the window this end gives the stream
 	eof        bool           // END_STREAM received: the reader gets io.EOF after the queue
@@ -489,7 +491,8 @@ func (st *stream) fail(err error) {
 func (st *stream) reset(code http2.ErrCode, err error) (sent bool) {
 	l := st.l
 	l.mu.Lock()
-	already := st.state == stateClosed
+	already := st.state == stateClosed || st.resetting
+	st.resetting = true
 	l.mu.Unlock()
 	if already {
 		return false
