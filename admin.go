@@ -6,11 +6,11 @@ import (
 	"runtime"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // metricsHandler serves the registry in the Prometheus text format.
-func metricsHandler(m *tunnel.Metrics) http.Handler {
+func metricsHandler(m *promtext.Registry) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 		m.WriteText(w)
@@ -30,7 +30,7 @@ func jsonHandler(status func() any) http.Handler {
 // addProcessMetrics registers when the process started and what build it
 // runs, and the process and Go families of a default Prometheus client
 // (process_metrics.go).
-func addProcessMetrics(m *tunnel.Metrics, prefix string) {
+func addProcessMetrics(m *promtext.Registry, prefix string) {
 	start := float64(time.Now().UnixNano()) / 1e9
 	m.GaugeFunc("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", nil, nil, func() float64 { return start })
 	m.GaugeFunc(prefix+"build_info", "Build of the running binary; the value is always 1.", []string{"version", "goversion"}, []string{versionString(), runtime.Version()}, func() float64 { return 1 })
@@ -43,7 +43,7 @@ func addProcessMetrics(m *tunnel.Metrics, prefix string) {
 
 // serviceMux is the health service's mux: /healthz, /livez, /readyz and
 // /metrics.
-func serviceMux(ready, readyAll []check, m *tunnel.Metrics) *http.ServeMux {
+func serviceMux(ready, readyAll []check, m *promtext.Registry) *http.ServeMux {
 	mux := healthMux(ready, readyAll...)
 	mux.Handle("/metrics", metricsHandler(m))
 	return mux

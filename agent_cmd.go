@@ -14,6 +14,7 @@ import (
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 type agentOptions struct {
@@ -253,7 +254,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		cfg.Token = o.token
 		cfg.TokenRefresh = o.tokenRefresh
 	}
-	metrics := tunnel.NewMetrics()
+	metrics := promtext.NewRegistry()
 	addProcessMetrics(metrics, "konnectivity_network_proxy_agent_")
 	cfg.Metrics = metrics
 	agent, err := tunnel.NewAgent(cfg)
@@ -310,7 +311,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 // startLeaseCounter counts the server Leases and hands the count to the
 // agent until ctx ends; stop waits for it. An agent that cannot reach the
 // apiserver warns once and goes on with the count the servers announce.
-func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agent, metrics *tunnel.Metrics, log *slog.Logger) (stop func()) {
+func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agent, metrics *promtext.Registry, log *slog.Logger) (stop func()) {
 	if o.leases.deprecatedLabel {
 		log.Warn("--lease-label is deprecated on the agent: use --lease-label-selector")
 	}

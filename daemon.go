@@ -8,7 +8,7 @@ import (
 	"os/signal"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 	"golang.org/x/sys/unix"
 )
 
@@ -50,7 +50,7 @@ type serviceOptions struct {
 	healthAddr, adminAddr string
 	ready                 []check
 	readyAll              []check // the /readyz?all view; nil serves ready there
-	metrics               *tunnel.Metrics
+	metrics               *promtext.Registry
 	status                func() any // /debug/tunnels on the admin port
 	profiling             bool       // /debug/pprof on the admin port
 }

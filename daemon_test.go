@@ -10,9 +10,8 @@ import (
 	"os/signal"
 	"testing"
 
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 	"golang.org/x/sys/unix"
-
-	"github.com/spinifex/konnectivity/tunnel"
 )
 
 // TestDaemonStopSignalShutsDown: a stop signal (ctx) shuts the command
@@ -101,7 +100,7 @@ func TestDaemonServices(t *testing.T) {
 		healthAddr: "127.0.0.1:0",
 		adminAddr:  "127.0.0.1:0",
 		ready:      []check{{"x", ok}},
-		metrics:    tunnel.NewMetrics(),
+		metrics:    promtext.NewRegistry(),
 		status:     func() any { return map[string]int{"agents": 0} },
 	}); err != nil {
 		t.Fatal(err)

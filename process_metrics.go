@@ -12,9 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 	"golang.org/x/sys/unix"
-
-	"github.com/spinifex/konnectivity/tunnel"
 )
 
 // The process and Go families every Prometheus client exports by default
@@ -25,7 +24,7 @@ import (
 // the world).
 
 // addProcessFamilies registers process_* (besides process_start_time_seconds).
-func addProcessFamilies(m *tunnel.Metrics) {
+func addProcessFamilies(m *promtext.Registry) {
 	pageSize := float64(os.Getpagesize())
 	m.CounterFunc("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.", nil, nil, func() float64 {
 		st, ok := readProcStat()
@@ -188,7 +187,7 @@ func (g *goRuntime) sum(names ...string) float64 {
 
 // addGoFamilies registers go_* (besides go_goroutines), as client_golang's
 // Go collector computes them from runtime/metrics.
-func addGoFamilies(m *tunnel.Metrics) {
+func addGoFamilies(m *promtext.Registry) {
 	g := newGoRuntime()
 	m.OnScrape(g.read)
 	gauge := func(name, help string, f func() float64) { m.GaugeFunc(name, help, nil, nil, f) }

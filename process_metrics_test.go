@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Every runtime/metrics name the go_* families read exists in this Go
@@ -32,7 +32,7 @@ func TestProcStat(t *testing.T) {
 // The families are written in the text format with their types; the
 // summary has its five quantiles.
 func TestProcessAndGoFamilies(t *testing.T) {
-	m := tunnel.NewMetrics()
+	m := promtext.NewRegistry()
 	addProcessMetrics(m, "konnectivity_network_proxy_server_")
 	var b strings.Builder
 	if err := m.WriteText(&b); err != nil {

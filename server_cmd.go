@@ -23,6 +23,7 @@ import (
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 	"golang.org/x/sys/unix"
 )
 
@@ -323,7 +324,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
-	metrics := tunnel.NewMetrics()
+	metrics := promtext.NewRegistry()
 	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
 	addCertificateMetric(metrics, "agents", agentCert)
 	cfg, err := o.serverConfig(agentTLS, metrics, log)
@@ -418,7 +419,7 @@ func servicePort(host string, port int) string {
 }
 
 // serverConfig turns the flags into the tunnel server's configuration.
-func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *tunnel.Metrics, log *slog.Logger) (tunnel.ServerConfig, error) {
+func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Registry, log *slog.Logger) (tunnel.ServerConfig, error) {
 	strategies, _ := tunnel.ParseStrategies(o.proxyStrategies)
 	identify, nodeAddrs, err := o.agentAuthenticator(log, metrics)
 	if err != nil {
@@ -474,14 +475,14 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *tunnel.Metri
 
 // addCertificateMetric exports the expiry of the certificate a listener
 // serves.
-func addCertificateMetric(m *tunnel.Metrics, listener string, cert *certs.Reloader) {
+func addCertificateMetric(m *promtext.Registry, listener string, cert *certs.Reloader) {
 	m.GaugeFunc("konnectivity_network_proxy_server_certificate_not_after_seconds", "Expiry of the certificate each listener serves, in seconds since the Unix epoch.",
 		[]string{"listener"}, []string{listener}, func() float64 { return float64(cert.NotAfter().Unix()) })
 }
 
 // listen opens (or adopts) the frontends and the agent listener and has
 // serve run an accept loop on each.
-func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, metrics *tunnel.Metrics, serve func(func() error)) error {
+func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error)) error {
 	// One data path, two front doors: HTTP CONNECT or gRPC.
 	serveFrontend := srv.ServeFrontend
 	if o.mode == "grpc" {
@@ -625,7 +626,7 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (sto
 // TokenReview, either of the two when both are configured. It also returns
 // the lookup of a node's addresses that binds token agents' ipv4=/ipv6=
 // identifiers (nil without token auth or identity binding).
-func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Metrics) (identify func(context.Context, tunnel.AgentCredentials) (tunnel.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
+func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.Registry) (identify func(context.Context, tunnel.AgentCredentials) (tunnel.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
 	mtls := o.clusterCACert != ""
 	var reviewer *auth.TokenReviewer
 	if o.tokenAuth() {
@@ -663,7 +664,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *tunnel.Met
 	}
 	// Token reviews by result (cache hits included): what an operator
 	// checks when agents cannot get in.
-	reviews := map[int]*tunnel.Counter{}
+	reviews := map[int]*promtext.Counter{}
 	for code, result := range map[int]string{http.StatusOK: "authenticated", http.StatusUnauthorized: "unauthorized", http.StatusForbidden: "forbidden", http.StatusServiceUnavailable: "error"} {
 		reviews[code] = metrics.Counter("konnectivity_network_proxy_server_token_reviews_total", "Agent token checks, by result.", []string{"result"}, result)
 	}
@@ -731,7 +732,7 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 // of stop acts. Without apiserver
 // access it logs why and the server runs without a Lease: leases never stop
 // the data path.
-func (o *serverOptions) startLeases(ctx context.Context, metrics *tunnel.Metrics, log *slog.Logger) (stop func(release bool)) {
+func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Registry, log *slog.Logger) (stop func(release bool)) {
 	lease.RegisterServerMetrics(metrics)
 	if !o.leases.enable {
 		return func(bool) {}

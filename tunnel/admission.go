@@ -1,15 +1,23 @@
 package tunnel
 
 import (
+	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Admission bounds what a peer on the agent port can make the server do
@@ -47,12 +55,12 @@ type admission struct {
 	reviews  chan struct{} // a slot per AuthenticateAgent call in flight
 	inflight atomic.Int64  // reviews holding a slot, for the gauge
 
-	dropped  *Counter // connections closed at once: MaxUnadmitted reached
-	timedOut *Counter // connections closed at the header timeout, not admitted
-	refused  *Counter // reviews that could not be done (authentication unavailable)
+	dropped  *promtext.Counter // connections closed at once: MaxUnadmitted reached
+	timedOut *promtext.Counter // connections closed at the header timeout, not admitted
+	refused  *promtext.Counter // reviews that could not be done (authentication unavailable)
 }
 
-func newAdmission(m *Metrics, maxUnadmitted, maxReviews int) *admission {
+func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admission {
 	a := &admission{max: int64(maxUnadmitted), reviews: make(chan struct{}, maxReviews)}
 	const name = serverPrefix + "unadmitted_agent_connections_closed_total"
 	const help = "Agent-port connections closed before they were admitted, by reason: limit (more than --max-unadmitted-agent-connections were waiting) or timeout (not admitted within the header timeout)."
@@ -215,4 +223,205 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 		err := <-ended
 		return err != nil && errors.Is(err, os.ErrDeadlineExceeded)
 	}
+}
+
+// serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then
+// HTTP/2 with this server as the client, until the connection ends.
+func (s *Server) serveAgentConn(raw net.Conn) {
+	remote := raw.RemoteAddr().String()
+	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
+	if pc == nil {
+		s.Stats.AgentsRefused.Add(1)
+		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted)
+		return
+	}
+	defer pc.release()
+	conn := raw
+	var tlsState tls.ConnectionState
+	deadline := time.Now().Add(s.cfg.HeaderTimeout)
+	raw.SetDeadline(deadline)
+	if s.cfg.AgentTLS != nil {
+		tc := tlsServer(raw, s.cfg.AgentTLS)
+		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		err := tc.HandshakeContext(ctx)
+		cancel()
+		if err != nil {
+			s.Stats.AgentsRefused.Add(1)
+			// Debug: load-balancer health checks look exactly like this.
+			s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
+			raw.Close()
+			return
+		}
+		tlsState = tc.ConnectionState()
+		conn = tc
+		if tlsState.NegotiatedProtocol == "h2" {
+			// Upstream's agent: gRPC AgentService/Connect on the same port.
+			raw.SetDeadline(time.Time{})
+			s.serveUpstreamAgent(conn, tlsState, remote, pc)
+			return
+		}
+	}
+	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
+	br := bufio.NewReaderSize(lim, 4096)
+	hello, err := readHello(br)
+	var principal Principal
+	var ids Identifiers
+	if err == nil {
+		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+		stop := watchHangup(conn, cancel)
+		principal, ids, err = s.admit(ctx, hello, tlsState, remote)
+		if !stop() && err == nil {
+			err = statusErrorf(http.StatusBadRequest, "the agent hung up or sent data before the handshake answer")
+		}
+		cancel()
+		conn.SetReadDeadline(deadline)
+	}
+	if err != nil {
+		code := StatusCode(err)
+		switch {
+		case code == http.StatusConflict: // a duplicate: expected while agents seek every server
+		case hello.ID == "":
+			// Not an agent at all (a probe, a port scan): count it, log at debug.
+			s.Stats.AgentsRefused.Add(1)
+			s.log.Debug("not an agent handshake", "remote", remote, "status", code, "reason", errMsg(err))
+		default:
+			s.Stats.AgentsRefused.Add(1)
+			s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "status", code, "reason", errMsg(err))
+		}
+		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		writeStatus(conn, code, errMsg(err))
+		conn.Close()
+		return
+	}
+	if !pc.admit() {
+		conn.Close() // the header timeout came first
+		return
+	}
+	if err := writeSwitching(conn, s.cfg.ID, s.cfg.Count); err != nil {
+		conn.Close()
+		return
+	}
+	lim.limited = false
+	conn.SetDeadline(time.Time{})
+
+	// The agent sends nothing more until it has read the 101, so the
+	// handshake's buffer is normally empty and can be let go.
+	var h2conn net.Conn = conn
+	if br.Buffered() > 0 {
+		h2conn = &bufferedConn{Conn: conn, r: br}
+	}
+	wc := newWatchedConn(h2conn)
+	link, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc)})
+	if err != nil {
+		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
+		wc.Close()
+		return
+	}
+	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal}
+	if !s.register(a, hello.Token, tlsState) {
+		stopControl()
+		a.endCredential()
+		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote)
+		link.Close()
+		return
+	}
+	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
+	// No goroutine waits for the connection to end (an idle agent costs
+	// what it holds, not a parked stack): closing it unregisters the agent.
+	wc.onClose(func() {
+		stopControl()
+		a.endCredential()
+		s.agents.remove(a)
+		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.closeReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+	})
+	s.goroutine(func() { s.watchControl(ctlCtx, a) })
+}
+
+// admit runs the cheap checks first and authentication last, so a duplicate
+// connection costs no token review; then it checks that the credential
+// backs the agent's ID and identifiers (identity.go). ctx bounds both,
+// under one review slot (admission.go): the connection's deadline, or the
+// login stream's life. It returns the identifiers to register the agent
+// with: those the credential backs.
+func (s *Server) admit(ctx context.Context, h agentHello, tlsState tls.ConnectionState, remote string) (Principal, Identifiers, error) {
+	if slices.Contains(h.Held, s.cfg.ID) {
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusConflict, "agent already holds a connection to server %s", s.cfg.ID)
+	}
+	if s.isShutting() {
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusServiceUnavailable, "server is shutting down")
+	}
+	ids, err := parseFromAgent(h.Identifiers)
+	if err != nil {
+		return Principal{}, Identifiers{}, statusErrorf(http.StatusBadRequest, "%v", err)
+	}
+	var p Principal
+	err = s.review(ctx, h.ID, remote, func(ctx context.Context) error {
+		var err error
+		if p, err = s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState}); err != nil {
+			return err
+		}
+		ids, err = s.checkIdentity(ctx, p, h.ID, ids)
+		return err
+	})
+	if err != nil {
+		return Principal{}, Identifiers{}, err
+	}
+	return p, ids, nil
+}
+
+// watchControl reads the agent's control stream: one line per event.
+func (s *Server) watchControl(ctx context.Context, a *agentConn) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "https://agent"+controlPath, nil)
+	if err != nil {
+		return
+	}
+	resp, err := a.link.RoundTrip(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	// A small reader: this sits idle on every agent connection.
+	lines := bufio.NewReaderSize(resp.Body, 64)
+	for {
+		line, err := readControlLine(lines)
+		if err != nil {
+			return
+		}
+		line = strings.TrimSpace(line)
+		if token, ok := strings.CutPrefix(line, controlToken+" "); ok {
+			s.newToken(a, strings.TrimSpace(token))
+			continue
+		}
+		switch line {
+		case controlDrain:
+			s.metrics.packets.inc(segFromAgent, grpcwire.Drain)
+			a.draining.Store(true)
+			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
+		}
+	}
+}
+
+// register puts an admitted agent, ours or an upstream one, in the registry:
+// it watches the credential the agent logged in with and claims the agent's
+// ID. An agent that reconnected replaces its old connection, which may be
+// half-dead: the old one is drained (its tunnels may finish, new dials go
+// to the new one) within the keepalive and PING timeouts. It returns false,
+// registering nothing, when another credential took the ID during the
+// login; the caller then ends the credential watch and the connection.
+func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionState) bool {
+	s.watchCredential(a, token, tlsState)
+	old, ok := s.agents.claim(a)
+	if !ok {
+		return false
+	}
+	if old != nil {
+		old.draining.Store(true)
+		s.goroutine(func() {
+			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
+			defer cancel()
+			old.shutdown(ctx)
+		})
+	}
+	return true
 }

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 )
@@ -681,7 +682,7 @@ func TestHostilePreAdmitWindows(t *testing.T) {
 // one way (admitted, or closed and counted as timed out), and the count of
 // waiting connections goes back to zero.
 func TestAdmissionDeadlineRace(t *testing.T) {
-	a := newAdmission(NewMetrics(), 1000, 1)
+	a := newAdmission(promtext.NewRegistry(), 1000, 1)
 	var admitted, closed atomic.Int64
 	var wg sync.WaitGroup
 	for i := range 1000 {

@@ -16,22 +16,24 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.
 type AgentConfig struct {
 	// ServerAddrs are host:port addresses of the server's agent listener.
 	// One address may be a load balancer in front of several servers: the
-	// agent then keeps dialling it until it holds a tunnel to as many
+	// agent then keeps dialling it until it holds a connection to as many
 	// distinct servers as they announce. Several addresses are each dialled
 	// and held directly.
 	ServerAddrs []string
 	// ExpandDNS resolves each address's host to all its A/AAAA records and
-	// holds a tunnel to each (the TLS server name stays the host name).
+	// holds a connection to each (the TLS server name stays the host name).
 	ExpandDNS bool
 	// SyncForever keeps probing a load-balanced address after the count is
-	// reached, so a server added behind it is found without a tunnel drop.
+	// reached, so a server added behind it is found without a connection drop.
 	SyncForever bool
 	// CountSource says how a server count from Leases (SetLeaseCount)
 	// combines with the count servers announce. Without a lease count the
@@ -49,9 +51,9 @@ type AgentConfig struct {
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
-	// TokenRefresh is how often each link reads the token again and, when
+	// TokenRefresh is how often each connection reads the token again and, when
 	// it changed, presents it to its server on the control stream, so a
-	// rotated token never drops a tunnel (default 30s).
+	// rotated token never drops a connection (default 30s).
 	TokenRefresh time.Duration
 
 	DialTimeout  time.Duration // destination dial bound (default 5s)
@@ -67,7 +69,7 @@ type AgentConfig struct {
 	// Resolver looks up a server host for ExpandDNS; nil uses the system resolver.
 	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
 	// Metrics receives the agent's metrics; nil makes a private registry.
-	Metrics *Metrics
+	Metrics *promtext.Registry
 	// Destinations limits what the agent dials; nil denies only the
 	// built-in ranges (link-local, cloud metadata) and zoned addresses.
 	Destinations *DestinationPolicy
@@ -97,7 +99,7 @@ func (c *AgentConfig) setDefaults() {
 		c.Dialer = d.DialContext
 	}
 	if c.Metrics == nil {
-		c.Metrics = NewMetrics()
+		c.Metrics = promtext.NewRegistry()
 	}
 	if c.Destinations == nil {
 		c.Destinations, _ = NewDestinationPolicy(DestinationRules{})
@@ -109,22 +111,22 @@ func (c *AgentConfig) setDefaults() {
 	}
 }
 
-// Agent keeps tunnels to every server and serves the servers' CONNECT
+// Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
 type Agent struct {
 	cfg AgentConfig
 	log *slog.Logger
 
 	mu       sync.Mutex
-	links    map[*serverLink]struct{}
+	conns    map[*serverConn]struct{}
 	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{} // closed and replaced when links change
+	changed  chan struct{} // closed and replaced when connections change
 	draining bool
 	// Also guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
 
-	linkWG  sync.WaitGroup // goroutines serving links
+	connWG  sync.WaitGroup // goroutines serving connections
 	streams sync.WaitGroup // handlers in flight
 	Stats   AgentStats
 	metrics *agentMetrics
@@ -160,7 +162,7 @@ func (a *Agent) SetLeaseCount(n int) {
 	was := a.maxCount
 	a.leaseCount = n
 	a.recountLocked()
-	held, want := len(a.links), a.maxCount
+	held, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
 	if want != was {
 		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", held, want), "lease_count", n, "was", was)
@@ -187,7 +189,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	a := &Agent{
 		cfg:      cfg,
 		log:      cfg.Logger,
-		links:    make(map[*serverLink]struct{}),
+		conns:    make(map[*serverConn]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
 		quiet:    newLogLimiter(10 * time.Second),
@@ -197,29 +199,29 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 	return a, nil
 }
 
-// Ready reports whether the agent holds a tunnel to at least one server;
+// Ready reports whether the agent holds a connection to at least one server;
 // the message says how many of the announced servers it holds.
 func (a *Agent) Ready() (bool, string) {
 	n, want := a.Connected()
 	return n > 0, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// ReadyAll reports whether the agent holds a tunnel to every server.
+// ReadyAll reports whether the agent holds a connection to every server.
 func (a *Agent) ReadyAll() (bool, string) {
 	n, want := a.Connected()
 	return n >= want, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// Connected returns how many servers the agent holds a tunnel to, and how
+// Connected returns how many servers the agent holds a connection to, and how
 // many it wants (the largest count a live server announced, combined with
 // the lease count by CountSource).
 func (a *Agent) Connected() (held, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return len(a.links), a.maxCount
+	return len(a.conns), a.maxCount
 }
 
-// Run holds tunnels to the servers until ctx ends. A server that is away
+// Run holds connections to the servers until ctx ends. A server that is away
 // never ends it: it is redialled with capped, jittered exponential backoff.
 // When ctx ends the agent drains: it tells every server (so new dials go to
 // other agents while any fit), lets open tunnels finish for up to
@@ -247,8 +249,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	managers.Wait()
 	// GOAWAY on every server connection, then close what is left.
 	a.goAwayLinks()
-	a.closeLinks()
-	a.linkWG.Wait()
+	a.closeConns()
+	a.connWG.Wait()
 	a.streams.Wait()
 	return nil
 }
@@ -256,31 +258,31 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) beginDrain() {
 	a.mu.Lock()
 	a.draining = true
-	links := make([]*serverLink, 0, len(a.links))
-	for l := range a.links {
-		links = append(links, l)
+	conns := make([]*serverConn, 0, len(a.conns))
+	for l := range a.conns {
+		conns = append(conns, l)
 	}
 	a.mu.Unlock()
-	for _, l := range links {
+	for _, l := range conns {
 		l.sendDrain()
 	}
-	a.log.Info("draining: servers told to prefer other agents", "servers", len(links), "open_tunnels", a.Stats.OpenStreams.Load())
+	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.OpenStreams.Load())
 }
 
 func (a *Agent) goAwayLinks() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for l := range a.links {
+	for l := range a.conns {
 		if lk := l.link.Load(); lk != nil {
 			lk.GoAwayNow()
 		}
 	}
 }
 
-func (a *Agent) closeLinks() {
+func (a *Agent) closeConns() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for l := range a.links {
+	for l := range a.conns {
 		l.conn.Close()
 	}
 }
@@ -342,9 +344,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
-	a.metrics.packets.inc(segToAgent, pktDialReq)
+	a.metrics.packets.inc(segToAgent, grpcwire.DialReq)
 	dest := a.openDestination(w, r)
-	a.metrics.packets.inc(segFromAgent, pktDialRsp) // answered: 200 below, or an error
+	a.metrics.packets.inc(segFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
 	}
@@ -353,7 +355,7 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	// drain timeout) the destination is closed, so a silent destination
 	// cannot hold this handler, and with it a shutdown, forever.
 	stopWatch := context.AfterFunc(r.Context(), func() { dest.Close() })
-	defer func() { // one defer, not three: see carry on frame sizes
+	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		stopWatch()
 		dest.Close()
 		a.Stats.OpenStreams.Add(-1)
@@ -393,7 +395,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	if err != nil {
 		a.Stats.DialsFailed.Add(1)
 		if r.Context().Err() != nil {
-			a.metrics.packets.inc(segToAgent, pktDialCls) // the server gave the dial up (RST_STREAM)
+			a.metrics.packets.inc(segToAgent, grpcwire.DialCls) // the server gave the dial up (RST_STREAM)
 		}
 		code := http.StatusBadGateway
 		var ne net.Error
@@ -419,9 +421,8 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 
 // carry moves the tunnel's bytes once the destination answered: the link
 // delivers the upload to the destination (see deliverUpload) while this
-// goroutine sends what the destination says. Its frames are kept small on
-// purpose: an idle tunnel parks here, and the collector shrinks a parked
-// goroutine's stack only while it uses under a quarter of it.
+// goroutine sends what the destination says. An idle tunnel parks here:
+// see "Parked stacks" in doc.go.
 func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
 	flush()
@@ -431,14 +432,14 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	// Each read from the destination is sent as one DATA Packet.
 	to := a.countingWriter(w)
 	if rc := rawSocket(dest); rc != nil {
-		n, downErr = copyFromSocket(to, rc, flush) // one frame less than copyStream
+		n, downErr = copyFromSocket(to, rc, flush) // not through copyStream: one frame less parked
 	} else {
 		n, downErr = copyStream(to, dest, flush)
 	}
 	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
 	if downErr == nil {
-		a.metrics.packets.inc(segFromAgent, pktCloseRsp) // the destination's end, as END_STREAM
+		a.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM
 	}
 	select {
 	case <-up.Done():
@@ -474,9 +475,9 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	r.Body.Close()
 	a.metrics.resets.Inc()
 	if downErr != nil {
-		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), pktData)
+		a.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), grpcwire.Data)
 	} else {
-		a.metrics.streamErrs.inc(segToAgent, codeCanceled, pktData)
+		a.metrics.streamErrs.inc(segToAgent, codeCanceled, grpcwire.Data)
 	}
 	// A destination reset or a broken stream: tell the server with
 	// RST_STREAM, so the client sees an abort rather than a clean end.
@@ -486,7 +487,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 // countingWriter counts each write to w as a DATA Packet from the agent.
 func (a *Agent) countingWriter(w io.Writer) *packetWriter {
 	pw := packetWriters.Get().(*packetWriter)
-	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][pktData]}
+	pw.w, pw.c = w, packetCounter{&a.metrics.packets.n[segFromAgent][grpcwire.Data]}
 	return pw
 }
 
@@ -496,7 +497,7 @@ func (a *Agent) countingWriter(w io.Writer) *packetWriter {
 // still reads loses nothing. closed is false when no half-close was
 // possible (the upload still runs); otherwise upErr is how the upload ended.
 func halfClose(w http.ResponseWriter, up *h2link.Delivery) (closed bool, upErr error) {
-	hc, ok := w.(halfCloser)
+	hc, ok := w.(closeWriter)
 	if !ok || hc.CloseWrite() != nil {
 		return false, nil
 	}
@@ -516,8 +517,8 @@ func (a *Agent) countUpload(up *h2link.Delivery) {
 func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	after := func(err error) error {
 		if err == nil {
-			a.metrics.packets.inc(segToAgent, pktCloseReq) // END_STREAM from the server
-			err = closeWrite(dest)                         // the client half-closed: pass it on
+			a.metrics.packets.inc(segToAgent, grpcwire.CloseReq) // END_STREAM from the server
+			err = closeWrite(dest)                               // the client half-closed: pass it on
 		}
 		if err != nil {
 			dest.Close()
@@ -525,7 +526,7 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 		return err
 	}
 	// Each write to the destination is a DATA Packet received from the server.
-	toAgent := &a.metrics.packets.n[segToAgent][pktData]
+	toAgent := &a.metrics.packets.n[segToAgent][grpcwire.Data]
 	if lb, ok := body.(*h2link.Body); ok {
 		lb.OnWrite(func(int) { toAgent.Add(1) })
 		return lb.DeliverTo(dest, after)
@@ -538,9 +539,3 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 	}()
 	return d
 }
-
-// halfCloser is a response that can end while its request is still read:
-// the link's responses can.
-type halfCloser interface{ CloseWrite() error }
-
-var _ io.Reader = (*bufferedConn)(nil)

@@ -9,17 +9,17 @@ func TestAgentCountSources(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		source    CountSource
-		announced []int // counts of live links
+		announced []int // counts of live connections
 		lease     int
 		want      int
 	}{
-		{"no links, no leases", CountMax, nil, 0, 1},
+		{"no connections, no leases", CountMax, nil, 0, 1},
 		{"announced only", CountMax, []int{2, 3}, 0, 3},
 		{"max: leases above", CountMax, []int{1}, 3, 3},
 		{"max: announced above", CountMax, []int{4}, 2, 4},
 		{"leases: below announced", CountLeases, []int{4}, 2, 2},
 		{"leases: unknown yet", CountLeases, []int{4}, 0, 4},
-		{"max: leases without links", CountMax, nil, 3, 3},
+		{"max: leases without connections", CountMax, nil, 3, 3},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, err := NewAgent(AgentConfig{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a", CountSource: tc.source})
@@ -28,7 +28,7 @@ func TestAgentCountSources(t *testing.T) {
 			}
 			a.mu.Lock()
 			for _, n := range tc.announced {
-				a.links[&serverLink{count: n}] = struct{}{}
+				a.conns[&serverConn{count: n}] = struct{}{}
 			}
 			a.recountLocked()
 			changed := a.changed

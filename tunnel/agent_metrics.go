@@ -1,23 +1,25 @@
 package tunnel
 
+import "github.com/spinifex/konnectivity/tunnel/promtext"
+
 const agentPrefix = "konnectivity_network_proxy_agent_"
 
 type agentMetrics struct {
-	dialDuration *Histogram
-	dialTimeout  *Counter
-	dialUnknown  *Counter
-	dialDenied   *Counter
-	resets       *Counter
-	panics       *Counter
+	dialDuration *promtext.Histogram
+	dialTimeout  *promtext.Counter
+	dialUnknown  *promtext.Counter
+	dialDenied   *promtext.Counter
+	resets       *promtext.Counter
+	panics       *promtext.Counter
 	// serverFailures counts upstream's deprecated server_connection_failure_count:
 	// to_server, a connection to a server that could not be made; from_server,
 	// one that broke (a read error other than the server's clean close).
-	toServerFailures, fromServerFailures *Counter
+	toServerFailures, fromServerFailures *promtext.Counter
 	packets                              packetCounts
 	streamErrs                           streamErrors
 }
 
-func newAgentMetrics(m *Metrics, a *Agent) *agentMetrics {
+func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	const failures = agentPrefix + "endpoint_dial_failure_total"
 	const failuresHelp = "Destination dials that failed, by reason."
 	am := &agentMetrics{

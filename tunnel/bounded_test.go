@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
 	"io"
 	"net"
 	"runtime"
@@ -15,58 +14,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 )
 
 // Bounded reads where a peer speaks first: a gRPC length prefix is a
 // promise, not a payment, and an agent reads a bounded answer head.
-
-// stingyReader returns its bytes and then EOF, a few at a time.
-type stingyReader struct{ b []byte }
-
-func (r *stingyReader) Read(p []byte) (int, error) {
-	if len(r.b) == 0 {
-		return 0, io.EOF
-	}
-	n := copy(p[:min(len(p), 3)], r.b)
-	r.b = r.b[n:]
-	return n, nil
-}
-
-// A message announced at 16 MiB costs what arrives, not what is announced.
-func TestGRPCMessageGrowsAsBytesArrive(t *testing.T) {
-	hdr := []byte{0, 0, 0, 0, 0}
-	binary.BigEndian.PutUint32(hdr[1:], maxGRPCMessageLen)
-	var before, after runtime.MemStats
-	runtime.ReadMemStats(&before)
-	_, _, err := readGRPCMessage(&stingyReader{append(hdr, "only ten b"...)}, nil, maxGRPCMessageLen)
-	runtime.ReadMemStats(&after)
-	if !errors.Is(err, io.ErrUnexpectedEOF) {
-		t.Fatalf("truncated message: %v", err)
-	}
-	if got := after.TotalAlloc - before.TotalAlloc; got > 2*grpcGrowStep {
-		t.Fatalf("10 bytes of a message announced at 16 MiB allocated %d bytes", got)
-	}
-
-	// A message that does arrive whole, across many reads and growths, is
-	// returned intact, and a buffer that fits is reused as is.
-	for _, n := range []int{0, 1, grpcGrowStep - 1, grpcGrowStep, grpcGrowStep + 1, 5*grpcGrowStep + 7, 1 << 20} {
-		payload := bytes.Repeat([]byte("0123456789abcdef"), n/16+1)[:n]
-		wire := append([]byte{0, 0, 0, 0, 0}, payload...)
-		binary.BigEndian.PutUint32(wire[1:], uint32(n))
-		msg, buf, err := readGRPCMessage(bytes.NewReader(wire), make([]byte, 0, 100), maxGRPCMessageLen)
-		if err != nil || !bytes.Equal(msg, payload) {
-			t.Fatalf("%d bytes: %v, equal %v", n, err, bytes.Equal(msg, payload))
-		}
-		if n <= 100 && cap(buf) != 100 {
-			t.Fatalf("%d bytes: a buffer that fitted was replaced", n)
-		}
-	}
-	if _, _, err := readGRPCMessage(bytes.NewReader([]byte{0, 0, 0, 0x10, 1}), nil, maxDialRequestLen); err == nil || !strings.Contains(err.Error(), "exceeds the 4096 limit") {
-		t.Fatalf("a first message over the cap: %v", err)
-	}
-}
 
 // rawGRPC is an HTTP/2 client written frame by frame on one connection to
 // the gRPC front door, so it can announce what it never sends.
@@ -213,7 +167,7 @@ func TestGRPCAnnouncedFirstMessageBounded(t *testing.T) {
 	before := heapInuse()
 	const calls = 1000
 	for range calls {
-		r.open(announce(maxGRPCMessageLen, nil))
+		r.open(announce(grpcwire.MaxMessageLen, nil))
 	}
 	ended := func() int { // under r.mu
 		n := len(r.statuses)
@@ -238,7 +192,7 @@ func TestGRPCAnnouncedFirstMessageBounded(t *testing.T) {
 	unanswered := ended() - len(r.statuses)
 	r.mu.Unlock()
 	t.Logf("%d calls announcing %d MiB each (%d MiB in all): grpc-status counts %v, %d reset unanswered; heap growth %d KiB",
-		calls, maxGRPCMessageLen>>20, calls*maxGRPCMessageLen>>20, counts, unanswered, growth>>10)
+		calls, grpcwire.MaxMessageLen>>20, calls*grpcwire.MaxMessageLen>>20, counts, unanswered, growth>>10)
 	if counts["3"] != len(r.statuses) || counts["3"] == 0 {
 		t.Errorf("calls answered %v, want INVALID_ARGUMENT (3) for each", counts)
 	}
@@ -258,12 +212,12 @@ func TestGRPCAnnouncedDataMessageBounded(t *testing.T) {
 	const tunnels = 100
 	ids := make([]uint32, tunnels)
 	for i := range ids {
-		ids[i] = r.open(appendGRPCMessage(nil, packet{Type: pktDialReq, Protocol: "tcp", Address: echo, Random: int64(i + 1)}))
+		ids[i] = r.open(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(i + 1)}))
 	}
 	// Each DIAL_RSP: a 5-byte prefix and a short packet.
 	if !r.waitFor(20*time.Second, func() bool {
 		for _, id := range ids {
-			if len(r.data[id]) < grpcHeaderLen+4 {
+			if len(r.data[id]) < grpcwire.HeaderLen+4 {
 				return false
 			}
 		}
@@ -274,13 +228,13 @@ func TestGRPCAnnouncedDataMessageBounded(t *testing.T) {
 	before := heapInuse()
 	for _, id := range ids {
 		r.mu.Lock()
-		msg, _, err := readGRPCMessage(bytes.NewReader(r.data[id]), nil, maxGRPCMessageLen)
+		msg, _, err := grpcwire.ReadMessage(bytes.NewReader(r.data[id]), nil, grpcwire.MaxMessageLen)
 		r.mu.Unlock()
-		p, derr := decodePacket(msg)
-		if err != nil || derr != nil || p.Type != pktDialRsp || p.Error != "" {
+		p, derr := grpcwire.Decode(msg)
+		if err != nil || derr != nil || p.Type != grpcwire.DialRsp || p.Error != "" {
 			t.Fatalf("stream %d: DIAL_RSP %+v %v %v", id, p, err, derr)
 		}
-		r.send(id, announce(maxGRPCMessageLen, []byte{0x08}))
+		r.send(id, announce(grpcwire.MaxMessageLen, []byte{0x08}))
 	}
 	// The server reads each announcement as it arrives; look a few times.
 	var peak int64
@@ -290,12 +244,12 @@ func TestGRPCAnnouncedDataMessageBounded(t *testing.T) {
 	}
 	var served atomic.Bool
 	c := openGRPC(t, sock, grpcProxyMethod)
-	c.write(packet{Type: pktDialReq, Protocol: "tcp", Address: echo, Random: 1})
-	if rsp, err := c.read(); err == nil && rsp.Type == pktDialRsp && rsp.Error == "" {
+	c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: 1})
+	if rsp, err := c.read(); err == nil && rsp.Type == grpcwire.DialRsp && rsp.Error == "" {
 		served.Store(true)
 	}
 	t.Logf("%d tunnels each announcing a %d MiB message (%d MiB in all) and sending 1 byte: peak heap growth %d KiB; a well-behaved call served: %v",
-		tunnels, maxGRPCMessageLen>>20, tunnels*maxGRPCMessageLen>>20, peak>>10, served.Load())
+		tunnels, grpcwire.MaxMessageLen>>20, tunnels*grpcwire.MaxMessageLen>>20, peak>>10, served.Load())
 	if peak > 32<<20 {
 		t.Errorf("heap grew %d MiB for announced bytes that never came", peak>>20)
 	}

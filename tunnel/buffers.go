@@ -42,8 +42,8 @@ func copyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err 
 }
 
 // copyBuffered is copyStream for any other source: through a pooled buffer
-// that grows while reads fill it. (Its own function so that the frames of
-// the tunnels parked in copyStream stay small: see (*Agent).carry.)
+// that grows while reads fill it. Its own function: its frame is not on
+// the parked path of a socket's tunnel (see "Parked stacks" in doc.go).
 func copyBuffered(dst io.Writer, src io.Reader, flush func()) (written int64, err error) {
 	small := smallBufs.Get().(*[]byte)
 	defer smallBufs.Put(small)

@@ -7,10 +7,10 @@ import (
 	"io"
 	"net"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"golang.org/x/sys/unix"
 )
 
 // bufferedConn reads through a bufio.Reader that may already hold bytes that
@@ -88,7 +88,9 @@ func (c *watchedConn) Close() error {
 	return err
 }
 
-// closeWriter is implemented by *net.TCPConn, *net.UnixConn and *tls.Conn.
+// closeWriter ends the sending half while the receiving half goes on:
+// *net.TCPConn, *net.UnixConn and *tls.Conn, and the link's responses (a
+// response can end while its request is still read).
 type closeWriter interface{ CloseWrite() error }
 
 func closeWrite(c net.Conn) error {
@@ -101,9 +103,9 @@ func closeWrite(c net.Conn) error {
 // isTemporaryAccept reports accept errors worth retrying: running out of
 // file descriptors or buffers, or a peer that left before we accepted it.
 func isTemporaryAccept(err error) bool {
-	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
-		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) ||
-		errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, syscall.EINTR)
+	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) ||
+		errors.Is(err, unix.ENOBUFS) || errors.Is(err, unix.ENOMEM) ||
+		errors.Is(err, unix.ECONNABORTED) || errors.Is(err, unix.EINTR)
 }
 
 // tlsClient and tlsServer wrap raw in TLS whose records leave in one

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 )
 
 // Every form an address can take, against each step of the precedence.
@@ -295,9 +297,9 @@ func TestGRPCZonedDestinationRefused(t *testing.T) {
 	sock := e.grpcSocket(t)
 	for _, addr := range []string{"[fd00:ec2::254%1]:80", "[::1%lo]:" + strconv.Itoa(80), "[fe80::1]:80", "0.0.0.0:1"} {
 		c := openGRPC(t, sock, grpcProxyMethod)
-		c.write(packet{Type: pktDialReq, Protocol: "tcp", Address: addr, Random: 7})
+		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: addr, Random: 7})
 		p, err := c.read()
-		if err != nil || p.Type != pktDialRsp || p.Random != 7 || p.Error == "" {
+		if err != nil || p.Type != grpcwire.DialRsp || p.Random != 7 || p.Error == "" {
 			t.Errorf("DIAL_REQ %s: %+v, %v; want a DIAL_RSP with an error", addr, p, err)
 			continue
 		}

@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
@@ -153,13 +154,13 @@ type grpcStream struct {
 	err   error
 }
 
-func (g *grpcStream) send(p packet) error {
+func (g *grpcStream) send(p grpcwire.Packet) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.err != nil {
 		return g.err
 	}
-	g.buf = appendGRPCMessage(g.buf[:0], p)
+	g.buf = grpcwire.AppendMessage(g.buf[:0], p)
 	if _, err := g.w.Write(g.buf); err != nil {
 		g.err = err
 		return err
@@ -230,13 +231,13 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 
 	// The first message must be the DIAL_REQ, within the header bound.
 	first := make(chan error, 1)
-	var req packet
+	var req grpcwire.Packet
 	var buf []byte
 	go func() {
 		var msg []byte
 		var err error
-		if msg, buf, err = readGRPCMessage(r.Body, buf, maxDialRequestLen); err == nil {
-			req, err = decodePacket(msg)
+		if msg, buf, err = grpcwire.ReadMessage(r.Body, buf, grpcwire.MaxDialRequestLen); err == nil {
+			req, err = grpcwire.Decode(msg)
 		}
 		first <- err
 	}()
@@ -254,11 +255,11 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 		grpcTrailersOnly(w, grpcDeadlineExceeded, "no DIAL_REQ received in time")
 		return
 	}
-	if req.Type != pktDialReq {
+	if req.Type != grpcwire.DialReq {
 		grpcTrailersOnly(w, grpcInvalidArgument, fmt.Sprintf("first packet is %s, want DIAL_REQ", req.Type))
 		return
 	}
-	s.metrics.packets.inc(segFromClient, pktDialReq)
+	s.metrics.packets.inc(segFromClient, grpcwire.DialReq)
 
 	w.Header().Set("Content-Type", "application/grpc")
 	w.WriteHeader(http.StatusOK)
@@ -269,17 +270,17 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 }
 
 // proxyGRPC carries one dial. It returns the call's final status.
-func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadCloser, req packet, buf []byte, release func()) (int, string) {
+func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadCloser, req grpcwire.Packet, buf []byte, release func()) (int, string) {
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
-		s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
 		return grpcOK, ""
 	}
 	if err := checkDialTarget(req.Address); err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
-		g.send(packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
+		g.send(grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: errMsg(err)})
 		return grpcOK, ""
 	}
 	connectID := s.nextConnectID.Add(1)
@@ -288,7 +289,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	in := &grpcUploadReader{body: body, buf: buf, closeReq: make(chan struct{}), packets: &s.metrics.packets}
 	up := newUpload(bufio.NewReaderSize(in, 4096), func() { body.Close() }, s.goroutine)
 	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
-	up.packets = packetCounter{&s.metrics.packets.n[segToAgent][pktData]}
+	up.packets = packetCounter{&s.metrics.packets.n[segToAgent][grpcwire.Data]}
 	closeReq := in.closeReq
 	defer body.Close()
 
@@ -298,12 +299,12 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
-		s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, Error: errMsg(err)})
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: errMsg(err)})
 		return grpcOK, ""
 	}
 	s.Stats.DialsOK.Add(1)
 	defer st.close()
-	if err := s.sendGRPC(g, packet{Type: pktDialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
+	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
 		return grpcUnavailable, "write DIAL_RSP"
 	}
 	// A draining server ends a quiet tunnel as the destination closing
@@ -323,19 +324,19 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		defer largeBufs.Put(bp)
 		buf := *bp
 		for {
-			n, err := st.body.Read(buf[dataPrefixRoom:])
+			n, err := st.body.Read(buf[grpcwire.DataPrefixRoom:])
 			if n > 0 {
 				s.Stats.BytesFromAgent.Add(int64(n))
 				st.agent.bytesFrom.Add(int64(n))
-				msg := putDataPrefix(buf, connectID, n)
-				s.metrics.packets.inc(segFromAgent, pktData)
-				s.metrics.packets.inc(segToClient, pktData)
+				msg := grpcwire.PutDataPrefix(buf, connectID, n)
+				s.metrics.packets.inc(segFromAgent, grpcwire.Data)
+				s.metrics.packets.inc(segToClient, grpcwire.Data)
 				written := time.Now()
 				werr := g.write(msg)
 				up.act.down()
 				s.metrics.frontendWrite.ObserveDuration(time.Since(written))
 				if werr != nil {
-					s.metrics.streamErrs.inc(segToClient, codeUnavailable, pktData)
+					s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
 					downDone <- werr
 					return
 				}
@@ -352,12 +353,12 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	select {
 	case err := <-downDone:
 		// The destination closed (or the agent stream broke): tell the client.
-		rsp := packet{Type: pktCloseRsp, ConnectID: connectID}
+		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID}
 		if err != nil {
 			rsp.Error = err.Error()
-			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), pktData)
+			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
 		} else {
-			s.metrics.packets.inc(segFromAgent, pktCloseRsp)
+			s.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp)
 		}
 		s.sendGRPC(g, rsp)
 		return grpcOK, ""
@@ -366,7 +367,7 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		// CLOSE_RSP goes first, so the client sees the end (and its
 		// next write fails, unsent, so its HTTP client retries) as
 		// soon as possible; the agent's stream ends after.
-		s.sendGRPC(g, packet{Type: pktCloseRsp, ConnectID: connectID})
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID})
 		st.close()
 		<-downDone
 		return grpcOK, ""
@@ -374,8 +375,8 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 		// The client closed the connection: end the tunnel, then confirm.
 		st.close()
 		<-downDone
-		s.metrics.packets.inc(segToAgent, pktCloseReq)
-		s.sendGRPC(g, packet{Type: pktCloseRsp, ConnectID: connectID})
+		s.metrics.packets.inc(segToAgent, grpcwire.CloseReq)
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID})
 		return grpcOK, ""
 	case <-ctx.Done():
 		// The client reset the call or went away.
@@ -403,11 +404,11 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 			return 0, u.err
 		}
 		var msg []byte
-		msg, u.buf, u.err = readGRPCMessage(u.body, u.buf, maxGRPCMessageLen)
+		msg, u.buf, u.err = grpcwire.ReadMessage(u.body, u.buf, grpcwire.MaxMessageLen)
 		if u.err != nil {
 			return 0, u.err
 		}
-		pkt, err := decodePacket(msg)
+		pkt, err := grpcwire.Decode(msg)
 		if err != nil {
 			u.err = fmt.Errorf("bad packet: %w", err)
 			return 0, u.err
@@ -416,12 +417,12 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 			u.packets.inc(segFromClient, pkt.Type)
 		}
 		switch pkt.Type {
-		case pktData:
+		case grpcwire.Data:
 			u.pending = pkt.Data
-		case pktCloseReq:
+		case grpcwire.CloseReq:
 			close(u.closeReq)
 			u.err = io.EOF
-		case pktDialCls:
+		case grpcwire.DialCls:
 			u.err = errDialCancelled
 		}
 	}
@@ -432,7 +433,7 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 
 // sendGRPC writes one Packet to the frontend, counted and timed as
 // upstream's frontend writes are.
-func (s *Server) sendGRPC(g *grpcStream, p packet) error {
+func (s *Server) sendGRPC(g *grpcStream, p grpcwire.Packet) error {
 	s.metrics.packets.inc(segToClient, p.Type)
 	written := time.Now()
 	err := g.send(p)

@@ -17,89 +17,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"golang.org/x/net/http2"
 )
-
-func TestPacketRoundTrip(t *testing.T) {
-	for _, p := range []packet{
-		{Type: pktDialReq, Protocol: "tcp", Address: "10.0.0.1:443", Random: 1<<62 + 5},
-		{Type: pktDialRsp, Random: 7, ConnectID: 9},
-		{Type: pktDialRsp, Random: 7, Error: "dial failed"},
-		{Type: pktData, ConnectID: 3, Data: []byte("hello")},
-		{Type: pktCloseReq, ConnectID: 3},
-		{Type: pktCloseRsp, ConnectID: 3, Error: "x"},
-		{Type: pktDialCls, Random: 11},
-		{Type: pktDrain},
-		{Type: pktDialReq, Random: -1},
-	} {
-		got, err := decodePacket(appendPacket(nil, p))
-		if err != nil {
-			t.Fatalf("%v: %v", p.Type, err)
-		}
-		if got.Type != p.Type || got.Protocol != p.Protocol || got.Address != p.Address || got.Random != p.Random ||
-			got.ConnectID != p.ConnectID || got.Error != p.Error || !bytes.Equal(got.Data, p.Data) {
-			t.Fatalf("round trip: %+v -> %+v", p, got)
-		}
-	}
-}
-
-// Bytes produced by the upstream protobuf encoder for
-// Packet{type: DIAL_REQ, dialRequest: {protocol: "tcp", address: "127.0.0.1:80", random: 42}}.
-func TestPacketDecodesUpstreamBytes(t *testing.T) {
-	upstream := []byte{0x12, 0x15, 0x0a, 0x03, 't', 'c', 'p', 0x12, 0x0c, '1', '2', '7', '.', '0', '.', '0', '.', '1', ':', '8', '0', 0x18, 0x2a}
-	p, err := decodePacket(upstream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if p.Type != pktDialReq || p.Protocol != "tcp" || p.Address != "127.0.0.1:80" || p.Random != 42 {
-		t.Fatalf("decoded %+v", p)
-	}
-}
-
-func FuzzDecodePacket(f *testing.F) {
-	f.Add(appendPacket(nil, packet{Type: pktDialReq, Protocol: "tcp", Address: "a:1", Random: 3}))
-	f.Add(appendPacket(nil, packet{Type: pktData, ConnectID: 1, Data: []byte("xyz")}))
-	f.Add(appendPacket(nil, packet{Type: pktCloseRsp, ConnectID: 1, Error: "e"}))
-	f.Add([]byte{0x08, 0x04, 0x22, 0x00})
-	f.Add([]byte{0x08, 0x63})
-	f.Add([]byte{0x0b})
-	f.Add([]byte{0x12, 0xff, 0xff, 0xff, 0xff, 0x0f})
-	f.Fuzz(func(t *testing.T, b []byte) {
-		p, err := decodePacket(b)
-		if err != nil {
-			return
-		}
-		again, err := decodePacket(appendPacket(nil, p))
-		if err != nil {
-			t.Fatalf("re-encoded packet does not decode: %v", err)
-		}
-		if again.Type != p.Type || again.Address != p.Address || again.ConnectID != p.ConnectID || !bytes.Equal(again.Data, p.Data) {
-			t.Fatalf("re-encode changed %+v into %+v", p, again)
-		}
-	})
-}
-
-func FuzzReadGRPCMessage(f *testing.F) {
-	f.Add(appendGRPCMessage(nil, packet{Type: pktDialReq, Address: "a:1"}))
-	f.Add([]byte{1, 0, 0, 0, 1, 0})
-	f.Add([]byte{0, 0xff, 0xff, 0xff, 0xff})
-	f.Add([]byte{0, 0, 0, 0})
-	f.Fuzz(func(t *testing.T, b []byte) {
-		r := bytes.NewReader(b)
-		var buf []byte
-		for range 100 {
-			msg, nbuf, err := readGRPCMessage(r, buf, maxGRPCMessageLen)
-			buf = nbuf
-			if err != nil {
-				return
-			}
-			if len(msg) > maxGRPCMessageLen {
-				t.Fatal("message over the limit accepted")
-			}
-			decodePacket(msg)
-		}
-	})
-}
 
 // grpcEnv serves the gRPC front door on a Unix socket next to an env.
 func (e *env) grpcSocket(t *testing.T) string {
@@ -179,20 +99,20 @@ func openGRPC(t *testing.T, sock, method string) *grpcCall {
 	return c
 }
 
-func (c *grpcCall) write(p packet) {
+func (c *grpcCall) write(p grpcwire.Packet) {
 	c.t.Helper()
-	if _, err := c.send.Write(appendGRPCMessage(nil, p)); err != nil {
+	if _, err := c.send.Write(grpcwire.AppendMessage(nil, p)); err != nil {
 		c.t.Fatal(err)
 	}
 }
 
-func (c *grpcCall) read() (packet, error) {
-	msg, buf, err := readGRPCMessage(c.response().Body, c.buf, maxGRPCMessageLen)
+func (c *grpcCall) read() (grpcwire.Packet, error) {
+	msg, buf, err := grpcwire.ReadMessage(c.response().Body, c.buf, grpcwire.MaxMessageLen)
 	c.buf = buf
 	if err != nil {
-		return packet{}, err
+		return grpcwire.Packet{}, err
 	}
-	return decodePacket(msg)
+	return grpcwire.Decode(msg)
 }
 
 func (c *grpcCall) status() string {
@@ -218,18 +138,18 @@ func TestGRPCFrontendEcho(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			c := openGRPC(t, sock, grpcProxyMethod)
-			c.write(packet{Type: pktDialReq, Protocol: "tcp", Address: echo, Random: int64(100 + i)})
+			c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(100 + i)})
 			rsp, err := c.read()
-			if err != nil || rsp.Type != pktDialRsp || rsp.Random != int64(100+i) || rsp.ConnectID == 0 || rsp.Error != "" {
+			if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Random != int64(100+i) || rsp.ConnectID == 0 || rsp.Error != "" {
 				t.Errorf("DIAL_RSP: %+v %v", rsp, err)
 				return
 			}
 			payload := bytes.Repeat([]byte{byte(i)}, 100<<10)
-			c.write(packet{Type: pktData, ConnectID: rsp.ConnectID, Data: payload})
+			c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: rsp.ConnectID, Data: payload})
 			var got []byte
 			for len(got) < len(payload) {
 				p, err := c.read()
-				if err != nil || p.Type != pktData {
+				if err != nil || p.Type != grpcwire.Data {
 					t.Errorf("DATA: %+v %v", p.Type, err)
 					return
 				}
@@ -238,9 +158,9 @@ func TestGRPCFrontendEcho(t *testing.T) {
 			if !bytes.Equal(got, payload) {
 				t.Error("echo mismatch")
 			}
-			c.write(packet{Type: pktCloseReq, ConnectID: rsp.ConnectID})
+			c.write(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: rsp.ConnectID})
 			p, err := c.read()
-			if err != nil || p.Type != pktCloseRsp || p.ConnectID != rsp.ConnectID {
+			if err != nil || p.Type != grpcwire.CloseRsp || p.ConnectID != rsp.ConnectID {
 				t.Errorf("CLOSE_RSP: %+v %v", p, err)
 			}
 			if s := c.status(); s != "0" {
@@ -259,9 +179,9 @@ func TestGRPCFrontendDialFailureAndBadInput(t *testing.T) {
 	sock := e.grpcSocket(t)
 
 	c := openGRPC(t, sock, grpcProxyMethod)
-	c.write(packet{Type: pktDialReq, Protocol: "tcp", Address: "127.0.0.1:1", Random: 5})
+	c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: "127.0.0.1:1", Random: 5})
 	rsp, err := c.read()
-	if err != nil || rsp.Type != pktDialRsp || !strings.Contains(rsp.Error, "connection refused") {
+	if err != nil || rsp.Type != grpcwire.DialRsp || !strings.Contains(rsp.Error, "connection refused") {
 		t.Fatalf("failed dial: %+v %v", rsp, err)
 	}
 	if s := c.status(); s != "0" {
@@ -278,7 +198,7 @@ func TestGRPCFrontendDialFailureAndBadInput(t *testing.T) {
 		t.Fatalf("malformed protobuf: status %q, want 3", s)
 	}
 	c = openGRPC(t, sock, grpcProxyMethod)
-	c.write(packet{Type: pktData, ConnectID: 1, Data: []byte("x")})
+	c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: 1, Data: []byte("x")})
 	if s := c.status(); s != "3" {
 		t.Fatalf("DATA before DIAL_REQ: status %q, want 3", s)
 	}
@@ -301,9 +221,9 @@ func TestGRPCDialCancelReachesAgent(t *testing.T) {
 	e.waitAgents(1)
 	sock := e.grpcSocket(t)
 	c := openGRPC(t, sock, grpcProxyMethod)
-	c.write(packet{Type: pktDialReq, Protocol: "tcp", Address: "192.0.2.1:443", Random: 9})
+	c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: "192.0.2.1:443", Random: 9})
 	<-started
-	c.write(packet{Type: pktDialCls, Random: 9})
+	c.write(grpcwire.Packet{Type: grpcwire.DialCls, Random: 9})
 	select {
 	case <-cancelled:
 	case <-time.After(5 * time.Second):
@@ -312,21 +232,5 @@ func TestGRPCDialCancelReachesAgent(t *testing.T) {
 	c.send.Close()
 	if _, err := c.read(); err != nil && !errors.Is(err, io.EOF) {
 		t.Logf("after DIAL_CLS: %v", err)
-	}
-}
-
-func TestPutDataPrefixMatchesEncoder(t *testing.T) {
-	for _, n := range []int{1, 127, 128, 16383, 16384, largeBufSize - dataPrefixRoom} {
-		for _, id := range []int64{1, 300, 1 << 40} {
-			buf := make([]byte, dataPrefixRoom+n)
-			for i := range n {
-				buf[dataPrefixRoom+i] = byte(i)
-			}
-			got := putDataPrefix(buf, id, n)
-			want := appendGRPCMessage(nil, packet{Type: pktData, ConnectID: id, Data: buf[dataPrefixRoom : dataPrefixRoom+n]})
-			if !bytes.Equal(got, want) {
-				t.Fatalf("n=%d id=%d: framing differs from the encoder", n, id)
-			}
-		}
 	}
 }

@@ -10,7 +10,7 @@ import (
 
 // BenchmarkFullMesh measures, with production timings (sync interval 1s,
 // cap 10s), how long N agents behind a round-robin load balancer take to
-// hold a tunnel to each of 3 servers, and how long each agent takes to be
+// hold a connection to each of 3 servers, and how long each agent takes to be
 // back at 3/3 after one server is replaced, counted from the moment the
 // replacement listens. Run: go test -run '^$' -bench FullMesh -benchtime 1x ./tunnel/
 func BenchmarkFullMesh(b *testing.B) {

@@ -17,7 +17,6 @@ const (
 	hdrAgentID       = "Konnectivity-Agent-Id"
 	hdrIdentifiers   = "Konnectivity-Agent-Identifiers"
 	hdrHeldServers   = "Konnectivity-Held-Servers"
-	hdrDraining      = "Konnectivity-Agent-Draining"
 	hdrServerID      = "Konnectivity-Server-Id"
 	hdrServerCount   = "Konnectivity-Server-Count"
 	maxHandshakeHead = 16 << 10
@@ -28,7 +27,7 @@ const (
 type agentHello struct {
 	ID          string
 	Identifiers string
-	Held        []string // server IDs the agent already holds a tunnel to
+	Held        []string // server IDs the agent already holds a connection to
 	Token       string   // bearer token, if any; never logged
 }
 

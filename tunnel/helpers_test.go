@@ -147,7 +147,7 @@ func (a *testAgent) stop() {
 
 // kill drops the agent's connections abruptly, then stops it.
 func (a *testAgent) kill() {
-	a.closeLinks()
+	a.closeConns()
 	a.stop()
 }
 

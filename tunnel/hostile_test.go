@@ -635,12 +635,12 @@ func (ev *evilAgent) writeHugeHeaders(stream uint32, n int) error {
 }
 
 func hpackInt(v uint64, prefix uint, first byte) []byte {
-	max := uint64(1)<<prefix - 1
-	if v < max {
+	prefixMax := uint64(1)<<prefix - 1
+	if v < prefixMax {
 		return []byte{first | byte(v)}
 	}
-	out := []byte{first | byte(max)}
-	v -= max
+	out := []byte{first | byte(prefixMax)}
+	v -= prefixMax
 	for v >= 128 {
 		out = append(out, byte(v%128+128))
 		v /= 128

@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Principal is what an agent's credential proves about it. The zero value
@@ -122,8 +124,8 @@ const minTokenRefresh = time.Second
 // valid may finish before the link is closed.
 const revokeGrace = 5 * time.Second
 
-// linkCredential is the credential a live agent link stands on.
-type linkCredential struct {
+// connCredential is the credential a live agent connection stands on.
+type connCredential struct {
 	tls tls.ConnectionState // fixed at login
 
 	mu      sync.Mutex
@@ -134,7 +136,7 @@ type linkCredential struct {
 	ended   bool        // the link is gone: no more reviews; guarded by mu
 }
 
-func (c *linkCredential) currentToken() string {
+func (c *connCredential) currentToken() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.token
@@ -142,13 +144,13 @@ func (c *linkCredential) currentToken() string {
 
 // identityState is the server's identity bookkeeping.
 type identityState struct {
-	refused        map[string]*Counter // by reason; fixed after NewServer
+	refused        map[string]*promtext.Counter // by reason; fixed after NewServer
 	noClaimsOnce   sync.Once
 	unverifiedOnce sync.Once // the warning that addresses are dropped
 }
 
-func newIdentityState(m *Metrics) *identityState {
-	st := &identityState{refused: map[string]*Counter{}}
+func newIdentityState(m *promtext.Registry) *identityState {
+	st := &identityState{refused: map[string]*promtext.Counter{}}
 	for _, r := range identityReasons {
 		st.refused[r] = m.Counter(serverPrefix+"agent_identity_refusals_total", "Agent logins refused, links closed, and (address_unverifiable) identifiers dropped, because the credential does not back what the agent claims, by reason.", []string{"reason"}, r)
 	}
@@ -338,7 +340,7 @@ func (r *registry) claim(a *agentConn) (replaced *agentConn, ok bool) {
 // watchCredential starts the periodic review of a token agent's token.
 // The link's end must call endCredential.
 func (s *Server) watchCredential(a *agentConn, token string, tlsState tls.ConnectionState) {
-	a.cred = &linkCredential{tls: tlsState, token: token, expires: a.principal.Expires}
+	a.cred = &connCredential{tls: tlsState, token: token, expires: a.principal.Expires}
 	if a.principal.Kind != PrincipalToken || s.cfg.Identity.Recheck < 0 {
 		return
 	}

@@ -4,6 +4,9 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Upstream counts every gRPC Packet a process sends or receives, by the
@@ -34,22 +37,22 @@ const (
 
 var segmentNames = [numSegments]string{"from_client", "to_client", "from_agent", "to_agent"}
 
-const numPacketTypes = int(pktDrain) + 1
+const numPacketTypes = int(grpcwire.Drain) + 1
 
 // packetCounts counts Packets by segment and type.
 type packetCounts struct {
 	n [numSegments][numPacketTypes]atomic.Uint64
 }
 
-func (p *packetCounts) inc(s segment, t packetType) { p.n[s][t].Add(1) }
+func (p *packetCounts) inc(s segment, t grpcwire.Type) { p.n[s][t].Add(1) }
 
 // register exposes the counts of the given segments as name.
-func (p *packetCounts) register(m *Metrics, name string, segs ...segment) {
+func (p *packetCounts) register(m *promtext.Registry, name string, segs ...segment) {
 	const help = "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ); HTTP/2 events count as the packet upstream sends for them."
 	for _, s := range segs {
 		for t := range numPacketTypes {
 			c := &p.n[s][t]
-			m.CounterFunc(name, help, []string{"segment", "packet_type"}, []string{segmentNames[s], packetType(t).String()},
+			m.CounterFunc(name, help, []string{"segment", "packet_type"}, []string{segmentNames[s], grpcwire.Type(t).String()},
 				func() float64 { return float64(c.Load()) })
 		}
 	}
@@ -69,7 +72,7 @@ type streamErrors struct {
 	n [numSegments][2][numPacketTypes]atomic.Uint64
 }
 
-func (e *streamErrors) inc(s segment, code string, t packetType) {
+func (e *streamErrors) inc(s segment, code string, t grpcwire.Type) {
 	c := 0
 	if code == codeUnavailable {
 		c = 1
@@ -77,11 +80,11 @@ func (e *streamErrors) inc(s segment, code string, t packetType) {
 	e.n[s][c][t].Add(1)
 }
 
-func (e *streamErrors) register(m *Metrics, name string, segs ...segment) {
+func (e *streamErrors) register(m *promtext.Registry, name string, segs ...segment) {
 	const help = "Count of stream errors, by segment, gRPC code and packet type (example: from_agent, Unavailable, DATA); a reset HTTP/2 stream is Canceled, a broken connection Unavailable."
 	for _, s := range segs {
 		for c, code := range []string{codeCanceled, codeUnavailable} {
-			for _, t := range []packetType{pktDialReq, pktData} {
+			for _, t := range []grpcwire.Type{grpcwire.DialReq, grpcwire.Data} {
 				v := &e.n[s][c][t]
 				m.CounterFunc(name, help, []string{"segment", "code", "packet_type"}, []string{segmentNames[s], code, t.String()},
 					func() float64 { return float64(v.Load()) })

@@ -3,21 +3,24 @@ package tunnel
 import (
 	"strings"
 	"testing"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Packet and error counts are exposed with upstream's label names and
 // values, and an increment shows in the next scrape.
 func TestPacketCountsExposition(t *testing.T) {
-	m := NewMetrics()
+	m := promtext.NewRegistry()
 	var p packetCounts
 	var e streamErrors
 	p.register(m, "x_stream_packets_total", segFromAgent, segToAgent)
 	e.register(m, "x_stream_errors_total", segFromAgent)
-	p.inc(segFromAgent, pktData)
-	p.inc(segFromAgent, pktData)
-	p.inc(segToAgent, pktDialReq)
-	e.inc(segFromAgent, codeUnavailable, pktData)
-	pw := &packetWriter{w: &strings.Builder{}, c: packetCounter{&p.n[segToAgent][pktData], nil}}
+	p.inc(segFromAgent, grpcwire.Data)
+	p.inc(segFromAgent, grpcwire.Data)
+	p.inc(segToAgent, grpcwire.DialReq)
+	e.inc(segFromAgent, codeUnavailable, grpcwire.Data)
+	pw := &packetWriter{w: &strings.Builder{}, c: packetCounter{&p.n[segToAgent][grpcwire.Data], nil}}
 	pw.Write([]byte("abc"))
 	var b strings.Builder
 	m.WriteText(&b)
@@ -43,8 +46,8 @@ func TestPacketCountsExposition(t *testing.T) {
 // Counting a packet allocates nothing.
 func TestPacketCountingAllocs(t *testing.T) {
 	var p packetCounts
-	c := packetCounter{&p.n[segFromClient][pktData], &p.n[segToAgent][pktData]}
-	if n := testing.AllocsPerRun(100, func() { c.inc(); p.inc(segToClient, pktCloseRsp) }); n != 0 {
+	c := packetCounter{&p.n[segFromClient][grpcwire.Data], &p.n[segToAgent][grpcwire.Data]}
+	if n := testing.AllocsPerRun(100, func() { c.inc(); p.inc(segToClient, grpcwire.CloseRsp) }); n != 0 {
 		t.Errorf("%v allocations per count", n)
 	}
 }
@@ -64,9 +67,9 @@ func TestSinkWritesCountAsDATA(t *testing.T) {
 		name string
 		v    uint64
 	}{
-		{"server to_client DATA", srv[segToClient][pktData].Load()},
-		{"server from_agent DATA", srv[segFromAgent][pktData].Load()},
-		{"agent to_agent DATA", a.metrics.packets.n[segToAgent][pktData].Load()},
+		{"server to_client DATA", srv[segToClient][grpcwire.Data].Load()},
+		{"server from_agent DATA", srv[segFromAgent][grpcwire.Data].Load()},
+		{"agent to_agent DATA", a.metrics.packets.n[segToAgent][grpcwire.Data].Load()},
 	} {
 		if n.v == 0 {
 			t.Errorf("%s: not counted", n.name)

@@ -4,12 +4,14 @@ import (
 	"log/slog"
 	"net/http"
 	"runtime/debug"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // A bug in one tunnel's code must not take down every other tunnel: a
 // panic in a per-tunnel goroutine is recovered, logged once with its stack,
 // counted, and ends only that tunnel.
-func recoverTunnelPanic(log *slog.Logger, counter *Counter, where string) {
+func recoverTunnelPanic(log *slog.Logger, counter *promtext.Counter, where string) {
 	e := recover()
 	if e == nil {
 		return

@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"golang.org/x/net/http2"
 )
 
@@ -131,7 +132,7 @@ func dialGRPCTunnel(ctx context.Context, sock, addr string) (net.Conn, error) {
 	req, _ := http.NewRequestWithContext(cctx, http.MethodPost, "http://konnectivity"+grpcProxyMethod, pr)
 	req.Header.Set("Content-Type", "application/grpc")
 	req.Header.Set("Te", "trailers")
-	go pw.Write(appendGRPCMessage(nil, packet{Type: pktDialReq, Protocol: "tcp", Address: addr, Random: 1}))
+	go pw.Write(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: addr, Random: 1}))
 	resp, err := tr.RoundTrip(req)
 	if err != nil {
 		cancel()
@@ -140,13 +141,13 @@ func dialGRPCTunnel(ctx context.Context, sock, addr string) (net.Conn, error) {
 		return nil, fmt.Errorf("gRPC call: %w", err)
 	}
 	c := &grpcTunnelConn{tr: tr, send: pw, body: resp.Body, cancel: cancel}
-	msg, buf, err := readGRPCMessage(resp.Body, nil, maxGRPCMessageLen)
+	msg, buf, err := grpcwire.ReadMessage(resp.Body, nil, grpcwire.MaxMessageLen)
 	c.buf = buf
-	var rsp packet
+	var rsp grpcwire.Packet
 	if err == nil {
-		rsp, err = decodePacket(msg)
+		rsp, err = grpcwire.Decode(msg)
 	}
-	if err == nil && (rsp.Type != pktDialRsp || rsp.Error != "") {
+	if err == nil && (rsp.Type != grpcwire.DialRsp || rsp.Error != "") {
 		err = fmt.Errorf("DIAL_RSP %s: %s", rsp.Type, rsp.Error)
 	}
 	if err != nil {
@@ -159,19 +160,19 @@ func dialGRPCTunnel(ctx context.Context, sock, addr string) (net.Conn, error) {
 
 func (c *grpcTunnelConn) Read(p []byte) (int, error) {
 	for len(c.rest) == 0 {
-		msg, buf, err := readGRPCMessage(c.body, c.buf, maxGRPCMessageLen)
+		msg, buf, err := grpcwire.ReadMessage(c.body, c.buf, grpcwire.MaxMessageLen)
 		c.buf = buf
 		if err != nil {
 			return 0, err
 		}
-		pkt, err := decodePacket(msg)
+		pkt, err := grpcwire.Decode(msg)
 		if err != nil {
 			return 0, err
 		}
 		switch pkt.Type {
-		case pktData:
+		case grpcwire.Data:
 			c.rest = pkt.Data
-		case pktCloseRsp:
+		case grpcwire.CloseRsp:
 			return 0, io.EOF
 		}
 	}
@@ -183,7 +184,7 @@ func (c *grpcTunnelConn) Read(p []byte) (int, error) {
 func (c *grpcTunnelConn) Write(p []byte) (int, error) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	if _, err := c.send.Write(appendGRPCMessage(nil, packet{Type: pktData, ConnectID: c.id, Data: p})); err != nil {
+	if _, err := c.send.Write(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.Data, ConnectID: c.id, Data: p})); err != nil {
 		return 0, fmt.Errorf("gRPC DATA: %w", err)
 	}
 	return len(p), nil

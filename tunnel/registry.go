@@ -42,13 +42,13 @@ func ParseStrategies(s string) ([]Strategy, error) {
 	return out, nil
 }
 
-// agentConn is one agent's tunnel connection to this server.
+// agentConn is one agent's connection to this server and, for our agents, its link.
 type agentConn struct {
 	id       string
 	ids      Identifiers
 	remote   string
 	since    time.Time
-	cc       *h2link.Conn
+	link     *h2link.Conn
 	conn     *watchedConn
 	streams  atomic.Int64
 	draining atomic.Bool
@@ -57,8 +57,8 @@ type agentConn struct {
 
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
 	principal   Principal          // what the agent's credential proves; fixed at login
-	cred        *linkCredential    // the credential the link stands on; set before it is registered
-	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no cc
+	cred        *connCredential    // the credential the connection stands on; set before it is registered
+	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
 }
 
 // roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an
@@ -67,7 +67,7 @@ func (a *agentConn) roundTrip(req *http.Request) (*http.Response, error) {
 	if a.up != nil {
 		return a.up.roundTrip(req)
 	}
-	return a.cc.RoundTrip(req)
+	return a.link.RoundTrip(req)
 }
 
 // close ends the agent's connection at once.
@@ -77,7 +77,7 @@ func (a *agentConn) close() {
 		a.up.stopOnce.Do(func() { close(a.up.stop) })
 		return
 	}
-	a.cc.Close()
+	a.link.Close()
 }
 
 // shutdown sends GOAWAY and waits for the agent's tunnels to end, or for ctx.
@@ -87,8 +87,8 @@ func (a *agentConn) shutdown(ctx context.Context) {
 		a.up.shutdown(ctx)
 		return
 	}
-	if err := a.cc.Shutdown(ctx); err != nil {
-		a.cc.Close()
+	if err := a.link.Shutdown(ctx); err != nil {
+		a.link.Close()
 	}
 }
 
@@ -99,7 +99,7 @@ func (a *agentConn) usable(maxStreams int64) bool {
 	if a.up != nil {
 		return a.up.usable()
 	}
-	return a.cc.CanTakeNewRequest()
+	return a.link.CanTakeNewRequest()
 }
 
 // registry holds the connected agents. Waiters block on changed, which is

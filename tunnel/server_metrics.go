@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Server metrics use upstream's names and labels where the concept exists,
@@ -12,21 +14,21 @@ import (
 const serverPrefix = "konnectivity_network_proxy_server_"
 
 type serverMetrics struct {
-	dialDuration  *Histogram
-	frontendWrite *Histogram
-	connDuration  *Histogram
-	established   *Gauge
-	httpConns     *Gauge
-	grpcConns     *Gauge
-	pending       *Gauge
-	resets        *Counter
-	panics        *Counter
-	failures      map[string]*Counter
+	dialDuration  *promtext.Histogram
+	frontendWrite *promtext.Histogram
+	connDuration  *promtext.Histogram
+	established   *promtext.Gauge
+	httpConns     *promtext.Gauge
+	grpcConns     *promtext.Gauge
+	pending       *promtext.Gauge
+	resets        *promtext.Counter
+	panics        *promtext.Counter
+	failures      map[string]*promtext.Counter
 	packets       packetCounts
 	streamErrs    streamErrors
 }
 
-func newServerMetrics(m *Metrics, s *Server) *serverMetrics {
+func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 	sm := &serverMetrics{
 		dialDuration:  m.Histogram(serverPrefix+"dial_duration_seconds", "Time from a frontend dial request to the agent's answer, for successful dials.", latencyBuckets, nil),
 		frontendWrite: m.Histogram(serverPrefix+"frontend_write_duration_seconds", "Time of one write to the frontend: the dial's answer, and each DATA packet on the gRPC frontend.", latencyBuckets, nil),
@@ -37,7 +39,7 @@ func newServerMetrics(m *Metrics, s *Server) *serverMetrics {
 		pending:       m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
 		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
-		failures:      map[string]*Counter{},
+		failures:      map[string]*promtext.Counter{},
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
@@ -95,8 +97,8 @@ func (r *registry) countFor(st Strategy, maxStreams int64) int {
 // END_STREAM is upstream's CLOSE_RSP from the agent, passed on to the
 // client.
 func (sm *serverMetrics) countEnd() {
-	sm.packets.inc(segFromAgent, pktCloseRsp)
-	sm.packets.inc(segToClient, pktCloseRsp)
+	sm.packets.inc(segFromAgent, grpcwire.CloseRsp)
+	sm.packets.inc(segToClient, grpcwire.CloseRsp)
 }
 
 // streamErrorCode is the gRPC code upstream would report for err: a stream
@@ -108,3 +110,13 @@ func streamErrorCode(err error) string {
 	}
 	return codeUnavailable
 }
+
+// Buckets of the upstream metrics of the same names, so that recorded
+// dashboards keep their meaning: the server's latencies (dial_duration_seconds,
+// frontend_write_duration_seconds), the server's connection_duration_seconds
+// and the agent's dial_duration_seconds.
+var (
+	latencyBuckets    = []float64{0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
+	connectionBuckets = []float64{1, 5, 15, 30, 60, 300, 900, 1800, 3600, 14400, 43200, 86400}
+	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
+)

@@ -46,17 +46,17 @@ func (s *Server) Status() ServerStatus {
 
 // AgentSideStatus is what /debug/tunnels shows for an agent.
 type AgentSideStatus struct {
-	Role        string       `json:"role"` // "agent"
-	AgentID     string       `json:"agentID"`
-	Held        int          `json:"held"`
-	Want        int          `json:"want"`
-	LeaseCount  int          `json:"leaseCount,omitempty"` // valid server Leases, when counted
-	OpenStreams int64        `json:"openStreams"`
-	Servers     []LinkStatus `json:"servers"`
+	Role        string             `json:"role"` // "agent"
+	AgentID     string             `json:"agentID"`
+	Held        int                `json:"held"`
+	Want        int                `json:"want"`
+	LeaseCount  int                `json:"leaseCount,omitempty"` // valid server Leases, when counted
+	OpenStreams int64              `json:"openStreams"`
+	Servers     []ServerConnStatus `json:"servers"`
 }
 
-// LinkStatus is one server connection, as the agent sees it.
-type LinkStatus struct {
+// ServerConnStatus is one server connection, as the agent sees it.
+type ServerConnStatus struct {
 	ServerID    string    `json:"serverID"`
 	Addr        string    `json:"addr"`
 	Since       time.Time `json:"since"`
@@ -67,9 +67,9 @@ type LinkStatus struct {
 // Status reports the agent's server connections, sorted by server ID.
 func (a *Agent) Status() AgentSideStatus {
 	a.mu.Lock()
-	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.links), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []LinkStatus{}}
-	for l := range a.links {
-		st.Servers = append(st.Servers, LinkStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
+	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
+	for l := range a.conns {
+		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
 	}
 	a.mu.Unlock()
 	st.OpenStreams = a.Stats.OpenStreams.Load()

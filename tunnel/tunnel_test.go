@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 func TestConnectEchoSequentialAndConcurrent(t *testing.T) {
@@ -249,7 +251,7 @@ func TestNoAgent503(t *testing.T) {
 // A dial that arrives before any agent waits for one instead of failing.
 func TestDialWaitsForAgent(t *testing.T) {
 	checkNoLeaks(t)
-	m := NewMetrics()
+	m := promtext.NewRegistry()
 	e := newEnv(t, func(c *ServerConfig) {
 		c.AgentWait = 5 * time.Second
 		c.Metrics = m
@@ -715,7 +717,7 @@ func TestAgentStopsWithSilentDestination(t *testing.T) {
 // A panic in one tunnel's code ends that tunnel only, on either side.
 func TestPanicsEndOnlyTheirTunnel(t *testing.T) {
 	checkNoLeaks(t)
-	m := NewMetrics()
+	m := promtext.NewRegistry()
 	var frontendPanics atomic.Bool
 	e := newEnv(t, func(c *ServerConfig) {
 		c.Metrics = m
@@ -726,7 +728,7 @@ func TestPanicsEndOnlyTheirTunnel(t *testing.T) {
 			return nil
 		}
 	})
-	agentMetrics := NewMetrics()
+	agentMetrics := promtext.NewRegistry()
 	e.startAgent("a1", "", func(c *AgentConfig) {
 		c.Metrics = agentMetrics
 		c.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {

@@ -11,7 +11,7 @@ import (
 )
 
 // upload is the client-to-agent direction of one frontend connection. The
-// HTTP/2 transport reads it as the CONNECT request body, but only after the
+// link reads it as the CONNECT request body, but only after the
 // agent has answered: until then a watcher merely peeks, so a client that
 // gives up during a pending dial cancels it, and a dial retried on another
 // agent has lost no byte.
@@ -23,10 +23,10 @@ type upload struct {
 	peeked        chan struct{} // the watcher's Peek returned: data, EOF or error
 	clientGoneCtx context.Context
 	clientGone    <-chan struct{}
-	done          chan struct{} // the upload ended: EOF, error, or the transport let go
+	done          chan struct{} // the upload ended: EOF, error, or the link let go
 	doneOnce      sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
-	raw           syscall.RawConn // the client's socket, when it is a plain one: see copyTo
+	raw           syscall.RawConn // the client's socket, when it is a plain one: see SendTo
 	callerSends   bool            // the frontend sends the body itself (see sentByCaller)
 	// packets counts each chunk sent on as one DATA Packet (see packets.go)
 	// in each counter that is set; set before start, read after it.
@@ -64,7 +64,7 @@ func newUpload(br *bufio.Reader, unblock func(), spawn func(func())) *upload {
 	return u
 }
 
-// start lets the transport read: the client has been told 200.
+// start lets the link read: the client has been told 200.
 func (u *upload) start() {
 	u.isEstablished.Store(true)
 	close(u.established)
@@ -140,7 +140,7 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// Close is called by the HTTP/2 transport when it is done with the body:
+// Close is called by the link when it is done with the body:
 // after EOF, or when the stream ended early. In the second case a Read may
 // be blocked on the connection; a past deadline releases it.
 func (b *uploadBody) Close() error {
@@ -187,8 +187,8 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 
 // SendTo sends the upload to w until the client's end, for the link: from
 // the socket without a buffer held while it is quiet when the client is a
-// plain socket (sendBuffered, then copyFromSocket straight from here, so
-// the parked frames stay few: see (*Agent).carry), else through copyStream.
+// plain socket (sendBuffered, then copyFromSocket straight from here: see
+// "Parked stacks" in doc.go), else through copyStream.
 func (b *uploadBody) SendTo(w io.Writer) error {
 	if b.u.raw == nil {
 		_, err := copyStream(w, b, nil)

@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
@@ -144,28 +145,18 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	ua := &upstreamAgent{
 		s:       s,
 		out:     g,
-		pending: map[int64]chan packet{},
+		pending: map[int64]chan grpcwire.Packet{},
 		conns:   map[int64]*upstreamConn{},
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
 	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal}
 	ua.agent = a
-	s.watchCredential(a, hello.Token, tlsState)
 	defer a.endCredential()
-	old, ok := s.agents.claim(a)
-	if !ok {
+	if !s.register(a, hello.Token, tlsState) {
 		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote, "protocol", "grpc")
 		g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
 		return false
-	}
-	if old != nil {
-		old.draining.Store(true)
-		s.goroutine(func() {
-			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
-			defer cancel()
-			old.shutdown(ctx)
-		})
 	}
 	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
 
@@ -198,7 +189,7 @@ type upstreamAgent struct {
 	out   *grpcStream
 
 	mu       sync.Mutex
-	pending  map[int64]chan packet // dials waiting for DIAL_RSP, by random
+	pending  map[int64]chan grpcwire.Packet // dials waiting for DIAL_RSP, by random
 	conns    map[int64]*upstreamConn
 	closed   bool
 	stopping bool          // shutting down: no new dials
@@ -231,22 +222,22 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 	for {
 		var msg []byte
 		var err error
-		if msg, buf, err = readGRPCMessage(body, buf, maxGRPCMessageLen); err != nil {
+		if msg, buf, err = grpcwire.ReadMessage(body, buf, grpcwire.MaxMessageLen); err != nil {
 			return err
 		}
-		p, err := decodePacket(msg)
+		p, err := grpcwire.Decode(msg)
 		if err != nil {
 			return fmt.Errorf("bad packet from agent: %w", err)
 		}
 		switch p.Type {
-		case pktDialRsp:
+		case grpcwire.DialRsp:
 			ua.dialAnswered(p)
-		case pktData:
+		case grpcwire.Data:
 			ua.mu.Lock()
 			c := ua.conns[p.ConnectID]
 			ua.mu.Unlock()
 			if c == nil {
-				ua.out.send(packet{Type: pktCloseReq, ConnectID: p.ConnectID}) // unknown: tell it to drop it
+				ua.out.send(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: p.ConnectID}) // unknown: tell it to drop it
 				continue
 			}
 			if len(p.Data) > 0 {
@@ -258,29 +249,29 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 				ua.s.Stats.BytesFromAgent.Add(int64(len(p.Data)))
 				ua.agent.bytesFrom.Add(int64(len(p.Data)))
 			}
-		case pktCloseRsp:
+		case grpcwire.CloseRsp:
 			ua.mu.Lock()
 			c := ua.conns[p.ConnectID]
 			ua.mu.Unlock()
 			if c != nil {
 				c.endFromAgent(p.Error)
 			}
-		case pktDialCls:
+		case grpcwire.DialCls:
 			ua.mu.Lock()
 			ch := ua.pending[p.Random]
 			delete(ua.pending, p.Random)
 			ua.mu.Unlock()
 			if ch != nil {
-				ch <- packet{Type: pktDialRsp, Random: p.Random, Error: "the agent closed the dial"}
+				ch <- grpcwire.Packet{Type: grpcwire.DialRsp, Random: p.Random, Error: "the agent closed the dial"}
 			}
-		case pktDrain:
+		case grpcwire.Drain:
 			ua.agent.draining.Store(true) // preferred last, as for our own agents
 			ua.s.log.Info("agent draining: new dials prefer other agents", "agent", ua.agent.id, "protocol", "grpc")
 		}
 	}
 }
 
-func (ua *upstreamAgent) dialAnswered(p packet) {
+func (ua *upstreamAgent) dialAnswered(p grpcwire.Packet) {
 	ua.mu.Lock()
 	ch := ua.pending[p.Random]
 	delete(ua.pending, p.Random)
@@ -296,7 +287,7 @@ func (ua *upstreamAgent) dialAnswered(p packet) {
 	switch {
 	case ch == nil && p.Error == "" && p.ConnectID != 0:
 		// The dial was given up (timeout, client gone): free the agent's side.
-		ua.out.send(packet{Type: pktCloseReq, ConnectID: p.ConnectID})
+		ua.out.send(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: p.ConnectID})
 	case ch != nil:
 		ch <- p
 	}
@@ -306,7 +297,7 @@ func (ua *upstreamAgent) dialAnswered(p packet) {
 // DIAL_REQ, wait for DIAL_RSP, then DATA both ways.
 func (ua *upstreamAgent) roundTrip(req *http.Request) (*http.Response, error) {
 	random := rand.Int64N(1<<62) + 1
-	ch := make(chan packet, 1)
+	ch := make(chan grpcwire.Packet, 1)
 	ua.mu.Lock()
 	if ua.closed {
 		ua.mu.Unlock()
@@ -314,16 +305,16 @@ func (ua *upstreamAgent) roundTrip(req *http.Request) (*http.Response, error) {
 	}
 	ua.pending[random] = ch
 	ua.mu.Unlock()
-	if err := ua.out.send(packet{Type: pktDialReq, Protocol: "tcp", Address: req.Host, Random: random}); err != nil {
+	if err := ua.out.send(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: req.Host, Random: random}); err != nil {
 		ua.forget(random)
 		return nil, fmt.Errorf("send DIAL_REQ: %w", err)
 	}
-	var rsp packet
+	var rsp grpcwire.Packet
 	select {
 	case rsp = <-ch:
 	case <-req.Context().Done():
 		ua.forget(random)
-		ua.out.send(packet{Type: pktDialCls, Random: random})
+		ua.out.send(grpcwire.Packet{Type: grpcwire.DialCls, Random: random})
 		return nil, req.Context().Err()
 	case <-ua.done:
 		return nil, errUpstreamGone
@@ -360,7 +351,7 @@ func (c *upstreamConn) sendUpload() {
 	for {
 		n, err := c.upload.Read(*bp)
 		if n > 0 {
-			if serr := c.ua.out.send(packet{Type: pktData, ConnectID: c.id, Data: (*bp)[:n]}); serr != nil {
+			if serr := c.ua.out.send(grpcwire.Packet{Type: grpcwire.Data, ConnectID: c.id, Data: (*bp)[:n]}); serr != nil {
 				c.close(false)
 				return
 			}
@@ -388,7 +379,7 @@ func (c *upstreamConn) close(tellAgent bool) {
 		delete(c.ua.conns, c.id)
 		c.ua.mu.Unlock()
 		if tellAgent && !c.agentDone.Load() {
-			c.ua.out.send(packet{Type: pktCloseReq, ConnectID: c.id})
+			c.ua.out.send(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: c.id})
 		}
 		c.pw.CloseWithError(errUpstreamGone)
 		c.pr.Close()

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"golang.org/x/net/http2"
 )
 
@@ -83,31 +84,31 @@ func startFakeUpstreamAgent(t *testing.T, e *env, id, identifiers string) *fakeU
 	return f
 }
 
-func (f *fakeUpstreamAgent) write(p packet) {
+func (f *fakeUpstreamAgent) write(p grpcwire.Packet) {
 	f.sendMu.Lock()
 	defer f.sendMu.Unlock()
-	f.send.Write(appendGRPCMessage(nil, p))
+	f.send.Write(grpcwire.AppendMessage(nil, p))
 }
 
 func (f *fakeUpstreamAgent) loop() {
 	defer f.wg.Done()
 	var buf []byte
 	for {
-		msg, nbuf, err := readGRPCMessage(f.resp.Body, buf, maxGRPCMessageLen)
+		msg, nbuf, err := grpcwire.ReadMessage(f.resp.Body, buf, grpcwire.MaxMessageLen)
 		buf = nbuf
 		if err != nil {
 			return
 		}
-		p, err := decodePacket(msg)
+		p, err := grpcwire.Decode(msg)
 		if err != nil {
 			f.t.Errorf("fake agent: %v", err)
 			return
 		}
 		switch p.Type {
-		case pktDialReq:
+		case grpcwire.DialReq:
 			c, err := net.DialTimeout("tcp", p.Address, 5*time.Second)
 			if err != nil {
-				f.write(packet{Type: pktDialRsp, Random: p.Random, Error: err.Error()})
+				f.write(grpcwire.Packet{Type: grpcwire.DialRsp, Random: p.Random, Error: err.Error()})
 				continue
 			}
 			f.mu.Lock()
@@ -116,7 +117,7 @@ func (f *fakeUpstreamAgent) loop() {
 			f.conns[id] = c
 			f.dials++
 			f.mu.Unlock()
-			f.write(packet{Type: pktDialRsp, Random: p.Random, ConnectID: id})
+			f.write(grpcwire.Packet{Type: grpcwire.DialRsp, Random: p.Random, ConnectID: id})
 			f.wg.Add(1)
 			go func() {
 				defer f.wg.Done()
@@ -124,22 +125,22 @@ func (f *fakeUpstreamAgent) loop() {
 				for {
 					n, err := c.Read(b)
 					if n > 0 {
-						f.write(packet{Type: pktData, ConnectID: id, Data: append([]byte(nil), b[:n]...)})
+						f.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: id, Data: append([]byte(nil), b[:n]...)})
 					}
 					if err != nil {
-						f.write(packet{Type: pktCloseRsp, ConnectID: id})
+						f.write(grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: id})
 						return
 					}
 				}
 			}()
-		case pktData:
+		case grpcwire.Data:
 			f.mu.Lock()
 			c := f.conns[p.ConnectID]
 			f.mu.Unlock()
 			if c != nil {
 				c.Write(p.Data)
 			}
-		case pktCloseReq:
+		case grpcwire.CloseReq:
 			f.mu.Lock()
 			c := f.conns[p.ConnectID]
 			delete(f.conns, p.ConnectID)

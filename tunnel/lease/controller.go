@@ -10,7 +10,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Upstream's timing (cmd/server/app/server.go): a Lease is valid for 30s,
@@ -37,7 +37,7 @@ type ControllerConfig struct {
 	RenewInterval time.Duration // default DefaultRenewInterval
 	GCInterval    time.Duration // default DefaultGCInterval
 
-	Metrics *tunnel.Metrics // nil: a private registry
+	Metrics *promtext.Registry // nil: a private registry
 	Logger  *slog.Logger
 	Now     func() time.Time // default time.Now
 }

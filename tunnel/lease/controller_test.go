@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 const testNS = "kube-system"
@@ -91,7 +91,7 @@ func (s *syncBuffer) String() string {
 
 type runningController struct {
 	c    *Controller
-	m    *tunnel.Metrics
+	m    *promtext.Registry
 	logs *syncBuffer
 	stop func()
 }
@@ -99,7 +99,7 @@ type runningController struct {
 func startController(t *testing.T, client *Client, id string, mod func(*ControllerConfig)) *runningController {
 	t.Helper()
 	logs := &syncBuffer{}
-	m := tunnel.NewMetrics()
+	m := promtext.NewRegistry()
 	cfg := ControllerConfig{
 		Client: client, ServerID: id, Labels: testLabels,
 		Duration: 2 * time.Second, RenewInterval: 100 * time.Millisecond, GCInterval: 100 * time.Millisecond,
@@ -121,7 +121,7 @@ func startController(t *testing.T, client *Client, id string, mod func(*Controll
 	return &runningController{c: c, m: m, logs: logs, stop: stop}
 }
 
-func metricsText(m *tunnel.Metrics) string {
+func metricsText(m *promtext.Registry) string {
 	var b strings.Builder
 	m.WriteText(&b)
 	return b.String()

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // maxLeases bounds the Leases a Counter tracks: a selector that matches
@@ -36,7 +36,7 @@ type CounterConfig struct {
 	// as upstream) whenever it changes, from the Counter's goroutine.
 	OnChange func(n int)
 
-	Metrics *tunnel.Metrics // nil: a private registry
+	Metrics *promtext.Registry // nil: a private registry
 	Logger  *slog.Logger
 	Now     func() time.Time // default time.Now
 }

@@ -11,12 +11,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 type runningCounter struct {
 	c       *Counter
-	m       *tunnel.Metrics
+	m       *promtext.Registry
 	logs    *syncBuffer
 	changes chan int
 }
@@ -27,7 +27,7 @@ func startCounter(t *testing.T, client *Client, sel string, mod func(*CounterCon
 	if err != nil {
 		t.Fatal(err)
 	}
-	rc := &runningCounter{m: tunnel.NewMetrics(), logs: &syncBuffer{}, changes: make(chan int, 100)}
+	rc := &runningCounter{m: promtext.NewRegistry(), logs: &syncBuffer{}, changes: make(chan int, 100)}
 	cfg := CounterConfig{
 		Client: client, Selector: s, PollInterval: 100 * time.Millisecond,
 		OnChange: func(n int) { rc.changes <- n },

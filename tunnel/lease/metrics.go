@@ -4,7 +4,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Upstream's lease metric families. The histograms without explicit buckets
@@ -23,24 +23,24 @@ const (
 // got an answer from the apiserver are counted in the list and delete
 // families (the label is the answer's status code).
 type serverMetrics struct {
-	m        *tunnel.Metrics
-	culled   *tunnel.Counter
-	renewOK  *tunnel.Counter
-	renewErr *tunnel.Counter
+	m        *promtext.Registry
+	culled   *promtext.Counter
+	renewOK  *promtext.Counter
+	renewErr *promtext.Counter
 }
 
 // RegisterServerMetrics registers the server's unlabelled lease series, so
 // that they are exported (at 0) with the lease controller off too, as
 // upstream's are.
-func RegisterServerMetrics(m *tunnel.Metrics) { culledCounter(m) }
+func RegisterServerMetrics(m *promtext.Registry) { culledCounter(m) }
 
-func culledCounter(m *tunnel.Metrics) *tunnel.Counter {
+func culledCounter(m *promtext.Registry) *promtext.Counter {
 	return m.Counter(serverPrefix+"culled_leases_count", "Count of expired leases that the lease garbage collection controller has culled.", nil)
 }
 
-func newServerMetrics(m *tunnel.Metrics) *serverMetrics {
+func newServerMetrics(m *promtext.Registry) *serverMetrics {
 	if m == nil {
-		m = tunnel.NewMetrics()
+		m = promtext.NewRegistry()
 	}
 	const renewals = serverPrefix + "lease_renewals_total"
 	const renewalsHelp = "Attempts to create or renew this server's own Lease, by result."
@@ -76,12 +76,12 @@ func (s *serverMetrics) observeDelete(err error, d time.Duration) {
 
 // agentMetrics are the Counter's series.
 type agentMetrics struct {
-	m *tunnel.Metrics
+	m *promtext.Registry
 }
 
-func newAgentMetrics(m *tunnel.Metrics) *agentMetrics {
+func newAgentMetrics(m *promtext.Registry) *agentMetrics {
 	if m == nil {
-		m = tunnel.NewMetrics()
+		m = promtext.NewRegistry()
 	}
 	return &agentMetrics{m: m}
 }

@@ -1,4 +1,4 @@
-package tunnel
+package promtext
 
 import (
 	"fmt"
@@ -12,10 +12,10 @@ import (
 	"time"
 )
 
-// Metrics is a small Prometheus registry: counters, gauges and histograms
+// Registry is a small Prometheus registry: counters, gauges and histograms
 // with fixed label sets, written in the text exposition format. Updates are
 // atomic adds, cheap enough for the per-dial path; nothing is locked per byte.
-type Metrics struct {
+type Registry struct {
 	mu       sync.Mutex
 	families map[string]*family
 	onScrape []func() // run before each scrape writes; guarded by mu
@@ -23,14 +23,14 @@ type Metrics struct {
 
 // OnScrape registers f to run at the start of every scrape, before any
 // value is read: for families read together from one source.
-func (m *Metrics) OnScrape(f func()) {
+func (m *Registry) OnScrape(f func()) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.onScrape = append(m.onScrape, f)
 }
 
-// NewMetrics returns an empty registry.
-func NewMetrics() *Metrics { return &Metrics{families: map[string]*family{}} }
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry { return &Registry{families: map[string]*family{}} }
 
 type family struct {
 	name, help, typ string
@@ -135,7 +135,7 @@ func formatFloat(v float64) string {
 	return strconv.FormatFloat(v, 'g', -1, 64)
 }
 
-func (m *Metrics) family(name, help, typ string, labelNames []string) *family {
+func (m *Registry) family(name, help, typ string, labelNames []string) *family {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if f, ok := m.families[name]; ok {
@@ -169,39 +169,39 @@ func (f *family) get(values []string, mk func() series) series {
 // Counter returns the counter for the given label values (registering the
 // family on first use). Callers keep the result; lookups are not for the
 // hot path.
-func (m *Metrics) Counter(name, help string, labelNames []string, values ...string) *Counter {
+func (m *Registry) Counter(name, help string, labelNames []string, values ...string) *Counter {
 	return m.family(name, help, "counter", labelNames).get(values, func() series { return &Counter{} }).(*Counter)
 }
 
 // Gauge returns the gauge for the given label values.
-func (m *Metrics) Gauge(name, help string, labelNames []string, values ...string) *Gauge {
+func (m *Registry) Gauge(name, help string, labelNames []string, values ...string) *Gauge {
 	return m.family(name, help, "gauge", labelNames).get(values, func() series { return &Gauge{} }).(*Gauge)
 }
 
 // GaugeFunc registers a gauge read from f at scrape time.
-func (m *Metrics) GaugeFunc(name, help string, labelNames []string, values []string, f func() float64) {
+func (m *Registry) GaugeFunc(name, help string, labelNames []string, values []string, f func() float64) {
 	m.family(name, help, "gauge", labelNames).get(values, func() series { return gaugeFunc(f) })
 }
 
 // CounterFunc registers a counter read from f at scrape time.
-func (m *Metrics) CounterFunc(name, help string, labelNames []string, values []string, f func() float64) {
+func (m *Registry) CounterFunc(name, help string, labelNames []string, values []string, f func() float64) {
 	m.family(name, help, "counter", labelNames).get(values, func() series { return gaugeFunc(f) })
 }
 
 // SummaryFunc registers a summary read from f at scrape time.
-func (m *Metrics) SummaryFunc(name, help string, f func() (quantiles [][2]float64, sum float64, count uint64)) {
+func (m *Registry) SummaryFunc(name, help string, f func() (quantiles [][2]float64, sum float64, count uint64)) {
 	m.family(name, help, "summary", nil).get(nil, func() series { return summaryFunc(f) })
 }
 
 // Histogram returns the histogram with the given upper bounds (seconds).
-func (m *Metrics) Histogram(name, help string, bounds []float64, labelNames []string, values ...string) *Histogram {
+func (m *Registry) Histogram(name, help string, bounds []float64, labelNames []string, values ...string) *Histogram {
 	return m.family(name, help, "histogram", labelNames).get(values, func() series {
 		return &Histogram{bounds: bounds, counts: make([]atomic.Uint64, len(bounds)+1)}
 	}).(*Histogram)
 }
 
 // WriteText writes every family in the Prometheus text format, sorted by name.
-func (m *Metrics) WriteText(w io.Writer) error {
+func (m *Registry) WriteText(w io.Writer) error {
 	m.mu.Lock()
 	fams := make([]*family, 0, len(m.families))
 	for _, f := range m.families {
@@ -251,13 +251,3 @@ var (
 
 func escapeLabel(s string) string { return labelEscaper.Replace(s) }
 func escapeHelp(s string) string  { return helpEscaper.Replace(s) }
-
-// Buckets of the upstream metrics of the same names, so that recorded
-// dashboards keep their meaning: the server's latencies (dial_duration_seconds,
-// frontend_write_duration_seconds), the server's connection_duration_seconds
-// and the agent's dial_duration_seconds.
-var (
-	latencyBuckets    = []float64{0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
-	connectionBuckets = []float64{1, 5, 15, 30, 60, 300, 900, 1800, 3600, 14400, 43200, 86400}
-	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
-)

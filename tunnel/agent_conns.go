@@ -12,10 +12,11 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"golang.org/x/sys/unix"
 )
 
 // target is one address the agent dials. serverName is the name the
@@ -26,8 +27,9 @@ type target struct {
 	serverName string
 }
 
-// serverLink is one live tunnel connection to one server.
-type serverLink struct {
+// serverConn is the agent's connection to one server: the TLS connection
+// and, once HTTP/2 runs on it, its link.
+type serverConn struct {
 	id    string
 	addr  string
 	since time.Time
@@ -42,7 +44,7 @@ type serverLink struct {
 	token     string        // the token presented at login; read-only
 }
 
-func (l *serverLink) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
+func (l *serverConn) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
 
 // startManagers starts one goroutine per configured address: a seeker for
 // a single (load-balanced) address, a holder for each of several fixed
@@ -68,7 +70,7 @@ func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
 	return &wg
 }
 
-// seek dials a load-balanced address until the agent holds a tunnel to as
+// seek dials a load-balanced address until the agent holds a connection to as
 // many distinct servers as the servers announce. Each dial names the
 // servers already held, so a duplicate is refused (409) before any costly
 // check; a duplicate is expected here and is retried quickly, not backed off.
@@ -97,7 +99,7 @@ func (a *Agent) seek(ctx context.Context, t target) {
 		case err == nil:
 			dupes = 0
 			b.reset()
-			if !a.startLink(l) {
+			if !a.startConn(l) {
 				return
 			}
 			continue
@@ -142,7 +144,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// hold keeps one tunnel to a fixed address, redialling when it drops.
+// hold keeps one connection to a fixed address, redialling when it drops.
 func (a *Agent) hold(ctx context.Context, t target) {
 	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
 	for ctx.Err() == nil {
@@ -151,7 +153,7 @@ func (a *Agent) hold(ctx context.Context, t target) {
 		switch {
 		case err == nil:
 			b.reset()
-			if !a.startLink(l) {
+			if !a.startConn(l) {
 				return
 			}
 			select {
@@ -174,7 +176,7 @@ func (a *Agent) hold(ctx context.Context, t target) {
 	}
 }
 
-// expand resolves host to all its addresses and holds a tunnel to each,
+// expand resolves host to all its addresses and holds a connection to each,
 // re-resolving every SyncCap so replaced servers are followed.
 func (a *Agent) expand(ctx context.Context, host, port string) {
 	holders := map[string]context.CancelFunc{}
@@ -230,12 +232,12 @@ func isDuplicate(err error) bool {
 // so retrying at the base interval is fine and brings the agent back soon
 // after the server returns.
 func isCheap(err error) bool {
-	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET)
+	return errors.Is(err, unix.ECONNREFUSED) || errors.Is(err, unix.ECONNRESET)
 }
 
-// dial connects to t, performs the handshake and returns the link, not yet
+// dial connects to t, performs the handshake and returns the connection, not yet
 // serving.
-func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
+func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 	hctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	raw, err := (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext(hctx, "tcp", t.addr)
@@ -281,11 +283,11 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
 		if errors.Is(err, errHeadTooLarge) {
 			return nil, fmt.Errorf("server %s: handshake answer head larger than %d bytes", t.addr, maxHandshakeHead)
 		}
-		return nil, fmt.Errorf("server %s refused the tunnel: %w", t.addr, err)
+		return nil, fmt.Errorf("server %s refused the connection: %w", t.addr, err)
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
-	return &serverLink{
+	return &serverConn{
 		id:    reply.ServerID,
 		addr:  t.addr,
 		since: time.Now(),
@@ -297,36 +299,36 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverLink, error) {
 	}, nil
 }
 
-// startLink registers l and serves it in a goroutine the agent owns. It
+// startConn registers l and serves it in a goroutine the agent owns. It
 // returns false (and closes l) when the agent is shutting down.
-func (a *Agent) startLink(l *serverLink) bool {
+func (a *Agent) startConn(l *serverConn) bool {
 	a.mu.Lock()
 	if a.draining {
 		a.mu.Unlock()
 		l.conn.Close()
 		return false
 	}
-	for old := range a.links {
+	for old := range a.conns {
 		if old.id == l.id {
 			// The server replaced our old connection with this one.
-			delete(a.links, old)
+			delete(a.conns, old)
 			old.conn.Close()
 		}
 	}
-	a.links[l] = struct{}{}
+	a.conns[l] = struct{}{}
 	a.recountLocked()
-	held, want := len(a.links), a.maxCount
-	a.linkWG.Add(1)
+	held, want := len(a.conns), a.maxCount
+	a.connWG.Add(1)
 	a.mu.Unlock()
 	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", held, want))
 	go func() {
-		defer a.linkWG.Done()
-		a.serveLink(l)
+		defer a.connWG.Done()
+		a.serveConn(l)
 	}()
 	return true
 }
 
-func (a *Agent) serveLink(l *serverLink) {
+func (a *Agent) serveConn(l *serverConn) {
 	defer close(l.done)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && r.URL.Path == controlPath {
@@ -358,9 +360,9 @@ func (a *Agent) serveLink(l *serverLink) {
 		a.metrics.fromServerFailures.Inc()
 	}
 	a.mu.Lock()
-	delete(a.links, l)
+	delete(a.conns, l)
 	a.recountLocked()
-	held, want := len(a.links), a.maxCount
+	held, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
 	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.closeReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
 }
@@ -369,9 +371,9 @@ func (a *Agent) serveLink(l *serverLink) {
 // live server the last one stands), combines it with the lease count and
 // wakes the seekers.
 func (a *Agent) recountLocked() {
-	if len(a.links) > 0 {
+	if len(a.conns) > 0 {
 		a.announced = 1
-		for l := range a.links {
+		for l := range a.conns {
 			a.announced = max(a.announced, l.count)
 		}
 	}
@@ -396,8 +398,8 @@ func (a *Agent) changedChan() <-chan struct{} {
 func (a *Agent) heldServers() []string {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	ids := make([]string, 0, len(a.links))
-	for l := range a.links {
+	ids := make([]string, 0, len(a.conns))
+	for l := range a.conns {
 		ids = append(ids, l.id)
 	}
 	return ids
@@ -406,7 +408,7 @@ func (a *Agent) heldServers() []string {
 // serveControl answers the server's control stream: one line per event the
 // server must know about: "drain", and "token <token>" when the token file
 // holds a new token (the server reviews it and keeps the link on it).
-func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Request) {
+func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	flush := flusherOf(w)
 	flush()
@@ -420,7 +422,7 @@ func (a *Agent) serveControl(l *serverLink, w http.ResponseWriter, r *http.Reque
 	for {
 		select {
 		case <-l.drain:
-			a.metrics.packets.inc(segFromAgent, pktDrain)
+			a.metrics.packets.inc(segFromAgent, grpcwire.Drain)
 			io.WriteString(w, controlDrain+"\n")
 			flush()
 			<-r.Context().Done()

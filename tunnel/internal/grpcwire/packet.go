@@ -1,4 +1,4 @@
-package tunnel
+package grpcwire
 
 import (
 	"encoding/binary"
@@ -7,46 +7,43 @@ import (
 	"io"
 )
 
-// The konnectivity Packet message (upstream's client.proto), encoded and
-// decoded by hand: six small messages do not justify a protobuf runtime in
-// the binary. Field numbers are the wire contract with kube-apiserver's
-// konnectivity-client.
-type packetType int32
+// Type is a Packet's type field: which payload it carries.
+type Type int32
 
 const (
-	pktDialReq  packetType = 0
-	pktDialRsp  packetType = 1
-	pktCloseReq packetType = 2
-	pktCloseRsp packetType = 3
-	pktData     packetType = 4
-	pktDialCls  packetType = 5
-	pktDrain    packetType = 6
+	DialReq  Type = 0
+	DialRsp  Type = 1
+	CloseReq Type = 2
+	CloseRsp Type = 3
+	Data     Type = 4
+	DialCls  Type = 5
+	Drain    Type = 6
 )
 
-func (t packetType) String() string {
+func (t Type) String() string {
 	switch t {
-	case pktDialReq:
+	case DialReq:
 		return "DIAL_REQ"
-	case pktDialRsp:
+	case DialRsp:
 		return "DIAL_RSP"
-	case pktCloseReq:
+	case CloseReq:
 		return "CLOSE_REQ"
-	case pktCloseRsp:
+	case CloseRsp:
 		return "CLOSE_RSP"
-	case pktData:
+	case Data:
 		return "DATA"
-	case pktDialCls:
+	case DialCls:
 		return "DIAL_CLS"
-	case pktDrain:
+	case Drain:
 		return "DRAIN"
 	}
 	return fmt.Sprintf("Unknown(%d)", int32(t))
 }
 
-// packet holds the union of every payload's fields; which are meaningful
+// Packet holds the union of every payload's fields; which are meaningful
 // depends on Type.
-type packet struct {
-	Type      packetType
+type Packet struct {
+	Type      Type
 	Protocol  string // DIAL_REQ
 	Address   string // DIAL_REQ
 	Random    int64  // DIAL_REQ, DIAL_RSP, DIAL_CLS
@@ -76,15 +73,15 @@ const (
 
 var errMalformed = errors.New("malformed protobuf")
 
-// decodePacket parses a Packet. Unknown fields are skipped, as protobuf
+// Decode parses a Packet. Unknown fields are skipped, as protobuf
 // requires; a payload that does not match the type is an error.
-func decodePacket(b []byte) (packet, error) {
-	var p packet
+func Decode(b []byte) (Packet, error) {
+	var p Packet
 	payloadField := 0
 	err := eachField(b, func(num int, wt int, v uint64, data []byte) error {
 		switch {
 		case num == fieldType && wt == wireVarint:
-			p.Type = packetType(int32(v))
+			p.Type = Type(int32(v))
 		case num >= fieldDialRequest && num <= fieldDrain && wt == wireBytes:
 			payloadField = num
 			return decodePayload(&p, num, data)
@@ -94,9 +91,9 @@ func decodePacket(b []byte) (packet, error) {
 	if err != nil {
 		return p, err
 	}
-	want := map[packetType]int{
-		pktDialReq: fieldDialRequest, pktDialRsp: fieldDialResponse, pktCloseReq: fieldCloseRequest,
-		pktCloseRsp: fieldCloseResp, pktData: fieldData, pktDialCls: fieldCloseDial, pktDrain: fieldDrain,
+	want := map[Type]int{
+		DialReq: fieldDialRequest, DialRsp: fieldDialResponse, CloseReq: fieldCloseRequest,
+		CloseRsp: fieldCloseResp, Data: fieldData, DialCls: fieldCloseDial, Drain: fieldDrain,
 	}[p.Type]
 	if want == 0 {
 		return p, fmt.Errorf("unknown packet type %d", int32(p.Type))
@@ -107,7 +104,7 @@ func decodePacket(b []byte) (packet, error) {
 	return p, nil
 }
 
-func decodePayload(p *packet, field int, b []byte) error {
+func decodePayload(p *Packet, field int, b []byte) error {
 	return eachField(b, func(num int, wt int, v uint64, data []byte) error {
 		str := func(dst *string) error {
 			if wt != wireBytes {
@@ -222,40 +219,40 @@ func eachField(b []byte, f func(num int, wt int, v uint64, data []byte) error) e
 	return nil
 }
 
-// appendPacket encodes p. Zero values are left out, as proto3 does.
-func appendPacket(dst []byte, p packet) []byte {
+// Append encodes p. Zero values are left out, as proto3 does.
+func Append(dst []byte, p Packet) []byte {
 	if p.Type != 0 {
 		dst = appendVarintField(dst, fieldType, uint64(p.Type))
 	}
 	var payload []byte
 	field := 0
 	switch p.Type {
-	case pktDialReq:
+	case DialReq:
 		field = fieldDialRequest
 		payload = appendStringField(payload, 1, p.Protocol)
 		payload = appendStringField(payload, 2, p.Address)
 		payload = appendVarintField(payload, 3, uint64(p.Random))
-	case pktDialRsp:
+	case DialRsp:
 		field = fieldDialResponse
 		payload = appendStringField(payload, 1, p.Error)
 		payload = appendVarintField(payload, 2, uint64(p.ConnectID))
 		payload = appendVarintField(payload, 3, uint64(p.Random))
-	case pktData:
+	case Data:
 		field = fieldData
 		payload = appendVarintField(payload, 1, uint64(p.ConnectID))
 		payload = appendStringField(payload, 2, p.Error)
 		payload = appendStringField(payload, 3, string(p.Data))
-	case pktCloseReq:
+	case CloseReq:
 		field = fieldCloseRequest
 		payload = appendVarintField(payload, 1, uint64(p.ConnectID))
-	case pktCloseRsp:
+	case CloseRsp:
 		field = fieldCloseResp
 		payload = appendStringField(payload, 1, p.Error)
 		payload = appendVarintField(payload, 2, uint64(p.ConnectID))
-	case pktDialCls:
+	case DialCls:
 		field = fieldCloseDial
 		payload = appendVarintField(payload, 1, uint64(p.Random))
-	case pktDrain:
+	case Drain:
 		field = fieldDrain
 	}
 	// The oneof payload is present even when empty, so the receiver sees
@@ -285,24 +282,24 @@ func appendStringField(dst []byte, num int, s string) []byte {
 // gRPC length-prefixed messages: a compression flag byte and a big-endian
 // uint32 length, then the message.
 const (
-	grpcHeaderLen     = 5
-	maxGRPCMessageLen = 16 << 20
-	// maxDialRequestLen bounds the first message of a call, the DIAL_REQ:
+	HeaderLen     = 5
+	MaxMessageLen = 16 << 20
+	// MaxDialRequestLen bounds the first message of a call, the DIAL_REQ:
 	// its address is at most a 253-byte name and a port, so a few hundred
 	// bytes; the rest is room for fields a newer client may add.
-	maxDialRequestLen = 4 << 10
-	// grpcGrowStep is the first allocation for a message larger than the
+	MaxDialRequestLen = 4 << 10
+	// GrowStep is the first allocation for a message larger than the
 	// buffer at hand; the buffer then doubles as bytes arrive, so an
 	// announced length costs memory only once it is sent.
-	grpcGrowStep = 32 << 10
+	GrowStep = 32 << 10
 )
 
-// readGRPCMessage reads one message of at most limit bytes into buf and
+// ReadMessage reads one message of at most limit bytes into buf and
 // returns the message bytes, which alias the returned buffer (buf, or a
 // larger one that replaces it). A larger buffer grows with the bytes that
 // arrive, never to the announced length ahead of them.
-func readGRPCMessage(r io.Reader, buf []byte, limit int) ([]byte, []byte, error) {
-	var hdr [grpcHeaderLen]byte
+func ReadMessage(r io.Reader, buf []byte, limit int) ([]byte, []byte, error) {
+	var hdr [HeaderLen]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		if errors.Is(err, io.ErrUnexpectedEOF) {
 			return nil, buf, fmt.Errorf("truncated gRPC message header: %w", err)
@@ -327,7 +324,7 @@ func readGRPCMessage(r io.Reader, buf []byte, limit int) ([]byte, []byte, error)
 	msg := buf[:0]
 	for len(msg) < n {
 		if len(msg) == cap(msg) {
-			grown := make([]byte, len(msg), min(max(2*cap(msg), grpcGrowStep), n))
+			grown := make([]byte, len(msg), min(max(2*cap(msg), GrowStep), n))
 			copy(grown, msg)
 			msg = grown
 		}
@@ -340,24 +337,25 @@ func readGRPCMessage(r io.Reader, buf []byte, limit int) ([]byte, []byte, error)
 	return msg, msg, nil
 }
 
-func appendGRPCMessage(dst []byte, p packet) []byte {
+// AppendMessage encodes p as one gRPC length-prefixed message.
+func AppendMessage(dst []byte, p Packet) []byte {
 	start := len(dst)
 	dst = append(dst, 0, 0, 0, 0, 0)
-	dst = appendPacket(dst, p)
-	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-grpcHeaderLen))
+	dst = Append(dst, p)
+	binary.BigEndian.PutUint32(dst[start+1:], uint32(len(dst)-start-HeaderLen))
 	return dst
 }
 
-// dataPrefixRoom is the most a DATA message's framing and fields can take
+// DataPrefixRoom is the most a DATA message's framing and fields can take
 // in front of its payload: gRPC header 5, type 2, payload tag 1 + length 5,
 // connectID tag 1 + 10, data tag 1 + length 5.
-const dataPrefixRoom = 32
+const DataPrefixRoom = 32
 
-// putDataPrefix frames buf[dataPrefixRoom:dataPrefixRoom+n] as a gRPC
+// PutDataPrefix frames buf[DataPrefixRoom:DataPrefixRoom+n] as a gRPC
 // message holding Packet{type: DATA, data: {connectID, data}}, writing the
 // prefix just in front of the payload, and returns the whole message.
 // n must be at least 1.
-func putDataPrefix(buf []byte, connectID int64, n int) []byte {
+func PutDataPrefix(buf []byte, connectID int64, n int) []byte {
 	var inner [32]byte
 	data := inner[:0]
 	data = appendVarintField(data, 1, uint64(connectID))
@@ -368,13 +366,13 @@ func putDataPrefix(buf []byte, connectID int64, n int) []byte {
 	var outer [32]byte
 	head := outer[:0]
 	head = append(head, 0, 0, 0, 0, 0) // gRPC header, length filled below
-	head = appendVarintField(head, fieldType, uint64(pktData))
+	head = appendVarintField(head, fieldType, uint64(Data))
 	head = binary.AppendUvarint(head, fieldData<<3|wireBytes)
 	head = binary.AppendUvarint(head, uint64(dataMsgLen))
 	head = append(head, data...)
-	binary.BigEndian.PutUint32(head[1:5], uint32(len(head)-grpcHeaderLen+n))
+	binary.BigEndian.PutUint32(head[1:5], uint32(len(head)-HeaderLen+n))
 
-	start := dataPrefixRoom - len(head)
+	start := DataPrefixRoom - len(head)
 	copy(buf[start:], head)
-	return buf[start : dataPrefixRoom+n]
+	return buf[start : DataPrefixRoom+n]
 }
