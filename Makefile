@@ -44,7 +44,7 @@ lint: tools
 	@out=$$(gofmt -l openrc/testdata); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 unit: build
-	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/...
+	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/... ./internal/...
 	$(GO) test -count=1 -timeout 2m -run 'TestIdleTunnelStacksShrink' ./tunnel/
 	$(GO) test -count=1 -timeout 5m .
 	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m ./images/ociimage/
