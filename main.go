@@ -1,11 +1,3 @@
-// Command konnectivity is a small replacement for the upstream
-// apiserver-network-proxy: one static binary that is the konnectivity
-// server, the agent, the certificate minter and a self-contained demo.
-//
-// It answers to its subcommands (konnectivity server|agent|cert|version|demo)
-// and, through symlinks, to the names konnectivity-server,
-// konnectivity-agent and eks-konnectivity-cert, so existing init scripts
-// and manifests keep working.
 package main
 
 import (
