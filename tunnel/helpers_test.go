@@ -15,7 +15,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -264,38 +263,9 @@ func serveTCP(t testing.TB, handle func(net.Conn)) string {
 	return s.Addr()
 }
 
-// checkNoLeaks fails the test if goroutines started during it are still
-// running once everything has been closed.
-func checkNoLeaks(t *testing.T) {
-	t.Helper()
-	base := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			n := runtime.NumGoroutine()
-			if n <= base {
-				return
-			}
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				buf = buf[:runtime.Stack(buf, true)]
-				t.Errorf("goroutines: %d at start, %d after cleanup\n%s", base, n, onlyOurs(string(buf)))
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
-}
+func checkNoLeaks(t *testing.T) { testnet.CheckNoLeaks(t) }
 
-func onlyOurs(stacks string) string {
-	var keep []string
-	for _, g := range strings.Split(stacks, "\n\n") {
-		if strings.Contains(g, "konnectivity") || strings.Contains(g, "http2") {
-			keep = append(keep, g)
-		}
-	}
-	return strings.Join(keep, "\n\n")
-}
+func onlyOurs(stacks string) string { return testnet.OnlyOurs(stacks) }
 
 func bufioReader(r io.Reader) *bufio.Reader { return bufio.NewReader(r) }
 

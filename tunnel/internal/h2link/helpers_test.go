@@ -2,10 +2,9 @@ package h2link
 
 import (
 	"net"
-	"runtime"
-	"strings"
 	"testing"
-	"time"
+
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 // connPair listens on network and address, dials it and returns both ends
@@ -34,35 +33,6 @@ func connPair(t testing.TB, network, address string) (near, far net.Conn) {
 	return near, far
 }
 
-// checkNoLeaks fails the test if goroutines started during it are still
-// running once everything has been closed.
-func checkNoLeaks(t *testing.T) {
-	t.Helper()
-	base := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			n := runtime.NumGoroutine()
-			if n <= base {
-				return
-			}
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				buf = buf[:runtime.Stack(buf, true)]
-				t.Errorf("goroutines: %d at start, %d after cleanup\n%s", base, n, onlyOurs(string(buf)))
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
-}
+func checkNoLeaks(t *testing.T) { testnet.CheckNoLeaks(t) }
 
-func onlyOurs(stacks string) string {
-	var keep []string
-	for _, g := range strings.Split(stacks, "\n\n") {
-		if strings.Contains(g, "h2link") || strings.Contains(g, "http2") {
-			keep = append(keep, g)
-		}
-	}
-	return strings.Join(keep, "\n\n")
-}
+func onlyOurs(stacks string) string { return testnet.OnlyOurs(stacks) }
