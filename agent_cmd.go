@@ -298,9 +298,10 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return stop()
 		},
-		drain: func(trigger string) {
+		drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			stop()
+			return nil
 		},
 		memoryReady:           func() bool { ok, _ := agent.ReadyAll(); return ok },
 		restartOnBinaryChange: o.restartOnBinaryChange,

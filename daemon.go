@@ -23,7 +23,7 @@ type daemon struct {
 	log       *slog.Logger
 	listeners *listenerSet
 	services  []*httpService
-	exec      func(exe, env string, log *slog.Logger) error // execSelf; tests replace it
+	exec      func(exe string, env []string, log *slog.Logger) error // execSelf; tests replace it
 }
 
 // newDaemon adopts the listeners a previous image of this process handed
@@ -100,8 +100,10 @@ type work struct {
 	// done reported cause (ended), and returns the command's error.
 	shutdown func(ended bool, cause error) error
 	// drain stops the command before a restart, within its restart grace,
-	// and releases what the next image must not find held.
-	drain func(trigger string)
+	// and releases what the next image must not find held. It returns
+	// environment entries that hand the next image what it keeps (the
+	// server's paused tunnels), if any.
+	drain func(trigger string) (env []string)
 	// exited, if set, removes what an exit (not a restart) must not leave
 	// behind; it runs after shutdown, and after a drain that a stop signal
 	// interrupted.
@@ -140,7 +142,7 @@ func (d *daemon) Run(ctx context.Context, w work) error {
 			if !ok {
 				continue
 			}
-			w.drain(trigger)
+			kept := w.drain(trigger)
 			d.stopServices()
 			if ctx.Err() != nil {
 				d.log.Info("stop requested while draining for a restart: exiting instead of re-executing")
@@ -148,7 +150,7 @@ func (d *daemon) Run(ctx context.Context, w work) error {
 				return nil
 			}
 			// Only a failed exec returns; the supervisor's respawn takes over.
-			return d.exec(exe, env, d.log)
+			return d.exec(exe, append([]string{env}, kept...), d.log)
 		}
 		err := w.shutdown(ended, cause)
 		d.exited(w)

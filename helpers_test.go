@@ -223,11 +223,12 @@ func (f *fakeWork) work() work {
 			f.shutdownCause = cause
 			return f.shutdownOK
 		},
-		drain: func(string) {
+		drain: func(string) []string {
 			f.drains.Add(1)
 			if f.onDrain != nil {
 				f.onDrain()
 			}
+			return nil
 		},
 		exited:      func() { f.exits.Add(1) },
 		memoryReady: func() bool { return true },
@@ -239,7 +240,7 @@ func (f *fakeWork) work() work {
 func runDaemonFor(t *testing.T, ctx context.Context, w work) <-chan error {
 	t.Helper()
 	d := newDaemon(slog.New(slog.DiscardHandler))
-	d.exec = func(exe, env string, _ *slog.Logger) error { return errExecRefused }
+	d.exec = func(string, []string, *slog.Logger) error { return errExecRefused }
 	t.Cleanup(d.Close)
 	out := make(chan error, 1)
 	go func() { out <- d.Run(ctx, w) }()

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -12,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel"
 	"golang.org/x/sys/unix"
 )
 
@@ -193,12 +196,13 @@ func restartTarget() (string, error) {
 	return exe, nil
 }
 
-// execSelf replaces the process image, keeping the PID. On success it does
-// not return.
-func execSelf(exe string, handOverEnv string, log *slog.Logger) error {
-	env := []string{handOverEnv}
+// execSelf replaces the process image, keeping the PID; handOver are the
+// entries that name what the new image inherits. On success it does not
+// return.
+func execSelf(exe string, handOver []string, log *slog.Logger) error {
+	env := handOver
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, inheritEnv+"=") {
+		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, tunnelsEnv+"=") {
 			env = append(env, kv)
 		}
 	}
@@ -285,5 +289,117 @@ func restartRequests(ctx context.Context, onBinaryChange bool, every time.Durati
 			}
 		}
 	}()
+	return out
+}
+
+// tunnelsEnv names a memory file, inherited across exec, that lists the
+// server's paused tunnels (tunnel.PausedTunnel) as JSON, each with the
+// descriptor of its client's socket, also inherited.
+const tunnelsEnv = "KONNECTIVITY_INHERITED_TUNNELS"
+
+// maxTunnelsList bounds the list the next image reads.
+const maxTunnelsList = 64 << 20
+
+// handedTunnel is one paused tunnel as the next image reads it.
+type handedTunnel struct {
+	FD    int    `json:"fd"`
+	Addr  string `json:"addr"`
+	Agent string `json:"agent"`
+	Token string `json:"token"`
+}
+
+// tunnelsForNextImage duplicates each paused tunnel's socket without
+// close-on-exec, writes the list to a memory file the exec keeps, and
+// returns the environment entry that names it. Nothing is handed over when
+// any step fails: the tunnels are closed and logged, as a drain would.
+func tunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []string {
+	if len(paused) == 0 {
+		return nil
+	}
+	var list []handedTunnel
+	var fds []int
+	fail := func(err error) []string {
+		log.Warn("paused tunnels not handed to the next image; closed", "tunnels", len(paused), "err", err)
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		for _, p := range paused {
+			p.File.Close()
+		}
+		return nil
+	}
+	for _, p := range paused {
+		rc, err := p.File.SyscallConn()
+		if err != nil {
+			return fail(err)
+		}
+		dup, dupErr := -1, error(nil)
+		if err := rc.Control(func(fd uintptr) { dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD, 3) }); err != nil {
+			return fail(err)
+		}
+		if dupErr != nil {
+			return fail(os.NewSyscallError("fcntl", dupErr))
+		}
+		fds = append(fds, dup)
+		list = append(list, handedTunnel{FD: dup, Addr: p.Addr, Agent: p.Agent, Token: p.Token})
+	}
+	data, err := json.Marshal(list)
+	if err != nil {
+		return fail(err)
+	}
+	mfd, err := unix.MemfdCreate("konnectivity-tunnels", 0) // no MFD_CLOEXEC: the exec keeps it
+	if err != nil {
+		return fail(os.NewSyscallError("memfd_create", err))
+	}
+	fds = append(fds, mfd)
+	for off := 0; off < len(data); {
+		n, err := unix.Pwrite(mfd, data[off:], int64(off))
+		if err != nil {
+			return fail(os.NewSyscallError("pwrite", err))
+		}
+		off += n
+	}
+	for _, p := range paused {
+		p.File.Close() // the duplicates above are what the exec keeps
+	}
+	log.Info("paused tunnels handed to the next image", "tunnels", len(list))
+	return []string{fmt.Sprintf("%s=%d", tunnelsEnv, mfd)}
+}
+
+// inheritedTunnels reads (and clears) the paused tunnels a previous image
+// handed over. An entry whose descriptor is not a socket is dropped.
+func inheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
+	spec, ok := os.LookupEnv(tunnelsEnv)
+	os.Unsetenv(tunnelsEnv)
+	if !ok {
+		return nil
+	}
+	mfd, err := strconv.Atoi(spec)
+	if err != nil || mfd < 3 {
+		log.Warn("ignoring malformed inherited tunnel list", "entry", spec)
+		return nil
+	}
+	f := os.NewFile(uintptr(mfd), "inherited-tunnels")
+	data, err := io.ReadAll(io.LimitReader(f, maxTunnelsList))
+	f.Close()
+	var list []handedTunnel
+	if err == nil {
+		err = json.Unmarshal(data, &list)
+	}
+	if err != nil {
+		log.Warn("inherited tunnel list unreadable; those tunnels are lost", "err", err)
+		return nil
+	}
+	var out []*tunnel.PausedTunnel
+	for _, h := range list {
+		var st unix.Stat_t
+		if h.FD < 3 || unix.Fstat(h.FD, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+			log.Warn("ignoring inherited tunnel without a socket", "fd", h.FD, "addr", h.Addr)
+			continue
+		}
+		unix.CloseOnExec(h.FD)
+		out = append(out, &tunnel.PausedTunnel{File: os.NewFile(uintptr(h.FD), "tunnel"), Addr: h.Addr, Agent: h.Agent, Token: h.Token})
+	}
+	log.Info("resuming tunnels handed over by the previous image", "tunnels", len(out))
 	return out
 }

@@ -313,6 +313,7 @@ func checkTLSVersion(cf *commandFlags, s string) error {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
+	inherited := inheritedTunnels(log) // before anything can fail: their sockets close with the process
 	minTLS, _ := tlsVersion(o.tlsMinVersion)
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -348,6 +349,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	if err := o.listen(d, srv, minTLS, metrics, serve); err != nil {
 		return err
 	}
+	srv.Resume(inherited)
 	if err := d.startServices(serviceOptions{
 		healthAddr: servicePort(o.healthBindAddress, o.healthPort),
 		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
@@ -373,14 +375,15 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return nil
 		},
-		drain: func(trigger string) {
+		drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
-			stop(o.restartGrace)
+			paused := handOverServing(srv, o.restartGrace, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
 			// so agents never see the count dip; a random ID is a new
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
+			return tunnelsForNextImage(paused, log)
 		},
 		exited:                o.removeSocket(log),
 		memoryReady:           func() bool { return srv.AgentCount() > 0 },
@@ -407,6 +410,19 @@ func stopServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGrou
 		log.Warn("grace period over; open tunnels closed", "err", err)
 	}
 	serving.Wait()
+}
+
+// handOverServing is stopServing for a self-restart: the tunnels that can
+// move to the next image are paused and returned.
+func handOverServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) []*tunnel.PausedTunnel {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	paused, err := srv.HandOver(ctx)
+	if err != nil {
+		log.Warn("grace period over; open tunnels closed", "err", err)
+	}
+	serving.Wait()
+	return paused
 }
 
 // servicePort is the address of a health or admin service, "" when its

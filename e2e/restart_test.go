@@ -572,3 +572,87 @@ func lastLine(s string) string {
 	s = strings.TrimRight(s, "\n")
 	return s[strings.LastIndex(s, "\n")+1:]
 }
+
+// TestRestartKeepsKeepAliveConnections: clients that keep one connection
+// each through the tunnel and send POSTs on it back to back (what
+// kube-apiserver does with webhooks) lose no call across three SIGHUP
+// restarts, and never dial again: each tunnel is paused, handed to the
+// next image and resumed (README "Restarting without dropping a dial").
+func TestRestartKeepsKeepAliveConnections(t *testing.T) {
+	bin := copyExecutable(t, t.TempDir())
+	s := startServerBin(t, bin, frontendUDS, "--restart-grace=5s", "--enable-profiling", "--agent-wait=10s")
+	s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=500ms")
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	d := s.egressDialer(t)
+	checkReachable(t, d, backend, "b1", 3)
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
+	pid := s.proc.cmd.Process.Pid
+
+	const workers, hups = 4, 3
+	var (
+		ok, failed atomic.Int64
+		mu         sync.Mutex
+		errs       []string
+		stop       = make(chan struct{})
+		wg         sync.WaitGroup
+		dials      [workers]int64counter
+	)
+	for w := range workers {
+		client := d.httpClient(true, &dials[w])
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				want := fmt.Sprintf("worker %d call %d %s", w, i, strings.Repeat("x", i%400)) // under 512 bytes: the backend echoes as it reads
+				resp, err := client.Post(fmt.Sprintf("http://%s/echo", backend), "text/plain", strings.NewReader(want))
+				var got []byte
+				if err == nil {
+					got, err = io.ReadAll(resp.Body)
+					resp.Body.Close()
+				}
+				if err == nil && string(got) != want {
+					err = fmt.Errorf("echo of %d bytes came back as %d bytes", len(want), len(got))
+				}
+				if err == nil {
+					ok.Add(1)
+					continue
+				}
+				failed.Add(1)
+				mu.Lock()
+				errs = append(errs, fmt.Sprintf("worker %d call %d at %s: %v", w, i, time.Now().Format("15:04:05.000"), err))
+				mu.Unlock()
+			}
+		})
+	}
+	time.Sleep(time.Second)
+	for i := range hups {
+		before := startTime(metricsURL)
+		s.proc.signal(t, syscall.SIGHUP)
+		waitNewImage(t, s.proc, metricsURL, before, 20*time.Second)
+		s.waitAgents(t, 1, 10*time.Second)
+		checkSameProcess(t, s.proc, pid, bin)
+		t.Logf("SIGHUP #%d done at %s", i+1, time.Now().Format("15:04:05.000"))
+		time.Sleep(time.Second)
+	}
+	close(stop)
+	wg.Wait()
+	t.Logf("%d keep-alive POSTs across %d SIGHUP restarts, %d failed", ok.Load(), hups, failed.Load())
+	if failed.Load() > 0 || ok.Load() < 100 {
+		t.Errorf("%d ok, %d failed:\n%s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
+	}
+	for w := range workers {
+		if n := dials[w].get(); n != 1 {
+			t.Errorf("worker %d dialled %d times, want 1: its connection did not live through the restarts", w, n)
+		}
+	}
+	out := s.proc.out.String()
+	if n := strings.Count(out, "paused tunnels handed to the next image"); n != hups {
+		t.Errorf("log has %d handovers, want %d", n, hups)
+	}
+	if strings.Contains(out, "could not be resumed") || strings.Contains(out, "could not be paused") {
+		t.Errorf("a tunnel was lost in a handover:\n%s", out)
+	}
+}

@@ -318,7 +318,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause}
 	if !s.register(a, hello.Token, tlsState) {
 		stopControl()
 		a.endCredential()

@@ -117,11 +117,15 @@ type Agent struct {
 	cfg AgentConfig
 	log *slog.Logger
 
-	mu       sync.Mutex
-	conns    map[*serverConn]struct{}
-	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{} // closed and replaced when connections change
-	draining bool
+	mu    sync.Mutex
+	conns map[*serverConn]struct{}
+	// Also guarded by mu: destination connections held for a resume
+	// (agent_pause.go), and how many are held or being paused.
+	paused      map[string]*pausedDest
+	pausedCount int
+	maxCount    int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed     chan struct{} // closed and replaced when connections change
+	draining    bool
 	// Also guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
@@ -252,6 +256,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.closeConns()
 	a.connWG.Wait()
 	a.streams.Wait()
+	a.closePaused()
 	return nil
 }
 
@@ -340,12 +345,12 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 // destination, answers 200 only once that worked, then carries bytes both
 // ways. A tunnel has one goroutine here (this one, reading the
 // destination) and its own HTTP/2 window.
-func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
+func (a *Agent) serveStream(l *serverConn, w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
 	a.metrics.packets.inc(segToAgent, grpcwire.DialReq)
-	dest := a.openDestination(w, r)
+	dest := a.openDestination(l, w, r)
 	a.metrics.packets.inc(segFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
@@ -361,7 +366,7 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 		a.Stats.OpenStreams.Add(-1)
 	}()
 	w.WriteHeader(http.StatusOK)
-	a.carry(w, r, dest)
+	a.carry(l, w, r, dest)
 }
 
 // recoverStream keeps a panic in one tunnel from ending the agent: the
@@ -378,7 +383,7 @@ func (a *Agent) recoverStream() {
 
 // openDestination checks the request and dials its destination; on
 // failure it answers the error itself and returns nil.
-func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
+func (a *Agent) openDestination(l *serverConn, w http.ResponseWriter, r *http.Request) net.Conn {
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
 		return nil
@@ -387,6 +392,17 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	if _, err := splitDialAddress(addr); err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return nil
+	}
+	if token := r.Header.Get(hdrResumeToken); token != "" {
+		dest, err := a.takePaused(token, addr)
+		if err != nil {
+			a.log.Info("tunnel not resumed", "addr", addr, "err", err)
+			http.Error(w, errMsg(err), StatusCode(err))
+			return nil
+		}
+		dest.SetReadDeadline(time.Time{})
+		a.log.Debug("tunnel resumed", "server_id", l.id, "addr", addr)
+		return dest
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
@@ -423,10 +439,14 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 // delivers the upload to the destination (see deliverUpload) while this
 // goroutine sends what the destination says. An idle tunnel parks here:
 // see "Parked stacks" in doc.go.
-func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
+func (a *Agent) carry(l *serverConn, w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
-	flush()
 	up := a.deliverUpload(r.Body, dest)
+	t := a.pausable(l, r, dest, up)
+	if t != nil {
+		defer l.removeTunnel(r.Body.(*h2link.Body).StreamID())
+	}
+	flush() // the 200: the server may pause the tunnel from now on
 	var n int64
 	var downErr error
 	// Each read from the destination is sent as one DATA Packet.
@@ -438,6 +458,16 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	}
 	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
+	if t.downloadStopped(n, downErr) {
+		// Paused: the destination is held elsewhere (agent_pause.go).
+		// The server ends the stream once its client has every byte
+		// sent here; a reset from this side could overtake them.
+		<-r.Context().Done()
+		r.Body.Close()
+		<-up.Done()
+		a.countUpload(up)
+		panic(http.ErrAbortHandler)
+	}
 	if downErr == nil {
 		a.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM
 	}

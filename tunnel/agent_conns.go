@@ -42,6 +42,9 @@ type serverConn struct {
 	drain     chan struct{} // closed to ask the control stream to announce a drain
 	streams   atomic.Int64  // open tunnels on this link
 	token     string        // the token presented at login; read-only
+
+	mu      sync.Mutex
+	tunnels map[uint32]*agentTunnel // under mu: tunnels the server may pause, by stream ID
 }
 
 func (l *serverConn) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
@@ -258,7 +261,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 		}
 		conn = tc
 	}
-	hello := agentHello{ID: a.cfg.ID, Identifiers: a.cfg.Identifiers, Held: a.heldServers()}
+	hello := agentHello{ID: a.cfg.ID, Identifiers: a.cfg.Identifiers, Held: a.heldServers(), CanPause: true}
 	if a.cfg.Token != nil {
 		if hello.Token, err = a.cfg.Token(); err != nil {
 			conn.Close()
@@ -335,9 +338,13 @@ func (a *Agent) serveConn(l *serverConn) {
 			a.serveControl(l, w, r)
 			return
 		}
+		if r.Method == http.MethodPost && r.URL.Path == pausePath {
+			a.servePause(l, w, r)
+			return
+		}
 		l.streams.Add(1)
 		defer l.streams.Add(-1)
-		a.serveStream(w, r)
+		a.serveStream(l, w, r)
 	})
 	// Handlers are counted before their goroutine starts, so Run's wait
 	// for them cannot pass one that is about to begin.

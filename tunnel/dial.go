@@ -93,11 +93,9 @@ func (s *Server) open(addr string, up *upload) (*stream, error) {
 		if err != nil {
 			return nil, err
 		}
-		st, err := s.roundTrip(a, addr, up, deadline)
+		st, err := s.roundTrip(a, addr, up, deadline, "")
 		if err == nil {
-			st.since, st.metrics = time.Now(), s.metrics
-			up.counters = append(up.counters, &a.bytesTo) // read only after start
-			s.metrics.established.Add(1)
+			s.established(st, a, up)
 			s.metrics.dialDuration.ObserveDuration(time.Since(start))
 			return st, nil
 		}
@@ -108,6 +106,13 @@ func (s *Server) open(addr string, up *upload) (*stream, error) {
 		tried[a] = true
 		s.log.Debug("dial retried on another agent", "addr", addr, "agent", a.id, "err", err)
 	}
+}
+
+// established counts a tunnel the agent answered.
+func (s *Server) established(st *stream, a *agentConn, up *upload) {
+	st.since, st.metrics = time.Now(), s.metrics
+	up.counters = append(up.counters, &a.bytesTo) // read only after start
+	s.metrics.established.Add(1)
 }
 
 // waitAgent returns an agent for host, waiting up to AgentWait for one to
@@ -141,8 +146,10 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 
 // roundTrip sends the CONNECT stream to one agent and waits for its answer.
 // The request context lives as long as the tunnel, so the dial deadline is a
-// timer that cancels it only while the answer is outstanding.
-func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.Time) (*stream, error) {
+// timer that cancels it only while the answer is outstanding. A resume
+// token asks the agent for the destination connection it holds under it
+// (handover.go) instead of a new one.
+func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.Time, resume string) (*stream, error) {
 	ctx, cancel := context.WithCancel(s.baseCtx)
 	var why atomic.Value // string: why ctx was cancelled before the answer
 	timer := time.AfterFunc(time.Until(deadline), func() { why.Store(reasonDialTimeout); cancel() })
@@ -155,6 +162,9 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		Host:   addr,
 		Header: make(http.Header),
 		Body:   body,
+	}
+	if resume != "" {
+		req.Header.Set(hdrResumeToken, resume)
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)

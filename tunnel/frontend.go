@@ -33,6 +33,12 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	if st == nil {
 		return
 	}
+	s.carryTunnel(conn, st, up)
+}
+
+// carryTunnel carries an established tunnel's bytes both ways until both
+// sides are done, or a handover pauses it.
+func (s *Server) carryTunnel(conn net.Conn, st *stream, up *upload) {
 	defer st.close()
 	s.watchTunnel(conn, st, up)
 	defer s.unwatchTunnel(conn, up)
@@ -55,7 +61,7 @@ func (s *Server) watchTunnel(conn net.Conn, st *stream, up *upload) {
 		st.close()
 		conn.Close()
 	})
-	s.addQuiet(&quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, closeQuiet: func() {
+	s.addQuiet(&quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, conn: conn, st: st, up: up, closeQuiet: func() {
 		conn.Close()
 		st.close()
 	}})
@@ -105,10 +111,8 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	conn.SetDeadline(time.Time{})
 	s.metrics.packets.inc(segFromClient, grpcwire.DialReq) // a CONNECT request read and its peer admitted
 
-	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
-	up.raw = rawSocket(conn)
-	up.callerSends = up.raw != nil // a link sends it from here: see carryDirect
-	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
+	up := s.newFrontendUpload(conn, br)
+	up.addr = addr
 	st, err := s.open(addr, up)
 	release()
 	if err != nil {
@@ -135,6 +139,16 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.Data], &s.metrics.packets.n[segToAgent][grpcwire.Data]}
 	up.closes = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.CloseReq], &s.metrics.packets.n[segToAgent][grpcwire.CloseReq]}
 	return st, up
+}
+
+// newFrontendUpload is the upload of a frontend connection whose head br
+// has read.
+func (s *Server) newFrontendUpload(conn net.Conn, br *bufio.Reader) *upload {
+	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
+	up.raw = rawSocket(conn)
+	up.callerSends = up.raw != nil // a link sends it from here: see carryDirect
+	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
+	return up
 }
 
 // carryCopy carries a tunnel whose stream sends the upload itself (an
@@ -184,6 +198,9 @@ func (s *Server) watchDeliveries(body *h2link.Body, up *upload) {
 func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
 	s.watchDeliveries(body, up)
 	down := body.DeliverTo(conn, func(err error) error {
+		if up.pausing.Load() {
+			return err // the socket goes to the next image as it is
+		}
 		if err != nil {
 			conn.SetReadDeadline(time.Now()) // the upload ends too
 			return err
@@ -193,6 +210,7 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link
 		closeWrite(conn)
 		return nil
 	})
+	up.down.Store(down)
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.
@@ -205,7 +223,7 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link
 	n, err := down.Result()
 	s.Stats.BytesFromAgent.Add(n)
 	st.agent.bytesFrom.Add(n)
-	if err != nil {
+	if err != nil && !up.pausing.Load() {
 		s.metrics.resets.Inc()
 		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
 		return

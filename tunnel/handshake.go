@@ -19,6 +19,8 @@ const (
 	hdrHeldServers   = "Konnectivity-Held-Servers"
 	hdrServerID      = "Konnectivity-Server-Id"
 	hdrServerCount   = "Konnectivity-Server-Count"
+	hdrFeatures      = "Konnectivity-Agent-Features" // what the agent can do beyond tunnels, comma-separated
+	featurePause     = "pause"                       // it answers pausePath and resumes paused tunnels (handover.go)
 	maxHandshakeHead = 16 << 10
 	maxIDLen         = 256
 )
@@ -29,6 +31,7 @@ type agentHello struct {
 	Identifiers string
 	Held        []string // server IDs the agent already holds a connection to
 	Token       string   // bearer token, if any; never logged
+	CanPause    bool     // it named featurePause
 }
 
 func validID(id string) error {
@@ -55,6 +58,9 @@ func writeHello(w io.Writer, host string, h agentHello) error {
 	}
 	if len(h.Held) > 0 {
 		fmt.Fprintf(&b, "%s: %s\r\n", hdrHeldServers, strings.Join(h.Held, ","))
+	}
+	if h.CanPause {
+		fmt.Fprintf(&b, "%s: %s\r\n", hdrFeatures, featurePause)
 	}
 	if h.Token != "" {
 		fmt.Fprintf(&b, "Authorization: Bearer %s\r\n", h.Token)
@@ -86,6 +92,9 @@ func readHello(br *bufio.Reader) (agentHello, error) {
 	h.Identifiers = req.Header.Get(hdrIdentifiers)
 	if held := req.Header.Get(hdrHeldServers); held != "" {
 		h.Held = strings.Split(held, ",")
+	}
+	for _, f := range strings.Split(req.Header.Get(hdrFeatures), ",") {
+		h.CanPause = h.CanPause || strings.TrimSpace(f) == featurePause
 	}
 	if auth := req.Header.Get("Authorization"); auth != "" {
 		token, ok := strings.CutPrefix(auth, "Bearer ")

@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"context"
+	"net"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -79,11 +80,16 @@ func (a *activity) down() {
 // raw, when set, is the client's socket: bytes it holds unread make the
 // tunnel busy, so that a request the client has sent but this process has
 // not read yet is never cut.
+// conn, st and up are set for an HTTP CONNECT tunnel, which a handover
+// may pause instead (handover.go).
 type quietTunnel struct {
 	quiet      time.Duration // drainQuiet, or drainQuietGRPC
 	act        *activity
 	raw        syscall.RawConn
 	closeQuiet func()
+	conn       net.Conn
+	st         *stream
+	up         *upload
 }
 
 // addQuiet registers an open tunnel until it ends.

@@ -59,6 +59,7 @@ type agentConn struct {
 	principal   Principal          // what the agent's credential proves; fixed at login
 	cred        *connCredential    // the credential the connection stands on; set before it is registered
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
+	canPause    bool               // it pauses and resumes tunnels (handover.go); fixed at login
 }
 
 // roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an

@@ -135,6 +135,9 @@ type ServerStats struct {
 	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
 	BytesToAgent, BytesFromAgent                      atomic.Int64
 	ClosedQuiet                                       atomic.Int64 // tunnels a drain closed at a quiet moment
+	// A handover (handover.go): tunnels paused for the next image and
+	// pauses that failed; in the next image, tunnels resumed and not.
+	Paused, PauseFailed, Resumed, ResumeFailed atomic.Int64
 }
 
 // NewServer checks cfg and returns a Server that is not yet serving.
@@ -349,6 +352,19 @@ func (s *Server) trackFrontend(c net.Conn, add bool) bool {
 // GOAWAY to every agent and waits for open tunnels to finish until ctx
 // ends; then it closes what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
+	_, err := s.shutdown(ctx, false)
+	return err
+}
+
+// HandOver is Shutdown for a self-restart: before the drain it pauses
+// every tunnel that can move to the next image without loss (handover.go)
+// and returns them; the caller passes their sockets on, and the next image
+// calls Resume. Tunnels that cannot move drain as with Shutdown.
+func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
+	return s.shutdown(ctx, true)
+}
+
+func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, error) {
 	s.mu.Lock()
 	s.shutting = true
 	for ln := range s.listeners {
@@ -360,6 +376,10 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	for s.pending.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(2 * time.Millisecond)
 	}
+	var pausable []*quietTunnel
+	if handOver {
+		pausable = s.takePausable()
+	}
 	// Tunnels that would never end (keep-alive connections) close at a
 	// quiet moment, so their clients dial again and nothing is cut.
 	stopQuiet := make(chan struct{})
@@ -369,6 +389,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
 		}
 	}()
+	paused := s.pauseAll(ctx, pausable)
 
 	var wg sync.WaitGroup
 	for _, a := range s.agents.snapshot() {
@@ -398,7 +419,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	close(stopQuiet)
 	s.Close()
 	<-drained
-	return err
+	return paused, err
 }
 
 func (s *Server) openFrontends() int {

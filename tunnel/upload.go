@@ -5,9 +5,12 @@ import (
 	"context"
 	"errors"
 	"io"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
 // upload is the client-to-agent direction of one frontend connection. The
@@ -36,6 +39,16 @@ type upload struct {
 	// act is the tunnel's activity (quiet.go): reads from the client
 	// stamp it here, writes toward the client where they are made.
 	act activity
+
+	// A handover (handover.go). addr is set before start; down once the
+	// tunnel delivers to a plain socket. pausing is set by the pause;
+	// sent and paused are written by the goroutine sending the upload
+	// before done is closed, and read after.
+	addr    string
+	down    atomic.Pointer[h2link.Delivery] // the agent's bytes on their way to the client
+	pausing atomic.Bool                     // a pause stops the upload: its deadline is not the client's end
+	paused  bool                            // the upload stopped for a pause, every byte read sent
+	sent    int64                           // bytes sent to the agent on this tunnel
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
@@ -171,6 +184,7 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 		_, err := w.Write(p)
 		u.br.Discard(n)
 		u.count(n)
+		u.sent += int64(n)
 		u.packets.inc()
 		if err != nil {
 			u.finish()
@@ -200,8 +214,13 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	b.u.sender.w, b.u.sender.c, b.u.sender.up = w, b.u.packets, &b.u.act
 	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
+	b.u.sent += n
 	if err == nil {
 		b.u.closes.inc()
+	}
+	if err != nil && b.u.pausing.Load() && errors.Is(err, os.ErrDeadlineExceeded) {
+		b.u.paused = true
+		err = h2link.ErrUploadPaused
 	}
 	b.u.finish()
 	return err

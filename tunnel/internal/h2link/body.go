@@ -15,6 +15,10 @@ type Body struct {
 	st *stream // immutable
 }
 
+// StreamID is the stream's HTTP/2 identifier, the same at both ends of the
+// connection: how a control request names a stream.
+func (b *Body) StreamID() uint32 { return b.st.id }
+
 // SendUpload sends the request body of a stream whose caller sends it (a
 // body with CallerSends true), until the body ends or the stream does.
 func (b *Body) SendUpload() { b.st.pumpUpload() }

@@ -91,8 +91,11 @@ var (
 	ErrClosed      = errors.New("agent connection closed")
 	ErrGoAway      = errors.New("agent connection is going away")
 	ErrStreamReset = errors.New("tunnel reset")
-	errPingTimeout = errors.New("no answer to PING")
-	errCalm        = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
+	// ErrUploadPaused, from an upload's SendTo, stops sending it without
+	// END_STREAM or RST_STREAM: the stream stays open.
+	ErrUploadPaused = errors.New("upload paused")
+	errPingTimeout  = errors.New("no answer to PING")
+	errCalm         = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
 
 	// What remove tells a caller still waiting for the answer; made once,
 	// as every stream's end passes it (a no-op for the answered ones).

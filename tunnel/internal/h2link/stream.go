@@ -2,9 +2,11 @@ package h2link
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -192,6 +194,15 @@ func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
 		l.henc.WriteField(hf(":scheme", "https"))
 		l.henc.WriteField(hf(":path", req.URL.RequestURI()))
 	}
+	for k, vs := range req.Header { // none on a plain dial
+		name := strings.ToLower(k)
+		if connectionSpecific[name] {
+			continue
+		}
+		for _, v := range vs {
+			l.henc.WriteField(hf(name, v))
+		}
+	}
 	l.armWrite()
 	err := l.fr.WriteHeaders(http2.HeadersFrameParam{
 		StreamID: st.id, BlockFragment: l.hbuf.Bytes(), EndStream: noBody, EndHeaders: true,
@@ -241,11 +252,15 @@ func (st *stream) pumpUpload() {
 	} else {
 		err = st.copyUpload()
 	}
-	if err != nil {
+	switch {
+	case errors.Is(err, ErrUploadPaused):
+		// Neither end nor reset: the stream stays open for the caller,
+		// which moves the tunnel elsewhere (a restart's handover).
+	case err != nil:
 		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", ErrStreamReset, err))
-		return
+	default:
+		st.writeData(nil, true)
 	}
-	st.writeData(nil, true)
 }
 
 // copyUpload copies a body that is not an upload through a pooled buffer.

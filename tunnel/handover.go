@@ -1,0 +1,317 @@
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+)
+
+// A handover moves open frontend tunnels from this server to the next
+// image of its process (a self-restart), so that kube-apiserver's
+// keep-alive connections to webhooks and kubelets live through it: no
+// close, however well timed, can be told apart from a request sent in the
+// same instant, and kube-apiserver does not retry a POST.
+//
+// A tunnel is paused at a byte-exact point in both directions, then
+// resumed on a new stream:
+//
+//  1. The server stops reading the client's socket, having sent on every
+//     byte it read (the stream stays open: h2link.ErrUploadPaused).
+//  2. It asks the agent, on a new stream of the same connection:
+//     POST pausePath with the tunnel's stream ID, the bytes it sent on the
+//     tunnel, and a resume token it chose.
+//  3. The agent waits until those bytes reached the destination, stops
+//     reading the destination, sends what it read, keeps the destination
+//     connection under the token (resumeWindow) and answers 200 with the
+//     bytes it sent.
+//  4. The server waits until those bytes reached the client, ends the old
+//     stream, and keeps a duplicate of the client's socket for the next
+//     image. Bytes either side sends meanwhile wait in the kernel.
+//  5. The next image sends CONNECT to the same agent once it is back,
+//     naming the token (hdrResumeToken); the agent answers with the held
+//     connection, and the tunnel goes on.
+//
+// Only what can move without loss is paused: a Unix-socket (or plain TCP)
+// HTTP CONNECT tunnel through an agent that announced featurePause, with
+// both directions open. Everything else drains as before (quiet.go), and
+// a pause that fails at any step closes its tunnel, as a drain's deadline
+// would.
+const (
+	pausePath      = "/konnectivity/v1/pause"
+	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
+	hdrPauseSent   = "Konnectivity-Pause-Sent"   // bytes the sender sent on the tunnel
+	hdrResumeToken = "Konnectivity-Resume-Token" // names a paused tunnel
+	maxResumeToken = 64
+)
+
+// resumeWait bounds how long the next image waits for a paused tunnel's
+// agent to log in again; less than the agent's resumeWindow.
+const resumeWait = 20 * time.Second
+
+// pauseTimeout bounds one tunnel's pause.
+const pauseTimeout = 5 * time.Second
+
+// pauseWorkers bounds the pauses in flight at once.
+const pauseWorkers = 32
+
+// PausedTunnel is a frontend tunnel paused for the next image of this
+// process: the client's socket and what resuming it needs.
+type PausedTunnel struct {
+	File  *os.File // a duplicate of the client's socket, close-on-exec set
+	Addr  string   // the destination, as the client asked for it
+	Agent string   // the agent holding the destination connection
+	Token string   // the resume token the agent holds it under
+}
+
+var errNotPausable = errors.New("tunnel cannot be paused")
+
+// pausable reports whether t can be paused: an HTTP CONNECT tunnel on a
+// plain socket, through an agent that pauses, both directions open.
+func (t *quietTunnel) pausable() bool {
+	if t.st == nil || !t.st.agent.canPause || t.up.down.Load() == nil {
+		return false
+	}
+	select {
+	case <-t.up.done:
+		return false
+	case <-t.up.down.Load().Done():
+		return false
+	default:
+		return true
+	}
+}
+
+// takePausable takes every pausable tunnel off the drain, before the drain
+// closes any.
+func (s *Server) takePausable() []*quietTunnel {
+	var todo []*quietTunnel
+	s.mu.Lock()
+	for act, t := range s.quietTunnels {
+		if t.pausable() {
+			delete(s.quietTunnels, act)
+			todo = append(todo, t)
+		}
+	}
+	s.mu.Unlock()
+	return todo
+}
+
+// pauseAll pauses the tunnels takePausable took; the ones that fail are
+// closed.
+func (s *Server) pauseAll(ctx context.Context, todo []*quietTunnel) []*PausedTunnel {
+	if len(todo) == 0 {
+		return nil
+	}
+	var (
+		mu     sync.Mutex
+		paused []*PausedTunnel
+		wg     sync.WaitGroup
+		next   = make(chan *quietTunnel)
+	)
+	for range min(pauseWorkers, len(todo)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for t := range next {
+				p, err := s.pauseTunnel(ctx, t)
+				if err != nil {
+					s.Stats.PauseFailed.Add(1)
+					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.up.addr, "agent", t.st.agent.id, "err", err)
+					continue
+				}
+				mu.Lock()
+				paused = append(paused, p)
+				mu.Unlock()
+			}
+		}()
+	}
+	for _, t := range todo {
+		next <- t
+	}
+	close(next)
+	wg.Wait()
+	s.Stats.Paused.Add(int64(len(paused)))
+	s.log.Info("tunnels paused for the next image", "paused", len(paused), "failed", len(todo)-len(paused))
+	return paused
+}
+
+// pauseTunnel pauses one tunnel (steps 1 to 4 above). On failure the
+// tunnel is closed.
+func (s *Server) pauseTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunnel, err error) {
+	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
+	defer cancel()
+	up, st, conn := t.up, t.st, t.conn
+	// The duplicate is taken first: once the stream ends, the tunnel's
+	// goroutine closes its own descriptor.
+	f, err := dupSocketFile(conn)
+	if err != nil {
+		t.closeQuiet()
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			t.closeQuiet()
+		}
+	}()
+	token, err := newResumeToken()
+	if err != nil {
+		return nil, err
+	}
+	// 1. Stop the upload where it is.
+	up.pausing.Store(true)
+	conn.SetReadDeadline(time.Now())
+	select {
+	case <-up.done:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("upload did not stop: %w", ctx.Err())
+	}
+	if !up.paused {
+		return nil, errNotPausable // the client ended its upload meanwhile
+	}
+	// 2 and 3. Ask the agent.
+	body := st.body.(*h2link.Body)
+	req := (&http.Request{
+		Method: http.MethodPost,
+		URL:    &url.URL{Scheme: "https", Host: "agent", Path: pausePath},
+		Host:   "agent",
+		Header: http.Header{
+			hdrPauseStream: {strconv.FormatUint(uint64(body.StreamID()), 10)},
+			hdrPauseSent:   {strconv.FormatInt(up.sent, 10)},
+			hdrResumeToken: {token},
+		},
+	}).WithContext(ctx)
+	resp, err := st.agent.link.RoundTrip(req)
+	if err != nil {
+		return nil, fmt.Errorf("pause request: %w", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("agent refused the pause: %s", resp.Status)
+	}
+	agentSent, err := strconv.ParseInt(resp.Header.Get(hdrPauseSent), 10, 64)
+	if err != nil || agentSent < 0 {
+		return nil, errors.New("agent's pause answer has no byte count")
+	}
+	// 4. Let the client have every byte the agent sent.
+	down := up.down.Load()
+	for {
+		written, _ := down.Result()
+		if written == agentSent {
+			break
+		}
+		select {
+		case <-down.Done():
+			if written, _ = down.Result(); written != agentSent {
+				return nil, fmt.Errorf("delivery ended at %d of %d bytes", written, agentSent)
+			}
+		case <-ctx.Done():
+			return nil, fmt.Errorf("client took %d of %d bytes: %w", written, agentSent, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+	st.close()
+	return &PausedTunnel{File: f, Addr: t.up.addr, Agent: st.agent.id, Token: token}, nil
+}
+
+func newResumeToken() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("resume token: %w", err)
+	}
+	return hex.EncodeToString(b[:]), nil
+}
+
+// Resume carries on tunnels a previous image of this process paused: each
+// waits for its agent to log in again (up to resumeWait) and continues on
+// a new stream. Call it once the agent listener serves. A tunnel that
+// cannot resume is closed, and logged.
+func (s *Server) Resume(paused []*PausedTunnel) {
+	for _, p := range paused {
+		s.goroutine(func() { s.resumeTunnel(p) })
+	}
+}
+
+func (s *Server) resumeTunnel(p *PausedTunnel) {
+	c, err := net.FileConn(p.File)
+	p.File.Close()
+	if err != nil {
+		s.Stats.ResumeFailed.Add(1)
+		s.log.Warn("paused tunnel's socket unusable", "addr", p.Addr, "err", err)
+		return
+	}
+	if !s.trackFrontend(c, true) {
+		c.Close()
+		return
+	}
+	s.Stats.FrontendOpen.Add(1)
+	s.metrics.httpConns.Add(1)
+	defer func() {
+		s.metrics.httpConns.Add(-1)
+		s.Stats.FrontendOpen.Add(-1)
+		s.trackFrontend(c, false)
+		c.Close()
+	}()
+	st, up, err := s.openResumed(c, p)
+	if err != nil {
+		s.Stats.ResumeFailed.Add(1)
+		s.log.Warn("paused tunnel could not be resumed; client connection closed", "addr", p.Addr, "agent", p.Agent, "err", err)
+		return
+	}
+	s.Stats.Resumed.Add(1)
+	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent)
+	s.carryTunnel(c, st, up)
+}
+
+// openResumed opens the stream that resumes p through its agent.
+func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload, error) {
+	a := s.waitAgentID(p.Agent, resumeWait)
+	if a == nil {
+		return nil, nil, fmt.Errorf("agent not back within %s", resumeWait)
+	}
+	br := headReaders.Get().(*bufio.Reader)
+	br.Reset(c)
+	up := s.newFrontendUpload(c, br)
+	up.addr = p.Addr
+	st, err := s.roundTrip(a, p.Addr, up, time.Now().Add(s.cfg.DialTimeout), p.Token)
+	if err != nil {
+		up.unblock()
+		return nil, nil, err
+	}
+	s.established(st, a, up)
+	return st, up, nil
+}
+
+// waitAgentID returns the connected agent with id once it is there, or nil
+// after wait.
+func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	for {
+		changed := s.agents.waitChan()
+		for _, a := range s.agents.snapshot() {
+			if a.id == id && a.canPause {
+				return a
+			}
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return nil
+		case <-s.baseCtx.Done():
+			return nil
+		}
+	}
+}

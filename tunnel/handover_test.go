@@ -1,0 +1,178 @@
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// patternStream is a deterministic byte stream: a writer and a reader with
+// the same seed agree on every byte, so a reader can tell a lost,
+// repeated or reordered byte at its offset.
+type patternStream struct{ r *rand.ChaCha8 }
+
+func newPattern(seed byte) *patternStream {
+	var s [32]byte
+	s[0] = seed
+	return &patternStream{rand.NewChaCha8(s)}
+}
+
+func (p *patternStream) Read(b []byte) (int, error) { return p.r.Read(b) }
+
+// streamingClient writes a pattern into a tunnel to an echo destination
+// in chunks of varied size while it reads the echo back and checks every
+// byte, until stop; then it half-closes and reads to the end.
+type streamingClient struct {
+	conn       net.Conn
+	br         *bufio.Reader
+	sent, recv atomic.Int64
+	err        chan error // the reader's verdict
+	stop       chan struct{}
+	writerDone chan error
+}
+
+func startStreamingClient(t *testing.T, e *env, dest string, seed byte) *streamingClient {
+	t.Helper()
+	conn, br, resp := e.connect(dest)
+	if resp.StatusCode != http.StatusOK {
+		conn.Close()
+		t.Fatalf("CONNECT: %s", resp.Status)
+	}
+	conn.SetDeadline(time.Now().Add(60 * time.Second))
+	c := &streamingClient{conn: conn, br: br, err: make(chan error, 1), stop: make(chan struct{}), writerDone: make(chan error, 1)}
+	go func() {
+		src := newPattern(seed)
+		sizes := rand.New(rand.NewPCG(uint64(seed), 1))
+		buf := make([]byte, 64<<10)
+		for {
+			select {
+			case <-c.stop:
+				c.writerDone <- conn.(*net.UnixConn).CloseWrite()
+				return
+			default:
+			}
+			n := 1 + sizes.IntN(len(buf))
+			src.Read(buf[:n])
+			if _, err := conn.Write(buf[:n]); err != nil {
+				c.writerDone <- err
+				return
+			}
+			c.sent.Add(int64(n))
+			time.Sleep(time.Duration(sizes.IntN(3)) * time.Millisecond)
+		}
+	}()
+	go func() {
+		want := newPattern(seed)
+		got := make([]byte, 32<<10)
+		exp := make([]byte, 32<<10)
+		for {
+			n, err := br.Read(got)
+			if n > 0 {
+				want.Read(exp[:n])
+				for i := range n {
+					if got[i] != exp[i] {
+						c.err <- fmt.Errorf("byte %d differs", c.recv.Load()+int64(i))
+						return
+					}
+				}
+				c.recv.Add(int64(n))
+			}
+			if err == io.EOF {
+				c.err <- nil
+				return
+			}
+			if err != nil {
+				c.err <- fmt.Errorf("read after %d bytes: %w", c.recv.Load(), err)
+				return
+			}
+		}
+	}()
+	return c
+}
+
+// finish stops writing and waits for every byte to come back.
+func (c *streamingClient) finish(t *testing.T) {
+	t.Helper()
+	close(c.stop)
+	if err := <-c.writerDone; err != nil {
+		t.Errorf("writer: %v", err)
+	}
+	if err := <-c.err; err != nil {
+		t.Errorf("reader: %v", err)
+	}
+	if c.recv.Load() != c.sent.Load() {
+		t.Errorf("sent %d bytes, %d came back", c.sent.Load(), c.recv.Load())
+	}
+	c.conn.Close()
+}
+
+// TestHandOverResumesTunnels: tunnels carrying bytes both ways through a
+// handover to a new server (as a self-restart does) and a second one lose,
+// repeat or reorder no byte, keep their destination connection, and the
+// new server resumes each one.
+func TestHandOverResumesTunnels(t *testing.T) {
+	checkNoLeaks(t)
+	var accepted atomic.Int64
+	dest := serveTCP(t, func(c net.Conn) {
+		accepted.Add(1)
+		io.Copy(c, c)
+		c.(*net.TCPConn).CloseWrite()
+	})
+	e := newEnv(t, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+
+	const tunnels = 4
+	var clients []*streamingClient
+	for i := range tunnels {
+		clients = append(clients, startStreamingClient(t, e, dest, byte(i+1)))
+	}
+	idle := e.echoOne(dest) // a keep-alive connection between calls
+	defer idle.Close()
+
+	cur := e
+	for round := range 2 {
+		waitUntil(t, func() bool { return clients[0].recv.Load() > int64(round+1)<<20 }, "bytes flowing")
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		paused, err := cur.srv.HandOver(ctx)
+		cancel()
+		if err != nil {
+			t.Fatalf("round %d: HandOver: %v", round, err)
+		}
+		if len(paused) != tunnels+1 || cur.srv.Stats.PauseFailed.Load() != 0 {
+			t.Fatalf("round %d: %d tunnels paused, %d failed; want %d, 0", round, len(paused), cur.srv.Stats.PauseFailed.Load(), tunnels+1)
+		}
+		cur.stop()
+		next := newEnvOn(t, e.pki, e.agentAddr, nil)
+		next.srv.Resume(paused)
+		waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == tunnels+1 }, "tunnels resumed")
+		if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
+			t.Fatalf("round %d: %d tunnels not resumed", round, n)
+		}
+		cur = next
+	}
+	for _, c := range clients {
+		before := c.recv.Load()
+		waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the handovers")
+		c.finish(t)
+	}
+	// The idle keep-alive tunnel still answers.
+	if _, err := idle.Write([]byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	idle.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(idle, b); err != nil || b[0] != 'y' {
+		t.Fatalf("idle tunnel after the handovers: %q %v", b, err)
+	}
+	if n := accepted.Load(); n != tunnels+1 {
+		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels+1)
+	}
+}
