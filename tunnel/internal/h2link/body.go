@@ -27,17 +27,20 @@ func (b *Body) Read(p []byte) (int, error) {
 	st := b.st
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
-	for len(st.queue) == 0 && !st.eof && st.recvErr == nil && !st.readerGone {
+	for len(st.queue) == 0 && !st.eof && st.recvErr == nil && !st.readerGone && !st.l.readStopped() {
 		st.recvCond.Wait()
 	}
 	if st.readerGone {
 		return 0, errors.New("read on a closed response body")
 	}
 	if len(st.queue) == 0 {
-		if st.recvErr != nil {
+		switch {
+		case st.recvErr != nil:
 			return 0, st.recvErr
+		case st.eof:
+			return 0, io.EOF
 		}
-		return 0, io.EOF
+		return 0, ErrReadStopped
 	}
 	n := 0
 	for n < len(p) && len(st.queue) > 0 {

@@ -89,6 +89,11 @@ type Config struct {
 	// handlers, socket writers). Default: go f().
 	Spawn func(f func())
 
+	// Freezable makes a serving end able to stop, freeze and be rebuilt
+	// in another process on the same socket (freeze.go). It costs a little
+	// on every read.
+	Freezable bool
+
 	// Batch, when set, gathers the records of one write into one system
 	// call: the Batcher under the connection's TLS, or one wrapping a
 	// plain socket. Nil writes through the connection as it is.

@@ -83,6 +83,12 @@ type Conn struct {
 	pingData   [8]byte       // under mu: the outstanding PING's payload
 	pingOut    bool          // under mu: a PING is outstanding
 	readerDone chan struct{} // closed when the read loop ended
+
+	// A freezable serving end (Config.Freezable, freeze.go); nil otherwise.
+	fread      *frameReader  // the read loop's reader
+	readParked chan struct{} // closed when the read loop stopped for a freeze
+	frozen     chan struct{} // closed by Freeze or closeWith: the parked read loop returns
+	resumed    []func()      // ResumeServer's handlers of frozen streams; Serve starts them
 }
 
 // Errors of the link. A dial that meets ErrClosed or ErrGoAway before the
@@ -171,7 +177,13 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 		l.recvTarget, l.streamWindow = cfg.PreAdmitConnWindow, cfg.PreAdmitStreamWindow
 	}
 	l.windowCond = sync.NewCond(&l.mu)
-	l.fr = http2.NewFramer(conn, conn)
+	if serving && cfg.Freezable {
+		l.fread = &frameReader{conn: conn}
+		l.readParked, l.frozen = make(chan struct{}), make(chan struct{})
+		l.fr = http2.NewFramer(conn, l.fread)
+	} else {
+		l.fr = http2.NewFramer(conn, conn)
+	}
 	l.fr.SetMaxReadFrameSize(MaxFrameSize)
 	l.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	l.fr.MaxHeaderListSize = cfg.MaxHeaderListSize
@@ -500,6 +512,9 @@ func (l *Conn) closeWith(err error) {
 		l.pingTimer.Stop()
 	}
 	l.windowCond.Broadcast()
+	if l.frozen != nil {
+		close(l.frozen)
+	}
 	l.mu.Unlock()
 	l.ctlMu.Lock()
 	l.ctlClosed = true
@@ -552,5 +567,9 @@ func (l *Conn) Serve() {
 		l.pingTimer = time.AfterFunc(l.cfg.KeepAlive, l.keepAliveTick)
 		l.mu.Unlock()
 	}
+	for _, f := range l.resumed {
+		l.cfg.Spawn(f)
+	}
+	l.resumed = nil
 	l.readLoop()
 }

@@ -47,6 +47,12 @@ func (l *Conn) readLoop() {
 			l.goAwayClose(http2.ErrCodeFrameSize, err)
 			return
 		}
+		if errors.Is(err, errStopRead) {
+			// Stopped for a freeze: the connection is Freeze's or Close's.
+			close(l.readParked)
+			<-l.frozen
+			return
+		}
 		l.closeWith(err)
 		return
 	}

@@ -172,7 +172,9 @@ func (l *Conn) runHandler(st *stream, req *http.Request) {
 			st.reset(http2.ErrCodeInternal, ErrStreamReset)
 			return
 		}
-		w.finish()
+		if !w.detached {
+			w.finish()
+		}
 	}()
 	l.handler.ServeHTTP(w, req)
 	completed = true
@@ -207,6 +209,7 @@ type responseWriter struct {
 	header      http.Header
 	status      int  // set by WriteHeader
 	headersSent bool // the head has gone out
+	detached    bool // Detach: the stream is left open for Freeze
 	err         error
 }
 
