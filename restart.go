@@ -302,10 +302,8 @@ const maxTunnelsList = 64 << 20
 
 // handedTunnel is one paused tunnel as the next image reads it.
 type handedTunnel struct {
-	FD    int    `json:"fd"`
-	Addr  string `json:"addr"`
-	Agent string `json:"agent"`
-	Token string `json:"token"`
+	FD     int                  `json:"fd"`
+	Tunnel *tunnel.PausedTunnel `json:"tunnel"` // all but its File
 }
 
 // tunnelsForNextImage duplicates each paused tunnel's socket without
@@ -341,7 +339,7 @@ func tunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []stri
 			return fail(os.NewSyscallError("fcntl", dupErr))
 		}
 		fds = append(fds, dup)
-		list = append(list, handedTunnel{FD: dup, Addr: p.Addr, Agent: p.Agent, Token: p.Token})
+		list = append(list, handedTunnel{FD: dup, Tunnel: p})
 	}
 	data, err := json.Marshal(list)
 	if err != nil {
@@ -393,12 +391,13 @@ func inheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
 	var out []*tunnel.PausedTunnel
 	for _, h := range list {
 		var st unix.Stat_t
-		if h.FD < 3 || unix.Fstat(h.FD, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
-			log.Warn("ignoring inherited tunnel without a socket", "fd", h.FD, "addr", h.Addr)
+		if h.FD < 3 || unix.Fstat(h.FD, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK || h.Tunnel == nil {
+			log.Warn("ignoring inherited tunnel without a socket", "fd", h.FD)
 			continue
 		}
 		unix.CloseOnExec(h.FD)
-		out = append(out, &tunnel.PausedTunnel{File: os.NewFile(uintptr(h.FD), "tunnel"), Addr: h.Addr, Agent: h.Agent, Token: h.Token})
+		h.Tunnel.File = os.NewFile(uintptr(h.FD), "tunnel")
+		out = append(out, h.Tunnel)
 	}
 	log.Info("resuming tunnels handed over by the previous image", "tunnels", len(out))
 	return out

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	apiserverapi "k8s.io/apiserver/pkg/apis/apiserver"
 )
 
 // Self-restart in place (README "Restarting without dropping a dial"):
@@ -578,12 +580,22 @@ func lastLine(s string) string {
 // kube-apiserver does with webhooks) lose no call across three SIGHUP
 // restarts, and never dial again: each tunnel is paused, handed to the
 // next image and resumed (README "Restarting without dropping a dial").
+// Both front doors, each through kube-apiserver's own egress dialer.
 func TestRestartKeepsKeepAliveConnections(t *testing.T) {
+	t.Run("http-connect", func(t *testing.T) { keepAliveAcrossRestarts(t, apiserverapi.ProtocolHTTPConnect) })
+	t.Run("grpc", func(t *testing.T) { keepAliveAcrossRestarts(t, apiserverapi.ProtocolGRPC) })
+}
+
+func keepAliveAcrossRestarts(t *testing.T, proto apiserverapi.ProtocolType) {
 	bin := copyExecutable(t, t.TempDir())
-	s := startServerBin(t, bin, frontendUDS, "--restart-grace=5s", "--enable-profiling", "--agent-wait=10s")
+	mode := "--mode=http-connect"
+	if proto == apiserverapi.ProtocolGRPC {
+		mode = "--mode=grpc"
+	}
+	s := startServerBin(t, bin, frontendUDS, mode, "--restart-grace=5s", "--enable-profiling", "--agent-wait=10s")
 	s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=500ms")
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
-	d := s.egressDialer(t)
+	d := s.egressDialerProto(t, proto)
 	checkReachable(t, d, backend, "b1", 3)
 	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
 	pid := s.proc.cmd.Process.Pid

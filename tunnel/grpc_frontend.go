@@ -77,41 +77,60 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			small = preAdmitStreamWindow
 		}
 	}
-	// A draining server lets the connection go once its calls are done:
-	// GOAWAY, then close when idle (konnectivity-client uses one
-	// connection per dial and closes it itself on CLOSE_RSP).
 	var l *h2link.Conn
-	var goingAway sync.Once
-	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		defer release()
-		if refused != nil {
-			grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
-			return
-		}
-		s.serveGRPCStream(w, r, release)
-		if s.isShutting() {
-			goingAway.Do(func() { s.goroutine(func() { l.Shutdown(s.baseCtx) }) })
-		}
-	})
-	// The same HTTP/2 link as an agent connection, in the serving role:
-	// every frame written by whoever has it, two DATA frames per system
-	// call (the batcher also gathers frames on a plain socket).
-	var h2conn net.Conn = conn
-	if _, isTLS := conn.(*tls.Conn); !isTLS {
-		h2conn = h2link.NewBatcher(conn)
-	}
+	handler := s.grpcHandler(&l, conn, release, refused)
+	h2conn := grpcLinkConn(conn)
 	var err error
-	l, err = h2link.NewServer(h2conn, h2link.Config{
-		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
-		PreAdmitStreamWindow: small, PreAdmitConnWindow: small,
-		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(h2conn),
-	}, handler)
+	l, err = h2link.NewServer(h2conn, s.grpcLinkConfig(conn, h2conn, small), handler)
 	if err != nil {
 		s.log.Debug("gRPC frontend: no HTTP/2 connection", "err", err)
 		release()
 		return
 	}
 	l.Serve()
+}
+
+// grpcHandler serves the calls on one frontend connection, *l once set.
+// A draining server lets the connection go once its calls are done:
+// GOAWAY, then close when idle (konnectivity-client uses one connection
+// per dial and closes it itself on CLOSE_RSP).
+func (s *Server) grpcHandler(l **h2link.Conn, conn net.Conn, release func(), refused error) http.Handler {
+	var goingAway sync.Once
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer release()
+		if refused != nil {
+			grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
+			return
+		}
+		if s.serveGRPCStream(*l, conn, w, r, release) == errTunnelPaused {
+			return // the connection goes to the next image as it is
+		}
+		if s.isShutting() {
+			goingAway.Do(func() { s.goroutine(func() { (*l).Shutdown(s.baseCtx) }) })
+		}
+	})
+}
+
+// grpcLinkConn is what the link writes to: the same HTTP/2 link as an
+// agent connection, in the serving role: every frame written by whoever
+// has it, two DATA frames per system call (the batcher also gathers frames
+// on a plain socket).
+func grpcLinkConn(conn net.Conn) net.Conn {
+	if _, isTLS := conn.(*tls.Conn); isTLS {
+		return conn
+	}
+	return h2link.NewBatcher(conn)
+}
+
+// grpcLinkConfig configures a frontend connection's link. One on a plain
+// socket can be frozen and handed to the next image (handover.go).
+func (s *Server) grpcLinkConfig(conn, h2conn net.Conn, small int32) h2link.Config {
+	return h2link.Config{
+		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
+		PreAdmitStreamWindow: small, PreAdmitConnWindow: small,
+		BaseContext: s.baseCtx, Spawn: s.goroutine, Batch: batcherOf(h2conn),
+		Freezable: small == 0 && rawSocket(conn) != nil,
+	}
 }
 
 // grpcMaxStreams bounds the calls open at once on one frontend connection;
@@ -197,9 +216,14 @@ func (g *grpcStream) finish(code int, msg string) {
 // errDialCancelled ends the upload of a dial the client gave up on.
 var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 
-// serveGRPCStream runs one /ProxyService/Proxy call: DIAL_REQ, DIAL_RSP,
-// then DATA both ways until either side closes.
-func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release func()) {
+// errTunnelPaused: the call's tunnel was paused for a handover; its stream
+// is left open for the link's freeze (handover.go).
+var errTunnelPaused = errors.New("tunnel paused for a handover")
+
+// serveGRPCStream runs one /ProxyService/Proxy call on link l over the
+// frontend socket conn: DIAL_REQ, DIAL_RSP, then DATA both ways until
+// either side closes, or a handover pauses the call (errTunnelPaused).
+func (s *Server) serveGRPCStream(l *h2link.Conn, conn net.Conn, w http.ResponseWriter, r *http.Request, release func()) error {
 	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
 		// Not gRPC at all (a probe, curl, a conformance suite): a plain
 		// HTTP answer says what this socket is. What the request still
@@ -212,15 +236,15 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.WriteHeader(http.StatusUnsupportedMediaType)
 		io.WriteString(w, "konnectivity gRPC frontend: requests must be gRPC (POST, content-type application/grpc)\n")
-		return
+		return nil
 	}
 	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
-		return
+		return nil
 	}
 	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
 		grpcTrailersOnly(w, grpcInvalidArgument, "content-type must be application/grpc")
-		return
+		return nil
 	}
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
@@ -247,17 +271,17 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 		timer.Stop()
 		if err != nil {
 			grpcTrailersOnly(w, grpcInvalidArgument, fmt.Sprintf("read DIAL_REQ: %v", err))
-			return
+			return nil
 		}
 	case <-timer.C:
 		r.Body.Close()
 		<-first
 		grpcTrailersOnly(w, grpcDeadlineExceeded, "no DIAL_REQ received in time")
-		return
+		return nil
 	}
 	if req.Type != grpcwire.DialReq {
 		grpcTrailersOnly(w, grpcInvalidArgument, fmt.Sprintf("first packet is %s, want DIAL_REQ", req.Type))
-		return
+		return nil
 	}
 	s.metrics.packets.inc(segFromClient, grpcwire.DialReq)
 
@@ -265,53 +289,105 @@ func (s *Server) serveGRPCStream(w http.ResponseWriter, r *http.Request, release
 	w.WriteHeader(http.StatusOK)
 	g := &grpcStream{w: w, flush: flusherOf(w)}
 	g.flush()
-	code, msg := s.proxyGRPC(r.Context(), g, r.Body, req, buf, release)
+	t := &grpcTunnel{link: l, conn: conn, ctx: r.Context(), g: g, body: r.Body}
+	code, msg, err := s.proxyGRPC(t, req, buf, release)
+	if err == errTunnelPaused {
+		h2link.Detach(w)
+		return err
+	}
 	g.finish(code, msg)
+	return nil
 }
 
-// proxyGRPC carries one dial. It returns the call's final status.
-func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadCloser, req grpcwire.Packet, buf []byte, release func()) (int, string) {
+// grpcTunnel is one call's tunnel on the gRPC front door.
+type grpcTunnel struct {
+	// Set before the tunnel is carried.
+	link      *h2link.Conn
+	conn      net.Conn // the frontend socket
+	ctx       context.Context
+	g         *grpcStream
+	body      io.ReadCloser // the call's request body: the client's Packets
+	in        *grpcUploadReader
+	up        *upload
+	st        *stream
+	connectID int64
+	addr      string
+
+	// A handover (handover.go): pausing is set by the pause before it ends
+	// the agent's stream; downSent counts the agent's bytes written to
+	// the client, by the goroutine that writes them.
+	pausing  atomic.Bool
+	downSent atomic.Int64
+}
+
+// proxyGRPC dials for one call and carries it. It returns the call's
+// final status, or errTunnelPaused.
+func (s *Server) proxyGRPC(t *grpcTunnel, req grpcwire.Packet, buf []byte, release func()) (int, string, error) {
+	g := t.g
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
-		return grpcOK, ""
+		return grpcOK, "", nil
 	}
 	if err := checkDialTarget(req.Address); err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		g.send(grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: errMsg(err)})
-		return grpcOK, ""
+		return grpcOK, "", nil
 	}
-	connectID := s.nextConnectID.Add(1)
-	// The client's packets are decoded as the upload is read: DATA payloads
-	// become upload bytes without a copy through a pipe or a goroutine.
-	in := &grpcUploadReader{body: body, buf: buf, closeReq: make(chan struct{}), packets: &s.metrics.packets}
-	up := newUpload(bufio.NewReaderSize(in, 4096), func() { body.Close() }, s.goroutine)
-	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
-	up.packets = packetCounter{&s.metrics.packets.n[segToAgent][grpcwire.Data]}
-	closeReq := in.closeReq
-	defer body.Close()
-
-	st, err := s.open(req.Address, up)
+	t.connectID = s.nextConnectID.Add(1)
+	t.addr = req.Address
+	s.newGRPCUpload(t, buf, nil)
+	st, err := s.open(req.Address, t.up)
 	release()
 	if err != nil {
+		t.body.Close()
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: errMsg(err)})
-		return grpcOK, ""
+		return grpcOK, "", nil
 	}
 	s.Stats.DialsOK.Add(1)
-	defer st.close()
-	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: connectID}); err != nil {
-		return grpcUnavailable, "write DIAL_RSP"
+	t.st = st
+	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: t.connectID}); err != nil {
+		st.close()
+		t.body.Close()
+		return grpcUnavailable, "write DIAL_RSP", nil
 	}
+	return s.carryGRPC(t)
+}
+
+// newGRPCUpload sets up the client-to-agent direction: the client's
+// packets are decoded as the upload is read, DATA payloads becoming upload
+// bytes without a copy through a pipe or a goroutine. buf holds what the
+// DIAL_REQ's read left; partial, a message a pause cut short.
+func (s *Server) newGRPCUpload(t *grpcTunnel, buf, partial []byte) {
+	t.in = &grpcUploadReader{body: t.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), closeReq: make(chan struct{}), packets: &s.metrics.packets}
+	t.in.mr.Prime(partial) // before the upload's watcher reads
+	body := t.body
+	t.up = newUpload(bufio.NewReaderSize(t.in, 4096), func() { body.Close() }, s.goroutine)
+	t.up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
+	t.up.packets = packetCounter{&s.metrics.packets.n[segToAgent][grpcwire.Data]}
+	t.up.addr = t.addr
+}
+
+// carryGRPC carries an established call's tunnel until either side
+// closes, a drain ends it at a quiet moment, or a handover pauses it.
+func (s *Server) carryGRPC(t *grpcTunnel) (int, string, error) {
+	g, st, up := t.g, t.st, t.up
+	defer func() {
+		if !t.pausing.Load() {
+			t.body.Close()
+			st.close()
+		}
+	}()
 	// A draining server ends a quiet tunnel as the destination closing
 	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
 	// connection its HTTP client holds idle.
 	quietCh := make(chan struct{})
-	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, closeQuiet: func() { close(quietCh) }}
+	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, st: st, up: up, grpc: t, closeQuiet: func() { close(quietCh) }}
 	s.addQuiet(qt)
 	defer s.removeQuiet(qt.act)
 	up.start()
@@ -328,12 +404,13 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 			if n > 0 {
 				s.Stats.BytesFromAgent.Add(int64(n))
 				st.agent.bytesFrom.Add(int64(n))
-				msg := grpcwire.PutDataPrefix(buf, connectID, n)
+				msg := grpcwire.PutDataPrefix(buf, t.connectID, n)
 				s.metrics.packets.inc(segFromAgent, grpcwire.Data)
 				s.metrics.packets.inc(segToClient, grpcwire.Data)
 				written := time.Now()
 				werr := g.write(msg)
 				up.act.down()
+				t.downSent.Add(int64(n))
 				s.metrics.frontendWrite.ObserveDuration(time.Since(written))
 				if werr != nil {
 					s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
@@ -352,8 +429,13 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 	})
 	select {
 	case err := <-downDone:
+		if t.pausing.Load() {
+			// The pause ended the agent's stream: the call goes to the
+			// next image, nothing is written here any more.
+			return 0, "", errTunnelPaused
+		}
 		// The destination closed (or the agent stream broke): tell the client.
-		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID}
+		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID}
 		if err != nil {
 			rsp.Error = err.Error()
 			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
@@ -361,38 +443,39 @@ func (s *Server) proxyGRPC(ctx context.Context, g *grpcStream, body io.ReadClose
 			s.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp)
 		}
 		s.sendGRPC(g, rsp)
-		return grpcOK, ""
+		return grpcOK, "", nil
 	case <-quietCh:
 		// Drained at a quiet moment: the client's connection was idle.
 		// CLOSE_RSP goes first, so the client sees the end (and its
 		// next write fails, unsent, so its HTTP client retries) as
 		// soon as possible; the agent's stream ends after.
-		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID})
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID})
 		st.close()
 		<-downDone
-		return grpcOK, ""
-	case <-closeReq:
+		return grpcOK, "", nil
+	case <-t.in.closeReq:
 		// The client closed the connection: end the tunnel, then confirm.
 		st.close()
 		<-downDone
 		s.metrics.packets.inc(segToAgent, grpcwire.CloseReq)
-		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: connectID})
-		return grpcOK, ""
-	case <-ctx.Done():
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID})
+		return grpcOK, "", nil
+	case <-t.ctx.Done():
 		// The client reset the call or went away.
 		st.close()
 		<-downDone
-		return grpcCancelled, "call ended by the client"
+		return grpcCancelled, "call ended by the client", nil
 	}
 }
 
 // grpcUploadReader reads the client's Packets as a byte stream: DATA
 // payloads are the bytes; CLOSE_REQ ends it (and is signalled on closeReq);
 // DIAL_CLS ends it with errDialCancelled; the client's half-close is EOF.
+// A message cut short by a handover stays in mr (see handover.go).
 type grpcUploadReader struct {
 	body     io.Reader
-	buf      []byte
-	pending  []byte // the rest of the current DATA payload (aliases buf)
+	mr       *grpcwire.MessageReader
+	pending  []byte // the rest of the current DATA payload (aliases mr's buffer)
 	closeReq chan struct{}
 	err      error
 	packets  *packetCounts
@@ -404,7 +487,7 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 			return 0, u.err
 		}
 		var msg []byte
-		msg, u.buf, u.err = grpcwire.ReadMessage(u.body, u.buf, grpcwire.MaxMessageLen)
+		msg, u.err = u.mr.Next(u.body)
 		if u.err != nil {
 			return 0, u.err
 		}

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
@@ -68,11 +69,13 @@ const pauseWorkers = 32
 
 // PausedTunnel is a frontend tunnel paused for the next image of this
 // process: the client's socket and what resuming it needs.
+// All but File travel to the next image as JSON.
 type PausedTunnel struct {
-	File  *os.File // a duplicate of the client's socket, close-on-exec set
-	Addr  string   // the destination, as the client asked for it
-	Agent string   // the agent holding the destination connection
-	Token string   // the resume token the agent holds it under
+	File  *os.File    `json:"-"`              // a duplicate of the client's socket, close-on-exec set
+	Addr  string      `json:"addr"`           // the destination, as the client asked for it
+	Agent string      `json:"agent"`          // the agent holding the destination connection
+	Token string      `json:"token"`          // the resume token the agent holds it under
+	GRPC  *PausedGRPC `json:"grpc,omitempty"` // set for a gRPC front door call
 }
 
 var errNotPausable = errors.New("tunnel cannot be paused")
@@ -80,7 +83,13 @@ var errNotPausable = errors.New("tunnel cannot be paused")
 // pausable reports whether t can be paused: an HTTP CONNECT tunnel on a
 // plain socket, through an agent that pauses, both directions open.
 func (t *quietTunnel) pausable() bool {
-	if t.st == nil || !t.st.agent.canPause || t.up.down.Load() == nil {
+	if t.st == nil || !t.st.agent.canPause {
+		return false
+	}
+	if t.grpc != nil {
+		return t.grpc.link.Freezable() && rawSocket(t.grpc.conn) != nil && !t.up.isDone()
+	}
+	if t.up.down.Load() == nil {
 		return false
 	}
 	select {
@@ -91,6 +100,15 @@ func (t *quietTunnel) pausable() bool {
 	default:
 		return true
 	}
+}
+
+// PausedGRPC is what resuming a gRPC front door call needs besides the
+// tunnel: the call's connect ID, the part of a client message read before
+// the pause, and the frozen HTTP/2 connection.
+type PausedGRPC struct {
+	ConnectID int64          `json:"connect_id"`
+	Partial   []byte         `json:"partial,omitempty"`
+	Link      *h2link.Frozen `json:"link"`
 }
 
 // takePausable takes every pausable tunnel off the drain, before the drain
@@ -125,7 +143,11 @@ func (s *Server) pauseAll(ctx context.Context, todo []*quietTunnel) []*PausedTun
 		go func() {
 			defer wg.Done()
 			for t := range next {
-				p, err := s.pauseTunnel(ctx, t)
+				pause := s.pauseTunnel
+				if t.grpc != nil {
+					pause = s.pauseGRPCTunnel
+				}
+				p, err := pause(ctx, t)
 				if err != nil {
 					s.Stats.PauseFailed.Add(1)
 					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.up.addr, "agent", t.st.agent.id, "err", err)
@@ -182,28 +204,9 @@ func (s *Server) pauseTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunn
 		return nil, errNotPausable // the client ended its upload meanwhile
 	}
 	// 2 and 3. Ask the agent.
-	body := st.body.(*h2link.Body)
-	req := (&http.Request{
-		Method: http.MethodPost,
-		URL:    &url.URL{Scheme: "https", Host: "agent", Path: pausePath},
-		Host:   "agent",
-		Header: http.Header{
-			hdrPauseStream: {strconv.FormatUint(uint64(body.StreamID()), 10)},
-			hdrPauseSent:   {strconv.FormatInt(up.sent, 10)},
-			hdrResumeToken: {token},
-		},
-	}).WithContext(ctx)
-	resp, err := st.agent.link.RoundTrip(req)
+	agentSent, err := s.askPause(ctx, st, up.sent, token)
 	if err != nil {
-		return nil, fmt.Errorf("pause request: %w", err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("agent refused the pause: %s", resp.Status)
-	}
-	agentSent, err := strconv.ParseInt(resp.Header.Get(hdrPauseSent), 10, 64)
-	if err != nil || agentSent < 0 {
-		return nil, errors.New("agent's pause answer has no byte count")
+		return nil, err
 	}
 	// 4. Let the client have every byte the agent sent.
 	down := up.down.Load()
@@ -224,6 +227,107 @@ func (s *Server) pauseTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunn
 	}
 	st.close()
 	return &PausedTunnel{File: f, Addr: t.up.addr, Agent: st.agent.id, Token: token}, nil
+}
+
+// askPause asks the agent to pause the tunnel on st once the sent bytes
+// reached the destination, and returns the bytes the agent sent on it.
+func (s *Server) askPause(ctx context.Context, st *stream, sent int64, token string) (int64, error) {
+	body := st.body.(*h2link.Body)
+	req := (&http.Request{
+		Method: http.MethodPost,
+		URL:    &url.URL{Scheme: "https", Host: "agent", Path: pausePath},
+		Host:   "agent",
+		Header: http.Header{
+			hdrPauseStream: {strconv.FormatUint(uint64(body.StreamID()), 10)},
+			hdrPauseSent:   {strconv.FormatInt(sent, 10)},
+			hdrResumeToken: {token},
+		},
+	}).WithContext(ctx)
+	resp, err := st.agent.link.RoundTrip(req)
+	if err != nil {
+		return 0, fmt.Errorf("pause request: %w", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("agent refused the pause: %s", resp.Status)
+	}
+	agentSent, err := strconv.ParseInt(resp.Header.Get(hdrPauseSent), 10, 64)
+	if err != nil || agentSent < 0 {
+		return 0, errors.New("agent's pause answer has no byte count")
+	}
+	return agentSent, nil
+}
+
+// pauseGRPCTunnel pauses a gRPC front door call: the same steps as
+// pauseTunnel, with the client's HTTP/2 connection stopped at a frame
+// boundary (step 1), and frozen once the call let its stream go (step 4).
+// A connection carries one call (konnectivity-client dials one per
+// tunnel); one with more is not paused.
+func (s *Server) pauseGRPCTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunnel, err error) {
+	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
+	defer cancel()
+	gt, st, up := t.grpc, t.st, t.up
+	f, err := dupSocketFile(gt.conn)
+	if err != nil {
+		gt.link.Close()
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			gt.link.Close() // the call ends with the connection, as a drain's deadline would end it
+		}
+	}()
+	token, err := newResumeToken()
+	if err != nil {
+		return nil, err
+	}
+	// 1. Nothing more is read from the client; the upload sends what was.
+	up.pausing.Store(true)
+	if err := gt.link.StopReading(ctx); err != nil {
+		return nil, fmt.Errorf("stop reading the client: %w", err)
+	}
+	select {
+	case <-up.done:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("upload did not stop: %w", ctx.Err())
+	}
+	if !up.paused {
+		return nil, errNotPausable // the call ended meanwhile
+	}
+	// 2 and 3.
+	agentSent, err := s.askPause(ctx, st, up.sent, token)
+	if err != nil {
+		return nil, err
+	}
+	// 4. Every byte the agent sent goes to the client, then the call lets
+	// its stream go and the connection is frozen.
+	for gt.downSent.Load() != agentSent {
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("client took %d of %d bytes: %w", gt.downSent.Load(), agentSent, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+	gt.pausing.Store(true)
+	st.close()
+	var frozen *h2link.Frozen
+	for {
+		if frozen, err = gt.link.Freeze(); err == nil {
+			break
+		}
+		if !errors.Is(err, h2link.ErrNotAtRest) {
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w: %w", err, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+	partial := append([]byte(nil), gt.in.mr.Partial()...)
+	return &PausedTunnel{File: f, Addr: gt.addr, Agent: st.agent.id, Token: token,
+		GRPC: &PausedGRPC{ConnectID: gt.connectID, Partial: partial, Link: frozen}}, nil
 }
 
 func newResumeToken() (string, error) {
@@ -256,23 +360,91 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 		c.Close()
 		return
 	}
+	defer func() {
+		s.trackFrontend(c, false)
+		c.Close()
+	}()
+	if p.GRPC != nil {
+		s.resumeGRPC(c, p)
+		return
+	}
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.httpConns.Add(1)
 	defer func() {
 		s.metrics.httpConns.Add(-1)
 		s.Stats.FrontendOpen.Add(-1)
-		s.trackFrontend(c, false)
-		c.Close()
 	}()
 	st, up, err := s.openResumed(c, p)
 	if err != nil {
-		s.Stats.ResumeFailed.Add(1)
-		s.log.Warn("paused tunnel could not be resumed; client connection closed", "addr", p.Addr, "agent", p.Agent, "err", err)
+		s.resumeFailed(p, err)
 		return
 	}
 	s.Stats.Resumed.Add(1)
 	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent)
 	s.carryTunnel(c, st, up)
+}
+
+func (s *Server) resumeFailed(p *PausedTunnel, err error) {
+	s.Stats.ResumeFailed.Add(1)
+	s.log.Warn("paused tunnel could not be resumed; client connection closed", "addr", p.Addr, "agent", p.Agent, "err", err)
+}
+
+// resumeGRPC rebuilds a gRPC front door connection whose call was paused
+// and serves it: the call goes on as the one paused, and any call the
+// client opens later is served as usual.
+func (s *Server) resumeGRPC(c net.Conn, p *PausedTunnel) {
+	var l *h2link.Conn
+	h2conn := grpcLinkConn(c)
+	resumed := func(w http.ResponseWriter, r *http.Request) {
+		if s.resumeGRPCCall(l, c, w, r, p) == errTunnelPaused {
+			h2link.Detach(w)
+		}
+	}
+	l, err := h2link.ResumeServer(h2conn, s.grpcLinkConfig(c, h2conn, 0), p.GRPC.Link, s.grpcHandler(&l, c, func() {}, nil), resumed)
+	if err != nil {
+		s.resumeFailed(p, err)
+		return
+	}
+	l.Serve()
+}
+
+// resumeGRPCCall carries on a paused gRPC call: what DIAL_RSP set up is
+// rebuilt, the agent is asked for the held destination, and the tunnel is
+// carried as proxyGRPC carries it. If the tunnel cannot resume, the client
+// is told as when the destination breaks (CLOSE_RSP with the error).
+func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
+	s.Stats.FrontendOpen.Add(1)
+	s.metrics.grpcConns.Add(1)
+	defer func() {
+		s.metrics.grpcConns.Add(-1)
+		s.Stats.FrontendOpen.Add(-1)
+	}()
+	g := &grpcStream{w: w, flush: flusherOf(w)}
+	t := &grpcTunnel{link: l, conn: c, ctx: r.Context(), g: g, body: r.Body, connectID: p.GRPC.ConnectID, addr: p.Addr}
+	s.newGRPCUpload(t, nil, p.GRPC.Partial)
+	a := s.waitAgentID(p.Agent, resumeWait)
+	var err error
+	if a == nil {
+		err = fmt.Errorf("agent not back within %s", resumeWait)
+	} else {
+		t.st, err = s.roundTrip(a, p.Addr, t.up, time.Now().Add(s.cfg.DialTimeout), p.Token)
+	}
+	if err != nil {
+		t.up.unblock()
+		s.resumeFailed(p, err)
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
+		g.finish(grpcOK, "")
+		return nil
+	}
+	s.established(t.st, a, t.up)
+	s.Stats.Resumed.Add(1)
+	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent, "frontend", "grpc")
+	code, msg, err := s.carryGRPC(t)
+	if err == errTunnelPaused {
+		return err
+	}
+	g.finish(code, msg)
+	return nil
 }
 
 // openResumed opens the stream that resumes p through its agent.

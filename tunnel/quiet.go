@@ -80,8 +80,8 @@ func (a *activity) down() {
 // raw, when set, is the client's socket: bytes it holds unread make the
 // tunnel busy, so that a request the client has sent but this process has
 // not read yet is never cut.
-// conn, st and up are set for an HTTP CONNECT tunnel, which a handover
-// may pause instead (handover.go).
+// conn, st and up are set for an HTTP CONNECT tunnel, st, up and grpc
+// for a gRPC call: a handover may pause them instead (handover.go).
 type quietTunnel struct {
 	quiet      time.Duration // drainQuiet, or drainQuietGRPC
 	act        *activity
@@ -90,6 +90,7 @@ type quietTunnel struct {
 	conn       net.Conn
 	st         *stream
 	up         *upload
+	grpc       *grpcTunnel // set for a gRPC front door call, with st and up
 }
 
 // addQuiet registers an open tunnel until it ends.

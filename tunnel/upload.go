@@ -83,6 +83,15 @@ func (u *upload) start() {
 	close(u.established)
 }
 
+func (u *upload) isDone() bool {
+	select {
+	case <-u.done:
+		return true
+	default:
+		return false
+	}
+}
+
 func (u *upload) finish() { u.doneOnce.Do(func() { close(u.done) }) }
 
 // attempt returns the request body for one dial attempt.
@@ -139,6 +148,11 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 	n, err := b.u.br.Read(p)
 	for _, c := range b.u.counters {
 		c.Add(int64(n))
+	}
+	b.u.sent += int64(n)
+	if err != nil && b.u.pausing.Load() && errors.Is(err, h2link.ErrReadStopped) {
+		b.u.paused = true // every byte read was returned to the link before this call
+		err = h2link.ErrUploadPaused
 	}
 	if n > 0 {
 		b.u.act.up()

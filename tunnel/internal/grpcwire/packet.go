@@ -337,6 +337,68 @@ func ReadMessage(r io.Reader, buf []byte, limit int) ([]byte, []byte, error) {
 	return msg, msg, nil
 }
 
+// MessageReader reads gRPC messages from a stream one at a time, like
+// ReadMessage, but keeps a message cut short by a read error: the next
+// Next goes on where it stopped, and Partial returns the bytes read so
+// far, which Prime gives to another reader (a handover to another
+// process). It reads no byte past the message it returns.
+type MessageReader struct {
+	Limit int    // the largest message accepted
+	buf   []byte // the current message as received: prefix, then payload
+}
+
+// NewMessageReader reads messages of at most limit bytes into buf's
+// storage, growing it as bytes arrive.
+func NewMessageReader(buf []byte, limit int) *MessageReader {
+	return &MessageReader{Limit: limit, buf: buf[:0]}
+}
+
+// Next returns the next message, which aliases the reader's buffer until
+// the following call. A read error leaves the message's bytes read so far
+// in place; io.EOF before any byte of a message is returned as is, in the
+// middle of one as io.ErrUnexpectedEOF.
+func (m *MessageReader) Next(r io.Reader) ([]byte, error) {
+	for {
+		need := HeaderLen
+		if len(m.buf) >= HeaderLen {
+			if m.buf[0] != 0 {
+				return nil, fmt.Errorf("compressed gRPC messages are not supported (flag %d)", m.buf[0])
+			}
+			n64 := uint64(binary.BigEndian.Uint32(m.buf[1:HeaderLen]))
+			if n64 > uint64(m.Limit) {
+				return nil, fmt.Errorf("gRPC message of %d bytes exceeds the %d limit", n64, m.Limit)
+			}
+			need += int(n64)
+			if len(m.buf) == need {
+				msg := m.buf[HeaderLen:need]
+				m.buf = m.buf[:0]
+				return msg, nil
+			}
+		}
+		if len(m.buf) == cap(m.buf) {
+			// Grow with what arrives, never to the announced length ahead of it.
+			grown := make([]byte, len(m.buf), min(max(2*cap(m.buf), GrowStep), need))
+			copy(grown, m.buf)
+			m.buf = grown
+		}
+		k, err := r.Read(m.buf[len(m.buf):min(need, cap(m.buf))])
+		m.buf = m.buf[:len(m.buf)+k]
+		if err != nil && len(m.buf) < need {
+			if errors.Is(err, io.EOF) && len(m.buf) > 0 {
+				return nil, fmt.Errorf("truncated gRPC message: %w", io.ErrUnexpectedEOF)
+			}
+			return nil, err
+		}
+	}
+}
+
+// Partial is the incomplete message's bytes read so far (prefix
+// included), empty at a message boundary. It aliases the buffer.
+func (m *MessageReader) Partial() []byte { return m.buf }
+
+// Prime makes b (another reader's Partial) the start of the next message.
+func (m *MessageReader) Prime(b []byte) { m.buf = append(m.buf[:0], b...) }
+
 // AppendMessage encodes p as one gRPC length-prefixed message.
 func AppendMessage(dst []byte, p Packet) []byte {
 	start := len(dst)

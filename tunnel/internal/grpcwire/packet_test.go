@@ -156,3 +156,79 @@ func TestPutDataPrefixMatchesEncoder(t *testing.T) {
 		}
 	}
 }
+
+// pausingReader returns its bytes a few at a time and errPause after
+// every pauseEvery reads, as a connection stopped for a handover does.
+type pausingReader struct {
+	b          []byte
+	reads      int
+	pauseEvery int
+}
+
+var errPause = errors.New("paused")
+
+func (r *pausingReader) Read(p []byte) (int, error) {
+	r.reads++
+	if r.reads%r.pauseEvery == 0 {
+		return 0, errPause
+	}
+	if len(r.b) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p[:min(len(p), 7)], r.b)
+	r.b = r.b[n:]
+	return n, nil
+}
+
+// FuzzMessageReaderResumes: a MessageReader whose source stops now and
+// then, and whose incomplete message moves to a new reader at each stop
+// (Partial, Prime), returns exactly what ReadMessage returns from the
+// same bytes read in one go.
+func FuzzMessageReaderResumes(f *testing.F) {
+	var two []byte
+	two = AppendMessage(two, Packet{Type: DialReq, Address: "a:1"})
+	two = AppendMessage(two, Packet{Type: Data, ConnectID: 7, Data: bytes.Repeat([]byte("x"), 300)})
+	f.Add(two, uint8(3))
+	f.Add([]byte{0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 9}, uint8(2))
+	f.Add([]byte{1, 0, 0, 0, 1, 0}, uint8(5))
+	f.Add([]byte{0, 0xff, 0xff, 0xff, 0xff}, uint8(4))
+	f.Fuzz(func(t *testing.T, b []byte, every uint8) {
+		var want [][]byte
+		var wantErr bool
+		r := bytes.NewReader(b)
+		for range 100 {
+			msg, _, err := ReadMessage(r, nil, 1<<16)
+			if err != nil {
+				wantErr = !errors.Is(err, io.EOF)
+				break
+			}
+			want = append(want, append([]byte(nil), msg...))
+		}
+		src := &pausingReader{b: b, pauseEvery: 2 + int(every%8)}
+		mr := NewMessageReader(nil, 1<<16)
+		var got [][]byte
+		var gotErr bool
+		for range 100 + len(b) {
+			msg, err := mr.Next(src)
+			if errors.Is(err, errPause) {
+				next := NewMessageReader(make([]byte, 0, 16), 1<<16)
+				next.Prime(mr.Partial())
+				mr = next
+				continue
+			}
+			if err != nil {
+				gotErr = !errors.Is(err, io.EOF)
+				break
+			}
+			got = append(got, append([]byte(nil), msg...))
+		}
+		if len(got) != len(want) || gotErr != wantErr {
+			t.Fatalf("got %d messages (error %v), want %d (error %v)", len(got), gotErr, len(want), wantErr)
+		}
+		for i := range want {
+			if !bytes.Equal(got[i], want[i]) {
+				t.Fatalf("message %d differs", i)
+			}
+		}
+	})
+}

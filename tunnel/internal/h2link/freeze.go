@@ -32,6 +32,13 @@ import (
 // loop stopped for a freeze and everything received was read.
 var ErrReadStopped = errors.New("reading stopped for a handover")
 
+// ErrNotAtRest is Freeze's answer while a handler still runs or a stream
+// still holds received bytes: try again once they are done.
+var ErrNotAtRest = errors.New("freeze: a stream is not at rest")
+
+// Freezable reports whether the connection was made with Config.Freezable.
+func (l *Conn) Freezable() bool { return l.fread != nil }
+
 // maxFrozenHeaders bounds the header blocks kept for a freeze; a
 // connection whose peer sent more cannot be frozen.
 const maxFrozenHeaders = 64 << 10
@@ -222,6 +229,9 @@ func (l *Conn) Freeze() (*Frozen, error) {
 	if l.fread.overflow {
 		return nil, errors.New("freeze: the peer sent too many header blocks")
 	}
+	if err := l.atRest(); err != nil {
+		return nil, err
+	}
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	// The last control frames go out, and no more are queued. On an
@@ -248,13 +258,8 @@ func (l *Conn) Freeze() (*Frozen, error) {
 	}
 	for _, st := range l.streams {
 		st.rmu.Lock()
-		fs := FrozenStream{ID: st.id, SendWindow: st.sendWindow.avail(), RecvWindow: st.recvWindow.avail(), Unacked: st.unacked, RecvSize: st.recvSize}
-		busy := len(st.queue) > 0 || st.eof || st.recvErr != nil || st.sink != nil
+		f.Streams = append(f.Streams, FrozenStream{ID: st.id, SendWindow: st.sendWindow.avail(), RecvWindow: st.recvWindow.avail(), Unacked: st.unacked, RecvSize: st.recvSize})
 		st.rmu.Unlock()
-		if st.handlerRunning || !st.answered || st.state != stateOpen || busy {
-			return nil, fmt.Errorf("freeze: stream %d is not at rest (%s)", st.id, st.state)
-		}
-		f.Streams = append(f.Streams, fs)
 	}
 	// From here this end is done with the connection, but leaves it be.
 	l.closed = true
@@ -265,6 +270,23 @@ func (l *Conn) Freeze() (*Frozen, error) {
 	l.windowCond.Broadcast()
 	close(l.frozen)
 	return f, nil
+}
+
+// atRest checks that every stream can be frozen: open, answered, its
+// handler returned detached, nothing received left unread. Once the read
+// loop stopped and the handlers returned, nothing changes that but Close.
+func (l *Conn) atRest() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, st := range l.streams {
+		st.rmu.Lock()
+		busy := len(st.queue) > 0 || st.eof || st.recvErr != nil || st.sink != nil
+		st.rmu.Unlock()
+		if st.handlerRunning || !st.answered || st.state != stateOpen || busy {
+			return fmt.Errorf("%w: stream %d (%s)", ErrNotAtRest, st.id, st.state)
+		}
+	}
+	return nil
 }
 
 // ResumeServer rebuilds on conn a serving end a previous process froze.
