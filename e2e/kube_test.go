@@ -593,9 +593,8 @@ const kubeRestarts = 2
 
 // webhookLoopAcrossRestarts sends webhook-checked creates from two
 // goroutines while the server re-executes itself on SIGHUP, kubeRestarts
-// times, each restart complete before the next. With HTTP CONNECT every
-// call must succeed and every restart must hand its paused tunnels to the
-// next image; with gRPC the loss is bounded (see lossBound).
+// times, each restart complete before the next. Every call must succeed
+// and every restart must hand its paused tunnels to the next image.
 func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	t.Helper()
 	out0 := len(e.s.proc.out.String()) // the server's output before this subtest
@@ -637,9 +636,9 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 		time.Sleep(time.Second)
 		execs := strings.Count(e.s.proc.out.String(), "re-executing in place")
 		e.s.proc.signal(t, syscall.SIGHUP)
-		// The draining server closes each kube-apiserver connection at a
-		// quiet moment (a busy one at --restart-grace); then the same
-		// process re-executes and the agent rejoins it.
+		// The draining server pauses each kube-apiserver tunnel and
+		// hands it over; then the same process re-executes, the agent
+		// rejoins it and the tunnels resume.
 		waitFor(t, 30*time.Second, fmt.Sprintf("re-exec after SIGHUP #%d", i+1), func() bool {
 			return strings.Count(e.s.proc.out.String(), "re-executing in place") > execs
 		})
@@ -655,46 +654,29 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	}
 	t.Logf("%s: %d webhook-checked creates across %d SIGHUP restarts, %d failed, webhook answered %d",
 		e.mode, ok.Load(), kubeRestarts, failed.Load(), e.reviews.Load()-reviews0)
-	// With HTTP CONNECT a restart pauses each kube-apiserver tunnel at a
-	// byte-exact point with the agent and hands the client's socket to the
-	// next image, which resumes it on a new stream: kube-apiserver's
-	// connection never closes, so no call may be lost, and each restart
-	// must say it handed tunnels over (kube-apiserver keeps at least one
-	// keep-alive connection to the webhook open under this load) and none
-	// may fail to pause or resume.
-	//
-	// gRPC tunnels are not paused: a drain closes each at a quiet moment,
-	// but a call sent in the instant of the close is lost, and so is one on
-	// a connection never quiet until --restart-grace: kube-apiserver does
-	// not retry a POST, and konnectivity-client accepts a request until it
-	// has read CLOSE_RSP (README, e2e-kube, "What remains"). The loss is
-	// held to a bound, so the gap shows in the log and a regression still
-	// fails.
-	lossBound := int64(5 * kubeRestarts)
-	if e.mode == "http-connect" {
-		lossBound = 0
+	// A restart pauses each kube-apiserver tunnel at a byte-exact point
+	// with the agent and hands the client's socket (with gRPC, its frozen
+	// HTTP/2 connection too) to the next image, which resumes it on a new
+	// stream: kube-apiserver's connection never closes, so no call may be
+	// lost, each restart must say it handed tunnels over (kube-apiserver
+	// keeps at least one keep-alive connection to the webhook open under
+	// this load), and none may fail to pause or resume.
+	if failed.Load() > 0 || ok.Load() < 10 {
+		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed: %s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
 	}
-	if failed.Load() > lossBound || ok.Load() < 10 {
-		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed (bound %d): %s", ok.Load(), failed.Load(), lossBound, strings.Join(errs, "\n"))
-	}
-	if e.mode == "http-connect" {
-		out := e.s.proc.out.String()[out0:]
-		for line := range strings.Lines(out) {
-			if strings.Contains(line, "tunnels paused for the next image") {
-				t.Logf("%s: %s", e.mode, strings.TrimSpace(line))
-			}
-		}
-		if n := strings.Count(out, "paused tunnels handed to the next image"); n != kubeRestarts {
-			t.Errorf("server handed paused tunnels to the next image %d times across %d restarts, want once per restart:\n%s", n, kubeRestarts, tail(out, 6000))
-		}
-		for _, bad := range []string{"could not be resumed", "could not be paused"} {
-			if line := lineWith(out, bad); line != "" {
-				t.Errorf("a tunnel %s across SIGHUP: %s", bad, line)
-			}
+	out := e.s.proc.out.String()[out0:]
+	for line := range strings.Lines(out) {
+		if strings.Contains(line, "tunnels paused for the next image") {
+			t.Logf("%s: %s", e.mode, strings.TrimSpace(line))
 		}
 	}
-	if failed.Load() > 0 {
-		t.Logf("%s: KNOWN GAP: %d webhook calls lost across %d SIGHUP restarts: %s", e.mode, failed.Load(), kubeRestarts, strings.Join(errs, "\n"))
+	if n := strings.Count(out, "paused tunnels handed to the next image"); n != kubeRestarts {
+		t.Errorf("server handed paused tunnels to the next image %d times across %d restarts, want once per restart:\n%s", n, kubeRestarts, tail(out, 6000))
+	}
+	for _, bad := range []string{"could not be resumed", "could not be paused"} {
+		if line := lineWith(out, bad); line != "" {
+			t.Errorf("a tunnel %s across SIGHUP: %s", bad, line)
+		}
 	}
 }
 

@@ -8,6 +8,8 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/url"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -310,3 +312,59 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 }
 
 func bytesEqual(a, b []byte) bool { return string(a) == string(b) }
+
+// TestPauseRequestsRefused: the agent answers a pause request it cannot
+// honour with a clear status and leaves the tunnel as it was: malformed
+// (400), a stream that is no tunnel (404); and a resume with an unknown
+// token opens nothing.
+func TestPauseRequestsRefused(t *testing.T) {
+	checkNoLeaks(t)
+	e, echo := newEchoEnv(t)
+	defer e.stop()
+	c := e.echoOne(echo) // an open tunnel, stream 3 or later on the link
+	defer c.Close()
+	a := e.srv.agents.snapshot()[0]
+	ask := func(h http.Header) int {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		req := (&http.Request{Method: http.MethodPost, URL: &url.URL{Scheme: "https", Host: "agent", Path: pausePath}, Host: "agent", Header: h}).WithContext(ctx)
+		resp, err := a.link.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for _, tc := range []struct {
+		name string
+		h    http.Header
+		want int
+	}{
+		{"no headers", http.Header{}, http.StatusBadRequest},
+		{"bad stream", http.Header{hdrPauseStream: {"x"}, hdrPauseSent: {"0"}, hdrResumeToken: {"tok"}}, http.StatusBadRequest},
+		{"negative count", http.Header{hdrPauseStream: {"3"}, hdrPauseSent: {"-1"}, hdrResumeToken: {"tok"}}, http.StatusBadRequest},
+		{"token with a space", http.Header{hdrPauseStream: {"3"}, hdrPauseSent: {"0"}, hdrResumeToken: {"a b"}}, http.StatusBadRequest},
+		{"no such tunnel", http.Header{hdrPauseStream: {"99999"}, hdrPauseSent: {"0"}, hdrResumeToken: {"tok"}}, http.StatusNotFound},
+	} {
+		if got := ask(tc.h); got != tc.want {
+			t.Errorf("%s: status %d, want %d", tc.name, got, tc.want)
+		}
+	}
+	// A resume with a token nobody holds opens no tunnel.
+	pr, pw := io.Pipe() // a client that sends nothing and stays
+	up := newUpload(bufio.NewReader(pr), func() { pw.Close() }, e.srv.goroutine)
+	if _, err := e.srv.roundTrip(a, echo, up, time.Now().Add(5*time.Second), "0123456789abcdef"); err == nil || !strings.Contains(err.Error(), "no paused tunnel for this resume token") {
+		t.Errorf("resume with an unknown token: %v, want the agent's refusal", err)
+	}
+	up.unblock()
+	// The tunnel still works.
+	if _, err := c.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
+		t.Fatalf("tunnel after the refused pauses: %q %v", b, err)
+	}
+}

@@ -1,3 +1,5 @@
+//lint:file-ignore SA1019 the test peer is x/net/http2's client: HTTP/2 with prior knowledge on a socket the test holds, as kube-apiserver's gRPC client speaks it.
+
 package h2link
 
 import (
@@ -206,4 +208,48 @@ func firstDiff(a, b []byte) int {
 		}
 	}
 	return min(len(a), len(b))
+}
+
+// TestFreezeRefusedPastHeaderBound: the header blocks a freezable end
+// keeps for a freeze are bounded (maxFrozenHeaders); a peer that sends
+// more costs no more memory, and its connection cannot be frozen.
+func TestFreezeRefusedPastHeaderBound(t *testing.T) {
+	checkNoLeaks(t)
+	client, server := connPair(t, "unix", t.TempDir()+"/s")
+	defer client.Close()
+	defer server.Close()
+	tr := &http2.Transport{AllowHTTP: true}
+	cc, err := tr.NewClientConn(client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	l, err := NewServer(server, Config{Freezable: true}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan struct{})
+	go func() { l.Serve(); close(served) }()
+	for i := range 40 { // 40 blocks of about 3 KiB, each new to the client's HPACK table
+		req, _ := http.NewRequest(http.MethodGet, "http://x/", nil)
+		req.Header.Set(fmt.Sprintf("X-Big-%d", i), strings.Repeat(fmt.Sprint(i%10), 3000))
+		resp, err := cc.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := l.StopReading(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if l.fread.frames != nil || !l.fread.overflow {
+		t.Errorf("kept %d header frames past the bound", len(l.fread.frames))
+	}
+	if _, err := l.Freeze(); err == nil || !strings.Contains(err.Error(), "too many header blocks") {
+		t.Errorf("Freeze: %v, want a refusal", err)
+	}
+	l.Close()
+	<-served
 }
