@@ -19,7 +19,10 @@
 //   - link: the HTTP/2 session on a connection (h2link.Conn);
 //   - tunnel: one dial, that is one CONNECT stream on a link (or one
 //     connect ID on an upstream agent's gRPC stream), from the client's
-//     socket to the destination.
+//     socket to the destination;
+//   - pause, handover, resume: a tunnel stopped at a byte-exact point in
+//     both directions, passed to the next image of the server's process,
+//     and carried on there on a new stream.
 //
 // # Files
 //
@@ -28,9 +31,13 @@
 // front door), admission.go (an agent's connection until it is admitted,
 // the limits on it, and register, which puts admitted agents of both kinds
 // in the registry), dial.go (picking an agent and opening a tunnel through
-// it), upstream_agent.go (upstream's gRPC agents), registry.go, identity.go.
+// it), upstream_agent.go (upstream's gRPC agents), registry.go, identity.go,
+// quiet.go (a drain's close at a quiet moment), handover.go (tunnels paused
+// and handed to the next image of the process, and resumed there).
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go (a
-// connection per server), destinations.go (the destination policy).
+// connection per server), agent_pause.go (its half of a handover: pausing a
+// tunnel and holding its destination for the resume), destinations.go (the
+// destination policy).
 // Shared: handshake.go (the Upgrade request), upload.go, buffers.go,
 // conn.go, packets.go and the metrics files.
 //

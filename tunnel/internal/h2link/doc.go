@@ -37,6 +37,12 @@
 // PreAdmitConnWindow; its owner calls (*Conn).RaiseWindows after
 // admission to give the full windows.
 //
+// A serving end made with Config.Freezable can move to another process
+// on the same socket (freeze.go): StopReading stops its read loop at a
+// frame boundary, handlers let their streams go with Detach, Freeze
+// returns the state (Frozen) and ResumeServer rebuilds it. A client end's
+// upload that returns ErrUploadPaused stops without ending its stream.
+//
 // The package knows nothing of its users: an upload that sends itself
 // implements SendTo(io.Writer) error (and CallerSends() bool when its
 // caller sends it through (*Body).SendUpload); a connection whose writes
