@@ -119,10 +119,13 @@ type Agent struct {
 
 	mu    sync.Mutex
 	conns map[*serverConn]struct{}
-	// Also guarded by mu: destination connections held for a resume
-	// (agent_pause.go), and how many are held or being paused.
+	// Also guarded by mu (agent_pause.go): destination connections held
+	// for a resume, the tunnels pause requests are stopping, and how many
+	// are held or being paused.
 	paused      map[string]*pausedDest
+	pausing     map[net.Conn]*agentTunnel
 	pausedCount int
+	pauses      atomic.Int32 // pause requests in flight: carry looks for its tunnel only then
 	maxCount    int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
 	changed     chan struct{} // closed and replaced when connections change
 	draining    bool
@@ -345,12 +348,12 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 // destination, answers 200 only once that worked, then carries bytes both
 // ways. A tunnel has one goroutine here (this one, reading the
 // destination) and its own HTTP/2 window.
-func (a *Agent) serveStream(l *serverConn, w http.ResponseWriter, r *http.Request) {
+func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
 	defer a.recoverStream()
 	a.metrics.packets.inc(segToAgent, grpcwire.DialReq)
-	dest := a.openDestination(l, w, r)
+	dest := a.openDestination(w, r)
 	a.metrics.packets.inc(segFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
 	if dest == nil {
 		return
@@ -366,7 +369,7 @@ func (a *Agent) serveStream(l *serverConn, w http.ResponseWriter, r *http.Reques
 		a.Stats.OpenStreams.Add(-1)
 	}()
 	w.WriteHeader(http.StatusOK)
-	a.carry(l, w, r, dest)
+	a.carry(w, r, dest)
 }
 
 // recoverStream keeps a panic in one tunnel from ending the agent: the
@@ -383,7 +386,7 @@ func (a *Agent) recoverStream() {
 
 // openDestination checks the request and dials its destination; on
 // failure it answers the error itself and returns nil.
-func (a *Agent) openDestination(l *serverConn, w http.ResponseWriter, r *http.Request) net.Conn {
+func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
 		return nil
@@ -394,14 +397,14 @@ func (a *Agent) openDestination(l *serverConn, w http.ResponseWriter, r *http.Re
 		return nil
 	}
 	if token := r.Header.Get(hdrResumeToken); token != "" {
-		dest, err := a.takePaused(token, addr)
+		dest, err := a.takePaused(token)
 		if err != nil {
 			a.log.Info("tunnel not resumed", "addr", addr, "err", err)
 			http.Error(w, errMsg(err), StatusCode(err))
 			return nil
 		}
 		dest.SetReadDeadline(time.Time{})
-		a.log.Debug("tunnel resumed", "server_id", l.id, "addr", addr)
+		a.log.Debug("tunnel resumed", "addr", addr)
 		return dest
 	}
 	dialStart := time.Now()
@@ -439,14 +442,10 @@ func (a *Agent) openDestination(l *serverConn, w http.ResponseWriter, r *http.Re
 // delivers the upload to the destination (see deliverUpload) while this
 // goroutine sends what the destination says. An idle tunnel parks here:
 // see "Parked stacks" in doc.go.
-func (a *Agent) carry(l *serverConn, w http.ResponseWriter, r *http.Request, dest net.Conn) {
+func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
-	up := a.deliverUpload(r.Body, dest)
-	t := a.pausable(l, r, dest, up)
-	if t != nil {
-		defer l.removeTunnel(r.Body.(*h2link.Body).StreamID())
-	}
-	flush() // the 200: the server may pause the tunnel from now on
+	up := a.deliverUpload(r.Body, dest) // before the 200: a pause request finds it (Conn.Sink)
+	flush()
 	var n int64
 	var downErr error
 	// Each read from the destination is sent as one DATA Packet.
@@ -458,15 +457,8 @@ func (a *Agent) carry(l *serverConn, w http.ResponseWriter, r *http.Request, des
 	}
 	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
-	if t.downloadStopped(n, downErr) {
-		// Paused: the destination is held elsewhere (agent_pause.go).
-		// The server ends the stream once its client has every byte
-		// sent here; a reset from this side could overtake them.
-		<-r.Context().Done()
-		r.Body.Close()
-		<-up.Done()
-		a.countUpload(up)
-		panic(http.ErrAbortHandler)
+	if a.downloadStopped(dest, n, downErr) {
+		a.pausedEnd(r, up) // the destination is held for a resume (agent_pause.go)
 	}
 	if downErr == nil {
 		a.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM

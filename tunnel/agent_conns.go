@@ -42,9 +42,6 @@ type serverConn struct {
 	drain     chan struct{} // closed to ask the control stream to announce a drain
 	streams   atomic.Int64  // open tunnels on this link
 	token     string        // the token presented at login; read-only
-
-	mu      sync.Mutex
-	tunnels map[uint32]*agentTunnel // under mu: tunnels the server may pause, by stream ID
 }
 
 func (l *serverConn) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
@@ -344,7 +341,7 @@ func (a *Agent) serveConn(l *serverConn) {
 		}
 		l.streams.Add(1)
 		defer l.streams.Add(-1)
-		a.serveStream(l, w, r)
+		a.serveStream(w, r)
 	})
 	// Handlers are counted before their goroutine starts, so Run's wait
 	// for them cannot pass one that is about to begin.

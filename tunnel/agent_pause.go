@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"os"
 	"strconv"
-	"sync/atomic"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
@@ -32,73 +31,36 @@ const pauseWait = 5 * time.Second
 // maxPaused bounds the destination connections an agent holds paused.
 const maxPaused = 10000
 
-// Tunnel states on the agent, in agentTunnel.state.
-const (
-	tunnelCarrying int32 = iota // bytes flow both ways
-	tunnelPausing               // a pause request is stopping the download
-	tunnelPaused                // the destination connection is held for a resume
-	tunnelEnded                 // the download ended on its own: no pause any more
-)
-
-// agentTunnel is one tunnel a server may pause: what servePause needs to
-// stop it at a byte-exact point.
+// agentTunnel is a tunnel a pause request is stopping: what servePause and
+// the tunnel's carry tell each other. It exists only while the request
+// runs, in Agent.pausing under the destination connection: nothing is
+// registered per tunnel.
 type agentTunnel struct {
-	// Immutable once registered in serverConn.tunnels.
-	dest net.Conn
-	addr string           // the address dialled
-	up   *h2link.Delivery // the server's bytes on their way to dest
+	// Immutable once registered.
+	dest    net.Conn
+	up      *h2link.Delivery // the server's bytes on their way to dest
+	stopped chan struct{}    // closed by carry once it stopped reading dest
+	settled chan struct{}    // closed by servePause once it decided
 
-	state atomic.Int32 // tunnelCarrying, tunnelPausing or tunnelPaused
-	// Set by servePause before state becomes tunnelPausing, read by carry
-	// after it sees tunnelPausing.
-	stopped chan struct{} // closed by carry once it stopped reading dest
-	settled chan struct{} // closed by servePause once it decided
 	// Written by carry before it closes stopped: the bytes it sent to the
 	// server, or -1 when the download ended on its own instead.
 	downSent int64
+	// Written by servePause before it closes settled.
+	paused bool // the destination is held for a resume: carry lets the stream go
 }
 
 // pausedDest is a destination connection held for a resume.
 type pausedDest struct {
 	conn  net.Conn // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
-	addr  string   // the address dialled, which a resume must name
 	timer *time.Timer
-}
-
-// pausable registers a tunnel its server may pause, on the link's stream
-// ID; nil when the stream is not on a link (nothing to pause).
-func (a *Agent) pausable(l *serverConn, r *http.Request, dest net.Conn, up *h2link.Delivery) *agentTunnel {
-	b, ok := r.Body.(*h2link.Body)
-	if !ok || l == nil {
-		return nil
-	}
-	t := &agentTunnel{dest: dest, addr: r.Host, up: up}
-	l.mu.Lock()
-	if l.tunnels == nil {
-		l.tunnels = make(map[uint32]*agentTunnel)
-	}
-	l.tunnels[b.StreamID()] = t
-	l.mu.Unlock()
-	return t
-}
-
-func (l *serverConn) removeTunnel(id uint32) {
-	l.mu.Lock()
-	delete(l.tunnels, id)
-	l.mu.Unlock()
-}
-
-func (l *serverConn) tunnel(id uint32) *agentTunnel {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.tunnels[id]
 }
 
 // servePause answers a server's pause request for one of its tunnels on
 // this connection: once the bytes the server sent have reached the
 // destination, the agent stops reading the destination, sends what it
 // read, holds the connection under the server's token and answers with the
-// bytes it sent. Any other answer leaves the tunnel as it was.
+// bytes it sent. Any other answer leaves the tunnel as it was, or (a
+// download stuck on a server that does not read) ends it.
 func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request) {
 	id, err1 := strconv.ParseUint(r.Header.Get(hdrPauseStream), 10, 31)
 	sent, err2 := strconv.ParseInt(r.Header.Get(hdrPauseSent), 10, 64)
@@ -107,55 +69,87 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		http.Error(w, "malformed pause request", http.StatusBadRequest)
 		return
 	}
-	t := l.tunnel(uint32(id))
-	if t == nil {
+	var dest net.Conn
+	var up *h2link.Delivery
+	if lk := l.link.Load(); lk != nil {
+		dest, up = lk.Sink(uint32(id))
+	}
+	if dest == nil {
 		http.Error(w, fmt.Sprintf("no open tunnel on stream %d", id), http.StatusNotFound)
 		return
 	}
-	dup, err := dupSocket(t.dest)
+	dup, err := dupSocket(dest)
 	if err != nil {
 		http.Error(w, "destination cannot be held: "+err.Error(), http.StatusConflict)
 		return
 	}
-	if !a.reservePaused() {
+	t := &agentTunnel{dest: dest, up: up, stopped: make(chan struct{}), settled: make(chan struct{})}
+	if code, err := a.startPause(t); err != nil {
 		dup.Close()
-		http.Error(w, "too many paused tunnels", http.StatusServiceUnavailable)
+		http.Error(w, err.Error(), code)
 		return
 	}
-	t.stopped, t.settled = make(chan struct{}), make(chan struct{})
-	if !t.state.CompareAndSwap(tunnelCarrying, tunnelPausing) {
-		a.unreservePaused()
+	defer a.endPause(t)
+	fail := func(code int, err error) {
+		close(t.settled)
 		dup.Close()
-		http.Error(w, "tunnel is already being paused", http.StatusConflict)
-		return
+		http.Error(w, err.Error(), code)
 	}
 	// Every DATA frame the server sent before this request came first on
 	// the connection; wait until the link has written them all.
-	if err := waitDelivered(r, t.up, sent); err != nil {
-		t.state.Store(tunnelCarrying)
-		close(t.settled)
-		a.unreservePaused()
-		dup.Close()
-		http.Error(w, err.Error(), http.StatusConflict)
+	if err := waitDelivered(r, up, sent); err != nil {
+		fail(http.StatusConflict, err)
 		return
 	}
-	t.dest.SetReadDeadline(time.Now()) // carry stops reading: see carry
-	<-t.stopped
+	dest.SetReadDeadline(time.Now()) // carry stops reading: see downloadStopped
+	select {
+	case <-t.stopped:
+	case <-time.After(pauseWait):
+		// Stuck sending to the server, or the download ended before the
+		// pause was registered: the tunnel cannot stop at a known point.
+		fail(http.StatusConflict, fmt.Errorf("the download did not stop within %s", pauseWait))
+		return
+	}
 	if t.downSent < 0 {
-		// The destination ended first: the tunnel ends as it would have.
-		t.state.Store(tunnelEnded)
-		close(t.settled)
-		a.unreservePaused()
-		dup.Close()
-		http.Error(w, "the destination ended the tunnel", http.StatusConflict)
+		fail(http.StatusConflict, errors.New("the destination ended the tunnel"))
 		return
 	}
-	a.holdPaused(token, &pausedDest{conn: dup, addr: t.addr})
-	t.state.Store(tunnelPaused)
+	a.holdPaused(token, &pausedDest{conn: dup})
+	t.paused = true
 	close(t.settled)
 	w.Header().Set(hdrPauseSent, strconv.FormatInt(t.downSent, 10))
 	w.WriteHeader(http.StatusOK)
 	a.log.Debug("tunnel paused for a resume", "server_id", l.id, "stream", id)
+}
+
+// startPause registers t for its tunnel's carry to find, within the bound
+// on held destinations.
+func (a *Agent) startPause(t *agentTunnel) (int, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.pausing[t.dest] != nil {
+		return http.StatusConflict, errors.New("tunnel is already being paused")
+	}
+	if a.pausedCount >= maxPaused {
+		return http.StatusServiceUnavailable, errors.New("too many paused tunnels")
+	}
+	if a.pausing == nil {
+		a.pausing = make(map[net.Conn]*agentTunnel)
+	}
+	a.pausing[t.dest] = t
+	a.pausedCount++ // held from here on; given back by endPause unless paused
+	a.pauses.Add(1)
+	return 0, nil
+}
+
+func (a *Agent) endPause(t *agentTunnel) {
+	a.mu.Lock()
+	delete(a.pausing, t.dest)
+	if !t.paused {
+		a.pausedCount--
+	}
+	a.mu.Unlock()
+	a.pauses.Add(-1)
 }
 
 // waitDelivered waits until up has written sent bytes, or gives up.
@@ -187,13 +181,23 @@ func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
 	}
 }
 
-// downloadStopped is carry's report that its reading of the destination
-// returned with n bytes sent. Without a pause in progress the tunnel can no
-// longer be paused. With one, it says where it stopped and waits for
-// servePause's decision: paused means the destination is now held for a
-// resume, and carry must end its stream with a reset and touch nothing.
-func (t *agentTunnel) downloadStopped(n int64, downErr error) (paused bool) {
-	if t == nil || t.state.CompareAndSwap(tunnelCarrying, tunnelEnded) {
+// downloadStopped is carry's report, while some pause is in progress,
+// that its reading of dest returned with n bytes sent. Without a pause of
+// this tunnel it is false. With one, it says where it stopped and waits
+// for servePause's decision: true means the destination is now held for a
+// resume, and carry must let its stream go (pausedEnd). Apart from carry,
+// whose frame stays on parked stacks; it looks for the tunnel only while
+// some pause is in progress.
+//
+//go:noinline
+func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
+	if a.pauses.Load() == 0 {
+		return false
+	}
+	a.mu.Lock()
+	t := a.pausing[dest]
+	a.mu.Unlock()
+	if t == nil {
 		return false
 	}
 	if errors.Is(downErr, os.ErrDeadlineExceeded) {
@@ -203,23 +207,20 @@ func (t *agentTunnel) downloadStopped(n int64, downErr error) (paused bool) {
 	}
 	close(t.stopped)
 	<-t.settled
-	return t.state.Load() == tunnelPaused
+	return t.paused
 }
 
-func (a *Agent) reservePaused() bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.pausedCount >= maxPaused {
-		return false
-	}
-	a.pausedCount++
-	return true
-}
-
-func (a *Agent) unreservePaused() {
-	a.mu.Lock()
-	a.pausedCount--
-	a.mu.Unlock()
+// pausedEnd ends a paused tunnel's stream: once the server ended it (the
+// server's client has every byte sent here by then; a reset from this side
+// could overtake them), with a reset. Cold, as downloadStopped.
+//
+//go:noinline
+func (a *Agent) pausedEnd(r *http.Request, up *h2link.Delivery) {
+	<-r.Context().Done()
+	r.Body.Close()
+	<-up.Done()
+	a.countUpload(up)
+	panic(http.ErrAbortHandler)
 }
 
 // holdPaused keeps p under token until a resume takes it or resumeWindow
@@ -239,26 +240,23 @@ func (a *Agent) holdPaused(token string, p *pausedDest) {
 	a.paused[token] = p
 	p.timer = time.AfterFunc(resumeWindow, func() {
 		if a.takePausedIf(token, p) {
-			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "addr", p.addr, "waited", resumeWindow.String())
+			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", resumeWindow.String())
 			abortConn(p.conn)
 		}
 	})
 }
 
-// takePaused removes and returns the connection held under token for addr.
-func (a *Agent) takePaused(token, addr string) (net.Conn, error) {
+// takePaused removes and returns the connection held under token.
+func (a *Agent) takePaused(token string) (net.Conn, error) {
 	a.mu.Lock()
 	p := a.paused[token]
-	if p != nil && p.addr == addr {
+	if p != nil {
 		delete(a.paused, token)
 		a.pausedCount--
 	}
 	a.mu.Unlock()
-	switch {
-	case p == nil:
+	if p == nil {
 		return nil, statusErrorf(http.StatusNotFound, "no paused tunnel for this resume token (expired, or the agent restarted)")
-	case p.addr != addr:
-		return nil, statusErrorf(http.StatusBadRequest, "the paused tunnel goes to another address")
 	}
 	p.timer.Stop()
 	return p.conn, nil

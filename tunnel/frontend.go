@@ -15,7 +15,10 @@ import (
 )
 
 // serveFrontendConn answers one CONNECT request and, on success, carries the
-// connection's bytes to and from an agent stream until both sides are done.
+// connection's bytes to and from an agent stream until both sides are done
+// or a handover pauses the tunnel; or it carries on a tunnel a previous
+// image paused (see openFrontendTunnel). release ends the dial's count as
+// pending once the tunnel is where a drain or a handover finds it.
 func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	if !s.trackFrontend(conn, true) {
 		conn.Close()
@@ -33,15 +36,10 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	if st == nil {
 		return
 	}
-	s.carryTunnel(conn, st, up)
-}
-
-// carryTunnel carries an established tunnel's bytes both ways until both
-// sides are done, or a handover pauses it.
-func (s *Server) carryTunnel(conn net.Conn, st *stream, up *upload) {
 	defer st.close()
 	s.watchTunnel(conn, st, up)
 	defer s.unwatchTunnel(conn, up)
+	release()
 	up.start()
 	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
 		s.carryDirect(conn, st, up, body)
@@ -73,10 +71,16 @@ func (s *Server) unwatchTunnel(conn net.Conn, up *upload) {
 }
 
 // openFrontendTunnel reads the CONNECT request, checks the peer, opens a
-// stream through an agent and tells the client 200. On failure it answers
+// stream through an agent and tells the client 200; for a connection a
+// previous image paused (Resume), it opens the stream that resumes it. On failure it answers
 // the error itself and returns nil. It returns before the tunnel parks:
 // see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *upload) {
+	if s.resuming.Load() > 0 {
+		if p := s.takeResume(conn); p != nil {
+			return s.openResumed(conn, p)
+		}
+	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
 	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
@@ -114,8 +118,8 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	up := s.newFrontendUpload(conn, br)
 	up.addr = addr
 	st, err := s.open(addr, up)
-	release()
 	if err != nil {
+		release()
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)

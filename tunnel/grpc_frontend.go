@@ -312,6 +312,7 @@ type grpcTunnel struct {
 	st        *stream
 	connectID int64
 	addr      string
+	release   func() // ends the dial's count as pending; nil for a resumed call
 
 	// A handover (handover.go): pausing is set by the pause before it ends
 	// the agent's stream; downSent counts the agent's bytes written to
@@ -340,8 +341,8 @@ func (s *Server) proxyGRPC(t *grpcTunnel, req grpcwire.Packet, buf []byte, relea
 	t.addr = req.Address
 	s.newGRPCUpload(t, buf, nil)
 	st, err := s.open(req.Address, t.up)
-	release()
 	if err != nil {
+		release()
 		t.body.Close()
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
@@ -350,8 +351,9 @@ func (s *Server) proxyGRPC(t *grpcTunnel, req grpcwire.Packet, buf []byte, relea
 		return grpcOK, "", nil
 	}
 	s.Stats.DialsOK.Add(1)
-	t.st = st
+	t.st, t.release = st, release
 	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: t.connectID}); err != nil {
+		release()
 		st.close()
 		t.body.Close()
 		return grpcUnavailable, "write DIAL_RSP", nil
@@ -390,6 +392,9 @@ func (s *Server) carryGRPC(t *grpcTunnel) (int, string, error) {
 	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, st: st, up: up, grpc: t, closeQuiet: func() { close(quietCh) }}
 	s.addQuiet(qt)
 	defer s.removeQuiet(qt.act)
+	if t.release != nil {
+		t.release() // the dial is answered and the tunnel registered: see Server.serve
+	}
 	up.start()
 
 	// Downstream: the agent's bytes become DATA packets, read straight into

@@ -44,11 +44,16 @@ import (
 //     naming the token (hdrResumeToken); the agent answers with the held
 //     connection, and the tunnel goes on.
 //
-// Only what can move without loss is paused: a Unix-socket (or plain TCP)
-// HTTP CONNECT tunnel through an agent that announced featurePause, with
-// both directions open. Everything else drains as before (quiet.go), and
-// a pause that fails at any step closes its tunnel, as a drain's deadline
-// would.
+// On the gRPC front door step 1 also stops reading the client's HTTP/2
+// connection at a frame boundary, and step 4 freezes it (h2link.Frozen)
+// once the call let its stream go; the part of a gRPC message read before
+// the stop travels with it (PausedGRPC).
+//
+// Only what can move without loss is paused: a tunnel on a Unix-socket (or
+// plain TCP) front door, through an agent that announced featurePause,
+// with both directions open. Everything else drains as before (quiet.go),
+// and a pause that fails at any step closes its tunnel, as a drain's
+// deadline would.
 const (
 	pausePath      = "/konnectivity/v1/pause"
 	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
@@ -356,32 +361,47 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 		s.log.Warn("paused tunnel's socket unusable", "addr", p.Addr, "err", err)
 		return
 	}
-	if !s.trackFrontend(c, true) {
-		c.Close()
-		return
-	}
-	defer func() {
-		s.trackFrontend(c, false)
-		c.Close()
-	}()
 	if p.GRPC != nil {
+		if !s.trackFrontend(c, true) {
+			c.Close()
+			return
+		}
+		defer func() {
+			s.trackFrontend(c, false)
+			c.Close()
+		}()
 		s.resumeGRPC(c, p)
 		return
 	}
-	s.Stats.FrontendOpen.Add(1)
-	s.metrics.httpConns.Add(1)
-	defer func() {
-		s.metrics.httpConns.Add(-1)
-		s.Stats.FrontendOpen.Add(-1)
-	}()
-	st, up, err := s.openResumed(c, p)
-	if err != nil {
-		s.resumeFailed(p, err)
-		return
+	s.addResume(c, p)
+	s.serveFrontendConn(c, func() {})
+}
+
+// addResume marks c as the socket of paused tunnel p, for
+// openFrontendTunnel; the tunnel's own path is then that of a new one, so
+// that it parks as shallow (see "Parked stacks" in doc.go).
+func (s *Server) addResume(c net.Conn, p *PausedTunnel) {
+	s.mu.Lock()
+	if s.resumes == nil {
+		s.resumes = make(map[net.Conn]*PausedTunnel)
 	}
-	s.Stats.Resumed.Add(1)
-	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent)
-	s.carryTunnel(c, st, up)
+	s.resumes[c] = p
+	s.mu.Unlock()
+	s.resuming.Add(1)
+}
+
+// takeResume returns the paused tunnel c is the socket of, once.
+//
+//go:noinline
+func (s *Server) takeResume(c net.Conn) *PausedTunnel {
+	s.mu.Lock()
+	p := s.resumes[c]
+	delete(s.resumes, c)
+	s.mu.Unlock()
+	if p != nil {
+		s.resuming.Add(-1)
+	}
+	return p
 }
 
 func (s *Server) resumeFailed(p *PausedTunnel, err error) {
@@ -447,11 +467,13 @@ func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWrite
 	return nil
 }
 
-// openResumed opens the stream that resumes p through its agent.
-func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload, error) {
+// openResumed opens the stream that resumes p through its agent; on
+// failure it logs and returns nil, and the client's connection is closed.
+func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload) {
 	a := s.waitAgentID(p.Agent, resumeWait)
 	if a == nil {
-		return nil, nil, fmt.Errorf("agent not back within %s", resumeWait)
+		s.resumeFailed(p, fmt.Errorf("agent not back within %s", resumeWait))
+		return nil, nil
 	}
 	br := headReaders.Get().(*bufio.Reader)
 	br.Reset(c)
@@ -460,10 +482,13 @@ func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload, err
 	st, err := s.roundTrip(a, p.Addr, up, time.Now().Add(s.cfg.DialTimeout), p.Token)
 	if err != nil {
 		up.unblock()
-		return nil, nil, err
+		s.resumeFailed(p, err)
+		return nil, nil
 	}
 	s.established(st, a, up)
-	return st, up, nil
+	s.Stats.Resumed.Add(1)
+	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent)
+	return st, up
 }
 
 // waitAgentID returns the connected agent with id once it is there, or nil

@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
@@ -62,17 +63,17 @@ func TestSinkWritesCountAsDATA(t *testing.T) {
 	e.waitAgents(1)
 	c := e.echoOne(echoServer(t))
 	c.Close()
+	// Each count is made as its write returns, which may be just after the
+	// echo reached the client: wait for it rather than read it at once.
 	srv := &e.srv.metrics.packets.n
 	for _, n := range []struct {
 		name string
-		v    uint64
+		v    *atomic.Uint64
 	}{
-		{"server to_client DATA", srv[segToClient][grpcwire.Data].Load()},
-		{"server from_agent DATA", srv[segFromAgent][grpcwire.Data].Load()},
-		{"agent to_agent DATA", a.metrics.packets.n[segToAgent][grpcwire.Data].Load()},
+		{"server to_client DATA", &srv[segToClient][grpcwire.Data]},
+		{"server from_agent DATA", &srv[segFromAgent][grpcwire.Data]},
+		{"agent to_agent DATA", &a.metrics.packets.n[segToAgent][grpcwire.Data]},
 	} {
-		if n.v == 0 {
-			t.Errorf("%s: not counted", n.name)
-		}
+		waitUntil(t, func() bool { return n.v.Load() > 0 }, n.name+" counted")
 	}
 }

@@ -206,13 +206,16 @@ func (c *grpcTunnelConn) SetDeadline(time.Time) error      { return nil }
 func (c *grpcTunnelConn) SetReadDeadline(time.Time) error  { return nil }
 func (c *grpcTunnelConn) SetWriteDeadline(time.Time) error { return nil }
 
-// TestShutdownClosesIdleKeepAlivesQuietly is a restart in the middle of a
+// TestShutdownClosesIdleKeepAlivesQuietly is a drain in the middle of a
 // loop of POSTs (not retried by an HTTP client) over keep-alive
-// connections through the tunnel, as kube-apiserver calls its webhooks:
-// the draining server closes each keep-alive tunnel in a pause after a
+// connections through the tunnel, as kube-apiserver calls its webhooks,
+// for the tunnels a restart does not hand over (handover.go): the
+// draining server closes each keep-alive tunnel in a pause after a
 // response, the client dials again and reaches the next server on the
-// handed-over listener, and no call is lost. The drain ends long before
-// its deadline.
+// handed-over listener. The drain ends long before its deadline. A call
+// the client starts in the instant of the close is lost (the race every
+// keep-alive server has, and the reason restarts hand tunnels over); at
+// most one is allowed, and it is logged.
 func TestShutdownClosesIdleKeepAlivesQuietly(t *testing.T) {
 	for _, mode := range []string{"http-connect", "grpc"} {
 		t.Run(mode, func(t *testing.T) { testQuietRestart(t, mode == "grpc") })
@@ -383,8 +386,11 @@ func testQuietRestart(t *testing.T, grpc bool) {
 
 	t.Logf("drain took %v, %d tunnels closed at a quiet moment; %d calls ok (%d after the restart), %d failed, %d dials, webhook answered %d",
 		drain, srv1.Stats.ClosedQuiet.Load(), ok.Load(), ok.Load()-okBefore, failed.Load(), dials.Load(), answered.Load())
-	if failed.Load() != 0 {
+	switch {
+	case failed.Load() > 1:
 		t.Errorf("%d calls lost across the restart: %s", failed.Load(), strings.Join(errs[:min(len(errs), 5)], "; "))
+	case failed.Load() == 1:
+		t.Logf("one call raced the quiet close: %s", errs[0])
 	}
 	if srv1.Stats.ClosedQuiet.Load() == 0 {
 		t.Error("no tunnel was closed at a quiet moment")

@@ -113,12 +113,17 @@ type Server struct {
 	// quietTunnels are the open frontend tunnels a drain may close at a
 	// quiet moment (quiet.go).
 	quietTunnels map[*activity]*quietTunnel
+	// resumes are the sockets of tunnels a previous image paused, until
+	// their serving goroutine takes them (handover.go); resuming counts
+	// them, so a new connection does not look.
+	resumes map[net.Conn]*PausedTunnel
 	shutting     bool           // no new connections are accepted
 	closed       bool           // everything is being torn down
 	wg           sync.WaitGroup // every goroutine the server starts
 
 	acceptLoops sync.WaitGroup
 	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
+	resuming    atomic.Int64 // entries in resumes
 
 	Stats         ServerStats
 	metrics       *serverMetrics

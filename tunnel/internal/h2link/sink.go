@@ -123,6 +123,24 @@ func (b *Body) DeliverTo(conn net.Conn, after func(error) error) *Delivery {
 	return d
 }
 
+// Sink returns the socket and the delivery of stream id's received bytes,
+// when DeliverTo is carrying them (nil otherwise): how a control request
+// that names a stream finds where its bytes go.
+func (l *Conn) Sink(id uint32) (net.Conn, *Delivery) {
+	l.mu.Lock()
+	st := l.streams[id]
+	l.mu.Unlock()
+	if st == nil {
+		return nil, nil
+	}
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	if st.sink == nil {
+		return nil, nil
+	}
+	return st.sink.conn, st.sink.d
+}
+
 // sinkStepRLocked moves a stream's socket delivery on after its state
 // changed (bytes queued, END_STREAM, reset, reader gone): a writer takes
 // over queued bytes, or the end is reported. It returns what must run once

@@ -252,15 +252,24 @@ func (st *stream) pumpUpload() {
 	} else {
 		err = st.copyUpload()
 	}
-	switch {
-	case errors.Is(err, ErrUploadPaused):
-		// Neither end nor reset: the stream stays open for the caller,
-		// which moves the tunnel elsewhere (a restart's handover).
-	case err != nil:
-		st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", ErrStreamReset, err))
-	default:
-		st.writeData(nil, true)
+	if err != nil {
+		st.uploadFailed(err)
+		return
 	}
+	st.writeData(nil, true)
+}
+
+// uploadFailed resets the stream after its upload failed, unless the upload
+// paused: then the stream stays open for the caller, which moves the tunnel
+// elsewhere (a restart's handover). Apart from pumpUpload, whose frame stays
+// on parked stacks.
+//
+//go:noinline
+func (st *stream) uploadFailed(err error) {
+	if errors.Is(err, ErrUploadPaused) {
+		return
+	}
+	st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", ErrStreamReset, err))
 }
 
 // copyUpload copies a body that is not an upload through a pooled buffer.
