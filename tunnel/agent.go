@@ -117,21 +117,22 @@ type Agent struct {
 	cfg AgentConfig
 	log *slog.Logger
 
-	mu    sync.Mutex
-	conns map[*serverConn]struct{}
+	mu       sync.Mutex
+	conns    map[*serverConn]struct{}
+	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed  chan struct{} // closed and replaced when connections change
+	draining bool
+	// Also guarded by mu: the two counts maxCount combines.
+	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
+	leaseCount int // valid server Leases (at least 1); 0 while unknown
 	// Also guarded by mu (agent_pause.go): destination connections held
 	// for a resume, the tunnels pause requests are stopping, and how many
 	// are held or being paused.
 	paused      map[string]*pausedDest
 	pausing     map[net.Conn]*agentTunnel
 	pausedCount int
-	pauses      atomic.Int32 // pause requests in flight: carry looks for its tunnel only then
-	maxCount    int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed     chan struct{} // closed and replaced when connections change
-	draining    bool
-	// Also guarded by mu: the two counts maxCount combines.
-	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
-	leaseCount int // valid server Leases (at least 1); 0 while unknown
+
+	pauses atomic.Int32 // pause requests in flight: carry looks for its tunnel only then
 
 	connWG  sync.WaitGroup // goroutines serving connections
 	streams sync.WaitGroup // handlers in flight

@@ -117,9 +117,10 @@ type Server struct {
 	// their serving goroutine takes them (handover.go); resuming counts
 	// them, so a new connection does not look.
 	resumes map[net.Conn]*PausedTunnel
-	shutting     bool           // no new connections are accepted
-	closed       bool           // everything is being torn down
-	wg           sync.WaitGroup // every goroutine the server starts
+	// The server's state.
+	shutting bool           // no new connections are accepted
+	closed   bool           // everything is being torn down
+	wg       sync.WaitGroup // every goroutine the server starts
 
 	acceptLoops sync.WaitGroup
 	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
