@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"io"
+	"net"
 	"strings"
 	"syscall"
 	"testing"
@@ -11,12 +13,23 @@ import (
 // TestStopDuringRestartDrain: a SIGTERM that arrives while a SIGHUP
 // restart is draining stops the process; it must not re-execute into a
 // new image that never saw the SIGTERM (supervise-daemon's stop would then
-// wait for its KILL). An open tunnel keeps each drain going, as
-// kube-apiserver's idle keep-alive connections do.
+// wait for its KILL). An open tunnel that cannot be handed over (its
+// client has half-closed, its destination has not) keeps each drain going.
 func TestStopDuringRestartDrain(t *testing.T) {
 	s := startServer(t, "--restart-grace=3s")
 	a := s.startAgent(t, "a1", "", "--drain-timeout=3s")
-	backend := startTCPBackend(t, "127.0.0.1", echoHandler)
+	// A destination that reads to the end and then keeps its side open:
+	// a tunnel whose client has half-closed cannot be handed to the next
+	// image, so it holds the server's drain (and the agent's) open.
+	held := make(chan struct{})
+	backend := startTCPBackend(t, "127.0.0.1", func(c net.Conn) {
+		io.Copy(io.Discard, c)
+		select {
+		case <-held:
+		case <-time.After(30 * time.Second):
+		}
+	})
+	t.Cleanup(func() { close(held) }) // before the backend's own clean-up, which waits for its handlers
 	for i, p := range []*proc{a.proc, s.proc} {
 		if i == 1 {
 			// The first agent is gone; the server's case needs another.
@@ -27,6 +40,13 @@ func TestStopDuringRestartDrain(t *testing.T) {
 		cancel()
 		if err != nil {
 			t.Fatalf("dial through the tunnel: %v", err)
+		}
+		cw, ok := c.(interface{ CloseWrite() error })
+		if !ok {
+			t.Fatalf("the dialer's connection (%T) cannot half-close", c)
+		}
+		if err := cw.CloseWrite(); err != nil {
+			t.Fatal(err)
 		}
 		p.signal(t, syscall.SIGHUP)
 		waitFor(t, 5*time.Second, p.name+" starts draining for the restart", func() bool {
