@@ -117,18 +117,48 @@ func (c *streamingClient) finish(t *testing.T) {
 	c.conn.Close()
 }
 
+// countingEcho is an echo destination that counts its connections.
+func countingEcho(t *testing.T) (addr string, accepted *atomic.Int64) {
+	accepted = new(atomic.Int64)
+	addr = serveTCP(t, func(c net.Conn) {
+		accepted.Add(1)
+		io.Copy(c, c)
+		c.(*net.TCPConn).CloseWrite()
+	})
+	return addr, accepted
+}
+
+// handOverTo hands cur's tunnels, of which want must be paused, to a new
+// server on the same agent port (what a self-restart does), stops cur and
+// returns the new server once it resumed them all.
+func handOverTo(t *testing.T, cur *env, want int) (*env, []*PausedTunnel) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := cur.srv.HandOver(ctx)
+	cancel()
+	if err != nil {
+		t.Fatalf("HandOver: %v", err)
+	}
+	if len(paused) != want || cur.srv.Stats.PauseFailed.Load() != 0 {
+		t.Fatalf("%d tunnels paused, %d failed; want %d, 0", len(paused), cur.srv.Stats.PauseFailed.Load(), want)
+	}
+	cur.stop()
+	next := newEnvOn(t, cur.pki, cur.agentAddr, nil)
+	next.srv.Resume(paused)
+	waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == int64(want) }, "tunnels resumed")
+	if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
+		t.Fatalf("%d tunnels not resumed", n)
+	}
+	return next, paused
+}
+
 // TestHandOverResumesTunnels: tunnels carrying bytes both ways through a
 // handover to a new server (as a self-restart does) and a second one lose,
 // repeat or reorder no byte, keep their destination connection, and the
 // new server resumes each one.
 func TestHandOverResumesTunnels(t *testing.T) {
 	checkNoLeaks(t)
-	var accepted atomic.Int64
-	dest := serveTCP(t, func(c net.Conn) {
-		accepted.Add(1)
-		io.Copy(c, c)
-		c.(*net.TCPConn).CloseWrite()
-	})
+	dest, accepted := countingEcho(t)
 	e := newEnv(t, nil)
 	e.startAgent("a1", "", nil)
 	e.waitAgents(1)
@@ -144,23 +174,7 @@ func TestHandOverResumesTunnels(t *testing.T) {
 	cur := e
 	for round := range 2 {
 		waitUntil(t, func() bool { return clients[0].recv.Load() > int64(round+1)<<20 }, "bytes flowing")
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		paused, err := cur.srv.HandOver(ctx)
-		cancel()
-		if err != nil {
-			t.Fatalf("round %d: HandOver: %v", round, err)
-		}
-		if len(paused) != tunnels+1 || cur.srv.Stats.PauseFailed.Load() != 0 {
-			t.Fatalf("round %d: %d tunnels paused, %d failed; want %d, 0", round, len(paused), cur.srv.Stats.PauseFailed.Load(), tunnels+1)
-		}
-		cur.stop()
-		next := newEnvOn(t, e.pki, e.agentAddr, nil)
-		next.srv.Resume(paused)
-		waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == tunnels+1 }, "tunnels resumed")
-		if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
-			t.Fatalf("round %d: %d tunnels not resumed", round, n)
-		}
-		cur = next
+		cur, _ = handOverTo(t, cur, tunnels+1)
 	}
 	for _, c := range clients {
 		before := c.recv.Load()
@@ -189,12 +203,7 @@ func TestHandOverResumesTunnels(t *testing.T) {
 // span several HTTP/2 frames, so some pauses fall inside a message.
 func TestHandOverResumesGRPCCalls(t *testing.T) {
 	checkNoLeaks(t)
-	var accepted atomic.Int64
-	dest := serveTCP(t, func(c net.Conn) {
-		accepted.Add(1)
-		io.Copy(c, c)
-		c.(*net.TCPConn).CloseWrite()
-	})
+	dest, accepted := countingEcho(t)
 	e := newEnv(t, nil)
 	e.startAgent("a1", "", nil)
 	e.waitAgents(1)
@@ -264,15 +273,8 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 	cur := e
 	for round := range 2 {
 		waitUntil(t, func() bool { return cs[0].recv.Load() > int64(round+1)<<20 }, "bytes flowing")
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		paused, err := cur.srv.HandOver(ctx)
-		cancel()
-		if err != nil {
-			t.Fatalf("round %d: HandOver: %v", round, err)
-		}
-		if len(paused) != calls || cur.srv.Stats.PauseFailed.Load() != 0 {
-			t.Fatalf("round %d: %d calls paused, %d failed; want %d, 0", round, len(paused), cur.srv.Stats.PauseFailed.Load(), calls)
-		}
+		var paused []*PausedTunnel
+		cur, paused = handOverTo(t, cur, calls)
 		partial := 0
 		for _, p := range paused {
 			if p.GRPC == nil {
@@ -283,14 +285,6 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 			}
 		}
 		t.Logf("round %d: %d calls paused, %d in the middle of a message", round, len(paused), partial)
-		cur.stop()
-		next := newEnvOn(t, e.pki, e.agentAddr, nil)
-		next.srv.Resume(paused)
-		waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == calls }, "calls resumed")
-		if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
-			t.Fatalf("round %d: %d calls not resumed", round, n)
-		}
-		cur = next
 	}
 	for _, k := range cs {
 		before := k.recv.Load()
