@@ -52,7 +52,7 @@ type agentTunnel struct {
 // pausedDest is a destination connection held for a resume.
 type pausedDest struct {
 	conn  net.Conn // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
-	timer *time.Timer
+	timer *time.Timer // set under Agent.mu before the entry can be taken; ends the hold
 }
 
 // servePause answers a server's pause request for one of its tunnels on
