@@ -51,7 +51,7 @@ type agentTunnel struct {
 
 // pausedDest is a destination connection held for a resume.
 type pausedDest struct {
-	conn  net.Conn // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
+	conn  net.Conn    // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
 	timer *time.Timer // set under Agent.mu before the entry can be taken; ends the hold
 }
 
