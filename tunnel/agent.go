@@ -243,15 +243,18 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.beginDrain()
 	drained := make(chan struct{})
 	go func() {
+		// A tunnel a restarting server paused is still open: its next
+		// image resumes it through the connection the agent keeps
+		// redialling meanwhile (agent_pause.go).
 		deadline := time.Now().Add(a.cfg.DrainTimeout)
-		for a.Stats.OpenStreams.Load() > 0 && time.Now().Before(deadline) {
+		for (a.Stats.OpenStreams.Load() > 0 || a.heldPaused() > 0) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		close(drained)
 	}()
 	<-drained
-	if n := a.Stats.OpenStreams.Load(); n > 0 {
-		a.log.Warn("drain timeout: closing open tunnels", "open", n)
+	if n, held := a.Stats.OpenStreams.Load(), a.heldPaused(); n > 0 || held > 0 {
+		a.log.Warn("drain timeout: closing open tunnels", "open", n, "paused", held)
 	}
 	stopConnecting()
 	managers.Wait()

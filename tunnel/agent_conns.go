@@ -300,13 +300,18 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 }
 
 // startConn registers l and serves it in a goroutine the agent owns. It
-// returns false (and closes l) when the agent is shutting down.
+// returns false (and closes l) when the agent is shutting down, unless it
+// still holds tunnels paused by a restarting server: their next image
+// resumes them on this connection, which announces the drain at once.
 func (a *Agent) startConn(l *serverConn) bool {
 	a.mu.Lock()
 	if a.draining {
-		a.mu.Unlock()
-		l.conn.Close()
-		return false
+		if a.pausedCount == 0 {
+			a.mu.Unlock()
+			l.conn.Close()
+			return false
+		}
+		l.sendDrain()
 	}
 	for old := range a.conns {
 		if old.id == l.id {

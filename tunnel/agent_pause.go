@@ -273,6 +273,13 @@ func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 	return true
 }
 
+// heldPaused is how many destinations are held for a resume or being paused.
+func (a *Agent) heldPaused() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.pausedCount
+}
+
 // closePaused closes every held destination: the agent is stopping.
 func (a *Agent) closePaused() {
 	a.mu.Lock()

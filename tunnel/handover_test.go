@@ -362,3 +362,40 @@ func TestPauseRequestsRefused(t *testing.T) {
 		t.Fatalf("tunnel after the refused pauses: %q %v", b, err)
 	}
 }
+
+// TestHandOverWhileAgentStops: an agent told to stop (SIGTERM) while a
+// restarting server pauses its tunnels keeps them as open tunnels: it
+// waits, within its drain timeout, for the next image to resume them,
+// and they finish intact before it exits.
+func TestHandOverWhileAgentStops(t *testing.T) {
+	checkNoLeaks(t)
+	dest, _ := countingEcho(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 10 * time.Second })
+	e.waitAgents(1)
+	c := startStreamingClient(t, e, dest, 7)
+	waitUntil(t, func() bool { return c.recv.Load() > 1<<20 }, "bytes flowing")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != 1 {
+		t.Fatalf("HandOver: %d paused, %v", len(paused), err)
+	}
+	agent.cancel() // the agent's stop arrives before the next image
+	e.stop()
+	next := newEnvOn(t, e.pki, e.agentAddr, nil)
+	next.srv.Resume(paused)
+	waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == 1 }, "tunnel resumed")
+	if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
+		t.Fatalf("the stopping agent's tunnel was not resumed")
+	}
+	before := c.recv.Load()
+	waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the handover")
+	c.finish(t)
+	select {
+	case <-agent.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent did not stop once its last tunnel ended")
+	}
+}
