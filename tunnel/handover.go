@@ -92,7 +92,7 @@ func (t *quietTunnel) pausable() bool {
 		return false
 	}
 	if t.grpc != nil {
-		return t.grpc.link.Freezable() && rawSocket(t.grpc.conn) != nil && !t.up.isDone()
+		return t.grpc.link.Freezable() && !t.up.isDone() // freezable: a plain socket
 	}
 	if t.up.down.Load() == nil {
 		return false
@@ -442,23 +442,12 @@ func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWrite
 	g := &grpcStream{w: w, flush: flusherOf(w)}
 	t := &grpcTunnel{link: l, conn: c, ctx: r.Context(), g: g, body: r.Body, connectID: p.GRPC.ConnectID, addr: p.Addr}
 	s.newGRPCUpload(t, nil, p.GRPC.Partial)
-	a := s.waitAgentID(p.Agent, resumeWait)
 	var err error
-	if a == nil {
-		err = fmt.Errorf("agent not back within %s", resumeWait)
-	} else {
-		t.st, err = s.roundTrip(a, p.Addr, t.up, time.Now().Add(s.cfg.DialTimeout), p.Token)
-	}
-	if err != nil {
-		t.up.unblock()
-		s.resumeFailed(p, err)
+	if t.st, err = s.resumeStream(p, t.up); err != nil {
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
 		g.finish(grpcOK, "")
 		return nil
 	}
-	s.established(t.st, a, t.up)
-	s.Stats.Resumed.Add(1)
-	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent, "frontend", "grpc")
 	code, msg, err := s.carryGRPC(t)
 	if err == errTunnelPaused {
 		return err
@@ -470,25 +459,35 @@ func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWrite
 // openResumed opens the stream that resumes p through its agent; on
 // failure it logs and returns nil, and the client's connection is closed.
 func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload) {
-	a := s.waitAgentID(p.Agent, resumeWait)
-	if a == nil {
-		s.resumeFailed(p, fmt.Errorf("agent not back within %s", resumeWait))
-		return nil, nil
-	}
 	br := headReaders.Get().(*bufio.Reader)
 	br.Reset(c)
 	up := s.newFrontendUpload(c, br)
 	up.addr = p.Addr
-	st, err := s.roundTrip(a, p.Addr, up, time.Now().Add(s.cfg.DialTimeout), p.Token)
+	st, err := s.resumeStream(p, up)
+	if err != nil {
+		return nil, nil
+	}
+	return st, up
+}
+
+// resumeStream waits for p's agent and opens the stream that resumes p,
+// with up as its upload; a failure is logged and counted, and up released.
+func (s *Server) resumeStream(p *PausedTunnel, up *upload) (*stream, error) {
+	a := s.waitAgentID(p.Agent, resumeWait)
+	var st *stream
+	err := fmt.Errorf("agent not back within %s", resumeWait)
+	if a != nil {
+		st, err = s.roundTrip(a, p.Addr, up, time.Now().Add(s.cfg.DialTimeout), p.Token)
+	}
 	if err != nil {
 		up.unblock()
 		s.resumeFailed(p, err)
-		return nil, nil
+		return nil, err
 	}
 	s.established(st, a, up)
 	s.Stats.Resumed.Add(1)
-	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent)
-	return st, up
+	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent, "grpc", p.GRPC != nil)
+	return st, nil
 }
 
 // waitAgentID returns the connected agent with id once it is there, or nil
