@@ -300,7 +300,9 @@ func ResumeServer(conn net.Conn, cfg Config, f *Frozen, handler http.Handler, re
 	l.resetBudget = l.cfg.MaxPeerResets
 	l.budgetAt = time.Now()
 	dec := hpack.NewDecoder(4096, func(hpack.HeaderField) {})
+	l.fread.frames, l.fread.size = f.HeaderFrames, 0
 	for _, hf := range f.HeaderFrames {
+		l.fread.size += len(hf.Payload)
 		frag, err := headerFragment(hf)
 		if err == nil {
 			_, err = dec.Write(frag)
@@ -313,10 +315,6 @@ func ResumeServer(conn net.Conn, cfg Config, f *Frozen, handler http.Handler, re
 		}
 	}
 	l.fr.ReadMetaHeaders = dec
-	l.fread.frames, l.fread.size = f.HeaderFrames, 0
-	for _, hf := range f.HeaderFrames {
-		l.fread.size += len(hf.Payload)
-	}
 	// The peer's decoder table holds what the previous encoder put there:
 	// the first header block from here on empties it.
 	l.henc.SetMaxDynamicTableSize(0)
