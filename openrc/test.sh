@@ -323,6 +323,8 @@ check "output_log written" grep -q listening /var/log/$srv.log
 agentcm=/var/lib/rancher/k3s/server/manifests/konnectivity-agent-config.yaml
 check "agent ConfigMap manifest names the first SAN" grep -qx '  proxy-server-host: "127.0.0.1"' $agentcm
 check "agent ConfigMap manifest has the agent port" grep -qx '  proxy-server-port: "8132"' $agentcm
+check "agent ConfigMap carries the agent side's label (kubectl delete -l k8s-app=konnectivity-agent)" \
+	grep -qx '    k8s-app: konnectivity-agent' $agentcm
 cm_mtime=$(stat -c %i $agentcm)
 set +e
 readyz
