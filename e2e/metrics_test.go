@@ -18,7 +18,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
-// Metrics, health and status (README "Metrics, health and status").
+// Metrics, health and status (docs/metrics.md).
 
 const (
 	srvPrefix = "konnectivity_network_proxy_server_"

@@ -19,7 +19,7 @@ import (
 	apiserverapi "k8s.io/apiserver/pkg/apis/apiserver"
 )
 
-// Self-restart in place (README "Restarting without dropping a dial"):
+// Self-restart in place (docs/restart.md, "Re-executing in place"):
 // SIGHUP or a replaced executable re-executes the process with the same
 // PID and the same listening sockets.
 
@@ -579,7 +579,7 @@ func lastLine(s string) string {
 // each through the tunnel and send POSTs on it back to back (what
 // kube-apiserver does with webhooks) lose no call across three SIGHUP
 // restarts, and never dial again: each tunnel is paused, handed to the
-// next image and resumed (README "Restarting without dropping a dial").
+// next image and resumed (docs/restart.md, "The handover").
 // Both front doors, each through kube-apiserver's own egress dialer.
 func TestRestartKeepsKeepAliveConnections(t *testing.T) {
 	t.Run("http-connect", func(t *testing.T) { keepAliveAcrossRestarts(t, apiserverapi.ProtocolHTTPConnect) })

@@ -26,7 +26,7 @@ type upstreamManifest struct {
 	name          string
 	server, agent []string
 	// The start-up warnings each process must print, and no other: each
-	// names a row of README "Differences from upstream".
+	// names a row of docs/upstream.md.
 	serverWarns, agentWarns []string
 	// bound: the fake apiserver answers as Kubernetes 1.30+ does for a
 	// pod-bound token (node-name and pod-name claims, the pod's name the
@@ -41,20 +41,20 @@ const (
 	boundNodesReadable  = "nodes-readable"  // the Node, with the agent's $(HOST_IP) as its address
 )
 
-// Warnings, one per row of README "Differences from upstream" that these
+// Warnings, one per row of docs/upstream.md that these
 // command lines meet.
 const (
 	warnLogFileIgnored = "--log-file and --log-dir are ignored while --logtostderr=true"
 	warnProbeInterval  = "flag=--probe-interval"
 	warnIdentifier     = `--agent-identifiers: value ignored; upstream checks keys only, and it names nothing a dial can match" identifier="ipv4=${HOST_IP}: an unexpanded variable`
 	// The fake apiserver answers TokenReviews as Kubernetes before 1.30
-	// does, without the token's node (README "agent identity" row).
+	// does, without the token's node (docs/upstream.md "agent identity" row).
 	warnIdentityOff = "agent identity binding is off for tokens without node claims"
 	// The server may not get nodes: node-bound agents' addresses are
-	// dropped (README "agent identity" rows).
+	// dropped (docs/upstream.md "agent identity" rows).
 	warnAddressDropped = "ipv4=/ipv6= identifiers of agents with node-bound tokens are dropped"
 	// An agent counting Leases outside a pod has no API access: it says so
-	// once and goes on with the announced count (README "--count-server-leases" row).
+	// once and goes on with the announced count (docs/upstream.md "--count-server-leases" row).
 	warnLeaseAgent = "cannot count server leases: using the server count the servers announce"
 )
 
