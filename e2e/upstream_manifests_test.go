@@ -452,7 +452,7 @@ func checkWarnings(t *testing.T, who, out string, want []string) {
 	}
 	for i, line := range warns {
 		if !used[i] {
-			t.Errorf("%s: warning not in README \"Differences from upstream\" for this command line:\n%s", who, line)
+			t.Errorf("%s: warning not in docs/upstream.md for this command line:\n%s", who, line)
 		}
 	}
 }

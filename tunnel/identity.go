@@ -275,7 +275,7 @@ func (s *Server) dropUnverifiedAddrs(id, node string, ids Identifiers) Identifie
 		if s.cfg.Identity.NodeAddresses != nil {
 			why = "the apiserver answered 403 to reading the Node"
 		}
-		s.log.Warn("ipv4=/ipv6= identifiers of agents with node-bound tokens are dropped (no dial is routed by them): "+why+"; grant get on nodes to the server's kubeconfig identity (README \"Agent identity\") or run with --bind-agent-identity=false", "agent", id, "node", node)
+		s.log.Warn("ipv4=/ipv6= identifiers of agents with node-bound tokens are dropped (no dial is routed by them): "+why+"; grant get on nodes to the server's kubeconfig identity (docs/security.md \"Agent identity\") or run with --bind-agent-identity=false", "agent", id, "node", node)
 	})
 	for _, a := range ids.Addrs {
 		ids.Ignored = append(ids.Ignored, addrIdentifier(a)+": cannot be verified against the Node")
