@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
@@ -255,27 +256,27 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		cfg.TokenRefresh = o.tokenRefresh
 	}
 	metrics := promtext.NewRegistry()
-	addProcessMetrics(metrics, "konnectivity_network_proxy_agent_")
+	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
 	}
-	d := newDaemon(log)
+	d := daemon.New(log)
 	defer d.Close()
-	ready := []check{{"server-connected", agent.Ready}}
-	readyAll := []check{{"all-servers-connected", agent.ReadyAll}}
+	ready := []daemon.Check{{Name: "server-connected", Run: agent.Ready}}
+	readyAll := []daemon.Check{{Name: "all-servers-connected", Run: agent.ReadyAll}}
 	if o.readyzAll {
 		ready = readyAll
 	}
-	if err := d.startServices(serviceOptions{
-		healthAddr: servicePort(o.healthHost, o.healthPort),
-		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
-		ready:      ready,
-		readyAll:   readyAll,
-		metrics:    metrics,
-		status:     func() any { return agent.Status() },
-		profiling:  o.enableProfiling,
+	if err := d.StartServices(daemon.Services{
+		HealthAddr: servicePort(o.healthHost, o.healthPort),
+		AdminAddr:  servicePort(o.adminBindAddress, o.adminPort),
+		Ready:      ready,
+		ReadyAll:   readyAll,
+		Metrics:    metrics,
+		Status:     func() any { return agent.Status() },
+		Profiling:  o.enableProfiling,
 	}); err != nil {
 		return err
 	}
@@ -290,22 +291,22 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	runDone := make(chan error, 1)
 	go func() { runDone <- agent.Run(runCtx) }()
 	stop := func() error { stopRun(); return <-runDone }
-	return d.Run(ctx, work{
-		done: runDone,
-		shutdown: func(ended bool, cause error) error {
+	return d.Run(ctx, daemon.Work{
+		Done: runDone,
+		Shutdown: func(ended bool, cause error) error {
 			if ended {
 				return cause
 			}
 			return stop()
 		},
-		drain: func(trigger string) []string {
+		Drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			stop()
 			return nil
 		},
-		memoryReady:           func() bool { ok, _ := agent.ReadyAll(); return ok },
-		restartOnBinaryChange: o.restartOnBinaryChange,
-		restartCheckInterval:  o.restartCheckInterval,
+		MemoryReady:           func() bool { ok, _ := agent.ReadyAll(); return ok },
+		RestartOnBinaryChange: o.restartOnBinaryChange,
+		RestartCheckInterval:  o.restartCheckInterval,
 	})
 }
 

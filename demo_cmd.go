@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/tunnel"
 )
 
@@ -41,7 +42,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	if *verbose {
 		log = slog.New(slog.NewTextHandler(stderr, nil))
 	}
-	ctx, stop := signalContext(log)
+	ctx, stop := daemon.SignalContext(log)
 	defer stop()
 	if err := demo(ctx, stdout, log, *once, *requests, *connectPort); err != nil {
 		fmt.Fprintf(stderr, "demo failed: %v\n", err)

@@ -11,6 +11,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/spinifex/konnectivity/internal/daemon"
 )
 
 // compatFlag accepts an upstream flag this binary does not honour, and
@@ -356,7 +358,7 @@ func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, c
 		return 2
 	}
 	cf.flushWarnings(log)
-	ctx, stop := signalContext(log)
+	ctx, stop := daemon.SignalContext(log)
 	defer stop()
 	if err := run(ctx, log); err != nil {
 		log.Error(name+" failed", "err", err)

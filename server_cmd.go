@@ -21,6 +21,7 @@ import (
 
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
@@ -313,7 +314,7 @@ func checkTLSVersion(cf *commandFlags, s string) error {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := inheritedTunnels(log) // before anything can fail: their sockets close with the process
+	inherited := daemon.InheritedTunnels(log) // before anything can fail: their sockets close with the process
 	minTLS, _ := tlsVersion(o.tlsMinVersion)
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -326,7 +327,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
 	metrics := promtext.NewRegistry()
-	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
+	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_server_", versionString())
 	addCertificateMetric(metrics, "agents", agentCert)
 	cfg, err := o.serverConfig(agentTLS, metrics, log)
 	if err != nil {
@@ -338,7 +339,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	defer srv.Close()
 
-	d := newDaemon(log)
+	d := daemon.New(log)
 	defer d.Close()
 	var serving sync.WaitGroup
 	done := make(chan error, 3) // one per accept loop, so none blocks
@@ -346,17 +347,17 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		serving.Add(1)
 		go func() { defer serving.Done(); done <- f() }()
 	}
-	if err := o.listen(d, srv, minTLS, metrics, serve); err != nil {
+	if err := o.listen(d, srv, minTLS, metrics, serve, log); err != nil {
 		return err
 	}
 	srv.Resume(inherited)
-	if err := d.startServices(serviceOptions{
-		healthAddr: servicePort(o.healthBindAddress, o.healthPort),
-		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
-		ready:      o.readyChecks(srv),
-		metrics:    metrics,
-		status:     func() any { return srv.Status() },
-		profiling:  o.enableProfiling,
+	if err := d.StartServices(daemon.Services{
+		HealthAddr: servicePort(o.healthBindAddress, o.healthPort),
+		AdminAddr:  servicePort(o.adminBindAddress, o.adminPort),
+		Ready:      o.readyChecks(srv),
+		Metrics:    metrics,
+		Status:     func() any { return srv.Status() },
+		Profiling:  o.enableProfiling,
 	}); err != nil {
 		return err
 	}
@@ -364,9 +365,9 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	defer stopLeases(true)
 
 	stop := func(grace time.Duration) { stopServing(srv, grace, &serving, log) }
-	return d.Run(ctx, work{
-		done: done,
-		shutdown: func(_ bool, cause error) error {
+	return d.Run(ctx, daemon.Work{
+		Done: done,
+		Shutdown: func(_ bool, cause error) error {
 			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
 			stop(o.gracefulShutdown)
 			stopLeases(true)
@@ -375,7 +376,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return nil
 		},
-		drain: func(trigger string) []string {
+		Drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
 			paused := handOverServing(srv, o.restartGrace, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
@@ -383,22 +384,22 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return tunnelsForNextImage(paused, log)
+			return daemon.TunnelsForNextImage(paused, log)
 		},
-		exited:                o.removeSocket(log),
-		memoryReady:           func() bool { return srv.AgentCount() > 0 },
-		restartOnBinaryChange: o.restartOnBinaryChange,
-		restartCheckInterval:  o.restartCheckInterval,
+		Exited:                o.removeSocket(log),
+		MemoryReady:           func() bool { return srv.AgentCount() > 0 },
+		RestartOnBinaryChange: o.restartOnBinaryChange,
+		RestartCheckInterval:  o.restartCheckInterval,
 	})
 }
 
 // readyChecks is /readyz: an agent must be connected unless
 // --readyz-requires-agent=false, which reports without failing.
-func (o *serverOptions) readyChecks(srv *tunnel.Server) []check {
+func (o *serverOptions) readyChecks(srv *tunnel.Server) []daemon.Check {
 	if !o.readyzRequiresAgent {
-		return []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
+		return []daemon.Check{{Name: "agents", Run: func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
 	}
-	return []check{{"agents", srv.Ready}}
+	return []daemon.Check{{Name: "agents", Run: srv.Ready}}
 }
 
 // stopServing sends GOAWAY to agents, lets tunnels finish within grace and
@@ -432,6 +433,10 @@ func servicePort(host string, port int) string {
 		return ""
 	}
 	return hostPort(host, port)
+}
+
+func hostPort(host string, port int) string {
+	return net.JoinHostPort(host, fmt.Sprint(port))
 }
 
 // serverConfig turns the flags into the tunnel server's configuration.
@@ -498,15 +503,14 @@ func addCertificateMetric(m *promtext.Registry, listener string, cert *certs.Rel
 
 // listen opens (or adopts) the frontends and the agent listener and has
 // serve run an accept loop on each.
-func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error)) error {
+func (o *serverOptions) listen(d *daemon.Daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error), log *slog.Logger) error {
 	// One data path, two front doors: HTTP CONNECT or gRPC.
 	serveFrontend := srv.ServeFrontend
 	if o.mode == "grpc" {
 		serveFrontend = srv.ServeGRPC
 	}
-	log := d.log
 	if o.udsName != "" {
-		ln, err := d.listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
+		ln, err := d.Listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
 			return listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
 		})
 		if err != nil {
@@ -525,7 +529,7 @@ func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, met
 		if err != nil {
 			return err
 		}
-		ln, err := d.listenTCP("frontend-tcp", hostPort(o.serverBindAddress, o.serverPort))
+		ln, err := d.ListenTCP("frontend-tcp", hostPort(o.serverBindAddress, o.serverPort))
 		if err != nil {
 			return fmt.Errorf("TCP frontend: %w", err)
 		}
@@ -533,7 +537,7 @@ func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, met
 		addCertificateMetric(metrics, "frontend", frontCert)
 		serve(func() error { return serveFrontend(tls.NewListener(ln, tcfg)) })
 	}
-	ln, err := d.listenTCP("agents", hostPort(o.agentBindAddress, o.agentPort))
+	ln, err := d.ListenTCP("agents", hostPort(o.agentBindAddress, o.agentPort))
 	if err != nil {
 		return fmt.Errorf("agent listener: %w", err)
 	}

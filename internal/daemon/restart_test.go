@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"encoding/json"
@@ -46,12 +46,12 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	}
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	env := tunnelsForNextImage(paused, log)
+	env := TunnelsForNextImage(paused, log)
 	if len(env) != 1 || !strings.HasPrefix(env[0], tunnelsEnv+"=") {
 		t.Fatalf("environment %q", env)
 	}
 	t.Setenv(tunnelsEnv, strings.TrimPrefix(env[0], tunnelsEnv+"="))
-	got := inheritedTunnels(log)
+	got := InheritedTunnels(log)
 	if _, set := os.LookupEnv(tunnelsEnv); set {
 		t.Error("the entry is still in the environment: children would inherit it")
 	}
@@ -81,7 +81,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 
 	// A list naming a descriptor that is not a socket drops that entry.
 	f3, _ := socketPair(t)
-	env = tunnelsForNextImage([]*tunnel.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
+	env = TunnelsForNextImage([]*tunnel.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
 	spec := strings.TrimPrefix(env[0], tunnelsEnv+"=")
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
@@ -97,7 +97,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	}
 	unix.Dup2(int(devnull.Fd()), list[0].FD)
 	t.Setenv(tunnelsEnv, spec)
-	if got := inheritedTunnels(log); len(got) != 0 {
+	if got := InheritedTunnels(log); len(got) != 0 {
 		t.Errorf("an entry on /dev/null was adopted: %+v", got[0])
 	}
 	if !strings.Contains(logs.String(), "ignoring inherited tunnel without a socket") {
