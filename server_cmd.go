@@ -29,6 +29,8 @@ import (
 )
 
 type serverOptions struct {
+	daemonOptions
+	kubeCtx               string
 	mode                  string
 	udsName               string
 	deleteExistingUDS     bool
@@ -45,15 +47,9 @@ type serverOptions struct {
 	clusterKey            string
 	clusterCACert         string
 	allowUnauthenticated  bool
-	kubeconfig, kubeCtx   string
 	agentNamespace        string
 	agentServiceAccount   string
 	authAudience          string
-	healthPort            int
-	healthBindAddress     string
-	adminPort             int
-	adminBindAddress      string
-	enableProfiling       bool
 	serverID              string
 	serverIDFixed         bool // from --server-id or $PROXY_SERVER_ID: the same after a self-restart
 	serverCount           int
@@ -62,12 +58,9 @@ type serverOptions struct {
 	backendDialTimeout    time.Duration
 	headerTimeout         time.Duration
 	gracefulShutdown      time.Duration
-	keepaliveTime         time.Duration
-	pingTimeout           time.Duration
 	maxStreamsPerAgent    int
 	maxUnadmitted         int
 	maxAgentReviews       int
-	tlsMinVersion         string
 	readyzRequiresAgent   bool
 	tokenReviewTimeout    time.Duration
 	tokenReviewCacheTTL   time.Duration
@@ -79,8 +72,6 @@ type serverOptions struct {
 	mintSANs, mintCN      string
 	mintCheckInterval     time.Duration
 	restartGrace          time.Duration
-	restartOnBinaryChange bool
-	restartCheckInterval  time.Duration
 	leases                serverLeaseOptions
 }
 
@@ -88,7 +79,7 @@ type serverOptions struct {
 // binary's timing flags (upstream fixes the timing).
 type serverLeaseOptions struct {
 	enable                bool
-	namespace, label      string
+	label                 string
 	labels                map[string]string
 	duration, renew, cull time.Duration
 }
@@ -96,6 +87,11 @@ type serverLeaseOptions struct {
 func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	o := &serverOptions{udsMode: fileMode{0o600}}
 	cf := newCommandFlags("konnectivity server", stderr)
+	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
+		healthHost: "health-bind-address", healthPort: "health-port", adminPort: "admin-port",
+		healthDefault: 8092, adminDefault: 8095,
+		peer: "an agent", onPingTimeout: "the agent is dropped", kubeconfigFor: "TokenReview and Leases",
+	})
 	f := cf.FlagSet
 	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc (proxyProtocol: GRPC) or http-connect (HTTPConnect)")
 	f.StringVar(&o.udsName, "uds-name", "", "Unix socket path for the kube-apiserver frontend")
@@ -115,7 +111,6 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.clusterKey, "cluster-key", "", "TLS key presented to agents (required)")
 	f.StringVar(&o.clusterCACert, "cluster-ca-cert", "", "if set, agents may authenticate with a client certificate signed by this CA")
 	f.BoolVar(&o.allowUnauthenticated, "allow-unauthenticated-agents", false, "admit agents with neither a client certificate nor a token (insecure)")
-	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig used for TokenReview (default: in-cluster config)")
 	f.StringVar(&o.kubeCtx, "context", "", "kubeconfig context to use (default: current-context)")
 	f.StringVar(&o.agentNamespace, "agent-namespace", "", "namespace of the agents' ServiceAccount (enables token auth)")
 	f.StringVar(&o.agentServiceAccount, "agent-service-account", "", "name of the agents' ServiceAccount (enables token auth)")
@@ -126,11 +121,6 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.BoolVar(&o.agentIDFromCert, "agent-id-from-certificate", false, "a certificate agent's ID and host= identifiers must be its certificate's CN or a DNS SAN, its ipv4=/ipv6= an IP SAN")
 	f.StringVar(&o.routeAgents, "route-agents", "", "comma list of agent IDs and serviceaccount:NAMESPACE/NAME allowed to advertise cidr= and default-route identifiers; * allows every agent")
 	f.DurationVar(&o.tokenRecheck, "token-recheck-interval", time.Minute, "how often a connected agent's token is reviewed again (and at its expiry); a link whose token is no longer valid is drained and closed; 0 never")
-	f.IntVar(&o.healthPort, "health-port", 8092, "port of /healthz, /livez and /readyz; 0 disables it")
-	f.StringVar(&o.healthBindAddress, "health-bind-address", "", "address the health server binds to (default all)")
-	f.IntVar(&o.adminPort, "admin-port", 8095, "port of the admin server (pprof); 0 disables it")
-	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
-	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
 	f.StringVar(&o.serverID, "server-id", "", "ID announced to agents (default: $PROXY_SERVER_ID, else random per process)")
 	f.IntVar(&o.serverCount, "server-count", 1, "number of server replicas agents should connect to")
 	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: destHost, default, defaultRoute")
@@ -140,35 +130,26 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
 	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
-	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to an agent")
-	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before the agent is dropped")
 	f.IntVar(&o.maxStreamsPerAgent, "max-streams-per-agent", 10000, "open tunnels per agent before dials go elsewhere")
-	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
 	f.StringVar(&o.mintCACert, "mint-ca-cert", "", "CA certificate to mint --cluster-cert from (with --mint-ca-key): minted at start when missing or wrong, renewed before expiry")
 	f.StringVar(&o.mintCAKey, "mint-ca-key", "", "CA key for --mint-ca-cert")
 	f.StringVar(&o.mintSANs, "mint-sans", "", "comma list of DNS names and IPs agents dial, for the minted certificate")
 	f.StringVar(&o.mintCN, "mint-cn", "konnectivity-server", "common name of the minted certificate")
 	f.DurationVar(&o.mintCheckInterval, "mint-check-interval", time.Hour, "how often the minted certificate is checked for renewal")
 	f.DurationVar(&o.restartGrace, "restart-grace", 10*time.Second, "on SIGHUP (self-restart), how long open tunnels may finish before the process re-executes itself")
-	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place when the executable on disk is replaced")
-	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 	f.BoolVar(&o.readyzRequiresAgent, "readyz-requires-agent", true, "/readyz fails until an agent is connected")
 
-	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
 	cf.tolerate("frontend-write-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
-	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
 	cf.tolerate("frontend-keepalive-time", false, "the HTTP CONNECT frontend has no keepalive")
 	cf.tolerate("cipher-suites", false, "Go's default TLS 1.2/1.3 suites are used")
 	cf.tolerate("kubeconfig-qps", false, "TokenReview results are cached instead")
 	cf.tolerate("kubeconfig-burst", false, "TokenReview results are cached instead")
 	cf.tolerate("kube-api-content-type", false, "TokenReview uses JSON")
 	f.BoolVar(&o.leases.enable, "enable-lease-controller", false, "keep a coordination.k8s.io/v1 Lease for this server (renewed, deleted on exit) and delete expired ones, so agents with --count-server-leases can count the servers")
-	f.StringVar(&o.leases.namespace, "lease-namespace", "kube-system", "namespace of the server Leases")
 	f.StringVar(&o.leases.label, "lease-label", "k8s-app=konnectivity-server", "labels of this server's Lease (k=v,k2=v2); expired Leases with these labels are deleted")
 	f.DurationVar(&o.leases.duration, "lease-duration", lease.DefaultDuration, "how long the server's Lease stays valid without renewal (whole seconds; upstream fixes 30s)")
 	f.DurationVar(&o.leases.renew, "lease-renew-interval", lease.DefaultRenewInterval, "how often the server renews its Lease (upstream fixes 15s)")
 	f.DurationVar(&o.leases.cull, "lease-gc-interval", lease.DefaultGCInterval, "how often expired server Leases are looked for and deleted (upstream fixes 15s)")
-	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
 	return o, cf
 }
 
@@ -224,7 +205,7 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 		if o.leases.duration < time.Second || o.leases.renew <= 0 || o.leases.renew >= o.leases.duration || o.leases.cull <= 0 {
 			return fmt.Errorf("--lease-renew-interval=%s must be positive and shorter than --lease-duration=%s (at least 1s), --lease-gc-interval=%s positive", o.leases.renew, o.leases.duration, o.leases.cull)
 		}
-		if err := lease.CheckName(o.leases.namespace, lease.NamePrefix+o.serverID); err != nil {
+		if err := lease.CheckName(o.leaseNamespace, lease.NamePrefix+o.serverID); err != nil {
 			return fmt.Errorf("--enable-lease-controller: %w (set --lease-namespace, or a --server-id of lower-case letters, digits and '-')", err)
 		}
 	}
@@ -237,7 +218,7 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.tokenAuth() && (o.agentNamespace == "" || o.agentServiceAccount == "" || o.authAudience == "") {
 		return fmt.Errorf("token auth needs all of --agent-namespace, --agent-service-account and --authentication-audience")
 	}
-	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
+	if err := o.daemonOptions.complete(cf); err != nil {
 		return err
 	}
 	switch {
@@ -288,34 +269,9 @@ func (o *serverOptions) tokenAuth() bool {
 	return o.agentNamespace != "" || o.agentServiceAccount != "" || o.authAudience != ""
 }
 
-// tlsVersion reads --tls-min-version. Upstream's VersionTLS10 and
-// VersionTLS11 are read as TLS 1.2: 1.0 and 1.1 are deprecated (RFC 8996)
-// and every kube-apiserver and agent speaks 1.2.
-func tlsVersion(s string) (uint16, error) {
-	switch s {
-	case "VersionTLS10", "VersionTLS11", "VersionTLS12", "":
-		return tls.VersionTLS12, nil
-	case "VersionTLS13":
-		return tls.VersionTLS13, nil
-	}
-	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are read as VersionTLS12)", s)
-}
-
-// checkTLSVersion checks --tls-min-version and warns when an upstream
-// value is read as TLS 1.2.
-func checkTLSVersion(cf *commandFlags, s string) error {
-	if _, err := tlsVersion(s); err != nil {
-		return err
-	}
-	if s == "VersionTLS10" || s == "VersionTLS11" {
-		cf.warn("--tls-min-version below TLS 1.2 is not offered (RFC 8996 deprecates 1.0 and 1.1); using VersionTLS12", "tls_min_version", s)
-	}
-	return nil
-}
-
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	inherited := daemon.InheritedTunnels(log) // before anything can fail: their sockets close with the process
-	minTLS, _ := tlsVersion(o.tlsMinVersion)
+	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
 		return err
@@ -351,21 +307,18 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		return err
 	}
 	srv.Resume(inherited)
-	if err := d.StartServices(daemon.Services{
-		HealthAddr: servicePort(o.healthBindAddress, o.healthPort),
-		AdminAddr:  servicePort(o.adminBindAddress, o.adminPort),
-		Ready:      o.readyChecks(srv),
-		Metrics:    metrics,
-		Status:     func() any { return srv.Status() },
-		Profiling:  o.enableProfiling,
-	}); err != nil {
+	if err := d.StartServices(o.services(daemon.Services{
+		Ready:   o.readyChecks(srv),
+		Metrics: metrics,
+		Status:  func() any { return srv.Status() },
+	})); err != nil {
 		return err
 	}
 	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
 	defer stopLeases(true)
 
 	stop := func(grace time.Duration) { stopServing(srv, grace, &serving, log) }
-	return d.Run(ctx, daemon.Work{
+	return d.Run(ctx, o.restarts(daemon.Work{
 		Done: done,
 		Shutdown: func(_ bool, cause error) error {
 			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
@@ -386,11 +339,9 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			stopMinting()
 			return daemon.TunnelsForNextImage(paused, log)
 		},
-		Exited:                o.removeSocket(log),
-		MemoryReady:           func() bool { return srv.AgentCount() > 0 },
-		RestartOnBinaryChange: o.restartOnBinaryChange,
-		RestartCheckInterval:  o.restartCheckInterval,
-	})
+		Exited:      o.removeSocket(log),
+		MemoryReady: func() bool { return srv.AgentCount() > 0 },
+	}))
 }
 
 // readyChecks is /readyz: an agent must be connected unless
@@ -424,19 +375,6 @@ func handOverServing(srv *tunnel.Server, grace time.Duration, serving *sync.Wait
 	}
 	serving.Wait()
 	return paused
-}
-
-// servicePort is the address of a health or admin service, "" when its
-// port is 0 (the service is off).
-func servicePort(host string, port int) string {
-	if port == 0 {
-		return ""
-	}
-	return hostPort(host, port)
-}
-
-func hostPort(host string, port int) string {
-	return net.JoinHostPort(host, fmt.Sprint(port))
 }
 
 // serverConfig turns the flags into the tunnel server's configuration.
@@ -765,7 +703,7 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 	if err != nil {
 		return fail(err)
 	}
-	client, err := lease.NewClient(rc, o.leases.namespace)
+	client, err := lease.NewClient(rc, o.leaseNamespace)
 	if err != nil {
 		return fail(err)
 	}
@@ -782,7 +720,7 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 	if err != nil {
 		return fail(err)
 	}
-	log.Info("lease controller on", "apiserver", rc.Server(), "lease", o.leases.namespace+"/"+ctl.Name(), "labels", lease.FormatLabels(o.leases.labels),
+	log.Info("lease controller on", "apiserver", rc.Server(), "lease", o.leaseNamespace+"/"+ctl.Name(), "labels", lease.FormatLabels(o.leases.labels),
 		"duration", o.leases.duration.String(), "renew_interval", o.leases.renew.String())
 	lctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
@@ -799,7 +737,7 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 				log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
 				return
 			}
-			log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+			log.Info("server lease deleted", "lease", o.leaseNamespace+"/"+ctl.Name())
 		})
 	}
 }
