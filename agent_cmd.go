@@ -317,8 +317,5 @@ func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agen
 		return fail(err)
 	}
 	log.Info("counting server leases", "apiserver", rc.Server(), "namespace", o.leaseNamespace, "selector", o.leases.parsed.String(), "server_count_source", o.leases.source)
-	cctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); counter.Run(cctx) }()
-	return func() { cancel(); <-done }
+	return goUntilStopped(ctx, counter.Run)
 }

@@ -366,3 +366,13 @@ func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, c
 	}
 	return 0
 }
+
+// goUntilStopped runs f on a goroutine it owns until ctx ends or stop,
+// which cancels f's context and waits for f to return; stop may be called
+// more than once.
+func goUntilStopped(ctx context.Context, f func(context.Context)) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); f(ctx) }()
+	return func() { cancel(); <-done }
+}

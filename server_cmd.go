@@ -14,7 +14,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -25,7 +24,6 @@ import (
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
-	"golang.org/x/sys/unix"
 )
 
 type serverOptions struct {
@@ -317,12 +315,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
 	defer stopLeases(true)
 
-	stop := func(grace time.Duration) { stopServing(srv, grace, &serving, log) }
 	return d.Run(ctx, o.restarts(daemon.Work{
 		Done: done,
 		Shutdown: func(_ bool, cause error) error {
 			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
-			stop(o.gracefulShutdown)
+			stopServing(srv, o.gracefulShutdown, false, &serving, log)
 			stopLeases(true)
 			if cause != nil && !errors.Is(cause, tunnel.ErrServerClosed) {
 				return cause
@@ -331,7 +328,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		},
 		Drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
-			paused := handOverServing(srv, o.restartGrace, &serving, log)
+			paused := stopServing(srv, o.restartGrace, true, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
 			// so agents never see the count dip; a random ID is a new
 			// server, and the old one's Lease goes now.
@@ -354,22 +351,17 @@ func (o *serverOptions) readyChecks(srv *tunnel.Server) []daemon.Check {
 }
 
 // stopServing sends GOAWAY to agents, lets tunnels finish within grace and
-// waits for the accept loops to return.
-func stopServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) {
+// waits for the accept loops to return. For a self-restart (handOver) the
+// tunnels that can move to the next image are paused and returned.
+func stopServing(srv *tunnel.Server, grace time.Duration, handOver bool, serving *sync.WaitGroup, log *slog.Logger) (paused []*tunnel.PausedTunnel) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
-	if err := srv.Shutdown(ctx); err != nil {
-		log.Warn("grace period over; open tunnels closed", "err", err)
+	var err error
+	if handOver {
+		paused, err = srv.HandOver(ctx)
+	} else {
+		err = srv.Shutdown(ctx)
 	}
-	serving.Wait()
-}
-
-// handOverServing is stopServing for a self-restart: the tunnels that can
-// move to the next image are paused and returned.
-func handOverServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) []*tunnel.PausedTunnel {
-	ctx, cancel := context.WithTimeout(context.Background(), grace)
-	defer cancel()
-	paused, err := srv.HandOver(ctx)
 	if err != nil {
 		log.Warn("grace period over; open tunnels closed", "err", err)
 	}
@@ -449,7 +441,11 @@ func (o *serverOptions) listen(d *daemon.Daemon, srv *tunnel.Server, minTLS uint
 	}
 	if o.udsName != "" {
 		ln, err := d.Listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
-			return listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+			ln, err := daemon.ListenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+			if err != nil {
+				return nil, fmt.Errorf("frontend socket (--delete-existing-uds-file=%t): %w", o.deleteExistingUDS, err)
+			}
+			return ln, nil
 		})
 		if err != nil {
 			return err
@@ -498,17 +494,43 @@ func (o *serverOptions) removeSocket(log *slog.Logger) func() {
 }
 
 // agentTLSConfig serves --cluster-cert/--cluster-key and, with
-// --cluster-ca-cert, verifies agent client certificates. All three files are
-// watched: new handshakes use what is on disk now, open tunnels are untouched.
+// --cluster-ca-cert, verifies the client certificates agents present
+// (token agents present none).
 func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	cert, err := certs.NewReloader(o.clusterCert, o.clusterKey, log.With("listener", "agents"))
+	cfg, cert, err := reloadingTLS("agents", o.clusterCert, o.clusterKey, o.clusterCACert, "--cluster-cert/--cluster-key", "--cluster-ca-cert", minTLS, log)
+	if err == nil && o.clusterCACert != "" {
+		cfg.ClientAuth = tls.VerifyClientCertIfGiven
+	}
+	return cfg, cert, err
+}
+
+// frontendTLSConfig is the TCP frontend's mTLS.
+func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
+	cfg, cert, err := reloadingTLS("frontend", o.serverCert, o.serverKey, o.serverCACert, "--server-cert/--server-key", "--server-ca-cert", minTLS, log)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--cluster-cert/--cluster-key: %w", err)
+		return nil, nil, err
+	}
+	cfg.NextProtos = []string{"http/1.1"}
+	if o.mode == "grpc" {
+		cfg.NextProtos = []string{"h2"}
+	}
+	return cfg, cert, nil
+}
+
+// reloadingTLS serves certFile/keyFile and, with caFile, verifies client
+// certificates signed by it. All three files are watched: new handshakes
+// use what is on disk now, open tunnels are untouched. Errors name the
+// flags that gave the files.
+func reloadingTLS(listener, certFile, keyFile, caFile, pairFlags, caFlag string, minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
+	log = log.With("listener", listener)
+	cert, err := certs.NewReloader(certFile, keyFile, log)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: %w", pairFlags, err)
 	}
 	var pool *certs.CAPoolReloader
-	if o.clusterCACert != "" {
-		if pool, err = certs.NewCAPoolReloader(o.clusterCACert, log.With("listener", "agents")); err != nil {
-			return nil, nil, fmt.Errorf("--cluster-ca-cert: %w", err)
+	if caFile != "" {
+		if pool, err = certs.NewCAPoolReloader(caFile, log); err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", caFlag, err)
 		}
 	}
 	cfg, err := certs.ServerConfig(cert, pool)
@@ -516,32 +538,6 @@ func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Co
 		return nil, nil, err
 	}
 	cfg.MinVersion = minTLS
-	if pool != nil {
-		// Token agents present no certificate; a presented one must verify.
-		cfg.ClientAuth = tls.VerifyClientCertIfGiven
-	}
-	return cfg, cert, nil
-}
-
-// frontendTLSConfig is the TCP frontend's mTLS, with the same hot reload.
-func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	cert, err := certs.NewReloader(o.serverCert, o.serverKey, log.With("listener", "frontend"))
-	if err != nil {
-		return nil, nil, fmt.Errorf("--server-cert/--server-key: %w", err)
-	}
-	pool, err := certs.NewCAPoolReloader(o.serverCACert, log.With("listener", "frontend"))
-	if err != nil {
-		return nil, nil, fmt.Errorf("--server-ca-cert: %w", err)
-	}
-	cfg, err := certs.ServerConfig(cert, pool)
-	if err != nil {
-		return nil, nil, err
-	}
-	cfg.MinVersion = minTLS
-	cfg.NextProtos = []string{"http/1.1"}
-	if o.mode == "grpc" {
-		cfg.NextProtos = []string{"h2"}
-	}
 	return cfg, cert, nil
 }
 
@@ -570,13 +566,7 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (sto
 	if err != nil {
 		return nil, fmt.Errorf("mint the agent-listener certificate: %w", err)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		m.Renew(ctx, o.mintCheckInterval)
-	}()
-	return func() { cancel(); <-done }, nil
+	return goUntilStopped(ctx, func(ctx context.Context) { m.Renew(ctx, o.mintCheckInterval) }), nil
 }
 
 // agentAuthenticator decides how agents prove themselves: a client
@@ -722,14 +712,11 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 	}
 	log.Info("lease controller on", "apiserver", rc.Server(), "lease", o.leaseNamespace+"/"+ctl.Name(), "labels", lease.FormatLabels(o.leases.labels),
 		"duration", o.leases.duration.String(), "renew_interval", o.leases.renew.String())
-	lctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); ctl.Run(lctx) }()
+	stopRunning := goUntilStopped(ctx, ctl.Run)
 	var once sync.Once
 	return func(release bool) {
 		once.Do(func() {
-			cancel()
-			<-done
+			stopRunning()
 			if !release {
 				return
 			}
@@ -752,34 +739,4 @@ func loadCAPool(path string) (*x509.CertPool, error) {
 		return nil, fmt.Errorf("%s: no PEM certificate found", path)
 	}
 	return pool, nil
-}
-
-// listenUnix creates the frontend socket with its final mode from the start
-// (no window in which it is more open than asked).
-func listenUnix(path string, mode os.FileMode, deleteExisting bool) (*net.UnixListener, error) {
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("frontend socket %s: exists and is not a socket; not removing it", path)
-		}
-		if !deleteExisting {
-			return nil, fmt.Errorf("frontend socket %s: already exists (--delete-existing-uds-file=false)", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("remove stale frontend socket: %w", err)
-		}
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("frontend socket directory: %w", err)
-	}
-	old := unix.Umask(0o777 &^ int(mode.Perm()))
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	unix.Umask(old)
-	if err != nil {
-		return nil, fmt.Errorf("frontend socket: %w", err)
-	}
-	if err := os.Chmod(path, mode.Perm()); err != nil {
-		ln.Close()
-		return nil, fmt.Errorf("frontend socket mode: %w", err)
-	}
-	return ln, nil
 }

@@ -5,8 +5,9 @@
 // It owns when the process stops and how it restarts:
 //   - listeners are opened by name and handed across a self-restart as
 //     inherited descriptors (restart.go), so a socket keeps its path and
-//     inode and a port never closes; the server's paused tunnels travel
-//     the same way (TunnelsForNextImage, InheritedTunnels);
+//     inode and a port never closes (ListenUnix makes a socket with its
+//     final mode from the start); the server's paused tunnels travel the
+//     same way (TunnelsForNextImage, InheritedTunnels);
 //   - a restart (SIGHUP, or a replaced executable) re-executes the binary
 //     in place, keeping the PID, after the command has drained; a stop
 //     signal (SIGTERM, SIGINT) shuts the command down gracefully, a second
