@@ -76,11 +76,13 @@ func addProfiling(mux *http.ServeMux) {
 }
 
 // httpService is a small HTTP server (health or admin) with its listener.
+// Its fields are set by startHTTP and read-only after; the serve goroutine
+// it starts is owned by stop, which waits for done.
 type httpService struct {
 	name string
 	ln   net.Listener
 	srv  *http.Server
-	done chan struct{}
+	done chan struct{} // closed when the serve goroutine returns
 }
 
 // startHTTP listens on addr (or adopts the inherited listener of that

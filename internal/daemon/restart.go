@@ -29,11 +29,12 @@ import (
 const inheritEnv = "KONNECTIVITY_INHERITED_FDS"
 
 // listenerSet opens the process's listeners, adopting inherited ones when a
-// previous image of this process handed them over.
+// previous image of this process handed them over. It is owned by its
+// Daemon's goroutine, as the Daemon is: no lock.
 type listenerSet struct {
 	log       *slog.Logger
-	inherited map[string]*os.File
-	open      []namedListener
+	inherited map[string]*os.File // handed over and not yet adopted; nil after closeUnused
+	open      []namedListener     // every listener opened or adopted, for handOver and Close
 }
 
 type namedListener struct {
