@@ -12,34 +12,26 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 type agentOptions struct {
+	daemonOptions
 	serverHost, caCert     string
 	serverPort             int
 	agentCert, agentKey    string
 	agentID, identifiers   string
 	tokenPath              string
 	tokenRefresh           time.Duration
-	healthHost             string
-	healthPort             int
-	adminBindAddress       string
-	adminPort              int
-	enableProfiling        bool
 	dialTimeout            time.Duration
-	keepaliveTime          time.Duration
-	pingTimeout            time.Duration
 	drainTimeout           time.Duration
 	syncInterval, syncCap  time.Duration
 	maxStreams             uint
 	expandDNS, syncForever bool
 	readyzAll              bool
-	restartOnBinaryChange  bool
-	restartCheckInterval   time.Duration
-	tlsMinVersion          string
 	allowDestinations      string
 	denyDestinations       string
 	openDestinations       string
@@ -50,10 +42,8 @@ type agentOptions struct {
 // agentLeaseOptions are upstream's lease-counting flags.
 type agentLeaseOptions struct {
 	count       bool
-	namespace   string
 	selector    string
 	source      string
-	kubeconfig  string
 	parsed      lease.Selector
 	countSource tunnel.CountSource
 
@@ -82,6 +72,11 @@ func (d *deprecatedAlias) Set(v string) error {
 func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	o := &agentOptions{}
 	cf := newCommandFlags("konnectivity agent", stderr)
+	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
+		healthHost: "health-server-host", healthPort: "health-server-port", adminPort: "admin-server-port",
+		healthDefault: 8093, adminDefault: 8094,
+		peer: "the server", onPingTimeout: "reconnecting", kubeconfigFor: "counting Leases",
+	})
 	f := cf.FlagSet
 	f.StringVar(&o.serverHost, "proxy-server-host", "127.0.0.1", "server or load balancer host to dial (also the TLS server name); a comma list holds a tunnel to each")
 	f.BoolVar(&o.expandDNS, "proxy-server-resolve", false, "resolve each --proxy-server-host to all its A/AAAA records and hold a tunnel to each address (no load balancer needed)")
@@ -95,37 +90,22 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.StringVar(&o.identifiers, "agent-identifiers", "", "identifiers for destHost routing, e.g. host=node1&ipv4=10.0.0.5 (cidr= and default-route=true need the server's --route-agents)")
 	f.StringVar(&o.tokenPath, "service-account-token-path", "", "ServiceAccount token file sent as a bearer token (read again on every connect)")
 	f.DurationVar(&o.tokenRefresh, "token-refresh-interval", 30*time.Second, "how often the token file is read again; a new token is presented to every server without dropping tunnels")
-	f.StringVar(&o.healthHost, "health-server-host", "", "address the health server binds to (default all)")
-	f.IntVar(&o.healthPort, "health-server-port", 8093, "port of /healthz, /livez and /readyz; 0 disables it")
-	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
-	f.IntVar(&o.adminPort, "admin-server-port", 8094, "port of the admin server; 0 disables it")
-	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
 	f.DurationVar(&o.dialTimeout, "dial-timeout", 5*time.Second, "bound on dialling a destination")
-	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to the server")
-	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before reconnecting")
 	f.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long open tunnels may finish")
 	f.DurationVar(&o.syncInterval, "sync-interval", time.Second, "first reconnect delay")
 	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
-	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
 	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")
 	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
-	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
-	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
 	cf.tolerate("alpn-proto", false, "not supported")
-	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
-	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
 	f.BoolVar(&o.leases.count, "count-server-leases", false, "count the servers' coordination.k8s.io/v1 Leases (servers run --enable-lease-controller) and want a tunnel to that many servers")
-	f.StringVar(&o.leases.namespace, "lease-namespace", "kube-system", "namespace of the server Leases")
 	f.StringVar(&o.leases.selector, "lease-label-selector", "k8s-app=konnectivity-server", "label selector of the server Leases to count")
 	f.Var(&deprecatedAlias{target: &o.leases.selector, set: &o.leases.deprecatedLabel}, "lease-label", "deprecated: use --lease-label-selector")
 	f.StringVar(&o.leases.source, "server-count-source", "max", "how the lease count and the count servers announce combine: max (the larger) or default (the lease count alone, once known)")
-	f.StringVar(&o.leases.kubeconfig, "kubeconfig", "", "kubeconfig for counting Leases (default: the pod's ServiceAccount)")
 	cf.tolerate("kube-api-content-type", false, "Leases are read as JSON")
-	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
 	return o, cf
 }
 
@@ -158,7 +138,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if (o.agentCert == "") != (o.agentKey == "") {
 		return fmt.Errorf("--agent-cert and --agent-key go together")
 	}
-	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
+	if err := o.daemonOptions.complete(cf); err != nil {
 		return err
 	}
 	if o.destinations, err = tunnel.NewDestinationPolicy(tunnel.DestinationRules{
@@ -177,7 +157,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	default:
 		return fmt.Errorf("--server-count-source=%q: want default or max", o.leases.source)
 	}
-	if err := lease.CheckName(o.leases.namespace, ""); err != nil {
+	if err := lease.CheckName(o.leaseNamespace, ""); err != nil {
 		return fmt.Errorf("--lease-namespace: %w", err)
 	}
 	if o.maxStreams == 0 || o.maxStreams > 1<<31 {
@@ -189,8 +169,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 // tlsConfig reads the CA and client certificate from disk, so that each
 // new connection uses what is there now.
 func (o *agentOptions) tlsConfig(serverName string) (*tls.Config, error) {
-	minTLS, _ := tlsVersion(o.tlsMinVersion)
-	cfg := &tls.Config{ServerName: serverName, MinVersion: minTLS}
+	cfg := &tls.Config{ServerName: serverName, MinVersion: o.minTLS()}
 	if o.caCert != "" {
 		pool, err := loadCAPool(o.caCert)
 		if err != nil {
@@ -255,28 +234,25 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		cfg.TokenRefresh = o.tokenRefresh
 	}
 	metrics := promtext.NewRegistry()
-	addProcessMetrics(metrics, "konnectivity_network_proxy_agent_")
+	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
 	}
-	d := newDaemon(log)
+	d := daemon.New(log)
 	defer d.Close()
-	ready := []check{{"server-connected", agent.Ready}}
-	readyAll := []check{{"all-servers-connected", agent.ReadyAll}}
+	ready := []daemon.Check{{Name: "server-connected", Run: agent.Ready}}
+	readyAll := []daemon.Check{{Name: "all-servers-connected", Run: agent.ReadyAll}}
 	if o.readyzAll {
 		ready = readyAll
 	}
-	if err := d.startServices(serviceOptions{
-		healthAddr: servicePort(o.healthHost, o.healthPort),
-		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
-		ready:      ready,
-		readyAll:   readyAll,
-		metrics:    metrics,
-		status:     func() any { return agent.Status() },
-		profiling:  o.enableProfiling,
-	}); err != nil {
+	if err := d.StartServices(o.services(daemon.Services{
+		Ready:    ready,
+		ReadyAll: readyAll,
+		Metrics:  metrics,
+		Status:   func() any { return agent.Status() },
+	})); err != nil {
 		return err
 	}
 	stopCounting := o.startLeaseCounter(ctx, agent, metrics, log)
@@ -290,23 +266,21 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	runDone := make(chan error, 1)
 	go func() { runDone <- agent.Run(runCtx) }()
 	stop := func() error { stopRun(); return <-runDone }
-	return d.Run(ctx, work{
-		done: runDone,
-		shutdown: func(ended bool, cause error) error {
+	return d.Run(ctx, o.restarts(daemon.Work{
+		Done: runDone,
+		Shutdown: func(ended bool, cause error) error {
 			if ended {
 				return cause
 			}
 			return stop()
 		},
-		drain: func(trigger string) []string {
+		Drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			stop()
 			return nil
 		},
-		memoryReady:           func() bool { ok, _ := agent.ReadyAll(); return ok },
-		restartOnBinaryChange: o.restartOnBinaryChange,
-		restartCheckInterval:  o.restartCheckInterval,
-	})
+		MemoryReady: func() bool { ok, _ := agent.ReadyAll(); return ok },
+	}))
 }
 
 // startLeaseCounter counts the server Leases and hands the count to the
@@ -323,11 +297,11 @@ func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agen
 		log.Warn("cannot count server leases: using the server count the servers announce", "err", err)
 		return func() {}
 	}
-	rc, err := auth.LoadKubeconfig(o.leases.kubeconfig, "")
+	rc, err := auth.LoadKubeconfig(o.kubeconfig, "")
 	if err != nil {
 		return fail(err)
 	}
-	client, err := lease.NewClient(rc, o.leases.namespace)
+	client, err := lease.NewClient(rc, o.leaseNamespace)
 	if err != nil {
 		return fail(err)
 	}
@@ -342,9 +316,6 @@ func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agen
 	if err != nil {
 		return fail(err)
 	}
-	log.Info("counting server leases", "apiserver", rc.Server(), "namespace", o.leases.namespace, "selector", o.leases.parsed.String(), "server_count_source", o.leases.source)
-	cctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); counter.Run(cctx) }()
-	return func() { cancel(); <-done }
+	log.Info("counting server leases", "apiserver", rc.Server(), "namespace", o.leaseNamespace, "selector", o.leases.parsed.String(), "server_count_source", o.leases.source)
+	return goUntilStopped(ctx, counter.Run)
 }

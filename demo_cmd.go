@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/tunnel"
 )
 
@@ -41,7 +42,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	if *verbose {
 		log = slog.New(slog.NewTextHandler(stderr, nil))
 	}
-	ctx, stop := signalContext(log)
+	ctx, stop := daemon.SignalContext(log)
 	defer stop()
 	if err := demo(ctx, stdout, log, *once, *requests, *connectPort); err != nil {
 		fmt.Fprintf(stderr, "demo failed: %v\n", err)
@@ -56,81 +57,28 @@ func demo(ctx context.Context, out io.Writer, log *slog.Logger, once bool, reque
 		return err
 	}
 	defer os.RemoveAll(dir)
-
-	ca, err := certs.NewCA("konnectivity demo CA", 24*time.Hour)
+	pki, err := newDemoPKI()
 	if err != nil {
 		return err
 	}
-	serverPEM, serverKey, err := ca.Issue(certs.Request{CommonName: "konnectivity-server", DNSNames: []string{"localhost"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, Validity: 24 * time.Hour})
-	if err != nil {
-		return err
-	}
-	agentPEM, agentKey, err := ca.Issue(certs.Request{CommonName: "konnectivity-agent", Client: true, Validity: 24 * time.Hour})
-	if err != nil {
-		return err
-	}
-	serverCert, err := tls.X509KeyPair(serverPEM, serverKey)
-	if err != nil {
-		return err
-	}
-	agentCert, err := tls.X509KeyPair(agentPEM, agentKey)
-	if err != nil {
-		return err
-	}
-	pool := x509.NewCertPool()
-	pool.AddCert(ca.Cert)
 	fmt.Fprintf(out, "minted a throwaway CA and server/agent certificates in %s\n", dir)
-
-	// The destination: a small HTTP backend on loopback.
-	backendLn, err := net.Listen("tcp", "127.0.0.1:0")
+	target, stopBackend, err := startDemoBackend()
 	if err != nil {
 		return err
 	}
-	backend := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintf(w, "hello from the backend at %s (you asked for %s)\n", r.Host, r.URL.Path)
-	})}
-	go backend.Serve(backendLn)
-	defer backend.Close()
-
-	srv, err := tunnel.NewServer(tunnel.ServerConfig{
-		ID:       "demo-server",
-		AgentTLS: &tls.Config{Certificates: []tls.Certificate{serverCert}, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert},
-		Logger:   log,
-	})
+	defer stopBackend()
+	srv, uds, agentAddr, err := startDemoServer(dir, pki, log)
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
-	uds := filepath.Join(dir, "konnectivity-server.socket")
-	udsLn, err := listenUnix(uds, 0o600, true)
+	stopAgent, err := startDemoAgent(ctx, agentAddr, pki, log)
 	if err != nil {
 		return err
 	}
-	go srv.ServeFrontend(udsLn)
-	agentLn, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
-	}
-	go srv.ServeAgents(agentLn)
+	defer stopAgent()
 
-	agent, err := tunnel.NewAgent(tunnel.AgentConfig{
-		ServerAddrs: []string{agentLn.Addr().String()},
-		ID:          "demo-agent",
-		TLS: func(name string) (*tls.Config, error) {
-			return &tls.Config{RootCAs: pool, ServerName: name, Certificates: []tls.Certificate{agentCert}}, nil
-		},
-		DrainTimeout: time.Second,
-		Logger:       log,
-	})
-	if err != nil {
-		return err
-	}
-	agentCtx, stopAgent := context.WithCancel(ctx)
-	agentDone := make(chan struct{})
-	go func() { defer close(agentDone); agent.Run(agentCtx) }()
-	defer func() { stopAgent(); <-agentDone }()
-
-	fmt.Fprintf(out, "server: frontend %s, agents on %s\n", uds, agentLn.Addr())
+	fmt.Fprintf(out, "server: frontend %s, agents on %s\n", uds, agentAddr)
 	deadline := time.Now().Add(10 * time.Second)
 	for srv.AgentCount() == 0 {
 		if time.Now().After(deadline) {
@@ -139,8 +87,105 @@ func demo(ctx context.Context, out io.Writer, log *slog.Logger, once bool, reque
 		time.Sleep(20 * time.Millisecond)
 	}
 	fmt.Fprintln(out, "agent: connected")
+	if err := demoRequests(out, uds, target, requests); err != nil || once {
+		return err
+	}
+	return demoByHand(ctx, out, srv, uds, target, connectPort)
+}
 
-	target := backendLn.Addr().String()
+// demoPKI is the demo's throwaway CA and the certificates it issued.
+type demoPKI struct {
+	pool          *x509.CertPool
+	server, agent tls.Certificate
+}
+
+func newDemoPKI() (*demoPKI, error) {
+	ca, err := certs.NewCA("konnectivity demo CA", 24*time.Hour)
+	if err != nil {
+		return nil, err
+	}
+	serverPEM, serverKey, err := ca.Issue(certs.Request{CommonName: "konnectivity-server", DNSNames: []string{"localhost"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, Validity: 24 * time.Hour})
+	if err != nil {
+		return nil, err
+	}
+	agentPEM, agentKey, err := ca.Issue(certs.Request{CommonName: "konnectivity-agent", Client: true, Validity: 24 * time.Hour})
+	if err != nil {
+		return nil, err
+	}
+	p := &demoPKI{pool: x509.NewCertPool()}
+	p.pool.AddCert(ca.Cert)
+	if p.server, err = tls.X509KeyPair(serverPEM, serverKey); err != nil {
+		return nil, err
+	}
+	if p.agent, err = tls.X509KeyPair(agentPEM, agentKey); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// startDemoBackend serves the destination, a small HTTP backend on
+// loopback, until stop, which waits for it.
+func startDemoBackend() (addr string, stop func(), err error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, err
+	}
+	backend := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "hello from the backend at %s (you asked for %s)\n", r.Host, r.URL.Path)
+	})}
+	done := make(chan struct{})
+	go func() { defer close(done); backend.Serve(ln) }()
+	return ln.Addr().String(), func() { backend.Close(); <-done }, nil
+}
+
+// startDemoServer starts a server with its HTTP CONNECT frontend on a
+// socket in dir and its agent listener on loopback; srv.Close ends both.
+func startDemoServer(dir string, pki *demoPKI, log *slog.Logger) (srv *tunnel.Server, uds, agentAddr string, err error) {
+	srv, err = tunnel.NewServer(tunnel.ServerConfig{
+		ID:       "demo-server",
+		AgentTLS: &tls.Config{Certificates: []tls.Certificate{pki.server}, ClientCAs: pki.pool, ClientAuth: tls.RequireAndVerifyClientCert},
+		Logger:   log,
+	})
+	if err != nil {
+		return nil, "", "", err
+	}
+	uds = filepath.Join(dir, "konnectivity-server.socket")
+	udsLn, err := daemon.ListenUnix(uds, 0o600, true)
+	if err != nil {
+		srv.Close()
+		return nil, "", "", err
+	}
+	go srv.ServeFrontend(udsLn)
+	agentLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		srv.Close()
+		return nil, "", "", err
+	}
+	go srv.ServeAgents(agentLn)
+	return srv, uds, agentLn.Addr().String(), nil
+}
+
+// startDemoAgent runs an agent connected to the server at addr until ctx
+// ends or stop, which waits for it.
+func startDemoAgent(ctx context.Context, addr string, pki *demoPKI, log *slog.Logger) (stop func(), err error) {
+	agent, err := tunnel.NewAgent(tunnel.AgentConfig{
+		ServerAddrs: []string{addr},
+		ID:          "demo-agent",
+		TLS: func(name string) (*tls.Config, error) {
+			return &tls.Config{RootCAs: pki.pool, ServerName: name, Certificates: []tls.Certificate{pki.agent}}, nil
+		},
+		DrainTimeout: time.Second,
+		Logger:       log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return goUntilStopped(ctx, func(ctx context.Context) { agent.Run(ctx) }), nil
+}
+
+// demoRequests makes requests dials through the socket the way
+// kube-apiserver does, and one to a closed port.
+func demoRequests(out io.Writer, uds, target string, requests int) error {
 	failures := 0
 	for i := 1; i <= requests; i++ {
 		start := time.Now()
@@ -152,15 +197,16 @@ func demo(ctx context.Context, out io.Writer, log *slog.Logger, once bool, reque
 		}
 		fmt.Fprintf(out, "request %d via CONNECT %s: %s (%s)\n", i, target, strings.TrimSpace(body), time.Since(start).Round(10*time.Microsecond))
 	}
-	_, err = getThroughUDS(uds, "127.0.0.1:1", "/")
+	_, err := getThroughUDS(uds, "127.0.0.1:1", "/")
 	fmt.Fprintf(out, "a dial to a closed port is refused as it should be: %v\n", err)
 	if failures > 0 {
 		return fmt.Errorf("%d of %d requests failed", failures, requests)
 	}
-	if once {
-		return nil
-	}
+	return nil
+}
 
+// demoByHand opens a plain CONNECT listener for curl and waits for Ctrl-C.
+func demoByHand(ctx context.Context, out io.Writer, srv *tunnel.Server, uds, target string, connectPort int) error {
 	connectLn, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", connectPort))
 	if err != nil {
 		return fmt.Errorf("CONNECT listener: %w", err)

@@ -7,10 +7,10 @@
 // konnectivity-agent and eks-konnectivity-cert, so existing init scripts
 // and manifests keep working.
 //
-// This package is the commands: flags (flags.go, upstream's names and
-// klog's), TLS and authentication set-up, and one daemon skeleton
-// (daemon.go) that both long-running commands use for their listeners
-// (kept across the self-restart, restart.go), health and admin services,
-// memory upkeep (memory.go) and signals. The work itself lives in tunnel
-// (the data path), auth and certs; this package holds no data-path logic.
+// This package is the commands and their flags: flags.go (upstream's
+// names and klog's), TLS and authentication set-up, and the wiring of
+// each command. The long-running commands run under internal/daemon
+// (listeners kept across the self-restart, health and admin services,
+// memory upkeep, signals); the work itself lives in tunnel (the data
+// path), auth and certs. This package holds no data-path logic.
 package main

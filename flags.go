@@ -11,6 +11,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/spinifex/konnectivity/internal/daemon"
 )
 
 // compatFlag accepts an upstream flag this binary does not honour, and
@@ -356,11 +358,21 @@ func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, c
 		return 2
 	}
 	cf.flushWarnings(log)
-	ctx, stop := signalContext(log)
+	ctx, stop := daemon.SignalContext(log)
 	defer stop()
 	if err := run(ctx, log); err != nil {
 		log.Error(name+" failed", "err", err)
 		return 1
 	}
 	return 0
+}
+
+// goUntilStopped runs f on a goroutine it owns until ctx ends or stop,
+// which cancels f's context and waits for f to return; stop may be called
+// more than once.
+func goUntilStopped(ctx context.Context, f func(context.Context)) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); f(ctx) }()
+	return func() { cancel(); <-done }
 }

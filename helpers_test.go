@@ -5,9 +5,7 @@ package main
 import (
 	"bytes"
 	"context"
-	"errors"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -17,11 +15,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // freePort returns a loopback port below the ephemeral range, never the
@@ -170,112 +165,4 @@ func runCertArgs(args ...string) (code int, stdout, stderr string) {
 	var o, e bytes.Buffer
 	code = runCert(args, &o, &e)
 	return code, o.String(), e.String()
-}
-
-//go:noinline
-func growStack(depth int) byte {
-	var pad [480]byte
-	pad[depth%len(pad)] = byte(depth)
-	if depth == 0 {
-		return pad[0]
-	}
-	return growStack(depth-1) + pad[1]
-}
-
-// startTrimmer runs a trimmer for the rest of the test and checks at the
-// end that it stops with its context. Its first sample is taken before
-// startTrimmer returns.
-func startTrimmer(t *testing.T, interval time.Duration) {
-	ctx, cancel := context.WithCancel(context.Background())
-	tr := newTrimmer(slog.New(slog.DiscardHandler))
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		tr.run(ctx, interval)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			t.Error("trimMemory did not end with its context")
-		}
-	})
-}
-
-// fakeWork records which of its parts the daemon called.
-type fakeWork struct {
-	done                      chan error
-	shutdowns, drains, exits  atomic.Int32
-	shutdownEnded             atomic.Bool
-	shutdownCause, shutdownOK error
-	onDrain                   func()
-}
-
-func newFakeWork() *fakeWork { return &fakeWork{done: make(chan error, 1)} }
-
-func (f *fakeWork) work() work {
-	return work{
-		done: f.done,
-		shutdown: func(ended bool, cause error) error {
-			f.shutdowns.Add(1)
-			f.shutdownEnded.Store(ended)
-			f.shutdownCause = cause
-			return f.shutdownOK
-		},
-		drain: func(string) []string {
-			f.drains.Add(1)
-			if f.onDrain != nil {
-				f.onDrain()
-			}
-			return nil
-		},
-		exited:      func() { f.exits.Add(1) },
-		memoryReady: func() bool { return true },
-	}
-}
-
-// runDaemonFor runs a daemon whose exec fails with errExecRefused, so that
-// a test can never replace the test binary.
-func runDaemonFor(t *testing.T, ctx context.Context, w work) <-chan error {
-	t.Helper()
-	d := newDaemon(slog.New(slog.DiscardHandler))
-	d.exec = func(string, []string, *slog.Logger) error { return errExecRefused }
-	t.Cleanup(d.Close)
-	out := make(chan error, 1)
-	go func() { out <- d.Run(ctx, w) }()
-	return out
-}
-
-var errExecRefused = errors.New("exec refused by the test")
-
-func waitRun(t *testing.T, out <-chan error) error {
-	t.Helper()
-	select {
-	case err := <-out:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("daemon.Run did not return within 10s")
-		return nil
-	}
-}
-
-// sendHUPUntil sends this process SIGHUP until drained is closed: the
-// daemon subscribes to SIGHUP only once Run has started. The caller keeps a
-// channel notified of SIGHUP, so that none kills the test binary.
-func sendHUPUntil(t *testing.T, drained <-chan struct{}) {
-	t.Helper()
-	deadline := time.After(10 * time.Second)
-	for {
-		if err := unix.Kill(os.Getpid(), unix.SIGHUP); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case <-drained:
-			return
-		case <-time.After(50 * time.Millisecond):
-		case <-deadline:
-			t.Fatal("no drain within 10s of SIGHUP")
-		}
-	}
 }

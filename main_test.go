@@ -206,3 +206,13 @@ func TestServerAndAgentCommands(t *testing.T) {
 		t.Errorf("socket still there after stop: %v", err)
 	}
 }
+
+// TestServicePortZeroIsOff: port 0 in a flag turns the service off.
+func TestServicePortZeroIsOff(t *testing.T) {
+	if got := servicePort("127.0.0.1", 0); got != "" {
+		t.Errorf("servicePort(_, 0) = %q, want off", got)
+	}
+	if got := servicePort("", 8092); got != ":8092" {
+		t.Errorf("servicePort(\"\", 8092) = %q", got)
+	}
+}

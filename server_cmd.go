@@ -14,20 +14,21 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
-	"golang.org/x/sys/unix"
 )
 
 type serverOptions struct {
+	daemonOptions
+	kubeCtx               string
 	mode                  string
 	udsName               string
 	deleteExistingUDS     bool
@@ -44,15 +45,9 @@ type serverOptions struct {
 	clusterKey            string
 	clusterCACert         string
 	allowUnauthenticated  bool
-	kubeconfig, kubeCtx   string
 	agentNamespace        string
 	agentServiceAccount   string
 	authAudience          string
-	healthPort            int
-	healthBindAddress     string
-	adminPort             int
-	adminBindAddress      string
-	enableProfiling       bool
 	serverID              string
 	serverIDFixed         bool // from --server-id or $PROXY_SERVER_ID: the same after a self-restart
 	serverCount           int
@@ -61,12 +56,9 @@ type serverOptions struct {
 	backendDialTimeout    time.Duration
 	headerTimeout         time.Duration
 	gracefulShutdown      time.Duration
-	keepaliveTime         time.Duration
-	pingTimeout           time.Duration
 	maxStreamsPerAgent    int
 	maxUnadmitted         int
 	maxAgentReviews       int
-	tlsMinVersion         string
 	readyzRequiresAgent   bool
 	tokenReviewTimeout    time.Duration
 	tokenReviewCacheTTL   time.Duration
@@ -78,8 +70,6 @@ type serverOptions struct {
 	mintSANs, mintCN      string
 	mintCheckInterval     time.Duration
 	restartGrace          time.Duration
-	restartOnBinaryChange bool
-	restartCheckInterval  time.Duration
 	leases                serverLeaseOptions
 }
 
@@ -87,7 +77,7 @@ type serverOptions struct {
 // binary's timing flags (upstream fixes the timing).
 type serverLeaseOptions struct {
 	enable                bool
-	namespace, label      string
+	label                 string
 	labels                map[string]string
 	duration, renew, cull time.Duration
 }
@@ -95,6 +85,11 @@ type serverLeaseOptions struct {
 func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	o := &serverOptions{udsMode: fileMode{0o600}}
 	cf := newCommandFlags("konnectivity server", stderr)
+	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
+		healthHost: "health-bind-address", healthPort: "health-port", adminPort: "admin-port",
+		healthDefault: 8092, adminDefault: 8095,
+		peer: "an agent", onPingTimeout: "the agent is dropped", kubeconfigFor: "TokenReview and Leases",
+	})
 	f := cf.FlagSet
 	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc (proxyProtocol: GRPC) or http-connect (HTTPConnect)")
 	f.StringVar(&o.udsName, "uds-name", "", "Unix socket path for the kube-apiserver frontend")
@@ -114,7 +109,6 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.clusterKey, "cluster-key", "", "TLS key presented to agents (required)")
 	f.StringVar(&o.clusterCACert, "cluster-ca-cert", "", "if set, agents may authenticate with a client certificate signed by this CA")
 	f.BoolVar(&o.allowUnauthenticated, "allow-unauthenticated-agents", false, "admit agents with neither a client certificate nor a token (insecure)")
-	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig used for TokenReview (default: in-cluster config)")
 	f.StringVar(&o.kubeCtx, "context", "", "kubeconfig context to use (default: current-context)")
 	f.StringVar(&o.agentNamespace, "agent-namespace", "", "namespace of the agents' ServiceAccount (enables token auth)")
 	f.StringVar(&o.agentServiceAccount, "agent-service-account", "", "name of the agents' ServiceAccount (enables token auth)")
@@ -125,11 +119,6 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.BoolVar(&o.agentIDFromCert, "agent-id-from-certificate", false, "a certificate agent's ID and host= identifiers must be its certificate's CN or a DNS SAN, its ipv4=/ipv6= an IP SAN")
 	f.StringVar(&o.routeAgents, "route-agents", "", "comma list of agent IDs and serviceaccount:NAMESPACE/NAME allowed to advertise cidr= and default-route identifiers; * allows every agent")
 	f.DurationVar(&o.tokenRecheck, "token-recheck-interval", time.Minute, "how often a connected agent's token is reviewed again (and at its expiry); a link whose token is no longer valid is drained and closed; 0 never")
-	f.IntVar(&o.healthPort, "health-port", 8092, "port of /healthz, /livez and /readyz; 0 disables it")
-	f.StringVar(&o.healthBindAddress, "health-bind-address", "", "address the health server binds to (default all)")
-	f.IntVar(&o.adminPort, "admin-port", 8095, "port of the admin server (pprof); 0 disables it")
-	f.StringVar(&o.adminBindAddress, "admin-bind-address", "127.0.0.1", "address the admin server binds to")
-	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
 	f.StringVar(&o.serverID, "server-id", "", "ID announced to agents (default: $PROXY_SERVER_ID, else random per process)")
 	f.IntVar(&o.serverCount, "server-count", 1, "number of server replicas agents should connect to")
 	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: destHost, default, defaultRoute")
@@ -139,35 +128,26 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
 	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
-	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to an agent")
-	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before the agent is dropped")
 	f.IntVar(&o.maxStreamsPerAgent, "max-streams-per-agent", 10000, "open tunnels per agent before dials go elsewhere")
-	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
 	f.StringVar(&o.mintCACert, "mint-ca-cert", "", "CA certificate to mint --cluster-cert from (with --mint-ca-key): minted at start when missing or wrong, renewed before expiry")
 	f.StringVar(&o.mintCAKey, "mint-ca-key", "", "CA key for --mint-ca-cert")
 	f.StringVar(&o.mintSANs, "mint-sans", "", "comma list of DNS names and IPs agents dial, for the minted certificate")
 	f.StringVar(&o.mintCN, "mint-cn", "konnectivity-server", "common name of the minted certificate")
 	f.DurationVar(&o.mintCheckInterval, "mint-check-interval", time.Hour, "how often the minted certificate is checked for renewal")
 	f.DurationVar(&o.restartGrace, "restart-grace", 10*time.Second, "on SIGHUP (self-restart), how long open tunnels may finish before the process re-executes itself")
-	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place when the executable on disk is replaced")
-	f.DurationVar(&o.restartCheckInterval, "restart-check-interval", 2*time.Second, "how often --restart-on-binary-change looks at the executable")
 	f.BoolVar(&o.readyzRequiresAgent, "readyz-requires-agent", true, "/readyz fails until an agent is connected")
 
-	cf.tolerate("xfr-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
 	cf.tolerate("frontend-write-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
-	cf.tolerate("warn-on-channel-limit", true, "not needed: there are no shared channels")
 	cf.tolerate("frontend-keepalive-time", false, "the HTTP CONNECT frontend has no keepalive")
 	cf.tolerate("cipher-suites", false, "Go's default TLS 1.2/1.3 suites are used")
 	cf.tolerate("kubeconfig-qps", false, "TokenReview results are cached instead")
 	cf.tolerate("kubeconfig-burst", false, "TokenReview results are cached instead")
 	cf.tolerate("kube-api-content-type", false, "TokenReview uses JSON")
 	f.BoolVar(&o.leases.enable, "enable-lease-controller", false, "keep a coordination.k8s.io/v1 Lease for this server (renewed, deleted on exit) and delete expired ones, so agents with --count-server-leases can count the servers")
-	f.StringVar(&o.leases.namespace, "lease-namespace", "kube-system", "namespace of the server Leases")
 	f.StringVar(&o.leases.label, "lease-label", "k8s-app=konnectivity-server", "labels of this server's Lease (k=v,k2=v2); expired Leases with these labels are deleted")
 	f.DurationVar(&o.leases.duration, "lease-duration", lease.DefaultDuration, "how long the server's Lease stays valid without renewal (whole seconds; upstream fixes 30s)")
 	f.DurationVar(&o.leases.renew, "lease-renew-interval", lease.DefaultRenewInterval, "how often the server renews its Lease (upstream fixes 15s)")
 	f.DurationVar(&o.leases.cull, "lease-gc-interval", lease.DefaultGCInterval, "how often expired server Leases are looked for and deleted (upstream fixes 15s)")
-	cf.tolerate("enable-contention-profiling", true, "not supported; --enable-profiling serves pprof")
 	return o, cf
 }
 
@@ -223,7 +203,7 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 		if o.leases.duration < time.Second || o.leases.renew <= 0 || o.leases.renew >= o.leases.duration || o.leases.cull <= 0 {
 			return fmt.Errorf("--lease-renew-interval=%s must be positive and shorter than --lease-duration=%s (at least 1s), --lease-gc-interval=%s positive", o.leases.renew, o.leases.duration, o.leases.cull)
 		}
-		if err := lease.CheckName(o.leases.namespace, lease.NamePrefix+o.serverID); err != nil {
+		if err := lease.CheckName(o.leaseNamespace, lease.NamePrefix+o.serverID); err != nil {
 			return fmt.Errorf("--enable-lease-controller: %w (set --lease-namespace, or a --server-id of lower-case letters, digits and '-')", err)
 		}
 	}
@@ -236,7 +216,7 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.tokenAuth() && (o.agentNamespace == "" || o.agentServiceAccount == "" || o.authAudience == "") {
 		return fmt.Errorf("token auth needs all of --agent-namespace, --agent-service-account and --authentication-audience")
 	}
-	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
+	if err := o.daemonOptions.complete(cf); err != nil {
 		return err
 	}
 	switch {
@@ -287,34 +267,9 @@ func (o *serverOptions) tokenAuth() bool {
 	return o.agentNamespace != "" || o.agentServiceAccount != "" || o.authAudience != ""
 }
 
-// tlsVersion reads --tls-min-version. Upstream's VersionTLS10 and
-// VersionTLS11 are read as TLS 1.2: 1.0 and 1.1 are deprecated (RFC 8996)
-// and every kube-apiserver and agent speaks 1.2.
-func tlsVersion(s string) (uint16, error) {
-	switch s {
-	case "VersionTLS10", "VersionTLS11", "VersionTLS12", "":
-		return tls.VersionTLS12, nil
-	case "VersionTLS13":
-		return tls.VersionTLS13, nil
-	}
-	return 0, fmt.Errorf("--tls-min-version=%q: want VersionTLS12 or VersionTLS13 (VersionTLS10 and VersionTLS11 are read as VersionTLS12)", s)
-}
-
-// checkTLSVersion checks --tls-min-version and warns when an upstream
-// value is read as TLS 1.2.
-func checkTLSVersion(cf *commandFlags, s string) error {
-	if _, err := tlsVersion(s); err != nil {
-		return err
-	}
-	if s == "VersionTLS10" || s == "VersionTLS11" {
-		cf.warn("--tls-min-version below TLS 1.2 is not offered (RFC 8996 deprecates 1.0 and 1.1); using VersionTLS12", "tls_min_version", s)
-	}
-	return nil
-}
-
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := inheritedTunnels(log) // before anything can fail: their sockets close with the process
-	minTLS, _ := tlsVersion(o.tlsMinVersion)
+	inherited := daemon.InheritedTunnels(log) // before anything can fail: their sockets close with the process
+	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
 		return err
@@ -326,7 +281,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	log.Info("agent-listener certificate", "cert", o.clusterCert, "not_after", agentCert.NotAfter().UTC().Format(time.RFC3339))
 	metrics := promtext.NewRegistry()
-	addProcessMetrics(metrics, "konnectivity_network_proxy_server_")
+	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_server_", versionString())
 	addCertificateMetric(metrics, "agents", agentCert)
 	cfg, err := o.serverConfig(agentTLS, metrics, log)
 	if err != nil {
@@ -338,7 +293,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	defer srv.Close()
 
-	d := newDaemon(log)
+	d := daemon.New(log)
 	defer d.Close()
 	var serving sync.WaitGroup
 	done := make(chan error, 3) // one per accept loop, so none blocks
@@ -346,92 +301,72 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		serving.Add(1)
 		go func() { defer serving.Done(); done <- f() }()
 	}
-	if err := o.listen(d, srv, minTLS, metrics, serve); err != nil {
+	if err := o.listen(d, srv, minTLS, metrics, serve, log); err != nil {
 		return err
 	}
 	srv.Resume(inherited)
-	if err := d.startServices(serviceOptions{
-		healthAddr: servicePort(o.healthBindAddress, o.healthPort),
-		adminAddr:  servicePort(o.adminBindAddress, o.adminPort),
-		ready:      o.readyChecks(srv),
-		metrics:    metrics,
-		status:     func() any { return srv.Status() },
-		profiling:  o.enableProfiling,
-	}); err != nil {
+	if err := d.StartServices(o.services(daemon.Services{
+		Ready:   o.readyChecks(srv),
+		Metrics: metrics,
+		Status:  func() any { return srv.Status() },
+	})); err != nil {
 		return err
 	}
 	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
 	defer stopLeases(true)
 
-	stop := func(grace time.Duration) { stopServing(srv, grace, &serving, log) }
-	return d.Run(ctx, work{
-		done: done,
-		shutdown: func(_ bool, cause error) error {
+	return d.Run(ctx, o.restarts(daemon.Work{
+		Done: done,
+		Shutdown: func(_ bool, cause error) error {
 			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
-			stop(o.gracefulShutdown)
+			stopServing(srv, o.gracefulShutdown, false, &serving, log)
 			stopLeases(true)
 			if cause != nil && !errors.Is(cause, tunnel.ErrServerClosed) {
 				return cause
 			}
 			return nil
 		},
-		drain: func(trigger string) []string {
+		Drain: func(trigger string) []string {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
-			paused := handOverServing(srv, o.restartGrace, &serving, log)
+			paused := stopServing(srv, o.restartGrace, true, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
 			// so agents never see the count dip; a random ID is a new
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return tunnelsForNextImage(paused, log)
+			return daemon.TunnelsForNextImage(paused, log)
 		},
-		exited:                o.removeSocket(log),
-		memoryReady:           func() bool { return srv.AgentCount() > 0 },
-		restartOnBinaryChange: o.restartOnBinaryChange,
-		restartCheckInterval:  o.restartCheckInterval,
-	})
+		Exited:      o.removeSocket(log),
+		MemoryReady: func() bool { return srv.AgentCount() > 0 },
+	}))
 }
 
 // readyChecks is /readyz: an agent must be connected unless
 // --readyz-requires-agent=false, which reports without failing.
-func (o *serverOptions) readyChecks(srv *tunnel.Server) []check {
+func (o *serverOptions) readyChecks(srv *tunnel.Server) []daemon.Check {
 	if !o.readyzRequiresAgent {
-		return []check{{"agents", func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
+		return []daemon.Check{{Name: "agents", Run: func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
 	}
-	return []check{{"agents", srv.Ready}}
+	return []daemon.Check{{Name: "agents", Run: srv.Ready}}
 }
 
 // stopServing sends GOAWAY to agents, lets tunnels finish within grace and
-// waits for the accept loops to return.
-func stopServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) {
+// waits for the accept loops to return. For a self-restart (handOver) the
+// tunnels that can move to the next image are paused and returned.
+func stopServing(srv *tunnel.Server, grace time.Duration, handOver bool, serving *sync.WaitGroup, log *slog.Logger) (paused []*tunnel.PausedTunnel) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
-	if err := srv.Shutdown(ctx); err != nil {
-		log.Warn("grace period over; open tunnels closed", "err", err)
+	var err error
+	if handOver {
+		paused, err = srv.HandOver(ctx)
+	} else {
+		err = srv.Shutdown(ctx)
 	}
-	serving.Wait()
-}
-
-// handOverServing is stopServing for a self-restart: the tunnels that can
-// move to the next image are paused and returned.
-func handOverServing(srv *tunnel.Server, grace time.Duration, serving *sync.WaitGroup, log *slog.Logger) []*tunnel.PausedTunnel {
-	ctx, cancel := context.WithTimeout(context.Background(), grace)
-	defer cancel()
-	paused, err := srv.HandOver(ctx)
 	if err != nil {
 		log.Warn("grace period over; open tunnels closed", "err", err)
 	}
 	serving.Wait()
 	return paused
-}
-
-// servicePort is the address of a health or admin service, "" when its
-// port is 0 (the service is off).
-func servicePort(host string, port int) string {
-	if port == 0 {
-		return ""
-	}
-	return hostPort(host, port)
 }
 
 // serverConfig turns the flags into the tunnel server's configuration.
@@ -498,16 +433,19 @@ func addCertificateMetric(m *promtext.Registry, listener string, cert *certs.Rel
 
 // listen opens (or adopts) the frontends and the agent listener and has
 // serve run an accept loop on each.
-func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error)) error {
+func (o *serverOptions) listen(d *daemon.Daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error), log *slog.Logger) error {
 	// One data path, two front doors: HTTP CONNECT or gRPC.
 	serveFrontend := srv.ServeFrontend
 	if o.mode == "grpc" {
 		serveFrontend = srv.ServeGRPC
 	}
-	log := d.log
 	if o.udsName != "" {
-		ln, err := d.listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
-			return listenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+		ln, err := d.Listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
+			ln, err := daemon.ListenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+			if err != nil {
+				return nil, fmt.Errorf("frontend socket (--delete-existing-uds-file=%t): %w", o.deleteExistingUDS, err)
+			}
+			return ln, nil
 		})
 		if err != nil {
 			return err
@@ -525,7 +463,7 @@ func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, met
 		if err != nil {
 			return err
 		}
-		ln, err := d.listenTCP("frontend-tcp", hostPort(o.serverBindAddress, o.serverPort))
+		ln, err := d.ListenTCP("frontend-tcp", hostPort(o.serverBindAddress, o.serverPort))
 		if err != nil {
 			return fmt.Errorf("TCP frontend: %w", err)
 		}
@@ -533,7 +471,7 @@ func (o *serverOptions) listen(d *daemon, srv *tunnel.Server, minTLS uint16, met
 		addCertificateMetric(metrics, "frontend", frontCert)
 		serve(func() error { return serveFrontend(tls.NewListener(ln, tcfg)) })
 	}
-	ln, err := d.listenTCP("agents", hostPort(o.agentBindAddress, o.agentPort))
+	ln, err := d.ListenTCP("agents", hostPort(o.agentBindAddress, o.agentPort))
 	if err != nil {
 		return fmt.Errorf("agent listener: %w", err)
 	}
@@ -556,17 +494,43 @@ func (o *serverOptions) removeSocket(log *slog.Logger) func() {
 }
 
 // agentTLSConfig serves --cluster-cert/--cluster-key and, with
-// --cluster-ca-cert, verifies agent client certificates. All three files are
-// watched: new handshakes use what is on disk now, open tunnels are untouched.
+// --cluster-ca-cert, verifies the client certificates agents present
+// (token agents present none).
 func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	cert, err := certs.NewReloader(o.clusterCert, o.clusterKey, log.With("listener", "agents"))
+	cfg, cert, err := reloadingTLS("agents", o.clusterCert, o.clusterKey, o.clusterCACert, "--cluster-cert/--cluster-key", "--cluster-ca-cert", minTLS, log)
+	if err == nil && o.clusterCACert != "" {
+		cfg.ClientAuth = tls.VerifyClientCertIfGiven
+	}
+	return cfg, cert, err
+}
+
+// frontendTLSConfig is the TCP frontend's mTLS.
+func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
+	cfg, cert, err := reloadingTLS("frontend", o.serverCert, o.serverKey, o.serverCACert, "--server-cert/--server-key", "--server-ca-cert", minTLS, log)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--cluster-cert/--cluster-key: %w", err)
+		return nil, nil, err
+	}
+	cfg.NextProtos = []string{"http/1.1"}
+	if o.mode == "grpc" {
+		cfg.NextProtos = []string{"h2"}
+	}
+	return cfg, cert, nil
+}
+
+// reloadingTLS serves certFile/keyFile and, with caFile, verifies client
+// certificates signed by it. All three files are watched: new handshakes
+// use what is on disk now, open tunnels are untouched. Errors name the
+// flags that gave the files.
+func reloadingTLS(listener, certFile, keyFile, caFile, pairFlags, caFlag string, minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
+	log = log.With("listener", listener)
+	cert, err := certs.NewReloader(certFile, keyFile, log)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: %w", pairFlags, err)
 	}
 	var pool *certs.CAPoolReloader
-	if o.clusterCACert != "" {
-		if pool, err = certs.NewCAPoolReloader(o.clusterCACert, log.With("listener", "agents")); err != nil {
-			return nil, nil, fmt.Errorf("--cluster-ca-cert: %w", err)
+	if caFile != "" {
+		if pool, err = certs.NewCAPoolReloader(caFile, log); err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", caFlag, err)
 		}
 	}
 	cfg, err := certs.ServerConfig(cert, pool)
@@ -574,32 +538,6 @@ func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Co
 		return nil, nil, err
 	}
 	cfg.MinVersion = minTLS
-	if pool != nil {
-		// Token agents present no certificate; a presented one must verify.
-		cfg.ClientAuth = tls.VerifyClientCertIfGiven
-	}
-	return cfg, cert, nil
-}
-
-// frontendTLSConfig is the TCP frontend's mTLS, with the same hot reload.
-func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	cert, err := certs.NewReloader(o.serverCert, o.serverKey, log.With("listener", "frontend"))
-	if err != nil {
-		return nil, nil, fmt.Errorf("--server-cert/--server-key: %w", err)
-	}
-	pool, err := certs.NewCAPoolReloader(o.serverCACert, log.With("listener", "frontend"))
-	if err != nil {
-		return nil, nil, fmt.Errorf("--server-ca-cert: %w", err)
-	}
-	cfg, err := certs.ServerConfig(cert, pool)
-	if err != nil {
-		return nil, nil, err
-	}
-	cfg.MinVersion = minTLS
-	cfg.NextProtos = []string{"http/1.1"}
-	if o.mode == "grpc" {
-		cfg.NextProtos = []string{"h2"}
-	}
 	return cfg, cert, nil
 }
 
@@ -628,13 +566,7 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (sto
 	if err != nil {
 		return nil, fmt.Errorf("mint the agent-listener certificate: %w", err)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		m.Renew(ctx, o.mintCheckInterval)
-	}()
-	return func() { cancel(); <-done }, nil
+	return goUntilStopped(ctx, func(ctx context.Context) { m.Renew(ctx, o.mintCheckInterval) }), nil
 }
 
 // agentAuthenticator decides how agents prove themselves: a client
@@ -761,7 +693,7 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 	if err != nil {
 		return fail(err)
 	}
-	client, err := lease.NewClient(rc, o.leases.namespace)
+	client, err := lease.NewClient(rc, o.leaseNamespace)
 	if err != nil {
 		return fail(err)
 	}
@@ -778,16 +710,13 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 	if err != nil {
 		return fail(err)
 	}
-	log.Info("lease controller on", "apiserver", rc.Server(), "lease", o.leases.namespace+"/"+ctl.Name(), "labels", lease.FormatLabels(o.leases.labels),
+	log.Info("lease controller on", "apiserver", rc.Server(), "lease", o.leaseNamespace+"/"+ctl.Name(), "labels", lease.FormatLabels(o.leases.labels),
 		"duration", o.leases.duration.String(), "renew_interval", o.leases.renew.String())
-	lctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); ctl.Run(lctx) }()
+	stopRunning := goUntilStopped(ctx, ctl.Run)
 	var once sync.Once
 	return func(release bool) {
 		once.Do(func() {
-			cancel()
-			<-done
+			stopRunning()
 			if !release {
 				return
 			}
@@ -795,7 +724,7 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 				log.Warn("server lease not deleted; it expires on its own", "err", err, "within", o.leases.duration.String())
 				return
 			}
-			log.Info("server lease deleted", "lease", o.leases.namespace+"/"+ctl.Name())
+			log.Info("server lease deleted", "lease", o.leaseNamespace+"/"+ctl.Name())
 		})
 	}
 }
@@ -810,34 +739,4 @@ func loadCAPool(path string) (*x509.CertPool, error) {
 		return nil, fmt.Errorf("%s: no PEM certificate found", path)
 	}
 	return pool, nil
-}
-
-// listenUnix creates the frontend socket with its final mode from the start
-// (no window in which it is more open than asked).
-func listenUnix(path string, mode os.FileMode, deleteExisting bool) (*net.UnixListener, error) {
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("frontend socket %s: exists and is not a socket; not removing it", path)
-		}
-		if !deleteExisting {
-			return nil, fmt.Errorf("frontend socket %s: already exists (--delete-existing-uds-file=false)", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("remove stale frontend socket: %w", err)
-		}
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("frontend socket directory: %w", err)
-	}
-	old := unix.Umask(0o777 &^ int(mode.Perm()))
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	unix.Umask(old)
-	if err != nil {
-		return nil, fmt.Errorf("frontend socket: %w", err)
-	}
-	if err := os.Chmod(path, mode.Perm()); err != nil {
-		ln.Close()
-		return nil, fmt.Errorf("frontend socket mode: %w", err)
-	}
-	return ln, nil
 }

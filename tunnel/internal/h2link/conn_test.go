@@ -366,32 +366,37 @@ func TestLinkUnansweredPingClosesLink(t *testing.T) {
 	}
 }
 
+// TestLinkAnsweredPingKeepsLink: a link whose keepalive PINGs are answered
+// stays open; it fails when the link sends no PING or closes one answered.
 func TestLinkAnsweredPingKeepsLink(t *testing.T) {
 	checkNoLeaks(t)
-	l, a := newLinkPair(t, 50*time.Millisecond, 100*time.Millisecond)
-	stop := make(chan struct{})
-	done := make(chan struct{})
-	go func() { // answer PINGs like a live agent
-		defer close(done)
-		for {
-			a.conn.SetReadDeadline(time.Now().Add(time.Second))
+	const keepAlive, pingTimeout = 50 * time.Millisecond, 100 * time.Millisecond
+	l, a := newLinkPair(t, keepAlive, pingTimeout)
+	// Four answered PINGs, each sent after keepAlive of quiet: the link
+	// lives through more than one ping timeout on answers alone.
+	const want = 4
+	answered := make(chan int, 1)
+	go func() { // answer PINGs like a live agent until want are answered
+		n := 0
+		defer func() { answered <- n }()
+		for n < want {
+			// Bounded: a link that sends no PING fails the test here.
+			a.conn.SetDeadline(time.Now().Add(5 * time.Second))
 			f, err := a.fr.ReadFrame()
 			if err != nil {
-				return
+				return // the link closed, or sent no PING in time
 			}
 			if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
-				a.fr.WritePing(true, p.Data)
-			}
-			select {
-			case <-stop:
-				return
-			default:
+				if err := a.fr.WritePing(true, p.Data); err != nil {
+					return
+				}
+				n++
 			}
 		}
 	}()
-	time.Sleep(600 * time.Millisecond)
-	close(stop)
-	<-done
+	if n := <-answered; n < want {
+		t.Fatalf("%d PINGs answered, want %d: the link sent too few or closed", n, want)
+	}
 	if !l.CanTakeNewRequest() {
 		t.Fatal("a link whose PINGs are answered was closed")
 	}

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -12,62 +12,65 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// daemon is the skeleton the long-running commands (server and agent)
+// Daemon is the skeleton the long-running commands (server and agent)
 // share: listeners kept across a self-restart, the health and admin
 // services, memory upkeep, and the loop that ends either in a graceful stop
 // or in a re-execution in place. The command owns what it serves; the
 // daemon owns when it stops.
 //
-// A daemon is used by the one goroutine that runs the command.
-type daemon struct {
+// A Daemon is owned by the one goroutine that runs the command: none of
+// its fields is shared, so none has a lock. The goroutines it starts (the
+// services' serve loops, memory upkeep, the signal and restart watchers)
+// end in Close or when Run returns.
+type Daemon struct {
 	log       *slog.Logger
 	listeners *listenerSet
 	services  []*httpService
 	exec      func(exe string, env []string, log *slog.Logger) error // execSelf; tests replace it
 }
 
-// newDaemon adopts the listeners a previous image of this process handed
-// over, if any; listen takes them by name.
-func newDaemon(log *slog.Logger) *daemon {
-	return &daemon{log: log, listeners: newListenerSet(log), exec: execSelf}
+// New adopts the listeners a previous image of this process handed over,
+// if any; Listen takes them by name.
+func New(log *slog.Logger) *Daemon {
+	return &Daemon{log: log, listeners: newListenerSet(log), exec: execSelf}
 }
 
-// listen returns the listener called name: the inherited one when it is
+// Listen returns the listener called name: the inherited one when it is
 // bound to addr, else a new one from create. Listeners keep their socket
 // (path and inode) and port across a self-restart.
-func (d *daemon) listen(name, network, addr string, create func() (net.Listener, error)) (net.Listener, error) {
+func (d *Daemon) Listen(name, network, addr string, create func() (net.Listener, error)) (net.Listener, error) {
 	return d.listeners.listen(name, network, addr, create)
 }
 
-// listenTCP is listen with a plain TCP listener on addr.
-func (d *daemon) listenTCP(name, addr string) (net.Listener, error) {
-	return d.listen(name, "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
+// ListenTCP is Listen with a plain TCP listener on addr.
+func (d *Daemon) ListenTCP(name, addr string) (net.Listener, error) {
+	return d.Listen(name, "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
 }
 
-// serviceOptions configure the health and admin services. An empty
-// address turns a service off.
-type serviceOptions struct {
-	healthAddr, adminAddr string
-	ready                 []check
-	readyAll              []check // the /readyz?all view; nil serves ready there
-	metrics               *promtext.Registry
-	status                func() any // /debug/tunnels on the admin port
-	profiling             bool       // /debug/pprof on the admin port
+// Services configure the health and admin services. An empty address
+// turns a service off.
+type Services struct {
+	HealthAddr, AdminAddr string
+	Ready                 []Check
+	ReadyAll              []Check // the /readyz?all view; nil serves Ready there
+	Metrics               *promtext.Registry
+	Status                func() any // /debug/tunnels on the admin port
+	Profiling             bool       // /debug/pprof on the admin port
 }
 
-// startServices starts the health and admin services; Close stops them.
-func (d *daemon) startServices(o serviceOptions) error {
-	health := serviceMux(o.ready, o.readyAll, o.metrics)
-	if o.healthAddr != "" {
-		s, err := startHTTP("health", d.listeners, o.healthAddr, health, d.log)
+// StartServices starts the health and admin services; Close stops them.
+func (d *Daemon) StartServices(o Services) error {
+	health := serviceMux(o.Ready, o.ReadyAll, o.Metrics)
+	if o.HealthAddr != "" {
+		s, err := startHTTP("health", d.listeners, o.HealthAddr, health, d.log)
 		if err != nil {
 			return err
 		}
 		d.services = append(d.services, s)
 	}
-	if o.adminAddr != "" {
-		admin := adminMux(serviceMux(o.ready, o.readyAll, o.metrics), o.status, o.profiling)
-		s, err := startHTTP("admin", d.listeners, o.adminAddr, admin, d.log)
+	if o.AdminAddr != "" {
+		admin := adminMux(serviceMux(o.Ready, o.ReadyAll, o.Metrics), o.Status, o.Profiling)
+		s, err := startHTTP("admin", d.listeners, o.AdminAddr, admin, d.log)
 		if err != nil {
 			return err
 		}
@@ -78,42 +81,45 @@ func (d *daemon) startServices(o serviceOptions) error {
 
 // Close stops the health and admin services and closes every listener the
 // daemon opened; closing one the command already closed is harmless.
-func (d *daemon) Close() {
+func (d *Daemon) Close() {
 	d.stopServices()
 	for _, nl := range d.listeners.open {
 		nl.ln.Close()
 	}
 }
 
-func (d *daemon) stopServices() {
+func (d *Daemon) stopServices() {
 	for _, s := range d.services {
 		s.stop()
 	}
 	d.services = nil
 }
 
-// work is what a command runs under the daemon.
-type work struct {
-	// done reports that the command stopped serving on its own.
-	done <-chan error
-	// shutdown stops the command gracefully after a stop signal, or after
-	// done reported cause (ended), and returns the command's error.
-	shutdown func(ended bool, cause error) error
-	// drain stops the command before a restart, within its restart grace,
+// Work is what a command runs under the daemon. Run calls its functions
+// from the goroutine that called Run, one at a time.
+type Work struct {
+	// Done reports that the command stopped serving on its own.
+	Done <-chan error
+	// Shutdown stops the command gracefully after a stop signal, or after
+	// Done reported cause (ended), and returns the command's error.
+	Shutdown func(ended bool, cause error) error
+	// Drain stops the command before a restart, within its restart grace,
 	// and releases what the next image must not find held. It returns
 	// environment entries that hand the next image what it keeps (the
-	// server's paused tunnels), if any.
-	drain func(trigger string) (env []string)
-	// exited, if set, removes what an exit (not a restart) must not leave
-	// behind; it runs after shutdown, and after a drain that a stop signal
+	// server's paused tunnels, TunnelsForNextImage), if any.
+	Drain func(trigger string) (env []string)
+	// Exited, if set, removes what an exit (not a restart) must not leave
+	// behind; it runs after Shutdown, and after a drain that a stop signal
 	// interrupted.
-	exited func()
-	// memoryReady tells when the command has settled, so that the pages
+	Exited func()
+	// MemoryReady tells when the command has settled, so that the pages
 	// its start-up touched can go (releaseWhenReady).
-	memoryReady func() bool
+	MemoryReady func() bool
 
-	restartOnBinaryChange bool
-	restartCheckInterval  time.Duration
+	// RestartOnBinaryChange restarts when the executable on disk is
+	// replaced, looked at every RestartCheckInterval; SIGHUP always does.
+	RestartOnBinaryChange bool
+	RestartCheckInterval  time.Duration
 }
 
 // Run serves until ctx ends (SIGTERM, SIGINT) or the command stops on its
@@ -122,12 +128,13 @@ type work struct {
 // re-executes the binary in place; a stop signal during that drain ends
 // the process instead, since a new image would never see it. Run returns
 // only when the process exits or an exec failed.
-func (d *daemon) Run(ctx context.Context, w work) error {
+func (d *Daemon) Run(ctx context.Context, w Work) error {
 	d.listeners.closeUnused()
-	stopMemory := startMemoryUpkeep(ctx, w.memoryReady, d.log)
+	stopMemory := startMemoryUpkeep(ctx, w.MemoryReady, d.log)
 	defer stopMemory()
 
-	restart := restartRequests(ctx, w.restartOnBinaryChange, w.restartCheckInterval, d.log)
+	restart, stopWatching := restartRequests(ctx, w.RestartOnBinaryChange, w.RestartCheckInterval, d.log)
+	defer stopWatching()
 	for {
 		var (
 			ended bool
@@ -135,14 +142,14 @@ func (d *daemon) Run(ctx context.Context, w work) error {
 		)
 		select {
 		case <-ctx.Done():
-		case cause = <-w.done:
+		case cause = <-w.Done:
 			ended = true
 		case trigger := <-restart:
 			exe, env, ok := d.listeners.prepareRestart(trigger)
 			if !ok {
 				continue
 			}
-			kept := w.drain(trigger)
+			kept := w.Drain(trigger)
 			d.stopServices()
 			if ctx.Err() != nil {
 				d.log.Info("stop requested while draining for a restart: exiting instead of re-executing")
@@ -152,15 +159,15 @@ func (d *daemon) Run(ctx context.Context, w work) error {
 			// Only a failed exec returns; the supervisor's respawn takes over.
 			return d.exec(exe, append([]string{env}, kept...), d.log)
 		}
-		err := w.shutdown(ended, cause)
+		err := w.Shutdown(ended, cause)
 		d.exited(w)
 		return err
 	}
 }
 
-func (d *daemon) exited(w work) {
-	if w.exited != nil {
-		w.exited()
+func (d *Daemon) exited(w Work) {
+	if w.Exited != nil {
+		w.Exited()
 	}
 	d.log.Info("stopped")
 }
@@ -176,9 +183,10 @@ func startMemoryUpkeep(ctx context.Context, ready func() bool, log *slog.Logger)
 	return func() { cancel(); <-pagesDone; <-trimDone }
 }
 
-// signalContext is cancelled by the first SIGTERM or SIGINT; a second one
-// exits the process at once.
-func signalContext(log *slog.Logger) (context.Context, func()) {
+// SignalContext is cancelled by the first SIGTERM or SIGINT; a second one
+// exits the process at once. The watching goroutine ends when stop is
+// called.
+func SignalContext(log *slog.Logger) (context.Context, func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	ch := make(chan os.Signal, 2)
 	signal.Notify(ch, unix.SIGTERM, unix.SIGINT)

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"encoding/json"
@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -46,12 +47,12 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	}
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	env := tunnelsForNextImage(paused, log)
+	env := TunnelsForNextImage(paused, log)
 	if len(env) != 1 || !strings.HasPrefix(env[0], tunnelsEnv+"=") {
 		t.Fatalf("environment %q", env)
 	}
 	t.Setenv(tunnelsEnv, strings.TrimPrefix(env[0], tunnelsEnv+"="))
-	got := inheritedTunnels(log)
+	got := InheritedTunnels(log)
 	if _, set := os.LookupEnv(tunnelsEnv); set {
 		t.Error("the entry is still in the environment: children would inherit it")
 	}
@@ -81,7 +82,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 
 	// A list naming a descriptor that is not a socket drops that entry.
 	f3, _ := socketPair(t)
-	env = tunnelsForNextImage([]*tunnel.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
+	env = TunnelsForNextImage([]*tunnel.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
 	spec := strings.TrimPrefix(env[0], tunnelsEnv+"=")
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
@@ -97,7 +98,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	}
 	unix.Dup2(int(devnull.Fd()), list[0].FD)
 	t.Setenv(tunnelsEnv, spec)
-	if got := inheritedTunnels(log); len(got) != 0 {
+	if got := InheritedTunnels(log); len(got) != 0 {
 		t.Errorf("an entry on /dev/null was adopted: %+v", got[0])
 	}
 	if !strings.Contains(logs.String(), "ignoring inherited tunnel without a socket") {
@@ -112,4 +113,37 @@ func mustAtoi(t *testing.T, s string) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// TestListenUnix: the socket has the mode asked for, in a directory made
+// for it; a stale socket is replaced only when asked, another file never.
+func TestListenUnix(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "run", "s.sock")
+	ln, err := ListenUnix(path, 0o660, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o660 {
+		t.Fatalf("socket: %v, mode %v; want 0660", err, fi.Mode().Perm())
+	}
+	ln.SetUnlinkOnClose(false)
+	ln.Close() // leaves a stale socket behind
+	if _, err := ListenUnix(path, 0o600, false); err == nil {
+		t.Fatal("a stale socket was replaced without being asked to")
+	}
+	ln, err = ListenUnix(path, 0o600, true)
+	if err != nil {
+		t.Fatalf("replacing a stale socket: %v", err)
+	}
+	ln.Close()
+	file := filepath.Join(t.TempDir(), "not-a-socket")
+	if err := os.WriteFile(file, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ListenUnix(file, 0o600, true); err == nil {
+		t.Fatal("a regular file was replaced by a socket")
+	}
+	if _, err := os.Stat(file); err != nil {
+		t.Fatalf("the regular file is gone: %v", err)
+	}
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -9,8 +9,10 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -27,11 +29,12 @@ import (
 const inheritEnv = "KONNECTIVITY_INHERITED_FDS"
 
 // listenerSet opens the process's listeners, adopting inherited ones when a
-// previous image of this process handed them over.
+// previous image of this process handed them over. It is owned by its
+// Daemon's goroutine, as the Daemon is: no lock.
 type listenerSet struct {
 	log       *slog.Logger
-	inherited map[string]*os.File
-	open      []namedListener
+	inherited map[string]*os.File // handed over and not yet adopted; nil after closeUnused
+	open      []namedListener     // every listener opened or adopted, for handOver and Close
 }
 
 type namedListener struct {
@@ -94,6 +97,39 @@ func (ls *listenerSet) closeUnused() {
 		f.Close()
 	}
 	ls.inherited = nil
+}
+
+// ListenUnix creates a Unix socket at path with its final mode from the
+// start (no window in which it is more open than asked), making its
+// directory if needed: what Listen's create does for a socket. A stale
+// socket at path is removed when replace is set; any other file there is
+// never removed.
+func ListenUnix(path string, mode os.FileMode, replace bool) (*net.UnixListener, error) {
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
+		}
+		if !replace {
+			return nil, fmt.Errorf("%s already exists", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("remove stale socket: %w", err)
+		}
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("socket directory: %w", err)
+	}
+	old := unix.Umask(0o777 &^ int(mode.Perm()))
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	unix.Umask(old)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, mode.Perm()); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("socket mode: %w", err)
+	}
+	return ln, nil
 }
 
 func sameAddr(have net.Addr, network, want string) bool {
@@ -213,7 +249,8 @@ func execSelf(exe string, handOver []string, log *slog.Logger) error {
 
 // binaryWatcher reports when the executable on disk is replaced, after the
 // new file has stopped changing (a copy in progress is not a new binary).
-func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger) <-chan struct{} {
+// Its goroutine, counted in owner, ends with ctx.
+func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger, owner *sync.WaitGroup) <-chan struct{} {
 	changed := make(chan struct{}, 1)
 	exe, err := os.Executable()
 	if err != nil {
@@ -232,7 +269,9 @@ func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger) <
 		log.Warn("cannot watch own executable", "err", err)
 		return changed
 	}
+	owner.Add(1)
 	go func() {
+		defer owner.Done()
 		last := first
 		t := time.NewTicker(every)
 		defer t.Stop()
@@ -262,16 +301,21 @@ func binaryWatcher(ctx context.Context, every time.Duration, log *slog.Logger) <
 }
 
 // restartRequests delivers a reason whenever the process should re-execute
-// itself: SIGHUP, or (when asked) a replaced executable.
-func restartRequests(ctx context.Context, onBinaryChange bool, every time.Duration, log *slog.Logger) <-chan string {
+// itself: SIGHUP, or (when asked) a replaced executable. Its goroutines end
+// with ctx or stop, which waits for them.
+func restartRequests(ctx context.Context, onBinaryChange bool, every time.Duration, log *slog.Logger) (requests <-chan string, stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	var owned sync.WaitGroup
 	out := make(chan string, 1)
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, unix.SIGHUP)
 	var replaced <-chan struct{}
 	if onBinaryChange {
-		replaced = binaryWatcher(ctx, every, log)
+		replaced = binaryWatcher(ctx, every, log, &owned)
 	}
+	owned.Add(1)
 	go func() {
+		defer owned.Done()
 		defer signal.Stop(hup)
 		for {
 			var why string
@@ -289,7 +333,7 @@ func restartRequests(ctx context.Context, onBinaryChange bool, every time.Durati
 			}
 		}
 	}()
-	return out
+	return out, func() { cancel(); owned.Wait() }
 }
 
 // tunnelsEnv names a memory file, inherited across exec, that lists the
@@ -306,11 +350,11 @@ type handedTunnel struct {
 	Tunnel *tunnel.PausedTunnel `json:"tunnel"` // all but its File
 }
 
-// tunnelsForNextImage duplicates each paused tunnel's socket without
+// TunnelsForNextImage duplicates each paused tunnel's socket without
 // close-on-exec, writes the list to a memory file the exec keeps, and
 // returns the environment entry that names it. Nothing is handed over when
 // any step fails: the tunnels are closed and logged, as a drain would.
-func tunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []string {
+func TunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []string {
 	if len(paused) == 0 {
 		return nil
 	}
@@ -364,9 +408,9 @@ func tunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []stri
 	return []string{fmt.Sprintf("%s=%d", tunnelsEnv, mfd)}
 }
 
-// inheritedTunnels reads (and clears) the paused tunnels a previous image
+// InheritedTunnels reads (and clears) the paused tunnels a previous image
 // handed over. An entry whose descriptor is not a socket is dropped.
-func inheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
+func InheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
 	spec, ok := os.LookupEnv(tunnelsEnv)
 	os.Unsetenv(tunnelsEnv)
 	if !ok {

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"encoding/json"
@@ -27,13 +27,14 @@ func jsonHandler(status func() any) http.Handler {
 	})
 }
 
-// addProcessMetrics registers when the process started and what build it
-// runs, and the process and Go families of a default Prometheus client
-// (process_metrics.go).
-func addProcessMetrics(m *promtext.Registry, prefix string) {
+// AddProcessMetrics registers when the process started and what build it
+// runs (version, as "konnectivity_network_proxy_server_build_info" and
+// the like with prefix), and the process and Go families of a default
+// Prometheus client (process_metrics.go).
+func AddProcessMetrics(m *promtext.Registry, prefix, version string) {
 	start := float64(time.Now().UnixNano()) / 1e9
 	m.GaugeFunc("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.", nil, nil, func() float64 { return start })
-	m.GaugeFunc(prefix+"build_info", "Build of the running binary; the value is always 1.", []string{"version", "goversion"}, []string{versionString(), runtime.Version()}, func() float64 { return 1 })
+	m.GaugeFunc(prefix+"build_info", "Build of the running binary; the value is always 1.", []string{"version", "goversion"}, []string{version, runtime.Version()}, func() float64 { return 1 })
 	// The Go collector's name, so existing leak alerts work: one per open
 	// tunnel and a few per connection, so a count that only grows is a leak.
 	m.GaugeFunc("go_goroutines", "Number of goroutines that currently exist.", nil, nil, func() float64 { return float64(runtime.NumGoroutine()) })
@@ -43,7 +44,7 @@ func addProcessMetrics(m *promtext.Registry, prefix string) {
 
 // serviceMux is the health service's mux: /healthz, /livez, /readyz and
 // /metrics.
-func serviceMux(ready, readyAll []check, m *promtext.Registry) *http.ServeMux {
+func serviceMux(ready, readyAll []Check, m *promtext.Registry) *http.ServeMux {
 	mux := healthMux(ready, readyAll...)
 	mux.Handle("/metrics", metricsHandler(m))
 	return mux

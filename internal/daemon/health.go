@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -11,16 +11,18 @@ import (
 	"time"
 )
 
-// check is one named readiness check, reported as "[+]name ok" or
-// "[-]name failed: reason" with ?verbose, as Kubernetes components do.
-type check struct {
-	name string
-	run  func() (ok bool, msg string)
+// Check is one named readiness check, reported as "[+]name ok" or
+// "[-]name failed: reason" with ?verbose, as Kubernetes components do. Run
+// is called from the serving goroutines, so it must be safe for concurrent
+// use.
+type Check struct {
+	Name string
+	Run  func() (ok bool, msg string)
 }
 
 // healthMux serves /healthz, /livez and /readyz. With readyAll given,
 // /readyz?all runs those checks instead (the agent's "every server" view).
-func healthMux(ready []check, readyAll ...check) *http.ServeMux {
+func healthMux(ready []Check, readyAll ...Check) *http.ServeMux {
 	mux := http.NewServeMux()
 	alive := func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -38,13 +40,13 @@ func healthMux(ready []check, readyAll ...check) *http.ServeMux {
 		status, body := http.StatusOK, ""
 		var failed string
 		for _, c := range checks {
-			ok, msg := c.run()
+			ok, msg := c.Run()
 			if ok {
-				body += fmt.Sprintf("[+]%s ok: %s\n", c.name, msg)
+				body += fmt.Sprintf("[+]%s ok: %s\n", c.Name, msg)
 			} else {
 				status = http.StatusServiceUnavailable
-				body += fmt.Sprintf("[-]%s failed: %s\n", c.name, msg)
-				failed += fmt.Sprintf("%s: %s\n", c.name, msg)
+				body += fmt.Sprintf("[-]%s failed: %s\n", c.Name, msg)
+				failed += fmt.Sprintf("%s: %s\n", c.Name, msg)
 			}
 		}
 		w.WriteHeader(status)
@@ -74,16 +76,18 @@ func addProfiling(mux *http.ServeMux) {
 }
 
 // httpService is a small HTTP server (health or admin) with its listener.
+// Its fields are set by startHTTP and read-only after; the serve goroutine
+// it starts is owned by stop, which waits for done.
 type httpService struct {
 	name string
 	ln   net.Listener
 	srv  *http.Server
-	done chan struct{}
+	done chan struct{} // closed when the serve goroutine returns
 }
 
 // startHTTP listens on addr (or adopts the inherited listener of that
 // name) and serves h until stop. It is called only for a service that is
-// on (daemon.startServices).
+// on (Daemon.StartServices).
 func startHTTP(name string, ls *listenerSet, addr string, h http.Handler, log *slog.Logger) (*httpService, error) {
 	ln, err := ls.listen(name, "tcp", addr, func() (net.Listener, error) { return net.Listen("tcp", addr) })
 	if err != nil {
@@ -114,8 +118,4 @@ func (s *httpService) stop() {
 	s.srv.Shutdown(ctx)
 	s.srv.Close()
 	<-s.done
-}
-
-func hostPort(host string, port int) string {
-	return net.JoinHostPort(host, fmt.Sprint(port))
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -17,6 +17,7 @@ import (
 // TestDaemonStopSignalShutsDown: a stop signal (ctx) shuts the command
 // down once, not as ended on its own, and runs its exit clean-up.
 func TestDaemonStopSignalShutsDown(t *testing.T) {
+	checkNoLeaks(t)
 	f := newFakeWork()
 	f.shutdownOK = errors.New("from shutdown")
 	ctx, cancel := context.WithCancel(context.Background())
@@ -34,6 +35,7 @@ func TestDaemonStopSignalShutsDown(t *testing.T) {
 // TestDaemonCommandEndedShutsDown: a command that stops serving on its own
 // is shut down with the cause it reported.
 func TestDaemonCommandEndedShutsDown(t *testing.T) {
+	checkNoLeaks(t)
 	f := newFakeWork()
 	cause := errors.New("accept loop failed")
 	out := runDaemonFor(t, context.Background(), f.work())
@@ -49,6 +51,7 @@ func TestDaemonCommandEndedShutsDown(t *testing.T) {
 // restart; a stop signal that comes during the drain ends the process
 // (exit clean-up, no exec, no second shutdown) instead of re-executing.
 func TestDaemonStopDuringRestartDrainExits(t *testing.T) {
+	checkNoLeaks(t)
 	// While any channel is notified, SIGHUP does not kill the test binary,
 	// whether or not the daemon has subscribed yet.
 	hup := make(chan os.Signal, 8)
@@ -73,6 +76,7 @@ func TestDaemonStopDuringRestartDrainExits(t *testing.T) {
 // TestDaemonRestartExecs: a SIGHUP drains the command, stops the services
 // and re-executes; neither shutdown nor the exit clean-up runs.
 func TestDaemonRestartExecs(t *testing.T) {
+	checkNoLeaks(t)
 	hup := make(chan os.Signal, 8)
 	signal.Notify(hup, unix.SIGHUP)
 	defer signal.Stop(hup)
@@ -93,15 +97,16 @@ func TestDaemonRestartExecs(t *testing.T) {
 // TestDaemonServices: the health port serves health and /metrics only, the
 // admin port adds /debug/tunnels; Close stops both.
 func TestDaemonServices(t *testing.T) {
-	d := newDaemon(slog.New(slog.DiscardHandler))
+	checkNoLeaks(t)
+	d := New(slog.New(slog.DiscardHandler))
 	defer d.Close()
 	ok := func() (bool, string) { return true, "fine" }
-	if err := d.startServices(serviceOptions{
-		healthAddr: "127.0.0.1:0",
-		adminAddr:  "127.0.0.1:0",
-		ready:      []check{{"x", ok}},
-		metrics:    promtext.NewRegistry(),
-		status:     func() any { return map[string]int{"agents": 0} },
+	if err := d.StartServices(Services{
+		HealthAddr: "127.0.0.1:0",
+		AdminAddr:  "127.0.0.1:0",
+		Ready:      []Check{{"x", ok}},
+		Metrics:    promtext.NewRegistry(),
+		Status:     func() any { return map[string]int{"agents": 0} },
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -130,15 +135,5 @@ func TestDaemonServices(t *testing.T) {
 	if c, err := net.Dial("tcp", addr); err == nil {
 		c.Close()
 		t.Errorf("health port %s still accepts after Close", addr)
-	}
-}
-
-// TestServicePortZeroIsOff: port 0 in a flag turns the service off.
-func TestServicePortZeroIsOff(t *testing.T) {
-	if got := servicePort("127.0.0.1", 0); got != "" {
-		t.Errorf("servicePort(_, 0) = %q, want off", got)
-	}
-	if got := servicePort("", 8092); got != ":8092" {
-		t.Errorf("servicePort(\"\", 8092) = %q", got)
 	}
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"runtime/metrics"
@@ -33,7 +33,7 @@ func TestProcStat(t *testing.T) {
 // summary has its five quantiles.
 func TestProcessAndGoFamilies(t *testing.T) {
 	m := promtext.NewRegistry()
-	addProcessMetrics(m, "konnectivity_network_proxy_server_")
+	AddProcessMetrics(m, "konnectivity_network_proxy_server_", "konnectivity test")
 	var b strings.Builder
 	if err := m.WriteText(&b); err != nil {
 		t.Fatal(err)

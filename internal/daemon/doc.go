@@ -1,0 +1,32 @@
+// Package daemon runs a long-lived process under a supervisor (OpenRC's
+// supervise-daemon, systemd, a kubelet): the skeleton the server and agent
+// commands share.
+//
+// It owns when the process stops and how it restarts:
+//   - listeners are opened by name and handed across a self-restart as
+//     inherited descriptors (restart.go), so a socket keeps its path and
+//     inode and a port never closes (ListenUnix makes a socket with its
+//     final mode from the start); the server's paused tunnels travel the
+//     same way (TunnelsForNextImage, InheritedTunnels);
+//   - a restart (SIGHUP, or a replaced executable) re-executes the binary
+//     in place, keeping the PID, after the command has drained; a stop
+//     signal (SIGTERM, SIGINT) shuts the command down gracefully, a second
+//     one exits at once (daemon.go);
+//   - the health and admin services: /healthz, /livez, /readyz, /metrics
+//     and, on the admin port only, /debug/tunnels and /debug/pprof
+//     (health.go, admin.go), with the process and Go metric families of a
+//     default Prometheus client (process_metrics.go);
+//   - memory upkeep: the executable's start-up pages released, freed heap
+//     returned to the OS after a burst (memory.go).
+//
+// It leaves to its callers what they serve and how they stop: the command
+// opens its listeners through Listen, says in Work how to shut down, drain
+// and clean up, and gives the readiness checks, the metrics registry and
+// the status that the services show. It reads no flags and knows nothing of
+// the data path but the paused tunnels' descriptor list.
+//
+// Goroutines: every one the package starts has an owner that waits for it
+// to end: Close (the services), Run's return (memory upkeep, the restart
+// watchers), SignalContext's stop (the signal watcher). A Daemon belongs to
+// the goroutine that runs the command and has no locks.
+package daemon
