@@ -13,6 +13,7 @@ import (
 
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/proxydial"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
@@ -37,6 +38,9 @@ type agentOptions struct {
 	openDestinations       string
 	destinations           *tunnel.DestinationPolicy
 	leases                 agentLeaseOptions
+	// serverDialer reaches the servers through the egress proxy the
+	// environment names (HTTPS_PROXY, NO_PROXY), or directly.
+	serverDialer *proxydial.Dialer
 }
 
 // agentLeaseOptions are upstream's lease-counting flags.
@@ -135,6 +139,12 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if len(o.serverAddrs()) == 0 {
 		return fmt.Errorf("--proxy-server-host is empty")
 	}
+	o.serverDialer = proxydial.FromEnvironment()
+	for _, addr := range o.serverAddrs() {
+		if _, err := o.serverDialer.Proxy(addr); err != nil {
+			return fmt.Errorf("HTTPS_PROXY/NO_PROXY: %w", err)
+		}
+	}
 	if (o.agentCert == "") != (o.agentKey == "") {
 		return fmt.Errorf("--agent-cert and --agent-key go together")
 	}
@@ -219,6 +229,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		ID:           o.agentID,
 		Identifiers:  o.identifiers,
 		TLS:          o.tlsConfig,
+		ServerDialer: o.serverDialer.DialContext,
 		DialTimeout:  o.dialTimeout,
 		KeepAlive:    o.keepaliveTime,
 		PingTimeout:  o.pingTimeout,
@@ -258,6 +269,10 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	stopCounting := o.startLeaseCounter(ctx, agent, metrics, log)
 	defer stopCounting()
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
+	for _, addr := range cfg.ServerAddrs {
+		p, _ := o.serverDialer.Proxy(addr) // checked in complete
+		log.Info("server route", "server", addr, "proxy", proxydial.Name(p))
+	}
 
 	// The agent runs until ctx ends (SIGTERM) or a restart is asked for; in
 	// both cases it drains first (servers prefer other agents meanwhile).

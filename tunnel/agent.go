@@ -64,6 +64,10 @@ type AgentConfig struct {
 	SyncCap      time.Duration // reconnect delay cap, and the re-probe/re-resolve period (default 10s)
 	MaxStreams   uint32        // concurrent tunnels accepted per server connection (default 100000)
 
+	// ServerDialer connects to a server's address (host:port): directly,
+	// or through an egress proxy. ctx bounds the connection and the
+	// handshake after it. Nil dials directly.
+	ServerDialer func(ctx context.Context, addr string) (net.Conn, error)
 	// Dialer dials destinations; nil uses a net.Dialer.
 	Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
 	// Resolver looks up a server host for ExpandDNS; nil uses the system resolver.
@@ -97,6 +101,10 @@ func (c *AgentConfig) setDefaults() {
 	if c.Dialer == nil {
 		d := &net.Dialer{KeepAlive: 30 * time.Second}
 		c.Dialer = d.DialContext
+	}
+	if c.ServerDialer == nil {
+		d := &net.Dialer{KeepAlive: 30 * time.Second}
+		c.ServerDialer = func(ctx context.Context, addr string) (net.Conn, error) { return d.DialContext(ctx, "tcp", addr) }
 	}
 	if c.Metrics == nil {
 		c.Metrics = promtext.NewRegistry()

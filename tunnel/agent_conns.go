@@ -240,7 +240,7 @@ func isCheap(err error) bool {
 func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 	hctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	raw, err := (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext(hctx, "tcp", t.addr)
+	raw, err := a.cfg.ServerDialer(hctx, t.addr)
 	if err != nil {
 		return nil, fmt.Errorf("dial server %s: %w", t.addr, err)
 	}

@@ -1,0 +1,17 @@
+// Package proxydial reaches a TCP address the way the environment says:
+// directly, or through an HTTP proxy with CONNECT. It reads HTTPS_PROXY,
+// https_proxy, NO_PROXY and no_proxy as golang.org/x/net/http/httpproxy
+// does (and so as gRPC's clients do): NO_PROXY holds hosts, domains and
+// CIDRs, and loopback addresses and "localhost" are never proxied.
+//
+// Rules:
+//   - A proxy is http:// or https:// (TLS to the proxy, verified against
+//     the system roots); any other scheme is refused by New, at start.
+//   - Credentials in the proxy URL travel as Proxy-Authorization Basic and
+//     never appear in an error or a log line: proxies are named by Name.
+//   - The CONNECT exchange runs under the caller's context: its deadline
+//     bounds the dial, the request and the reply, and the reply head is
+//     bounded in bytes, so a slow or hostile proxy can neither hang the
+//     caller nor grow its memory.
+//   - A reply other than 2xx is an error naming the proxy and the status.
+package proxydial
