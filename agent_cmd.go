@@ -41,6 +41,7 @@ type agentOptions struct {
 	// serverDialer reaches the servers through the egress proxy the
 	// environment names (HTTPS_PROXY, NO_PROXY), or directly.
 	serverDialer *proxydial.Dialer
+	alpnProtos   []string
 }
 
 // agentLeaseOptions are upstream's lease-counting flags.
@@ -104,7 +105,7 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
-	cf.tolerate("alpn-proto", false, "not supported")
+	f.Var(&listFlag{&o.alpnProtos}, "alpn-proto", "ALPN protocols the agent's TLS offers to the server (comma list, repeatable), for a port an ALPN router shares with other TLS services; the server must accept one (its --alpn-proto). Default: none")
 	f.BoolVar(&o.leases.count, "count-server-leases", false, "count the servers' coordination.k8s.io/v1 Leases (servers run --enable-lease-controller) and want a tunnel to that many servers")
 	f.StringVar(&o.leases.selector, "lease-label-selector", "k8s-app=konnectivity-server", "label selector of the server Leases to count")
 	f.Var(&deprecatedAlias{target: &o.leases.selector, set: &o.leases.deprecatedLabel}, "lease-label", "deprecated: use --lease-label-selector")
@@ -179,7 +180,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 // tlsConfig reads the CA and client certificate from disk, so that each
 // new connection uses what is there now.
 func (o *agentOptions) tlsConfig(serverName string) (*tls.Config, error) {
-	cfg := &tls.Config{ServerName: serverName, MinVersion: o.minTLS()}
+	cfg := &tls.Config{ServerName: serverName, MinVersion: o.minTLS(), CipherSuites: o.cipherSuiteIDs, NextProtos: o.alpnProtos}
 	if o.caCert != "" {
 		pool, err := loadCAPool(o.caCert)
 		if err != nil {

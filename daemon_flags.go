@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
+	"strings"
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/daemon"
@@ -18,6 +19,8 @@ type daemonOptions struct {
 	healthPort, adminPort      int
 	enableProfiling            bool
 	tlsMinVersion              string
+	cipherSuites               string   // --cipher-suites as given
+	cipherSuiteIDs             []uint16 // --cipher-suites, once complete has checked it; nil is Go's defaults
 	keepaliveTime, pingTimeout time.Duration
 	restartOnBinaryChange      bool
 	restartCheckInterval       time.Duration
@@ -45,6 +48,7 @@ func (cf *commandFlags) defineDaemonFlags(o *daemonOptions, n daemonFlagNames) {
 	f.IntVar(&o.adminPort, n.adminPort, n.adminDefault, "port of the admin server (/debug/tunnels, pprof); 0 disables it")
 	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
+	f.StringVar(&o.cipherSuites, "cipher-suites", "", "comma list of TLS 1.2 cipher suites, by Go's names (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256); empty: Go's defaults. Insecure suites are refused. TLS 1.3 suites are not configurable in Go: TLS 1.3 connections use Go's")
 	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to "+n.peer)
 	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before "+n.onPingTimeout)
 	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
@@ -58,7 +62,49 @@ func (cf *commandFlags) defineDaemonFlags(o *daemonOptions, n daemonFlagNames) {
 
 // complete checks the shared flags.
 func (o *daemonOptions) complete(cf *commandFlags) error {
-	return checkTLSVersion(cf, o.tlsMinVersion)
+	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
+		return err
+	}
+	var err error
+	o.cipherSuiteIDs, err = parseCipherSuites(o.cipherSuites)
+	return err
+}
+
+// parseCipherSuites reads --cipher-suites: Go's names of the suites it
+// offers (tls.CipherSuites). A name from tls.InsecureCipherSuites, or no
+// suite at all, is refused, naming it. TLS 1.3 names are accepted and have
+// no effect, as Go fixes TLS 1.3's suites.
+func parseCipherSuites(list string) ([]uint16, error) {
+	if strings.TrimSpace(list) == "" {
+		return nil, nil
+	}
+	var ids []uint16
+	for _, name := range strings.Split(list, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" {
+			continue
+		}
+		id, err := cipherSuite(name)
+		if err != nil {
+			return nil, fmt.Errorf("--cipher-suites: %w", err)
+		}
+		ids = append(ids, id)
+	}
+	return ids, nil
+}
+
+func cipherSuite(name string) (uint16, error) {
+	for _, cs := range tls.CipherSuites() {
+		if cs.Name == name {
+			return cs.ID, nil
+		}
+	}
+	for _, cs := range tls.InsecureCipherSuites() {
+		if cs.Name == name {
+			return 0, fmt.Errorf("%s is insecure and not offered", name)
+		}
+	}
+	return 0, fmt.Errorf("%s is not a cipher suite Go knows (see crypto/tls CipherSuites)", name)
 }
 
 // services fills in s where the health and admin services listen.

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -28,6 +29,7 @@ import (
 
 type serverOptions struct {
 	daemonOptions
+	alpnProtos            []string // --alpn-proto: what the agent port accepts besides h2
 	kubeCtx               string
 	mode                  string
 	udsName               string
@@ -91,6 +93,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 		peer: "an agent", onPingTimeout: "the agent is dropped", kubeconfigFor: "TokenReview and Leases",
 	})
 	f := cf.FlagSet
+	f.Var(&listFlag{&o.alpnProtos}, "alpn-proto", "ALPN protocols the agent port accepts besides h2 (comma list, repeatable), for a port an ALPN router shares with other TLS services; agents offer one with their --alpn-proto")
 	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc (proxyProtocol: GRPC) or http-connect (HTTPConnect)")
 	f.StringVar(&o.udsName, "uds-name", "", "Unix socket path for the kube-apiserver frontend")
 	f.BoolVar(&o.deleteExistingUDS, "delete-existing-uds-file", true, "remove a stale socket at --uds-name before listening")
@@ -139,7 +142,6 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 
 	cf.tolerate("frontend-write-channel-size", false, "not needed: every tunnel has its own HTTP/2 flow-control window")
 	cf.tolerate("frontend-keepalive-time", false, "the HTTP CONNECT frontend has no keepalive")
-	cf.tolerate("cipher-suites", false, "Go's default TLS 1.2/1.3 suites are used")
 	cf.tolerate("kubeconfig-qps", false, "TokenReview results are cached instead")
 	cf.tolerate("kubeconfig-burst", false, "TokenReview results are cached instead")
 	cf.tolerate("kube-api-content-type", false, "TokenReview uses JSON")
@@ -498,10 +500,18 @@ func (o *serverOptions) removeSocket(log *slog.Logger) func() {
 // (token agents present none).
 func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
 	cfg, cert, err := reloadingTLS("agents", o.clusterCert, o.clusterKey, o.clusterCACert, "--cluster-cert/--cluster-key", "--cluster-ca-cert", minTLS, log)
-	if err == nil && o.clusterCACert != "" {
+	if err != nil {
+		return nil, nil, err
+	}
+	if o.clusterCACert != "" {
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
-	return cfg, cert, err
+	// The agent port also accepts the protocols ALPN routers in front of it
+	// route by (our agents offer them with --alpn-proto); h2 stays for
+	// upstream's agents.
+	cfg.NextProtos = slices.Clone(o.alpnProtos)
+	cfg.CipherSuites = o.cipherSuiteIDs
+	return cfg, cert, nil
 }
 
 // frontendTLSConfig is the TCP frontend's mTLS.
@@ -514,6 +524,7 @@ func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls
 	if o.mode == "grpc" {
 		cfg.NextProtos = []string{"h2"}
 	}
+	cfg.CipherSuites = o.cipherSuiteIDs
 	return cfg, cert, nil
 }
 

@@ -254,15 +254,20 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		}
 		tlsState = tc.ConnectionState()
 		conn = tc
-		if tlsState.NegotiatedProtocol == "h2" {
-			// Upstream's agent: gRPC AgentService/Connect on the same port.
-			raw.SetDeadline(time.Time{})
-			s.serveUpstreamAgent(conn, tlsState, remote, pc)
-			return
-		}
 	}
 	lim := &headLimiter{r: conn, remaining: maxHandshakeHead, limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
+	if speaksGRPC(tlsState, br) {
+		// Upstream's agent: gRPC AgentService/Connect on the same port.
+		lim.limited = false
+		raw.SetDeadline(time.Time{})
+		var up net.Conn = conn
+		if br.Buffered() > 0 {
+			up = &bufferedConn{Conn: conn, r: br}
+		}
+		s.serveUpstreamAgent(up, tlsState, remote, pc)
+		return
+	}
 	hello, err := readHello(br)
 	var principal Principal
 	var ids Identifiers
@@ -425,3 +430,21 @@ func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionSta
 	}
 	return true
 }
+
+// speaksGRPC tells upstream's gRPC agents from ours on the agent port.
+// ALPN decides where it says: h2 is upstream's agent. A protocol from the
+// server's --alpn-proto list (a port routed by ALPN) or none says nothing,
+// so the first bytes decide: the HTTP/2 client preface is upstream's agent,
+// anything else is read as our Upgrade request. The peek runs under the
+// handshake's deadline and head bound.
+func speaksGRPC(tlsState tls.ConnectionState, br *bufio.Reader) bool {
+	if tlsState.NegotiatedProtocol == "h2" {
+		return true
+	}
+	first, _ := br.Peek(len(http2Preface))
+	return string(first) == http2Preface
+}
+
+// http2Preface is the start of the HTTP/2 client connection preface; no
+// HTTP/1.1 request line begins with it.
+const http2Preface = "PRI * HTTP/2.0"
