@@ -37,16 +37,23 @@ type fakeUpstreamAgent struct {
 
 func startFakeUpstreamAgent(t *testing.T, e *env, id, identifiers string) *fakeUpstreamAgent {
 	t.Helper()
+	return startFakeUpstreamAgentALPN(t, e, id, identifiers, []string{"h2"}, "h2")
+}
+
+// startFakeUpstreamAgentALPN is startFakeUpstreamAgent offering protos
+// (upstream's --alpn-proto), and checking that ALPN settled on want.
+func startFakeUpstreamAgentALPN(t *testing.T, e *env, id, identifiers string, protos []string, want string) *fakeUpstreamAgent {
+	t.Helper()
 	raw, err := net.Dial("tcp", e.agentAddr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tc := tls.Client(raw, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{e.pki.agentCert}, NextProtos: []string{"h2"}})
+	tc := tls.Client(raw, &tls.Config{RootCAs: e.pki.pool, ServerName: "127.0.0.1", Certificates: []tls.Certificate{e.pki.agentCert}, NextProtos: protos})
 	if err := tc.Handshake(); err != nil {
 		t.Fatal(err)
 	}
-	if p := tc.ConnectionState().NegotiatedProtocol; p != "h2" {
-		t.Fatalf("ALPN negotiated %q, want h2", p)
+	if p := tc.ConnectionState().NegotiatedProtocol; p != want {
+		t.Fatalf("ALPN negotiated %q, want %q", p, want)
 	}
 	cc, err := (&http2.Transport{}).NewClientConn(tc)
 	if err != nil {
@@ -241,5 +248,49 @@ func TestUpstreamAgentStallIsolated(t *testing.T) {
 		if _, err := io.ReadFull(br, b); err != nil {
 			t.Fatalf("echo through our agent behind a stalled upstream agent: %v", err)
 		}
+	}
+}
+
+// On an agent port that accepts an extra ALPN protocol (--alpn-proto, for
+// a port an ALPN router shares), ALPN no longer says which protocol a
+// connection speaks: the first bytes do. Our agent and upstream's, both
+// negotiating the extra protocol, are each served as they speak.
+func TestAgentPortExtraALPN(t *testing.T) {
+	checkNoLeaks(t)
+	const proto = "x-konnectivity"
+	e := newEnv(t, func(c *ServerConfig) {
+		c.AgentTLS.NextProtos = []string{proto}
+		c.Strategies = []Strategy{StrategyDestHost, StrategyDefault}
+	})
+	up := startFakeUpstreamAgentALPN(t, e, "upstream-1", "ipv4=127.0.0.1", []string{proto, "h2"}, proto)
+	ours := e.startAgent("ours", "host=localhost", func(c *AgentConfig) {
+		tlsFor := c.TLS
+		c.TLS = func(name string) (*tls.Config, error) {
+			cfg, err := tlsFor(name)
+			if cfg != nil {
+				cfg.NextProtos = []string{proto}
+			}
+			return cfg, err
+		}
+	})
+	e.waitAgents(2)
+	echo := echoServer(t)
+	_, port, _ := net.SplitHostPort(echo)
+	for _, host := range []string{"127.0.0.1", "localhost"} {
+		conn, br, resp := e.connect(net.JoinHostPort(host, port))
+		if resp.StatusCode != 200 {
+			conn.Close()
+			t.Fatalf("%s: %s", host, resp.Status)
+		}
+		io.WriteString(conn, "ping")
+		got := make([]byte, 4)
+		_, err := io.ReadFull(br, got)
+		conn.Close()
+		if err != nil || string(got) != "ping" {
+			t.Fatalf("%s: echo %q %v", host, got, err)
+		}
+	}
+	if up.dialCount() != 1 || ours.Stats.DialsOK.Load() != 1 {
+		t.Fatalf("routing: upstream %d, ours %d, want 1/1", up.dialCount(), ours.Stats.DialsOK.Load())
 	}
 }
