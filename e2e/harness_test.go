@@ -146,7 +146,7 @@ func newPKI(t *testing.T, dir string, extraIPs ...net.IP) *pki {
 		writePEM(t, keyPath, "PRIVATE KEY", keyDER)
 	}
 	issue(2, "konnectivity-server", x509.ExtKeyUsageServerAuth,
-		[]string{"localhost"}, append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, extraIPs...),
+		serverDNSNames(), append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, extraIPs...),
 		p.serverCert, p.serverKey)
 	issue(3, "konnectivity-agent", x509.ExtKeyUsageClientAuth, nil, nil, p.agentCert, p.agentKey)
 	return p
@@ -509,6 +509,12 @@ func (s *server) startAgent(t *testing.T, id, identifiers string, extra ...strin
 // certs (trusting s's CA) and returns without waiting for it.
 func (s *server) launchAgent(t *testing.T, certs *pki, id, identifiers string, extra ...string) *agent {
 	t.Helper()
+	return s.launchAgentEnv(t, nil, certs, id, identifiers, extra...)
+}
+
+// launchAgentEnv is launchAgent with env added to the agent's environment.
+func (s *server) launchAgentEnv(t *testing.T, env []string, certs *pki, id, identifiers string, extra ...string) *agent {
+	t.Helper()
 	a := &agent{id: id, healthPort: freePort(t), adminPort: freePort(t)}
 	args := []string{
 		"agent",
@@ -526,7 +532,7 @@ func (s *server) launchAgent(t *testing.T, certs *pki, id, identifiers string, e
 	if identifiers != "" {
 		args = append(args, "--agent-identifiers="+identifiers)
 	}
-	a.proc = startProc(t, "agent-"+id, append(args, extra...)...)
+	a.proc = startProcEnv(t, konnectivityBin, "agent-"+id, env, append(args, extra...)...)
 	return a
 }
 
