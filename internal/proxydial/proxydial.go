@@ -97,7 +97,7 @@ func (d *Dialer) connect(ctx context.Context, p *url.URL, addr string) (net.Conn
 	// The context's end (its deadline, or its cancellation) interrupts
 	// any read or write below.
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	tunnel, err := handshake(ctx, conn, p, addr)
+	through, err := handshake(ctx, conn, p, addr)
 	if !stop() && err == nil {
 		err = ctx.Err()
 	}
@@ -108,7 +108,7 @@ func (d *Dialer) connect(ctx context.Context, p *url.URL, addr string) (net.Conn
 		}
 		return nil, fmt.Errorf("proxy %s, CONNECT %s: %w", name, addr, err)
 	}
-	return tunnel, nil
+	return through, nil
 }
 
 // handshake runs TLS to an https proxy, then the CONNECT request and

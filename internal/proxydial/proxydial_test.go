@@ -79,7 +79,7 @@ func TestConnectThroughProxy(t *testing.T) {
 	if got, want := req.Header.Get("Proxy-Authorization"), "Basic "+base64.StdEncoding.EncodeToString([]byte("user:s3cret")); got != want {
 		t.Errorf("Proxy-Authorization %q, want %q", got, want)
 	}
-	// Bytes the proxy sent after its head are the tunnel's first bytes.
+	// Bytes the proxy sent after its head are the connection's first bytes.
 	buf := make([]byte, 5)
 	if _, err := io.ReadFull(conn, buf); err != nil || string(buf) != "hello" {
 		t.Errorf("read %q, %v; want hello", buf, err)
