@@ -178,7 +178,7 @@ func readClientHello(c net.Conn) (record []byte, protos []string, err error) {
 // TestAgentALPNRouted: a server that accepts an extra ALPN protocol
 // (--alpn-proto) is reached through a TLS port an ALPN router shares with
 // another service. An agent offering that protocol is routed to the server
-// and carries tunnels; one without the flag is routed to the other service
+// and carries a tunnel; one without the flag is routed to the other service
 // and never connects.
 func TestAgentALPNRouted(t *testing.T) {
 	const proto = "konnectivity-e2e"

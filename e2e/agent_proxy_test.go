@@ -69,7 +69,7 @@ type forwardProxy interface {
 type proxyMode int32
 
 const (
-	proxyPass   proxyMode = iota // tunnel to the target
+	proxyPass   proxyMode = iota // connect to the target
 	proxyRefuse                  // 403
 	proxySilent                  // read the request, never answer
 )
@@ -246,7 +246,7 @@ func proxyEnv(proxy, noProxy string) []string {
 }
 
 // TestAgentEgressProxy: an agent whose node reaches the control plane only
-// through an HTTP proxy (HTTPS_PROXY) gets its tunnels through it; NO_PROXY
+// through an HTTP proxy (HTTPS_PROXY) connects to its server through it; NO_PROXY
 // sends it direct; a refusing proxy is a clear error naming the proxy and
 // its status (never its credentials) and is retried; a proxy that never
 // answers is bounded by the connection's timeout and retried.
@@ -314,7 +314,7 @@ func TestAgentEgressProxy(t *testing.T) {
 			append(retries, "--proxy-server-host="+name)...)
 		route := fmt.Sprintf(`msg="server route" server=%s proxy=direct`, serverAddr)
 		if real {
-			// The name resolves here: the direct connection gets a tunnel.
+			// The name resolves here: the direct connection succeeds.
 			waitHTTP(t, a.proc, a.healthURL("/readyz"), http.StatusOK)
 		} else {
 			// Only the proxy knows the name: the direct dial fails to resolve it.

@@ -87,7 +87,7 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 	return d.connect(ctx, p, addr)
 }
 
-// connect dials proxy p and asks it for a tunnel to addr.
+// connect dials proxy p and asks it to connect to addr.
 func (d *Dialer) connect(ctx context.Context, p *url.URL, addr string) (net.Conn, error) {
 	name := Name(p)
 	conn, err := d.direct(ctx, "tcp", proxyAddr(p))
