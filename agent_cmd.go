@@ -41,7 +41,8 @@ type agentOptions struct {
 	// serverDialer reaches the servers through the egress proxy the
 	// environment names (HTTPS_PROXY, NO_PROXY), or directly.
 	serverDialer *proxydial.Dialer
-	alpnProtos   []string
+	alpnProto    string   // --alpn-proto as given
+	alpnProtos   []string // --alpn-proto as a list
 }
 
 // agentLeaseOptions are upstream's lease-counting flags.
@@ -105,7 +106,7 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
-	f.Var(&listFlag{&o.alpnProtos}, "alpn-proto", "ALPN protocols the agent's TLS offers to the server (comma list, repeatable), for a port an ALPN router shares with other TLS services; the server must accept one (its --alpn-proto). Default: none")
+	f.StringVar(&o.alpnProto, "alpn-proto", "", "ALPN protocols to offer the server (comma list), for a port an ALPN router shares; the server's --alpn-proto must accept one")
 	f.BoolVar(&o.leases.count, "count-server-leases", false, "count the servers' coordination.k8s.io/v1 Leases (servers run --enable-lease-controller) and want a tunnel to that many servers")
 	f.StringVar(&o.leases.selector, "lease-label-selector", "k8s-app=konnectivity-server", "label selector of the server Leases to count")
 	f.Var(&deprecatedAlias{target: &o.leases.selector, set: &o.leases.deprecatedLabel}, "lease-label", "deprecated: use --lease-label-selector")
@@ -140,6 +141,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if len(o.serverAddrs()) == 0 {
 		return fmt.Errorf("--proxy-server-host is empty")
 	}
+	o.alpnProtos = splitList(o.alpnProto)
 	o.serverDialer = proxydial.FromEnvironment()
 	for _, addr := range o.serverAddrs() {
 		if _, err := o.serverDialer.Proxy(addr); err != nil {

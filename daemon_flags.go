@@ -4,7 +4,6 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net"
-	"strings"
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/daemon"
@@ -48,7 +47,7 @@ func (cf *commandFlags) defineDaemonFlags(o *daemonOptions, n daemonFlagNames) {
 	f.IntVar(&o.adminPort, n.adminPort, n.adminDefault, "port of the admin server (/debug/tunnels, pprof); 0 disables it")
 	f.BoolVar(&o.enableProfiling, "enable-profiling", false, "serve /debug/pprof on the admin port")
 	f.StringVar(&o.tlsMinVersion, "tls-min-version", "VersionTLS12", "minimum TLS version: VersionTLS12 or VersionTLS13")
-	f.StringVar(&o.cipherSuites, "cipher-suites", "", "comma list of TLS 1.2 cipher suites, by Go's names (e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256); empty: Go's defaults. Insecure suites are refused. TLS 1.3 suites are not configurable in Go: TLS 1.3 connections use Go's")
+	f.StringVar(&o.cipherSuites, "cipher-suites", "", "TLS 1.2 cipher suites, a comma list of Go's names (TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, ...); empty: Go's. TLS 1.3 suites are not configurable in Go")
 	f.DurationVar(&o.keepaliveTime, "keepalive-time", 30*time.Second, "idle time before an HTTP/2 PING to "+n.peer)
 	f.DurationVar(&o.pingTimeout, "ping-timeout", 15*time.Second, "how long a PING may go unanswered before "+n.onPingTimeout)
 	f.BoolVar(&o.restartOnBinaryChange, "restart-on-binary-change", false, "re-execute in place (after draining) when the executable on disk is replaced; SIGHUP does the same")
@@ -75,15 +74,8 @@ func (o *daemonOptions) complete(cf *commandFlags) error {
 // suite at all, is refused, naming it. TLS 1.3 names are accepted and have
 // no effect, as Go fixes TLS 1.3's suites.
 func parseCipherSuites(list string) ([]uint16, error) {
-	if strings.TrimSpace(list) == "" {
-		return nil, nil
-	}
 	var ids []uint16
-	for _, name := range strings.Split(list, ",") {
-		name = strings.TrimSpace(name)
-		if name == "" {
-			continue
-		}
+	for _, name := range splitList(list) {
 		id, err := cipherSuite(name)
 		if err != nil {
 			return nil, fmt.Errorf("--cipher-suites: %w", err)

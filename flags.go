@@ -32,26 +32,6 @@ func (f *compatFlag) Set(v string) error {
 }
 func (f *compatFlag) IsBoolFlag() bool { return f.isBool }
 
-// listFlag is a string list flag: a comma list, and repeating the flag
-// adds to it (as upstream's string slices read).
-type listFlag struct{ items *[]string }
-
-func (l *listFlag) String() string {
-	if l.items == nil {
-		return ""
-	}
-	return strings.Join(*l.items, ",")
-}
-
-func (l *listFlag) Set(v string) error {
-	for _, item := range strings.Split(v, ",") {
-		if item = strings.TrimSpace(item); item != "" {
-			*l.items = append(*l.items, item)
-		}
-	}
-	return nil
-}
-
 // commandFlags wraps a flag.FlagSet with the klog logging flags every
 // command accepts and the upstream flags it only tolerates.
 type commandFlags struct {

@@ -14,7 +14,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -29,7 +28,7 @@ import (
 
 type serverOptions struct {
 	daemonOptions
-	alpnProtos            []string // --alpn-proto: what the agent port accepts besides h2
+	alpnProto             string // --alpn-proto: what the agent port accepts besides h2
 	kubeCtx               string
 	mode                  string
 	udsName               string
@@ -93,7 +92,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 		peer: "an agent", onPingTimeout: "the agent is dropped", kubeconfigFor: "TokenReview and Leases",
 	})
 	f := cf.FlagSet
-	f.Var(&listFlag{&o.alpnProtos}, "alpn-proto", "ALPN protocols the agent port accepts besides h2 (comma list, repeatable), for a port an ALPN router shares with other TLS services; agents offer one with their --alpn-proto")
+	f.StringVar(&o.alpnProto, "alpn-proto", "", "ALPN protocols the agent port accepts besides h2 (comma list), for a port an ALPN router shares")
 	f.StringVar(&o.mode, "mode", "grpc", "frontend protocol kube-apiserver speaks: grpc (proxyProtocol: GRPC) or http-connect (HTTPConnect)")
 	f.StringVar(&o.udsName, "uds-name", "", "Unix socket path for the kube-apiserver frontend")
 	f.BoolVar(&o.deleteExistingUDS, "delete-existing-uds-file", true, "remove a stale socket at --uds-name before listening")
@@ -509,7 +508,7 @@ func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Co
 	// The agent port also accepts the protocols ALPN routers in front of it
 	// route by (our agents offer them with --alpn-proto); h2 stays for
 	// upstream's agents.
-	cfg.NextProtos = slices.Clone(o.alpnProtos)
+	cfg.NextProtos = splitList(o.alpnProto)
 	cfg.CipherSuites = o.cipherSuiteIDs
 	return cfg, cert, nil
 }

@@ -1,8 +1,9 @@
 // Package proxydial reaches a TCP address the way the environment says:
 // directly, or through an HTTP proxy with CONNECT. It reads HTTPS_PROXY,
 // https_proxy, NO_PROXY and no_proxy as golang.org/x/net/http/httpproxy
-// does (and so as gRPC's clients do): NO_PROXY holds hosts, domains and
-// CIDRs, and loopback addresses and "localhost" are never proxied.
+// does (through net/http, and so as gRPC's clients do): NO_PROXY holds
+// hosts, domains and CIDRs, and loopback addresses and "localhost" are
+// never proxied.
 //
 // Rules:
 //   - A proxy is http:// or https:// (TLS to the proxy, verified against

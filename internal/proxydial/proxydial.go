@@ -2,7 +2,6 @@ package proxydial
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/base64"
@@ -13,8 +12,6 @@ import (
 	"net/http"
 	"net/url"
 	"time"
-
-	"golang.org/x/net/http/httpproxy"
 )
 
 // maxReplyHead bounds the proxy's CONNECT reply head (status line and
@@ -31,15 +28,22 @@ type Dialer struct {
 	direct func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
-// FromEnvironment returns a Dialer for the process's proxy environment.
+// FromEnvironment returns a Dialer for the process's proxy environment,
+// read once per process by net/http's ProxyFromEnvironment (which is
+// x/net/http/httpproxy's reading, already linked into every program that
+// serves HTTP).
 func FromEnvironment() *Dialer {
-	return New(httpproxy.FromEnvironment())
+	return New(func(u *url.URL) (*url.URL, error) {
+		return http.ProxyFromEnvironment(&http.Request{URL: u})
+	})
 }
 
-// New returns a Dialer for cfg.
-func New(cfg *httpproxy.Config) *Dialer {
+// New returns a Dialer that asks proxyFor which proxy an https:// URL of
+// the target goes through (nil: direct), as httpproxy.Config.ProxyFunc
+// answers.
+func New(proxyFor func(*url.URL) (*url.URL, error)) *Dialer {
 	nd := &net.Dialer{KeepAlive: 30 * time.Second}
-	return &Dialer{proxyFor: cfg.ProxyFunc(), direct: nd.DialContext}
+	return &Dialer{proxyFor: proxyFor, direct: nd.DialContext}
 }
 
 // Proxy returns the proxy that addr (host:port) is reached through, or nil
@@ -137,10 +141,9 @@ func handshake(ctx context.Context, conn net.Conn, p *url.URL, addr string) (net
 		return nil, fmt.Errorf("refused: %s", resp.Status)
 	}
 	// TLS to the target starts with the client, so a proxy has nothing
-	// to send after its head; anything it did send is kept.
-	if n := br.Buffered(); n > 0 {
-		rest, _ := br.Peek(n)
-		return &prefixConn{Conn: conn, r: io.MultiReader(bytes.NewReader(bytes.Clone(rest)), conn)}, nil
+	// to send after its head: bytes that came with it are a broken proxy.
+	if br.Buffered() > 0 {
+		return nil, errors.New("data after the reply head, before TLS began")
 	}
 	return conn, nil
 }
@@ -165,12 +168,3 @@ func proxyAddr(p *url.URL) string {
 	}
 	return net.JoinHostPort(p.Hostname(), port)
 }
-
-// prefixConn reads bytes the proxy sent after its reply head before the
-// rest of the connection.
-type prefixConn struct {
-	net.Conn
-	r io.Reader
-}
-
-func (c *prefixConn) Read(b []byte) (int, error) { return c.r.Read(b) }

@@ -56,13 +56,17 @@ func fakeProxy(t *testing.T, serve func(c net.Conn, req *http.Request)) (addr st
 }
 
 func dialerFor(proxy, noProxy string) *Dialer {
-	return New(&httpproxy.Config{HTTPSProxy: proxy, NoProxy: noProxy})
+	return New((&httpproxy.Config{HTTPSProxy: proxy, NoProxy: noProxy}).ProxyFunc())
 }
 
 func TestConnectThroughProxy(t *testing.T) {
 	testnet.CheckNoLeaks(t)
 	addr, reqs := fakeProxy(t, func(c net.Conn, req *http.Request) {
-		io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\nhello")
+		io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n")
+		buf := make([]byte, 5)
+		if _, err := io.ReadFull(c, buf); err == nil {
+			c.Write(buf) // the client's first bytes come back
+		}
 	})
 	d := dialerFor("http://user:s3cret@"+addr, "")
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -79,7 +83,8 @@ func TestConnectThroughProxy(t *testing.T) {
 	if got, want := req.Header.Get("Proxy-Authorization"), "Basic "+base64.StdEncoding.EncodeToString([]byte("user:s3cret")); got != want {
 		t.Errorf("Proxy-Authorization %q, want %q", got, want)
 	}
-	// Bytes the proxy sent after its head are the connection's first bytes.
+	// After the head, the connection is the target's.
+	io.WriteString(conn, "hello")
 	buf := make([]byte, 5)
 	if _, err := io.ReadFull(conn, buf); err != nil || string(buf) != "hello" {
 		t.Errorf("read %q, %v; want hello", buf, err)
@@ -115,6 +120,20 @@ func TestSilentProxyBoundedByContext(t *testing.T) {
 	_, err := d.DialContext(ctx, "server.example:8132")
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("err %v, want the context's deadline", err)
+	}
+}
+
+// A proxy that speaks before the client's TLS does is broken: refused.
+func TestDataAfterReplyHeadRefused(t *testing.T) {
+	testnet.CheckNoLeaks(t)
+	addr, _ := fakeProxy(t, func(c net.Conn, req *http.Request) {
+		io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\nearly")
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err := dialerFor("http://"+addr, "").DialContext(ctx, "server.example:8132")
+	if err == nil || !strings.Contains(err.Error(), "data after the reply head") {
+		t.Fatalf("err %v, want the early data refused", err)
 	}
 }
 
