@@ -249,7 +249,8 @@ func proxyEnv(proxy, noProxy string) []string {
 // through an HTTP proxy (HTTPS_PROXY) connects to its server through it; NO_PROXY
 // sends it direct; a refusing proxy is a clear error naming the proxy and
 // its status (never its credentials) and is retried; a proxy that never
-// answers is bounded by the connection's timeout and retried.
+// answers is bounded by the connection's timeout and retried; a proxy the
+// agent cannot use ends its start.
 func TestAgentEgressProxy(t *testing.T) {
 	s := startServer(t)
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
@@ -344,6 +345,21 @@ func TestAgentEgressProxy(t *testing.T) {
 		}
 		if strings.Contains(a.proc.out.String(), "s3cret") {
 			t.Errorf("agent log carries the proxy password:\n%s", a.proc.out.String())
+		}
+	})
+
+	t.Run("unusable", func(t *testing.T) {
+		a := s.launchAgentEnv(t, proxyEnv("socks5://node1:s3cret@127.0.0.1:1080", ""), s.pki, "a5", "",
+			"--proxy-server-host="+name)
+		select {
+		case <-a.proc.done:
+		case <-time.After(startTimeout):
+			t.Fatal("agent with a socks5 proxy did not end its start")
+		}
+		out := a.proc.out.String()
+		if a.proc.cmd.ProcessState.ExitCode() != 2 || !strings.Contains(out, `proxy socks5://127.0.0.1:1080 for `) ||
+			!strings.Contains(out, "not supported") || strings.Contains(out, "s3cret") {
+			t.Errorf("exit %d; want 2 and the proxy named without its password:\n%s", a.proc.cmd.ProcessState.ExitCode(), out)
 		}
 	})
 
