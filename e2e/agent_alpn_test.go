@@ -178,8 +178,8 @@ func readClientHello(c net.Conn) (record []byte, protos []string, err error) {
 // TestAgentALPNRouted: a server that accepts an extra ALPN protocol
 // (--alpn-proto) is reached through a TLS port an ALPN router shares with
 // another service. An agent offering that protocol is routed to the server
-// and carries a tunnel; one without the flag is routed to the other service
-// and never connects.
+// and carries a tunnel, and so is upstream's gRPC agent offering it; one
+// without the flag is routed to the other service and never connects.
 func TestAgentALPNRouted(t *testing.T) {
 	const proto = "konnectivity-e2e"
 	s := startServer(t, "--alpn-proto="+proto)
@@ -215,6 +215,24 @@ func TestAgentALPNRouted(t *testing.T) {
 		if err != nil || body != "hello b1 7" {
 			t.Fatalf("request through the tunnel: %q, %v", body, err)
 		}
+	})
+
+	t.Run("upstream-agent", func(t *testing.T) {
+		// Upstream's agent with --alpn-proto offers the protocol and h2
+		// (grpc-go adds it); the server, preferring its own list,
+		// settles on the protocol and tells gRPC by the first bytes.
+		before := router.toMatch.Load()
+		cfg := upstreamTLS(t, s.pki, true)
+		cfg.NextProtos = []string{proto}
+		port, _ := strconv.Atoi(routerPort)
+		up, err := connectUpstreamAgent(t, port, cfg, "upstream-1", "", "")
+		if err != nil {
+			t.Fatalf("upstream-style agent through the router: %v", err)
+		}
+		if router.toMatch.Load() == before {
+			t.Error("upstream-style agent connected, but not through the router")
+		}
+		up.stop()
 	})
 
 	t.Run("without-alpn-proto", func(t *testing.T) {
