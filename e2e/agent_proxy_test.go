@@ -78,11 +78,11 @@ type testProxy struct {
 	ln    net.Listener
 	mode  proxyMode
 	count atomic.Int64
-	auth  atomic.Value // string: the last Proxy-Authorization
-	wg    sync.WaitGroup
+	auth  atomic.Value   // string: the last Proxy-Authorization
+	wg    sync.WaitGroup // the accept goroutine and one per connection
 
 	mu    sync.Mutex
-	conns map[net.Conn]struct{} // open connections, closed by close
+	conns map[net.Conn]struct{} // guarded by mu: both ends of every connection, closed by close; nil once closed
 }
 
 // startTestProxy runs a CONNECT proxy on loopback until the test ends. It
@@ -171,6 +171,9 @@ func (p *testProxy) serve(c net.Conn) {
 	up, err := net.DialTimeout("tcp", net.JoinHostPort(host, port), 5*time.Second)
 	if err != nil {
 		io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+		return
+	}
+	if !p.track(up) {
 		return
 	}
 	defer up.Close()
