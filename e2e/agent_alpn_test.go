@@ -28,9 +28,10 @@ type alpnRouter struct {
 	proto            string // routed to match; anything else to other
 	match, other     string // backend addresses
 	toMatch, toOther atomic.Int64
-	wg               sync.WaitGroup
-	mu               sync.Mutex
-	conns            map[net.Conn]struct{} // open connections, closed by close
+	wg               sync.WaitGroup // the accept goroutine and one per connection
+
+	mu    sync.Mutex
+	conns map[net.Conn]struct{} // guarded by mu: both ends of every connection, closed by close; nil once closed
 }
 
 func startALPNRouter(t *testing.T, proto, match, other string) *alpnRouter {
