@@ -70,9 +70,10 @@ func (o *daemonOptions) complete(cf *commandFlags) error {
 }
 
 // parseCipherSuites reads --cipher-suites: Go's names of the suites it
-// offers (tls.CipherSuites). A name from tls.InsecureCipherSuites, or no
-// suite at all, is refused, naming it. TLS 1.3 names are accepted and have
-// no effect, as Go fixes TLS 1.3's suites.
+// offers (tls.CipherSuites); an empty list is Go's defaults. A name from
+// tls.InsecureCipherSuites, or one Go does not know, is refused, naming
+// it. TLS 1.3 names are accepted and have no effect, as Go fixes TLS 1.3's
+// suites.
 func parseCipherSuites(list string) ([]uint16, error) {
 	var ids []uint16
 	for _, name := range splitList(list) {

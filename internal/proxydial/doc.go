@@ -7,7 +7,8 @@
 //
 // Rules:
 //   - A proxy is http:// or https:// (TLS to the proxy, verified against
-//     the system roots); any other scheme is refused by New, at start.
+//     the system roots); Proxy refuses any other scheme, so a caller that
+//     asks it at start refuses an unusable environment at start.
 //   - Credentials in the proxy URL travel as Proxy-Authorization Basic and
 //     never appear in an error or a log line: proxies are named by Name.
 //   - The CONNECT exchange runs under the caller's context: its deadline
