@@ -29,10 +29,24 @@ const proxiedServerName = "server.konnectivity.test"
 // resolve to a loopback address; see loopbackHostname).
 func serverDNSNames() []string {
 	names := []string{"localhost", proxiedServerName}
-	if h, err := os.Hostname(); err == nil && h != "" && h != "localhost" && !strings.ContainsAny(h, " /") {
+	if h, err := os.Hostname(); err == nil && h != "localhost" && isDNSName(h) {
 		names = append(names, h)
 	}
 	return names
+}
+
+// isDNSName accepts letters, digits, '-' and '.', which every certificate
+// tool takes as a DNS name.
+func isDNSName(h string) bool {
+	if h == "" {
+		return false
+	}
+	for _, c := range h {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '.') {
+			return false
+		}
+	}
+	return true
 }
 
 // loopbackHostname returns the host's name when it resolves to 127.0.0.1
@@ -41,7 +55,7 @@ func serverDNSNames() []string {
 // resolves names itself) can reach a loopback server only by such a name.
 func loopbackHostname() string {
 	h, err := os.Hostname()
-	if err != nil || h == "" || h == "localhost" {
+	if err != nil || h == "localhost" || !isDNSName(h) {
 		return ""
 	}
 	addrs, err := net.LookupHost(h)
