@@ -6,9 +6,10 @@
 // never proxied.
 //
 // Rules:
-//   - A proxy is http:// or https:// (TLS to the proxy, verified against
-//     the system roots); Proxy refuses any other scheme, so a caller that
-//     asks it at start refuses an unusable environment at start.
+//   - A proxy is http:// (the CONNECT request goes in the clear; what it
+//     carries is the TLS to the target). Proxy refuses any other scheme
+//     (https://, socks5://), so a caller that asks it at start refuses an
+//     unusable environment there.
 //   - Credentials in the proxy URL travel as Proxy-Authorization Basic and
 //     never appear in an error or a log line: proxies are named by Name.
 //   - The CONNECT exchange runs under the caller's context: its deadline

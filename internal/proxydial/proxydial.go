@@ -3,7 +3,6 @@ package proxydial
 import (
 	"bufio"
 	"context"
-	"crypto/tls"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -48,8 +47,7 @@ func New(proxyFor func(*url.URL) (*url.URL, error)) *Dialer {
 
 // Proxy returns the proxy that addr (host:port) is reached through, or nil
 // when it is dialled directly. An error says the environment names a
-// proxy that cannot be used (an unparsable URL, a scheme other than http
-// or https).
+// proxy that cannot be used (an unparsable URL, a scheme other than http).
 func (d *Dialer) Proxy(addr string) (*url.URL, error) {
 	p, err := d.proxyFor(&url.URL{Scheme: "https", Host: addr})
 	if err != nil {
@@ -58,10 +56,8 @@ func (d *Dialer) Proxy(addr string) (*url.URL, error) {
 	if p == nil {
 		return nil, nil
 	}
-	switch p.Scheme {
-	case "http", "https":
-	default:
-		return nil, fmt.Errorf("proxy %s for %s: scheme %q is not supported (want http or https)", Name(p), addr, p.Scheme)
+	if p.Scheme != "http" {
+		return nil, fmt.Errorf("proxy %s for %s: scheme %q is not supported (want http)", Name(p), addr, p.Scheme)
 	}
 	if p.Hostname() == "" {
 		return nil, fmt.Errorf("proxy %s for %s: no host", Name(p), addr)
@@ -101,7 +97,7 @@ func (d *Dialer) connect(ctx context.Context, p *url.URL, addr string) (net.Conn
 	// The context's end (its deadline, or its cancellation) interrupts
 	// any read or write below.
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
-	through, err := handshake(ctx, conn, p, addr)
+	through, err := handshake(conn, p, addr)
 	if !stop() && err == nil {
 		err = ctx.Err()
 	}
@@ -115,16 +111,9 @@ func (d *Dialer) connect(ctx context.Context, p *url.URL, addr string) (net.Conn
 	return through, nil
 }
 
-// handshake runs TLS to an https proxy, then the CONNECT request and
-// reply on conn, and returns the connection to the target.
-func handshake(ctx context.Context, conn net.Conn, p *url.URL, addr string) (net.Conn, error) {
-	if p.Scheme == "https" {
-		tc := tls.Client(conn, &tls.Config{ServerName: p.Hostname(), MinVersion: tls.VersionTLS12})
-		if err := tc.HandshakeContext(ctx); err != nil {
-			return nil, fmt.Errorf("TLS to the proxy: %w", err)
-		}
-		conn = tc
-	}
+// handshake runs the CONNECT request and reply on conn, and returns the
+// connection to the target.
+func handshake(conn net.Conn, p *url.URL, addr string) (net.Conn, error) {
 	if _, err := io.WriteString(conn, connectRequest(p, addr)); err != nil {
 		return nil, fmt.Errorf("send: %w", err)
 	}
@@ -157,14 +146,10 @@ func connectRequest(p *url.URL, addr string) string {
 	return req + "\r\n"
 }
 
-// proxyAddr is the proxy's host:port, with the scheme's port by default.
+// proxyAddr is the proxy's host:port, port 80 by default.
 func proxyAddr(p *url.URL) string {
 	if p.Port() != "" {
 		return p.Host
 	}
-	port := "80"
-	if p.Scheme == "https" {
-		port = "443"
-	}
-	return net.JoinHostPort(p.Hostname(), port)
+	return net.JoinHostPort(p.Hostname(), "80")
 }

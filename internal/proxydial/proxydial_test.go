@@ -181,7 +181,9 @@ func TestProxyChoice(t *testing.T) {
 			t.Errorf("%+v: proxy %s, want %s", tc, got, tc.want)
 		}
 	}
-	if _, err := dialerFor("socks5://p.example:1080", "").Proxy("server.example:8132"); err == nil || !strings.Contains(err.Error(), "socks5") {
-		t.Errorf("socks5 proxy: err %v, want the scheme refused", err)
+	for _, scheme := range []string{"socks5", "https"} {
+		if _, err := dialerFor(scheme+"://p.example:1080", "").Proxy("server.example:8132"); err == nil || !strings.Contains(err.Error(), `scheme "`+scheme+`" is not supported`) {
+			t.Errorf("%s proxy: err %v, want the scheme refused", scheme, err)
+		}
 	}
 }
