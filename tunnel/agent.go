@@ -129,7 +129,7 @@ type Agent struct {
 	// for a resume, the tunnels pause requests are stopping, and how many
 	// are held or being paused.
 	paused      map[string]*pausedDest
-	pausing     map[net.Conn]*agentTunnel
+	pausing     map[net.Conn]*pauseMeeting
 	pausedCount int
 
 	pauses atomic.Int32 // pause requests in flight: carry looks for its tunnel only then
@@ -448,7 +448,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 // see "Parked stacks" in doc.go.
 func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
-	up := a.deliverUpload(r.Body, dest) // before the 200: a pause request finds it (Conn.Sink)
+	up := a.deliverUpload(r.Body.(*h2link.Body), dest) // before the 200: a pause request finds it (Conn.Sink)
 	flush()
 	var n int64
 	var downErr error
@@ -540,8 +540,11 @@ func (a *Agent) countUpload(up *h2link.Delivery) {
 // deliverUpload carries what the server sends on a stream to the
 // destination and passes the client's half-close on. A failed delivery
 // closes the destination, which ends the download side too.
-func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
-	after := func(err error) error {
+func (a *Agent) deliverUpload(body *h2link.Body, dest net.Conn) *h2link.Delivery {
+	// Each write to the destination is a DATA Packet received from the server.
+	toAgent := &a.metrics.packets.n[segToAgent][grpcwire.Data]
+	body.OnWrite(func(int) { toAgent.Add(1) })
+	return body.DeliverTo(dest, func(err error) error {
 		if err == nil {
 			a.metrics.packets.inc(segToAgent, grpcwire.CloseReq) // END_STREAM from the server
 			err = closeWrite(dest)                               // the client half-closed: pass it on
@@ -550,18 +553,5 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 			dest.Close()
 		}
 		return err
-	}
-	// Each write to the destination is a DATA Packet received from the server.
-	toAgent := &a.metrics.packets.n[segToAgent][grpcwire.Data]
-	if lb, ok := body.(*h2link.Body); ok {
-		lb.OnWrite(func(int) { toAgent.Add(1) })
-		return lb.DeliverTo(dest, after)
-	}
-	d := h2link.NewDelivery()
-	go func() {
-		n, err := copyStream(&packetWriter{w: dest, c: packetCounter{toAgent}}, body, nil)
-		d.Add(n)
-		d.Complete(after(err))
-	}()
-	return d
+	})
 }

@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -31,11 +32,11 @@ const pauseWait = 5 * time.Second
 // maxPaused bounds the destination connections an agent holds paused.
 const maxPaused = 10000
 
-// agentTunnel is a tunnel a pause request is stopping: what servePause and
-// the tunnel's carry tell each other. It exists only while the request
-// runs, in Agent.pausing under the destination connection: nothing is
+// pauseMeeting is where servePause and the carry of the tunnel it stops
+// tell each other what they did. It exists only while the request runs,
+// in Agent.pausing under the destination connection: nothing is
 // registered per tunnel.
-type agentTunnel struct {
+type pauseMeeting struct {
 	// Immutable once registered.
 	dest    net.Conn
 	up      *h2link.Delivery // the server's bytes on their way to dest
@@ -83,7 +84,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		http.Error(w, "destination cannot be held: "+err.Error(), http.StatusConflict)
 		return
 	}
-	t := &agentTunnel{dest: dest, up: up, stopped: make(chan struct{}), settled: make(chan struct{})}
+	t := &pauseMeeting{dest: dest, up: up, stopped: make(chan struct{}), settled: make(chan struct{})}
 	if code, err := a.startPause(t); err != nil {
 		dup.Close()
 		http.Error(w, err.Error(), code)
@@ -124,7 +125,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 
 // startPause registers t for its tunnel's carry to find, within the bound
 // on held destinations.
-func (a *Agent) startPause(t *agentTunnel) (int, error) {
+func (a *Agent) startPause(t *pauseMeeting) (int, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.pausing[t.dest] != nil {
@@ -134,7 +135,7 @@ func (a *Agent) startPause(t *agentTunnel) (int, error) {
 		return http.StatusServiceUnavailable, errors.New("too many paused tunnels")
 	}
 	if a.pausing == nil {
-		a.pausing = make(map[net.Conn]*agentTunnel)
+		a.pausing = make(map[net.Conn]*pauseMeeting)
 	}
 	a.pausing[t.dest] = t
 	a.pausedCount++ // held from here on; given back by endPause unless paused
@@ -142,7 +143,7 @@ func (a *Agent) startPause(t *agentTunnel) (int, error) {
 	return 0, nil
 }
 
-func (a *Agent) endPause(t *agentTunnel) {
+func (a *Agent) endPause(t *pauseMeeting) {
 	a.mu.Lock()
 	delete(a.pausing, t.dest)
 	if !t.paused {
@@ -152,32 +153,19 @@ func (a *Agent) endPause(t *agentTunnel) {
 	a.pauses.Add(-1)
 }
 
-// waitDelivered waits until up has written sent bytes, or gives up.
+// waitDelivered waits until up has written exactly sent bytes and still
+// runs, or gives up after pauseWait.
 func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
-	deadline := time.Now().Add(pauseWait)
-	for {
-		written, _ := up.Result()
-		switch {
-		case written == sent:
-			select {
-			case <-up.Done():
-				return errors.New("the upload ended")
-			default:
-				return nil
-			}
-		case written > sent:
-			return fmt.Errorf("the destination got %d bytes, the server says it sent %d", written, sent)
-		}
-		select {
-		case <-up.Done():
-			return errors.New("the upload ended")
-		case <-r.Context().Done():
-			return r.Context().Err()
-		case <-time.After(time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%d of %d bytes reached the destination in %s", written, sent, pauseWait)
-		}
+	ctx, cancel := context.WithTimeout(r.Context(), pauseWait)
+	defer cancel()
+	if err := up.WaitWritten(ctx, sent); err != nil {
+		return fmt.Errorf("to the destination: %w", err)
+	}
+	select {
+	case <-up.Done():
+		return errors.New("the upload ended")
+	default:
+		return nil
 	}
 }
 

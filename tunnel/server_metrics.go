@@ -26,6 +26,7 @@ type serverMetrics struct {
 	failures      map[string]*promtext.Counter
 	packets       packetCounts
 	streamErrs    streamErrors
+	handover      handoverMetrics
 }
 
 func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
@@ -40,6 +41,7 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
 		failures:      map[string]*promtext.Counter{},
+		handover:      newHandoverMetrics(m),
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
@@ -57,6 +59,10 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		func() float64 { return float64(s.Stats.BytesToAgent.Load()) })
 	m.CounterFunc(serverPrefix+"bytes_total", "", []string{"direction"}, []string{"from_agent"},
 		func() float64 { return float64(s.Stats.BytesFromAgent.Load()) })
+	for st := tunnelOpen; st < tunnelClosed; st++ {
+		m.GaugeFunc(serverPrefix+"tunnels", "Tunnels in the server's table, by state (dialing tunnels are counted by pending_backend_dials).", []string{"state"}, []string{st.String()},
+			func() float64 { return float64(s.countTunnels(st)) })
+	}
 	m.CounterFunc(serverPrefix+"agents_refused_total", "Agent connections refused (TLS, handshake or authentication).", nil, nil,
 		func() float64 { return float64(s.Stats.AgentsRefused.Load()) })
 	return sm

@@ -11,6 +11,26 @@ type ServerStatus struct {
 	ServerID    string        `json:"serverID"`
 	ServerCount int           `json:"serverCount"`
 	Agents      []AgentStatus `json:"agents"`
+	// Tunnels counts the server's tunnels by state (open, draining,
+	// pausing, paused); Handover what restarts moved.
+	Tunnels  map[string]int  `json:"tunnels"`
+	Handover *HandoverStatus `json:"handover"`
+}
+
+// HandoverStatus counts the tunnels a restart paused here for the next
+// image, and those this image resumed, by result (ok, failed, timeout,
+// not_pausable); the same counts as the tunnels_paused_total and
+// tunnels_resumed_total metrics.
+type HandoverStatus struct {
+	Paused  map[string]uint64 `json:"paused"`
+	Resumed map[string]uint64 `json:"resumed"`
+}
+
+func (h *HandoverStatus) count(which, result string) uint64 {
+	if which == "resumed" {
+		return h.Resumed[result]
+	}
+	return h.Paused[result]
 }
 
 // AgentStatus is one connected agent, as the server sees it.
@@ -25,9 +45,20 @@ type AgentStatus struct {
 	Draining       bool      `json:"draining"`
 }
 
-// Status reports the connected agents, sorted by ID.
+// Status reports the connected agents, sorted by ID, the tunnels by
+// state and what restarts moved.
 func (s *Server) Status() ServerStatus {
-	st := ServerStatus{Role: "server", ServerID: s.cfg.ID, ServerCount: s.cfg.Count, Agents: []AgentStatus{}}
+	st := ServerStatus{Role: "server", ServerID: s.cfg.ID, ServerCount: s.cfg.Count, Agents: []AgentStatus{},
+		Tunnels:  map[string]int{},
+		Handover: &HandoverStatus{Paused: counts(s.metrics.handover.paused), Resumed: counts(s.metrics.handover.resumed)},
+	}
+	s.mu.Lock()
+	for t := range s.tunnels {
+		if t.state != tunnelDialing {
+			st.Tunnels[t.state.String()]++
+		}
+	}
+	s.mu.Unlock()
 	for _, a := range s.agents.snapshot() {
 		st.Agents = append(st.Agents, AgentStatus{
 			ID:             a.id,

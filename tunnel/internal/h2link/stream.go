@@ -450,6 +450,7 @@ func (st *stream) remove() {
 	if !st.handlerRunning {
 		st.uncountLocked()
 	}
+	l.restChangedLocked()
 	if l.idle != nil && len(l.streams) == 0 {
 		select {
 		case <-l.idle:
@@ -547,7 +548,7 @@ func (st *stream) resetByPeer(code http2.ErrCode) (exhausted bool) {
 		}
 		l.mu.Unlock()
 	}
-	st.finish(fmt.Errorf("%w by the agent (%v)", ErrStreamReset, code))
+	st.finish(fmt.Errorf("%w by the peer (%v)", ErrStreamReset, code))
 	st.remove()
 	st.abort()
 	return exhausted
