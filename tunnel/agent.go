@@ -113,32 +113,31 @@ func (c *AgentConfig) setDefaults() {
 
 // Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
+//
+// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a serverConn's
+// fields are immutable or atomic.
 type Agent struct {
-	cfg AgentConfig
-	log *slog.Logger
+	// Immutable after NewAgent.
+	cfg     AgentConfig
+	log     *slog.Logger
+	metrics *agentMetrics
+	quiet   *logLimiter // repeated warnings: one line per key per 10s; its own lock
 
 	mu       sync.Mutex
-	conns    map[*serverConn]struct{}
-	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{} // closed and replaced when connections change
-	draining bool
-	// Also guarded by mu: the two counts maxCount combines.
+	conns    map[*serverConn]struct{} // guarded by mu
+	maxCount int                      // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
+	draining bool                     // guarded by mu
+	// Guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
-	// Also guarded by mu (agent_pause.go): destination connections held
-	// for a resume, the tunnels pause requests are stopping, and how many
-	// are held or being paused.
-	paused      map[string]*pausedDest
-	pausing     map[net.Conn]*pauseMeeting
-	pausedCount int
+	// held is what the agent holds for restarting servers: guarded by
+	// mu, but for its atomic count (agent_pause.go).
+	held heldDests
 
-	pauses atomic.Int32 // pause requests in flight: carry looks for its tunnel only then
-
-	connWG  sync.WaitGroup // goroutines serving connections
-	streams sync.WaitGroup // handlers in flight
-	Stats   AgentStats
-	metrics *agentMetrics
-	quiet   *logLimiter // repeated warnings: one line per key per 10s
+	connWG  sync.WaitGroup // goroutines serving connections; Run waits for them
+	streams sync.WaitGroup // handlers in flight; Run waits for them
+	Stats   AgentStats     // atomic counters
 }
 
 // AgentStats are counters an operator reads through metrics and status.
@@ -243,18 +242,18 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.beginDrain()
 	drained := make(chan struct{})
 	go func() {
-		// A tunnel a restarting server paused is still open: its next
-		// image resumes it through the connection the agent keeps
-		// redialling meanwhile (agent_pause.go).
+		// A destination held for a restarting server is still a tunnel:
+		// the server's next image carries it on through the connection
+		// the agent keeps redialling meanwhile.
 		deadline := time.Now().Add(a.cfg.DrainTimeout)
-		for (a.Stats.OpenStreams.Load() > 0 || a.heldPaused() > 0) && time.Now().Before(deadline) {
+		for (a.Stats.OpenStreams.Load() > 0 || a.heldCount() > 0) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		close(drained)
 	}()
 	<-drained
-	if n, held := a.Stats.OpenStreams.Load(), a.heldPaused(); n > 0 || held > 0 {
-		a.log.Warn("drain timeout: closing open tunnels", "open", n, "paused", held)
+	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || held > 0 {
+		a.log.Warn("drain timeout: closing open tunnels", "open", n, "held", held)
 	}
 	stopConnecting()
 	managers.Wait()
@@ -263,7 +262,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.closeConns()
 	a.connWG.Wait()
 	a.streams.Wait()
-	a.closePaused()
+	a.releaseHeld()
 	return nil
 }
 
@@ -400,16 +399,8 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return nil
 	}
-	if token := r.Header.Get(hdrResumeToken); token != "" {
-		dest, err := a.takePaused(token)
-		if err != nil {
-			a.log.Info("tunnel not resumed", "addr", addr, "err", err)
-			http.Error(w, errMsg(err), StatusCode(err))
-			return nil
-		}
-		dest.SetReadDeadline(time.Time{})
-		a.log.Debug("tunnel resumed", "addr", addr)
-		return dest
+	if dest, handled := a.takeHeldFor(w, r); handled {
+		return dest // a tunnel a restarting server's next image carries on
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
@@ -448,7 +439,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 // see "Parked stacks" in doc.go.
 func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
-	up := a.deliverUpload(r.Body.(*h2link.Body), dest) // before the 200: a pause request finds it (Conn.Sink)
+	up := a.deliverUpload(r.Body.(*h2link.Body), dest) // before the 200: a server's stop request finds it (Conn.Sink)
 	flush()
 	var n int64
 	var downErr error
@@ -462,7 +453,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
 	if a.downloadStopped(dest, n, downErr) {
-		a.pausedEnd(r, up) // the destination is held for a resume (agent_pause.go)
+		a.heldEnd(r, up) // the destination is held for the server's next image
 	}
 	if downErr == nil {
 		a.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM

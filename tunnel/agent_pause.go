@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
@@ -48,6 +49,34 @@ type pauseMeeting struct {
 	downSent int64
 	// Written by servePause before it closes settled.
 	paused bool // the destination is held for a resume: carry lets the stream go
+}
+
+// heldDests is what the agent holds for restarting servers; guarded by
+// Agent.mu, but for inFlight.
+type heldDests struct {
+	byToken  map[string]*pausedDest     // destination connections held for a resume, by token
+	meetings map[net.Conn]*pauseMeeting // pause requests running, by destination
+	count    int                        // destinations held or being stopped
+	inFlight atomic.Int32               // pause requests in flight: carry looks for its tunnel only then
+}
+
+// takeHeldFor answers a CONNECT stream that names a resume token with the
+// destination held under it: dest, or nil when the stream was answered
+// with the failure. handled is false when the stream names no token.
+func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Conn, handled bool) {
+	token := r.Header.Get(hdrResumeToken)
+	if token == "" {
+		return nil, false
+	}
+	dest, err := a.takePaused(token)
+	if err != nil {
+		a.log.Info("tunnel not resumed", "addr", r.Host, "err", err)
+		http.Error(w, errMsg(err), StatusCode(err))
+		return nil, true
+	}
+	dest.SetReadDeadline(time.Time{})
+	a.log.Debug("tunnel resumed", "addr", r.Host)
+	return dest, true
 }
 
 // pausedDest is a destination connection held for a resume.
@@ -128,29 +157,29 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 func (a *Agent) startPause(t *pauseMeeting) (int, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.pausing[t.dest] != nil {
+	if a.held.meetings[t.dest] != nil {
 		return http.StatusConflict, errors.New("tunnel is already being paused")
 	}
-	if a.pausedCount >= maxPaused {
+	if a.held.count >= maxPaused {
 		return http.StatusServiceUnavailable, errors.New("too many paused tunnels")
 	}
-	if a.pausing == nil {
-		a.pausing = make(map[net.Conn]*pauseMeeting)
+	if a.held.meetings == nil {
+		a.held.meetings = make(map[net.Conn]*pauseMeeting)
 	}
-	a.pausing[t.dest] = t
-	a.pausedCount++ // held from here on; given back by endPause unless paused
-	a.pauses.Add(1)
+	a.held.meetings[t.dest] = t
+	a.held.count++ // held from here on; given back by endPause unless paused
+	a.held.inFlight.Add(1)
 	return 0, nil
 }
 
 func (a *Agent) endPause(t *pauseMeeting) {
 	a.mu.Lock()
-	delete(a.pausing, t.dest)
+	delete(a.held.meetings, t.dest)
 	if !t.paused {
-		a.pausedCount--
+		a.held.count--
 	}
 	a.mu.Unlock()
-	a.pauses.Add(-1)
+	a.held.inFlight.Add(-1)
 }
 
 // waitDelivered waits until up has written exactly sent bytes and still
@@ -179,11 +208,11 @@ func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
 //
 //go:noinline
 func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
-	if a.pauses.Load() == 0 {
+	if a.held.inFlight.Load() == 0 {
 		return false
 	}
 	a.mu.Lock()
-	t := a.pausing[dest]
+	t := a.held.meetings[dest]
 	a.mu.Unlock()
 	if t == nil {
 		return false
@@ -198,12 +227,12 @@ func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
 	return t.paused
 }
 
-// pausedEnd ends a paused tunnel's stream: once the server ended it (the
+// heldEnd ends a paused tunnel's stream: once the server ended it (the
 // server's client has every byte sent here by then; a reset from this side
 // could overtake them), with a reset. Cold, as downloadStopped.
 //
 //go:noinline
-func (a *Agent) pausedEnd(r *http.Request, up *h2link.Delivery) {
+func (a *Agent) heldEnd(r *http.Request, up *h2link.Delivery) {
 	<-r.Context().Done()
 	r.Body.Close()
 	<-up.Done()
@@ -217,15 +246,15 @@ func (a *Agent) pausedEnd(r *http.Request, up *h2link.Delivery) {
 func (a *Agent) holdPaused(token string, p *pausedDest) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.paused == nil {
-		a.paused = make(map[string]*pausedDest)
+	if a.held.byToken == nil {
+		a.held.byToken = make(map[string]*pausedDest)
 	}
-	if old := a.paused[token]; old != nil { // a token used twice: the older one goes
+	if old := a.held.byToken[token]; old != nil { // a token used twice: the older one goes
 		old.timer.Stop()
 		abortConn(old.conn)
-		a.pausedCount--
+		a.held.count--
 	}
-	a.paused[token] = p
+	a.held.byToken[token] = p
 	p.timer = time.AfterFunc(resumeWindow, func() {
 		if a.takePausedIf(token, p) {
 			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", resumeWindow.String())
@@ -237,10 +266,10 @@ func (a *Agent) holdPaused(token string, p *pausedDest) {
 // takePaused removes and returns the connection held under token.
 func (a *Agent) takePaused(token string) (net.Conn, error) {
 	a.mu.Lock()
-	p := a.paused[token]
+	p := a.held.byToken[token]
 	if p != nil {
-		delete(a.paused, token)
-		a.pausedCount--
+		delete(a.held.byToken, token)
+		a.held.count--
 	}
 	a.mu.Unlock()
 	if p == nil {
@@ -253,27 +282,27 @@ func (a *Agent) takePaused(token string) (net.Conn, error) {
 func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.paused[token] != p {
+	if a.held.byToken[token] != p {
 		return false
 	}
-	delete(a.paused, token)
-	a.pausedCount--
+	delete(a.held.byToken, token)
+	a.held.count--
 	return true
 }
 
-// heldPaused is how many destinations are held for a resume or being paused.
-func (a *Agent) heldPaused() int {
+// heldCount is how many destinations are held for a resume or being paused.
+func (a *Agent) heldCount() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.pausedCount
+	return a.held.count
 }
 
-// closePaused closes every held destination: the agent is stopping.
-func (a *Agent) closePaused() {
+// releaseHeld closes every held destination: the agent is stopping.
+func (a *Agent) releaseHeld() {
 	a.mu.Lock()
-	held := a.paused
-	a.paused = nil
-	a.pausedCount = 0
+	held := a.held.byToken
+	a.held.byToken = nil
+	a.held.count = 0
 	a.mu.Unlock()
 	for _, p := range held {
 		p.timer.Stop()

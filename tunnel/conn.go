@@ -27,10 +27,11 @@ func (c *bufferedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
 // agent ended.
 type watchedConn struct {
 	net.Conn
-	mu      sync.Mutex
-	closed  bool
-	closeFn func()
-	readErr error // the first read error seen before the close: why the peer went away
+
+	mu      sync.Mutex // a leaf
+	closed  bool       // guarded by mu
+	closeFn func()     // guarded by mu; run once, outside it
+	readErr error      // guarded by mu: the first read error seen before the close: why the peer went away
 }
 
 func (c *watchedConn) Read(p []byte) (int, error) {

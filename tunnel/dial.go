@@ -118,10 +118,10 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 // roundTrip sends t's CONNECT stream to one agent and waits for its
 // answer; on success t is established through a. The request context
 // lives as long as the tunnel, so the dial deadline is a timer that
-// cancels it only while the answer is outstanding. A resume token asks
-// the agent for the destination connection it holds under it
-// (handover.go) instead of a new one.
-func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, resume string) error {
+// cancels it only while the answer is outstanding. A token asks the agent
+// for the destination connection it holds under it (handover.go) instead
+// of a new one.
+func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token string) error {
 	addr, up := t.addr, &t.up
 	ctx, cancel := context.WithCancel(s.baseCtx)
 	var why atomic.Value // string: why ctx was cancelled before the answer
@@ -136,8 +136,8 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, resume s
 		Header: make(http.Header),
 		Body:   body,
 	}
-	if resume != "" {
-		req.Header.Set(hdrResumeToken, resume)
+	if token != "" {
+		req.Header.Set(hdrResumeToken, token)
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)

@@ -57,9 +57,9 @@ func (f *httpFront) closeSocket() { f.conn.Close() }
 
 // serveFrontendConn answers one CONNECT request and, on success, carries
 // the connection's bytes to and from an agent stream until both sides are
-// done or a handover stops the tunnel; or it carries on a tunnel a
-// previous image handed over (t.resume). release ends the dial's count as
-// pending once the tunnel is open, where a drain or a handover finds it.
+// done or the tunnel moves to the next image; or it carries on a tunnel
+// the previous image handed on (t.handed). release ends the dial's count
+// as pending once the tunnel is open, where a drain or a restart finds it.
 func (s *Server) serveFrontendConn(t *tunnel, release func()) {
 	conn := t.front.(*httpFront).conn
 	if !s.enter(t) {
@@ -95,8 +95,8 @@ func (s *Server) serveFrontendConn(t *tunnel, release func()) {
 // it on. On failure it answers the error itself and returns false. It
 // returns before the tunnel parks: see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn) bool {
-	if t.resume != nil {
-		return s.openResumed(t, conn)
+	if t.handed != nil {
+		return s.openHanded(t, conn)
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)

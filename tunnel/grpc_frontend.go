@@ -117,7 +117,7 @@ func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	c.calls.Add(1)
 	defer c.calls.Add(-1)
 	s := c.s
-	if s.serveGRPCStream(c, w, r) == errTunnelPaused {
+	if s.serveGRPCStream(c, w, r) == errHandedOn {
 		return // the connection goes to the next image as it is
 	}
 	if s.isShutting() {
@@ -137,7 +137,7 @@ func grpcLinkConn(conn net.Conn) net.Conn {
 }
 
 // grpcLinkConfig configures a frontend connection's link. One on a plain
-// socket can be frozen and handed to the next image (handover.go).
+// socket can move to the next image of the process (handover.go).
 func (s *Server) grpcLinkConfig(conn, h2conn net.Conn, small int32) h2link.Config {
 	return h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
@@ -230,13 +230,13 @@ func (g *grpcStream) finish(code int, msg string) {
 // errDialCancelled ends the upload of a dial the client gave up on.
 var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 
-// errTunnelPaused: the call's tunnel was paused for a handover; its stream
-// is left open for the link's freeze (handover.go).
-var errTunnelPaused = errors.New("tunnel paused for a handover")
+// errHandedOn: the call's tunnel went to the next image of the process;
+// its stream is left open for the link to move with it (handover.go).
+var errHandedOn = errors.New("tunnel handed to the next image")
 
 // serveGRPCStream runs one /ProxyService/Proxy call on link l over the
 // frontend socket conn: DIAL_REQ, DIAL_RSP, then DATA both ways until
-// either side closes, or a handover pauses the call (errTunnelPaused).
+// either side closes, or the call moves to the next image (errHandedOn).
 func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Request) error {
 	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
 		// Not gRPC at all (a probe, curl, a conformance suite): a plain
@@ -305,7 +305,7 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 	f := t.front.(*grpcFront)
 	f.g.flush()
 	code, msg, err := s.proxyGRPC(t, req, buf)
-	if err == errTunnelPaused {
+	if err == errHandedOn {
 		h2link.Detach(w)
 		return err
 	}
@@ -325,8 +325,8 @@ type grpcFront struct {
 	connectID int64
 	quietCh   chan struct{} // closed by closeQuiet: the drain ends the call
 
-	// handedOn is set by a handover before it ends the agent's stream:
-	// the call then goes to the next image as it is.
+	// handedOn is set before the agent's stream ends when the call goes
+	// to the next image as it is.
 	handedOn atomic.Bool
 }
 
@@ -353,7 +353,7 @@ func (f *grpcFront) hangup() net.Conn { return nil }
 func (f *grpcFront) closeSocket()     { f.conn.socket.Close() }
 
 // proxyGRPC dials for one call and carries it. It returns the call's
-// final status, or errTunnelPaused.
+// final status, or errHandedOn.
 func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, string, error) {
 	f := t.front.(*grpcFront)
 	g := f.g
@@ -394,7 +394,8 @@ func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, str
 // initGRPCUpload sets up the client-to-agent direction: the client's
 // packets are decoded as the upload is read, DATA payloads becoming upload
 // bytes without a copy through a pipe or a goroutine. buf holds what the
-// DIAL_REQ's read left; partial, a message a handover cut short.
+// DIAL_REQ's read left; partial, a message cut short when the call moved
+// from the previous image.
 func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 	f := t.front.(*grpcFront)
 	f.in = &grpcUploadReader{body: f.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), closeReq: make(chan struct{}), packets: &s.metrics.packets}
@@ -406,7 +407,8 @@ func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 }
 
 // carryGRPC carries an established call's tunnel until either side
-// closes, a drain ends it at a quiet moment, or a handover takes it.
+// closes, a drain ends it at a quiet moment, or it moves to the next
+// image.
 func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	f := t.front.(*grpcFront)
 	g := f.g
@@ -432,9 +434,9 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	select {
 	case err := <-downDone:
 		if f.handedOn.Load() {
-			// The handover ended the agent's stream: the call goes to the
-			// next image, nothing is written here any more.
-			return 0, "", errTunnelPaused
+			// The agent's stream ended for the move: the call goes to
+			// the next image, nothing is written here any more.
+			return 0, "", errHandedOn
 		}
 		// The destination closed (or the agent stream broke): tell the client.
 		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID}
@@ -507,7 +509,7 @@ func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
 // grpcUploadReader reads the client's Packets as a byte stream: DATA
 // payloads are the bytes; CLOSE_REQ ends it (and is signalled on closeReq);
 // DIAL_CLS ends it with errDialCancelled; the client's half-close is EOF.
-// A message cut short by a handover stays in mr (see handover.go).
+// A message cut short when the call moves to the next image stays in mr.
 type grpcUploadReader struct {
 	body     io.Reader
 	mr       *grpcwire.MessageReader

@@ -253,7 +253,7 @@ func TestAgentDrainPrefersOthers(t *testing.T) {
 	e.waitAgents(2)
 	draining.cancel()
 	deadline := time.Now().Add(5 * time.Second)
-	for !e.srv.agentDraining("draining") {
+	for !e.srv.agents.draining("draining") {
 		if time.Now().After(deadline) {
 			t.Fatal("server never saw the drain")
 		}

@@ -30,7 +30,7 @@ import (
 // resumed on a new stream:
 //
 //  1. The server stops reading the client's socket, having sent on every
-//     byte it read (the stream stays open: h2link.ErrUploadPaused).
+//     byte it read (the stream stays open: h2link.ErrUploadStopped).
 //  2. It asks the agent, on a new stream of the same connection:
 //     POST pausePath with the tunnel's stream ID, the bytes it sent on the
 //     tunnel, and a resume token it chose.
@@ -100,7 +100,12 @@ var errNotPausable = errors.New("tunnel cannot be paused")
 // them; the caller passes their sockets on, and the next image calls
 // Resume. Tunnels that cannot move drain as with Shutdown.
 func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
-	return s.shutdown(ctx, true)
+	var paused []*PausedTunnel
+	err := s.shutdown(ctx, func() func(context.Context) {
+		todo := s.takeMovable()
+		return func(ctx context.Context) { paused = s.handOverAll(ctx, todo) }
+	})
+	return paused, err
 }
 
 // takeMovable moves every open tunnel that can be paused to pausing, which
@@ -121,7 +126,7 @@ func (s *Server) takeMovable() []*tunnel {
 		}
 	}
 	s.mu.Unlock()
-	s.metrics.handover.paused[resultNotPausable].Add(uint64(refused))
+	s.metrics.restarts.paused[resultNotPausable].Add(uint64(refused))
 	return todo
 }
 
@@ -145,7 +150,7 @@ func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunne
 				pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
 				p, err := t.front.pause(pctx, t)
 				cancel()
-				s.metrics.handover.paused[pauseResult(err)].Inc()
+				s.metrics.restarts.paused[pauseResult(err)].Inc()
 				if err != nil {
 					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.addr, "agent", t.agent.id, "err", err)
 					continue
@@ -356,12 +361,12 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 	// The tunnel's own path is that of a new one, so that it parks as
 	// shallow (see "Parked stacks" in doc.go).
 	t := newHTTPTunnel(c)
-	t.resume = p
+	t.handed = p
 	s.serveFrontendConn(t, func() {})
 }
 
 func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
-	s.metrics.handover.resumed[result].Inc()
+	s.metrics.restarts.resumed[result].Inc()
 	s.log.Warn("paused tunnel could not be resumed; client connection closed", "addr", p.Addr, "agent", p.Agent, "err", err)
 }
 
@@ -381,7 +386,7 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel) {
 	}()
 	c := &grpcConn{s: s, socket: conn, release: func() {}}
 	resumed := func(w http.ResponseWriter, r *http.Request) {
-		if s.resumeGRPCCall(c, w, r, p) == errTunnelPaused {
+		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
 		}
 	}
@@ -410,7 +415,7 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 	}()
 	t := newGRPCTunnel(c, w, r)
 	f := t.front.(*grpcFront)
-	f.connectID, t.addr, t.resume = p.GRPC.ConnectID, p.Addr, p
+	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
 	if !s.enter(t) {
 		return nil
 	}
@@ -422,28 +427,28 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 		return nil
 	}
 	code, msg, err := s.carryGRPC(t)
-	if err == errTunnelPaused {
+	if err == errHandedOn {
 		return err
 	}
 	f.g.finish(code, msg)
 	return nil
 }
 
-// openResumed opens the stream that carries on t, a tunnel a previous
+// openHanded opens the stream that carries on t, a tunnel a previous
 // image paused, through its agent; on failure it logs and returns false,
 // and the client's connection is closed.
-func (s *Server) openResumed(t *tunnel, conn net.Conn) bool {
+func (s *Server) openHanded(t *tunnel, conn net.Conn) bool {
 	br := headReaders.Get().(*bufio.Reader)
 	br.Reset(conn)
 	s.initFrontendUpload(t, conn, br)
-	t.addr = t.resume.Addr
+	t.addr = t.handed.Addr
 	return s.resumeStream(t) == nil && t.move(tunnelOpen)
 }
 
-// resumeStream waits for the agent of t.resume and opens the stream that
+// resumeStream waits for the agent of t.handed and opens the stream that
 // carries t on; a failure is logged and counted, and the upload released.
 func (s *Server) resumeStream(t *tunnel) error {
-	p := t.resume
+	p := t.handed
 	a := s.waitAgentID(p.Agent, resumeWait)
 	err, result := fmt.Errorf("agent not back within %s", resumeWait), resultTimeout
 	if a != nil {
@@ -454,7 +459,7 @@ func (s *Server) resumeStream(t *tunnel) error {
 		s.resumeFailed(p, result, err)
 		return err
 	}
-	s.metrics.handover.resumed[resultOK].Inc()
+	s.metrics.restarts.resumed[resultOK].Inc()
 	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent, "grpc", p.GRPC != nil)
 	return nil
 }
@@ -480,14 +485,14 @@ func pauseResult(err error) string {
 	return resultFailed
 }
 
-// handoverMetrics count what a restart moved: tunnels paused here for the
+// restartMetrics count what a restart moved: tunnels paused here for the
 // next image, and tunnels the next image resumed, by result.
-type handoverMetrics struct {
+type restartMetrics struct {
 	paused, resumed map[string]*promtext.Counter // immutable maps of the results
 }
 
-func newHandoverMetrics(m *promtext.Registry) handoverMetrics {
-	h := handoverMetrics{paused: map[string]*promtext.Counter{}, resumed: map[string]*promtext.Counter{}}
+func newRestartMetrics(m *promtext.Registry) restartMetrics {
+	h := restartMetrics{paused: map[string]*promtext.Counter{}, resumed: map[string]*promtext.Counter{}}
 	for _, r := range []string{resultOK, resultFailed, resultTimeout, resultNotPausable} {
 		h.paused[r] = m.Counter(serverPrefix+"tunnels_paused_total", "Tunnels a restart paused to hand to the next image, by result (not_pausable: drained instead).", []string{"result"}, r)
 	}
@@ -495,6 +500,38 @@ func newHandoverMetrics(m *promtext.Registry) handoverMetrics {
 		h.resumed[r] = m.Counter(serverPrefix+"tunnels_resumed_total", "Tunnels a previous image paused and this one resumed, by result (timeout: the agent did not come back).", []string{"result"}, r)
 	}
 	return h
+}
+
+// RestartStatus counts the tunnels a restart paused here for the next
+// image, and those this image resumed, by result (ok, failed, timeout,
+// not_pausable); the same counts as the tunnels_paused_total and
+// tunnels_resumed_total metrics.
+type RestartStatus struct {
+	Paused  map[string]uint64 `json:"paused"`
+	Resumed map[string]uint64 `json:"resumed"`
+}
+
+func (h *RestartStatus) count(which, result string) uint64 {
+	if which == "resumed" {
+		return h.Resumed[result]
+	}
+	return h.Paused[result]
+}
+
+// AgentStatus is one connected agent, as the server sees it.
+type AgentStatus struct {
+	ID             string    `json:"id"`
+	Identifiers    string    `json:"identifiers,omitempty"`
+	Remote         string    `json:"remote"`
+	Since          time.Time `json:"since"`
+	OpenStreams    int64     `json:"openStreams"`
+	BytesToAgent   int64     `json:"bytesToAgent"`
+	BytesFromAgent int64     `json:"bytesFromAgent"`
+	Draining       bool      `json:"draining"`
+}
+
+func (s *Server) restartStatus() *RestartStatus {
+	return &RestartStatus{Paused: counts(s.metrics.restarts.paused), Resumed: counts(s.metrics.restarts.resumed)}
 }
 
 // counts returns the counters by result, for status.

@@ -158,9 +158,9 @@ func handOverTo(t *testing.T, cur *env, want int) (*env, []*PausedTunnel) {
 // handedOver is a handover metric's count: of tunnels "paused" or
 // "resumed", with result.
 func handedOver(s *Server, which, result string) uint64 {
-	m := s.metrics.handover.paused
+	m := s.metrics.restarts.paused
 	if which == "resumed" {
-		m = s.metrics.handover.resumed
+		m = s.metrics.restarts.resumed
 	}
 	return m[result].Value()
 }
@@ -186,8 +186,8 @@ func checkHandoverMetric(t *testing.T, s *Server, which, result string, want int
 	if !strings.Contains(b.String(), line) {
 		t.Errorf("metrics lack %q", line)
 	}
-	if st := s.Status(); st.Handover == nil || st.Handover.count(which, result) != uint64(want) {
-		t.Errorf("status shows %+v, want %d tunnels %s %s", st.Handover, want, which, result)
+	if st := s.Status(); st.Restarts == nil || st.Restarts.count(which, result) != uint64(want) {
+		t.Errorf("status shows %+v, want %d tunnels %s %s", st.Restarts, want, which, result)
 	}
 }
 

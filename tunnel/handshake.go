@@ -149,3 +149,8 @@ const (
 	controlPath  = "/konnectivity/v1/control"
 	controlDrain = "drain"
 )
+
+// ourHello is this agent's hello: it names every feature this package has.
+func ourHello(id, identifiers string, held []string) agentHello {
+	return agentHello{ID: id, Identifiers: identifiers, Held: held, CanPause: true}
+}

@@ -21,7 +21,7 @@ import (
 // tunnel that never goes quiet (a log follow, an exec) is still cut at the
 // deadline.
 //
-// drainQuiet is longer than the pauses inside one response (its writes
+// drainQuiet is longer than the gaps inside one response (its writes
 // follow each other within milliseconds: TLS records, chunks an agent
 // passes on) and than the time this process takes to read a request the
 // client has already sent, so that neither is mistaken for the end of a
@@ -33,8 +33,8 @@ import (
 // processed the CLOSE_RSP, a few milliseconds on a loaded machine, and
 // kube-apiserver then loses the call. There only a connection quiet for
 // drainQuietGRPC is closed, long enough that kube-apiserver is not using
-// it (measured against a real kube-apiserver: closes after 5 ms pauses
-// lost 8 calls in 21, closes after 50 ms pauses some, after 250 ms none).
+// it (measured against a real kube-apiserver: closes after 5 ms gaps
+// lost 8 calls in 21, closes after 50 ms gaps some, after 250 ms none).
 // The quiet is never shortened as the deadline nears, for the same reason.
 const (
 	drainQuiet     = 50 * time.Millisecond
@@ -82,8 +82,8 @@ func unread(raw syscall.RawConn) bool {
 
 // closeQuietTunnels closes each open tunnel once it is quiet, until stop
 // is closed. One goroutine per draining server polls them all: nothing
-// runs per tunnel. A tunnel it closes moves to draining, so a handover
-// no longer takes it.
+// runs per tunnel. A tunnel it closes moves to draining, so a restart
+// no longer moves it.
 func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 	type sample struct {
 		v     uint64
@@ -105,7 +105,7 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 		now := time.Now()
 		if now.Sub(lastTick) > drainStall {
 			// This process did not run for a while: a quiet it did
-			// not watch may be its own stall, not the client's pause.
+			// not watch may be its own stall, not the client's silence.
 			clear(seen)
 		}
 		lastTick = now

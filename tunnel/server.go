@@ -339,11 +339,13 @@ func (s *Server) Ready() (bool, string) {
 // GOAWAY to every agent and waits for open tunnels to finish until ctx
 // ends; then it closes what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
-	_, err := s.shutdown(ctx, false)
-	return err
+	return s.shutdown(ctx, nil)
 }
 
-func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, error) {
+// shutdown is Shutdown; move, when set, runs before the drain closes any
+// tunnel, and returns the work that runs while it does (a restart's:
+// HandOver).
+func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)) error {
 	s.mu.Lock()
 	s.shutting = true
 	for ln := range s.listeners {
@@ -355,9 +357,9 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 	for s.pending.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(2 * time.Millisecond)
 	}
-	var moving []*tunnel
-	if handOver {
-		moving = s.takeMovable()
+	var moving func(context.Context)
+	if move != nil {
+		moving = move()
 	}
 	// Tunnels that would never end (keep-alive connections) close at a
 	// quiet moment, so their clients dial again and nothing is cut.
@@ -368,7 +370,9 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
 		}
 	}()
-	handed := s.handOverAll(ctx, moving)
+	if moving != nil {
+		moving(ctx)
+	}
 
 	var wg sync.WaitGroup
 	for _, a := range s.agents.snapshot() {
@@ -394,7 +398,7 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 	close(stopQuiet)
 	s.Close()
 	<-drained
-	return handed, err
+	return err
 }
 
 // Close ends every listener, agent connection and tunnel at once, and waits

@@ -26,7 +26,7 @@ type serverMetrics struct {
 	failures      map[string]*promtext.Counter
 	packets       packetCounts
 	streamErrs    streamErrors
-	handover      handoverMetrics
+	restarts      restartMetrics
 }
 
 func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
@@ -41,7 +41,7 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
 		failures:      map[string]*promtext.Counter{},
-		handover:      newHandoverMetrics(m),
+		restarts:      newRestartMetrics(m),
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
@@ -72,31 +72,6 @@ func (sm *serverMetrics) dialFailed(err error) {
 	if c := sm.failures[failureReason(err)]; c != nil {
 		c.Inc()
 	}
-}
-
-// countFor counts agents a dial could use under one strategy.
-func (r *registry) countFor(st Strategy, maxStreams int64) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	n := 0
-	for _, a := range r.agents {
-		if !a.usable(maxStreams) {
-			continue
-		}
-		switch st {
-		case StrategyDefault:
-			n++
-		case StrategyDefaultRoute:
-			if a.ids.DefaultRoute {
-				n++
-			}
-		case StrategyDestHost:
-			if len(a.ids.Hosts)+len(a.ids.Addrs)+len(a.ids.CIDRs) > 0 {
-				n++
-			}
-		}
-	}
-	return n
 }
 
 // countEnd counts a tunnel's clean end from the agent's side: its

@@ -11,38 +11,10 @@ type ServerStatus struct {
 	ServerID    string        `json:"serverID"`
 	ServerCount int           `json:"serverCount"`
 	Agents      []AgentStatus `json:"agents"`
-	// Tunnels counts the server's tunnels by state (open, draining,
-	// pausing, paused); Handover what restarts moved.
-	Tunnels  map[string]int  `json:"tunnels"`
-	Handover *HandoverStatus `json:"handover"`
-}
-
-// HandoverStatus counts the tunnels a restart paused here for the next
-// image, and those this image resumed, by result (ok, failed, timeout,
-// not_pausable); the same counts as the tunnels_paused_total and
-// tunnels_resumed_total metrics.
-type HandoverStatus struct {
-	Paused  map[string]uint64 `json:"paused"`
-	Resumed map[string]uint64 `json:"resumed"`
-}
-
-func (h *HandoverStatus) count(which, result string) uint64 {
-	if which == "resumed" {
-		return h.Resumed[result]
-	}
-	return h.Paused[result]
-}
-
-// AgentStatus is one connected agent, as the server sees it.
-type AgentStatus struct {
-	ID             string    `json:"id"`
-	Identifiers    string    `json:"identifiers,omitempty"`
-	Remote         string    `json:"remote"`
-	Since          time.Time `json:"since"`
-	OpenStreams    int64     `json:"openStreams"`
-	BytesToAgent   int64     `json:"bytesToAgent"`
-	BytesFromAgent int64     `json:"bytesFromAgent"`
-	Draining       bool      `json:"draining"`
+	// Tunnels counts the server's tunnels by state; Restarts what
+	// restarts moved.
+	Tunnels  map[string]int `json:"tunnels"`
+	Restarts *RestartStatus `json:"restarts"`
 }
 
 // Status reports the connected agents, sorted by ID, the tunnels by
@@ -50,9 +22,12 @@ type AgentStatus struct {
 func (s *Server) Status() ServerStatus {
 	st := ServerStatus{Role: "server", ServerID: s.cfg.ID, ServerCount: s.cfg.Count, Agents: []AgentStatus{},
 		Tunnels:  map[string]int{},
-		Handover: &HandoverStatus{Paused: counts(s.metrics.handover.paused), Resumed: counts(s.metrics.handover.resumed)},
+		Restarts: s.restartStatus(),
 	}
 	s.mu.Lock()
+	for state := tunnelOpen; state < tunnelClosed; state++ {
+		st.Tunnels[state.String()] = 0
+	}
 	for t := range s.tunnels {
 		if t.state != tunnelDialing {
 			st.Tunnels[t.state.String()]++

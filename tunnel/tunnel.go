@@ -28,7 +28,7 @@ type tunnel struct {
 	body   io.ReadCloser      // the stream's answer: the agent's bytes
 	cancel context.CancelFunc // ends the stream (RST_STREAM while it is open)
 	since  time.Time          // when the agent answered
-	resume *PausedTunnel      // a tunnel a previous image paused, to carry on
+	handed *PausedTunnel      // a tunnel the previous image paused, to carry on
 
 	up   upload                          // the client's bytes toward the agent
 	down atomic.Pointer[h2link.Delivery] // the agent's bytes toward the client, once they flow

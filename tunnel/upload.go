@@ -40,10 +40,10 @@ type upload struct {
 	sender  packetWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
 	act     *activity     // the tunnel's; reads from the client stamp it
 
-	// A stop for a handover (handover.go). stopping is set by it; sent
-	// and stopped are written by the goroutine sending the upload before
-	// done is closed, and read after.
-	stopping atomic.Bool // the upload's deadline is a handover's, not the client's end
+	// A stop for a restart's move (handover.go). stopping is set by it;
+	// sent and stopped are written by the goroutine sending the upload
+	// before done is closed, and read after.
+	stopping atomic.Bool // the upload's deadline is the move's, not the client's end
 	stopped  bool        // the upload stopped for it, every byte read sent
 	sent     int64       // bytes sent to the agent on this tunnel
 }
@@ -142,7 +142,7 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 	b.u.sent += int64(n)
 	if err != nil && b.u.stopping.Load() && errors.Is(err, h2link.ErrReadStopped) {
 		b.u.stopped = true // every byte read was returned to the link before this call
-		err = h2link.ErrUploadPaused
+		err = h2link.ErrUploadStopped
 	}
 	if n > 0 {
 		b.u.act.up()
@@ -224,7 +224,7 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	}
 	if err != nil && b.u.stopping.Load() && errors.Is(err, os.ErrDeadlineExceeded) {
 		b.u.stopped = true
-		err = h2link.ErrUploadPaused
+		err = h2link.ErrUploadStopped
 	}
 	b.u.finish()
 	return err

@@ -98,9 +98,9 @@ var (
 	ErrClosed      = errors.New("connection closed")
 	ErrGoAway      = errors.New("connection is going away")
 	ErrStreamReset = errors.New("stream reset")
-	// ErrUploadPaused, from an upload's SendTo, stops sending it without
+	// ErrUploadStopped, from an upload's SendTo, stops sending it without
 	// END_STREAM or RST_STREAM: the stream stays open.
-	ErrUploadPaused = errors.New("upload paused")
+	ErrUploadStopped = errors.New("upload stopped")
 	errPingTimeout  = errors.New("no answer to PING")
 	errCalm         = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
 

@@ -260,13 +260,13 @@ func (st *stream) pumpUpload() {
 }
 
 // uploadFailed resets the stream after its upload failed, unless the upload
-// paused: then the stream stays open for the caller, which moves the tunnel
-// elsewhere (a restart's handover). Apart from pumpUpload, whose frame stays
-// on parked stacks.
+// stopped (ErrUploadStopped): then the stream stays open for the caller,
+// which moves the tunnel elsewhere. Apart from pumpUpload, whose frame
+// stays on parked stacks.
 //
 //go:noinline
 func (st *stream) uploadFailed(err error) {
-	if errors.Is(err, ErrUploadPaused) {
+	if errors.Is(err, ErrUploadStopped) {
 		return
 	}
 	st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", ErrStreamReset, err))
