@@ -209,20 +209,20 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 // Ready reports whether the agent holds a connection to at least one server;
 // the message says how many of the announced servers it holds.
 func (a *Agent) Ready() (bool, string) {
-	n, want := a.Connected()
+	n, want := a.connected()
 	return n > 0, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
 // ReadyAll reports whether the agent holds a connection to every server.
 func (a *Agent) ReadyAll() (bool, string) {
-	n, want := a.Connected()
+	n, want := a.connected()
 	return n >= want, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// Connected returns how many servers the agent holds a connection to, and how
+// connected returns how many servers the agent holds a connection to, and how
 // many it wants (the largest count a live server announced, combined with
 // the lease count by CountSource).
-func (a *Agent) Connected() (held, want int) {
+func (a *Agent) connected() (held, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return len(a.conns), a.maxCount

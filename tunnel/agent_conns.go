@@ -79,7 +79,7 @@ func (a *Agent) seek(ctx context.Context, t target) {
 	dupes := 0
 	for ctx.Err() == nil {
 		changed := a.changedChan()
-		if held, want := a.Connected(); held >= want {
+		if held, want := a.connected(); held >= want {
 			probe := a.cfg.SyncForever
 			wait := (<-chan time.Time)(nil)
 			if probe {

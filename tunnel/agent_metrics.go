@@ -37,9 +37,9 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	am.packets.register(m, agentPrefix+"stream_packets_total", segFromAgent, segToAgent)
 	am.streamErrs.register(m, agentPrefix+"stream_errors_total", segFromAgent, segToAgent)
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
-		func() float64 { held, _ := a.Connected(); return float64(held) })
+		func() float64 { held, _ := a.connected(); return float64(held) })
 	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
-		func() float64 { _, want := a.Connected(); return float64(want) })
+		func() float64 { _, want := a.connected(); return float64(want) })
 	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
 		func() float64 { return float64(a.Stats.OpenStreams.Load()) })
 	m.CounterFunc(agentPrefix+"bytes_total", "Bytes carried to and from destinations, by direction.", []string{"direction"}, []string{"to_endpoint"},

@@ -101,8 +101,8 @@ var (
 	// ErrUploadStopped, from an upload's SendTo, stops sending it without
 	// END_STREAM or RST_STREAM: the stream stays open.
 	ErrUploadStopped = errors.New("upload stopped")
-	errPingTimeout  = errors.New("no answer to PING")
-	errCalm         = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
+	errPingTimeout   = errors.New("no answer to PING")
+	errCalm          = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
 
 	// What remove tells a caller still waiting for the answer; made once,
 	// as every stream's end passes it (a no-op for the answered ones).
@@ -258,10 +258,6 @@ func (l *Conn) RaiseWindows() {
 		l.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(0, uint32(connDelta)) })
 	}
 }
-
-// IsServing reports the role: true for the serving end (NewServer), whose
-// peer opens the streams; false for the client end.
-func (l *Conn) IsServing() bool { return l.serving }
 
 // --- writing ---
 
