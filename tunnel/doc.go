@@ -50,6 +50,7 @@
 //	Server.mu → registry.mu → a link's locks (h2link: wmu, mu, a stream's rmu, ctlMu)
 //	Agent.mu → a link's locks
 //	grpcStream.mu → the gRPC front door link's locks (a write to the client)
+//	a promtext family's lock → Server.mu, registry.mu, Agent.mu (a scrape's functions)
 //
 // Server.mu guards the server's state, its listeners, the tunnel table
 // (Server.tunnels) with each tunnel's state, and the count of gRPC front
@@ -59,7 +60,8 @@
 // stream under it. Agent.mu guards the agent's connections, counts and
 // the destinations held for a restart. Leaf locks, under which nothing
 // else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu,
-// watchedConn's, logLimiter's and promtext's. Every other shared field is
+// watchedConn's, logLimiter's and promtext's registry lock. Nothing
+// registers a metric under Server.mu, registry.mu or Agent.mu. Every other shared field is
 // immutable once published, atomic, or owned by one goroutine, as its
 // comment says.
 //

@@ -369,31 +369,24 @@ func TestLinkUnansweredPingClosesLink(t *testing.T) {
 func TestLinkAnsweredPingKeepsLink(t *testing.T) {
 	checkNoLeaks(t)
 	l, a := newLinkPair(t, 50*time.Millisecond, 100*time.Millisecond)
-	stop := make(chan struct{})
-	done := make(chan struct{})
-	go func() { // answer PINGs like a live agent
-		defer close(done)
-		for {
-			a.conn.SetReadDeadline(time.Now().Add(time.Second))
-			f, err := a.fr.ReadFrame()
-			if err != nil {
-				return
-			}
-			if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
-				a.fr.WritePing(true, p.Data)
-			}
-			select {
-			case <-stop:
-				return
-			default:
-			}
+	// Answer PINGs like a live agent until three were answered: each came
+	// after a keepalive of silence, so the link outlived three ping
+	// timeouts.
+	const want = 3
+	answered := 0
+	for answered < want {
+		a.conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		f, err := a.fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("after %d answered PINGs: %v", answered, err)
 		}
-	}()
-	time.Sleep(600 * time.Millisecond)
-	close(stop)
-	<-done
+		if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
+			a.fr.WritePing(true, p.Data)
+			answered++
+		}
+	}
 	if !l.CanTakeNewRequest() {
-		t.Fatal("a link whose PINGs are answered was closed")
+		t.Fatalf("a link whose %d PINGs were answered was closed", answered)
 	}
 }
 
