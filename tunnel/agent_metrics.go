@@ -1,6 +1,11 @@
 package tunnel
 
-import "github.com/spinifex/konnectivity/tunnel/promtext"
+import (
+	"sort"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
+)
 
 const agentPrefix = "konnectivity_network_proxy_agent_"
 
@@ -47,4 +52,41 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	m.CounterFunc(agentPrefix+"bytes_total", "", []string{"direction"}, []string{"from_endpoint"},
 		func() float64 { return float64(a.Stats.BytesFromDest.Load()) })
 	return am
+}
+
+// agentDialBuckets are the buckets of upstream's agent
+// dial_duration_seconds, so that recorded dashboards keep their meaning.
+var agentDialBuckets = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
+
+// AgentSideStatus is what /debug/tunnels shows for an agent.
+type AgentSideStatus struct {
+	Role        string             `json:"role"` // "agent"
+	AgentID     string             `json:"agentID"`
+	Held        int                `json:"held"`
+	Want        int                `json:"want"`
+	LeaseCount  int                `json:"leaseCount,omitempty"` // valid server Leases, when counted
+	OpenStreams int64              `json:"openStreams"`
+	Servers     []ServerConnStatus `json:"servers"`
+}
+
+// ServerConnStatus is one server connection, as the agent sees it.
+type ServerConnStatus struct {
+	ServerID    string    `json:"serverID"`
+	Addr        string    `json:"addr"`
+	Since       time.Time `json:"since"`
+	Count       int       `json:"serverCount"`
+	OpenStreams int64     `json:"openStreams"`
+}
+
+// Status reports the agent's server connections, sorted by server ID.
+func (a *Agent) Status() AgentSideStatus {
+	a.mu.Lock()
+	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
+	for l := range a.conns {
+		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
+	}
+	a.mu.Unlock()
+	st.OpenStreams = a.Stats.OpenStreams.Load()
+	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
+	return st
 }

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
-	"golang.org/x/sys/unix"
 )
 
 // The agent's half of a handover (handover.go has the protocol): it pauses
@@ -316,32 +315,4 @@ func abortConn(c net.Conn) {
 		tc.SetLinger(0)
 	}
 	c.Close()
-}
-
-// dupSocket returns a second connection on c's socket (a plain TCP or Unix
-// socket), with close-on-exec set: closing either leaves the other working.
-func dupSocket(c net.Conn) (net.Conn, error) {
-	f, err := dupSocketFile(c)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close() // FileConn holds its own duplicate
-	return net.FileConn(f)
-}
-
-// dupSocketFile duplicates c's descriptor, close-on-exec set.
-func dupSocketFile(c net.Conn) (*os.File, error) {
-	raw := rawSocket(c)
-	if raw == nil {
-		return nil, errors.New("not a plain socket")
-	}
-	fd := -1
-	var dupErr error
-	if err := raw.Control(func(s uintptr) { fd, dupErr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 3) }); err != nil {
-		return nil, err
-	}
-	if dupErr != nil {
-		return nil, os.NewSyscallError("fcntl", dupErr)
-	}
-	return os.NewFile(uintptr(fd), "tunnel"), nil
 }

@@ -47,14 +47,6 @@ func failureReason(err error) string {
 	return reasonErrorResponse
 }
 
-func errMsg(err error) string {
-	var se *StatusError
-	if errors.As(err, &se) {
-		return se.Msg
-	}
-	return err.Error()
-}
-
 // open picks an agent and opens t's CONNECT stream to t.addr through it.
 // It returns once the agent has dialled the destination, or with a
 // *StatusError. A dial that meets a connection that died before the agent

@@ -31,17 +31,24 @@
 // Server: server.go (lifecycle: Serve*, Shutdown, Close), tunnel.go (the
 // tunnel type, its states and the table Server.tunnels), frontend.go
 // (the HTTP CONNECT front door), grpc_frontend.go (the gRPC front door),
-// admission.go (an agent's connection until it is admitted, the limits
-// on it, and register, which puts admitted agents of both kinds in the
-// registry), dial.go (picking an agent and opening a tunnel through it),
-// upstream_agent.go (upstream's gRPC agents), registry.go, identity.go,
-// quiet.go (a drain's close at a quiet moment), hangup.go (clients that
-// left), handover.go (the server's half of a restart's move).
+// upload.go (a tunnel's upload), admission.go (an agent's connection until
+// it is admitted, the limits on it, and register, which puts admitted
+// agents of both kinds in the registry), dial.go (picking an agent and
+// opening a tunnel through it), upstream_agent.go (upstream's gRPC
+// agents), registry.go, identity.go, quiet.go (a drain's close at a quiet
+// moment), hangup.go (clients that left), handover.go (the server's half
+// of a restart's move), server_metrics.go, status.go.
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
-// (a connection per server), destinations.go (the destination policy),
+// (a connection per server), agent_metrics.go (its metrics and status),
 // and the agent's half of that move in the last agent_*.go.
-// Shared: handshake.go (the Upgrade request), upload.go, buffers.go,
-// conn.go, packets.go and the metrics files.
+// Shared, what both sides speak: handshake.go (the Upgrade request, the
+// control line and the move's requests), connect.go (a CONNECT head,
+// StatusError), identifiers.go, destinations.go (the destination policy),
+// packets.go (upstream's Packet counts, stream error codes, a tunnel's
+// activity), conn.go (sockets), buffers.go, loglimit.go, panics.go.
+// A server file uses no agent file's names and an agent file no server
+// file's: the two sides meet only in the shared files, as they would as
+// packages of their own.
 //
 // # Locks
 //

@@ -55,13 +55,9 @@ import (
 // with both directions open. Everything else drains as before (quiet.go),
 // and a pause that fails at any step closes its tunnel, as a drain's
 // deadline would.
-const (
-	pausePath      = "/konnectivity/v1/pause"
-	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
-	hdrPauseSent   = "Konnectivity-Pause-Sent"   // bytes the sender sent on the tunnel
-	hdrResumeToken = "Konnectivity-Resume-Token" // names a paused tunnel
-	maxResumeToken = 64
-)
+//
+// The wire words of the protocol (pausePath and its headers) are in
+// handshake.go, with the rest of what both sides speak.
 
 // resumeWait bounds how long the next image waits for a paused tunnel's
 // agent to log in again; less than the agent's resumeWindow.
@@ -518,18 +514,7 @@ func (h *RestartStatus) count(which, result string) uint64 {
 	return h.Paused[result]
 }
 
-// AgentStatus is one connected agent, as the server sees it.
-type AgentStatus struct {
-	ID             string    `json:"id"`
-	Identifiers    string    `json:"identifiers,omitempty"`
-	Remote         string    `json:"remote"`
-	Since          time.Time `json:"since"`
-	OpenStreams    int64     `json:"openStreams"`
-	BytesToAgent   int64     `json:"bytesToAgent"`
-	BytesFromAgent int64     `json:"bytesFromAgent"`
-	Draining       bool      `json:"draining"`
-}
-
+// restartStatus is RestartStatus now.
 func (s *Server) restartStatus() *RestartStatus {
 	return &RestartStatus{Paused: counts(s.metrics.restarts.paused), Resumed: counts(s.metrics.restarts.resumed)}
 }

@@ -439,12 +439,6 @@ func (s *Server) newToken(a *agentConn, token string) {
 	s.log.Debug("agent presented a rotated token", "agent", a.id)
 }
 
-// The control line an agent sends a rotated token on: "token <jwt>".
-const controlToken = "token"
-
-// maxControlLine bounds one control line (a token is at most 64 KiB).
-const maxControlLine = 64<<10 + 64
-
 // readControlLine reads one line of at most maxControlLine bytes.
 func readControlLine(br *bufio.Reader) (string, error) {
 	var line []byte

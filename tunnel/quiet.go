@@ -2,7 +2,6 @@ package tunnel
 
 import (
 	"context"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -45,33 +44,6 @@ const (
 	// next request may be just behind the stall.
 	drainStall = 10 * time.Millisecond
 )
-
-// activity is a tunnel's traffic as a draining server sees it: a count of
-// socket reads and writes, and which way the last went, in one word
-// (count<<1 | 1 when the last went toward the client). One atomic
-// operation per system call, no allocation, ordered: a read from the
-// client after the last write always shows.
-type activity struct{ v atomic.Uint64 }
-
-// up records a read from the client (bytes toward the agent).
-func (a *activity) up() {
-	for {
-		o := a.v.Load()
-		if a.v.CompareAndSwap(o, (o|1)+1) {
-			return
-		}
-	}
-}
-
-// down records a write toward the client.
-func (a *activity) down() {
-	for {
-		o := a.v.Load()
-		if a.v.CompareAndSwap(o, (o+2)|1) {
-			return
-		}
-	}
-}
 
 // unread reports whether a socket holds bytes not read yet.
 func unread(raw syscall.RawConn) bool {

@@ -1,11 +1,7 @@
 package tunnel
 
 import (
-	"context"
-	"errors"
-
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
-	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
@@ -82,22 +78,10 @@ func (sm *serverMetrics) countEnd() {
 	sm.packets.inc(segToClient, grpcwire.CloseRsp)
 }
 
-// streamErrorCode is the gRPC code upstream would report for err: a stream
-// the peer reset is Canceled, anything else (a broken connection, a failed
-// write) Unavailable.
-func streamErrorCode(err error) string {
-	if errors.Is(err, h2link.ErrStreamReset) || errors.Is(err, context.Canceled) {
-		return codeCanceled
-	}
-	return codeUnavailable
-}
-
 // Buckets of the upstream metrics of the same names, so that recorded
 // dashboards keep their meaning: the server's latencies (dial_duration_seconds,
-// frontend_write_duration_seconds), the server's connection_duration_seconds
-// and the agent's dial_duration_seconds.
+// frontend_write_duration_seconds) and connection_duration_seconds.
 var (
 	latencyBuckets    = []float64{0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
 	connectionBuckets = []float64{1, 5, 15, 30, 60, 300, 900, 1800, 3600, 14400, 43200, 86400}
-	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
 )

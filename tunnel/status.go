@@ -17,6 +17,18 @@ type ServerStatus struct {
 	Restarts *RestartStatus `json:"restarts"`
 }
 
+// AgentStatus is one connected agent, as the server sees it.
+type AgentStatus struct {
+	ID             string    `json:"id"`
+	Identifiers    string    `json:"identifiers,omitempty"`
+	Remote         string    `json:"remote"`
+	Since          time.Time `json:"since"`
+	OpenStreams    int64     `json:"openStreams"`
+	BytesToAgent   int64     `json:"bytesToAgent"`
+	BytesFromAgent int64     `json:"bytesFromAgent"`
+	Draining       bool      `json:"draining"`
+}
+
 // Status reports the connected agents, sorted by ID, the tunnels by
 // state and what restarts moved.
 func (s *Server) Status() ServerStatus {
@@ -47,38 +59,5 @@ func (s *Server) Status() ServerStatus {
 		})
 	}
 	sort.Slice(st.Agents, func(i, j int) bool { return st.Agents[i].ID < st.Agents[j].ID })
-	return st
-}
-
-// AgentSideStatus is what /debug/tunnels shows for an agent.
-type AgentSideStatus struct {
-	Role        string             `json:"role"` // "agent"
-	AgentID     string             `json:"agentID"`
-	Held        int                `json:"held"`
-	Want        int                `json:"want"`
-	LeaseCount  int                `json:"leaseCount,omitempty"` // valid server Leases, when counted
-	OpenStreams int64              `json:"openStreams"`
-	Servers     []ServerConnStatus `json:"servers"`
-}
-
-// ServerConnStatus is one server connection, as the agent sees it.
-type ServerConnStatus struct {
-	ServerID    string    `json:"serverID"`
-	Addr        string    `json:"addr"`
-	Since       time.Time `json:"since"`
-	Count       int       `json:"serverCount"`
-	OpenStreams int64     `json:"openStreams"`
-}
-
-// Status reports the agent's server connections, sorted by server ID.
-func (a *Agent) Status() AgentSideStatus {
-	a.mu.Lock()
-	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
-	for l := range a.conns {
-		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
-	}
-	a.mu.Unlock()
-	st.OpenStreams = a.Stats.OpenStreams.Load()
-	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
 	return st
 }
