@@ -234,6 +234,47 @@ func TestHandOverResumesTunnels(t *testing.T) {
 	}
 }
 
+// TestHandOverLeavesSharedGRPCConn: two calls on one gRPC front door
+// connection are not paused (a connection is frozen whole, and holds one
+// call when konnectivity-client made it): they are counted not pausable
+// and drain as with Shutdown, closed at a quiet moment with CLOSE_RSP.
+func TestHandOverLeavesSharedGRPCConn(t *testing.T) {
+	checkNoLeaks(t)
+	dest, _ := countingEcho(t)
+	e := newEnv(t, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	tr := grpcTransport(e.grpcSocket(t))
+	var calls []*grpcCall
+	for i := range 2 {
+		c := openGRPCOn(t, tr, grpcProxyMethod)
+		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(i + 1)})
+		rsp, err := c.read()
+		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
+			t.Fatalf("DIAL_RSP: %+v %v", rsp, err)
+		}
+		c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: rsp.ConnectID, Data: []byte("x")})
+		if p, err := c.read(); err != nil || p.Type != grpcwire.Data || string(p.Data) != "x" {
+			t.Fatalf("echo: %+v %v", p, err)
+		}
+		calls = append(calls, c)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != 0 {
+		t.Fatalf("HandOver: %d paused, %v; want none and the drain to end", len(paused), err)
+	}
+	if n := handedOver(e.srv, "paused", resultNotPausable); n != 2 {
+		t.Errorf("%d calls counted not pausable, want 2", n)
+	}
+	for _, c := range calls {
+		if p, err := c.read(); err != nil || p.Type != grpcwire.CloseRsp {
+			t.Errorf("a drained call: %+v %v, want CLOSE_RSP", p, err)
+		}
+	}
+}
+
 // TestHandOverResumesGRPCCalls: gRPC front door calls (one HTTP/2
 // connection each, as konnectivity-client makes them) carrying DATA
 // packets both ways through two handovers lose, repeat or reorder no byte,
