@@ -6,7 +6,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -80,6 +82,10 @@ func printStatus(w io.Writer, body []byte, now time.Time) error {
 			return fmt.Errorf("decode server status: %w", err)
 		}
 		fmt.Fprintf(tw, "server %s (server count %d): %d agent(s)\n", st.ServerID, st.ServerCount, len(st.Agents))
+		fmt.Fprintf(tw, "tunnels: %s\n", countsLine(st.Tunnels))
+		if r := st.Restarts; r != nil {
+			fmt.Fprintf(tw, "restarts: tunnels handed to the next image: %s; taken from the previous one: %s\n", countsLine(r.Paused), countsLine(r.Resumed))
+		}
 		fmt.Fprintln(tw, "AGENT\tREMOTE\tCONNECTED\tTUNNELS\tTO AGENT\tFROM AGENT\tDRAINING\tIDENTIFIERS")
 		for _, a := range st.Agents {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", a.ID, a.Remote, age(now, a.Since), a.OpenStreams,
@@ -99,6 +105,15 @@ func printStatus(w io.Writer, body []byte, now time.Time) error {
 		return fmt.Errorf("unknown status role %q", role.Role)
 	}
 	return nil
+}
+
+// countsLine writes counts by key, in the keys' order: "0 draining, 3 open".
+func countsLine[V int | uint64](counts map[string]V) string {
+	parts := make([]string, 0, len(counts))
+	for _, k := range slices.Sorted(maps.Keys(counts)) {
+		parts = append(parts, fmt.Sprintf("%d %s", counts[k], k))
+	}
+	return strings.Join(parts, ", ")
 }
 
 func age(now, since time.Time) string {

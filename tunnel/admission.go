@@ -277,20 +277,7 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 		conn.SetReadDeadline(deadline)
 	}
 	if err != nil {
-		code := StatusCode(err)
-		switch {
-		case code == http.StatusConflict: // a duplicate: expected while agents seek every server
-		case hello.ID == "":
-			// Not an agent at all (a probe, a port scan): count it, log at debug.
-			s.Stats.AgentsRefused.Add(1)
-			s.log.Debug("not an agent handshake", "remote", remote, "status", code, "reason", errMsg(err))
-		default:
-			s.Stats.AgentsRefused.Add(1)
-			s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "status", code, "reason", errMsg(err))
-		}
-		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
-		writeStatus(conn, code, errMsg(err))
-		conn.Close()
+		s.refuseAgent(conn, hello.ID, remote, err)
 		return
 	}
 	if !pc.admit() {
@@ -304,6 +291,31 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
 
+	s.startAgentLink(conn, br, hello, principal, ids, tlsState, remote)
+}
+
+// refuseAgent answers a handshake that failed with its status, logged as
+// what it most likely was, and closes the connection.
+func (s *Server) refuseAgent(conn net.Conn, id, remote string, err error) {
+	code := StatusCode(err)
+	switch {
+	case code == http.StatusConflict: // a duplicate: expected while agents seek every server
+	case id == "":
+		// Not an agent at all (a probe, a port scan): count it, log at debug.
+		s.Stats.AgentsRefused.Add(1)
+		s.log.Debug("not an agent handshake", "remote", remote, "status", code, "reason", errMsg(err))
+	default:
+		s.Stats.AgentsRefused.Add(1)
+		s.quiet.log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", id, "remote", remote, "status", code, "reason", errMsg(err))
+	}
+	conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+	writeStatus(conn, code, errMsg(err))
+	conn.Close()
+}
+
+// startAgentLink runs HTTP/2 as the client on an admitted agent's
+// connection, whose handshake br read, and registers the agent.
+func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello agentHello, principal Principal, ids Identifiers, tlsState tls.ConnectionState, remote string) {
 	// The agent sends nothing more until it has read the 101, so the
 	// handshake's buffer is normally empty and can be let go.
 	var h2conn net.Conn = conn

@@ -113,32 +113,31 @@ func (c *AgentConfig) setDefaults() {
 
 // Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
+//
+// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a serverConn's
+// fields are immutable or atomic.
 type Agent struct {
-	cfg AgentConfig
-	log *slog.Logger
+	// Immutable after NewAgent.
+	cfg     AgentConfig
+	log     *slog.Logger
+	metrics *agentMetrics
+	quiet   *logLimiter // repeated warnings: one line per key per 10s; its own lock
 
 	mu       sync.Mutex
-	conns    map[*serverConn]struct{}
-	maxCount int           // servers wanted: announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{} // closed and replaced when connections change
-	draining bool
-	// Also guarded by mu: the two counts maxCount combines.
+	conns    map[*serverConn]struct{} // guarded by mu
+	maxCount int                      // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
+	draining bool                     // guarded by mu
+	// Guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
-	// Also guarded by mu (agent_pause.go): destination connections held
-	// for a resume, the tunnels pause requests are stopping, and how many
-	// are held or being paused.
-	paused      map[string]*pausedDest
-	pausing     map[net.Conn]*agentTunnel
-	pausedCount int
+	// held is what the agent holds for restarting servers: guarded by
+	// mu, but for its atomic count (agent_pause.go).
+	held heldDests
 
-	pauses atomic.Int32 // pause requests in flight: carry looks for its tunnel only then
-
-	connWG  sync.WaitGroup // goroutines serving connections
-	streams sync.WaitGroup // handlers in flight
-	Stats   AgentStats
-	metrics *agentMetrics
-	quiet   *logLimiter // repeated warnings: one line per key per 10s
+	connWG  sync.WaitGroup // goroutines serving connections; Run waits for them
+	streams sync.WaitGroup // handlers in flight; Run waits for them
+	Stats   AgentStats     // atomic counters
 }
 
 // AgentStats are counters an operator reads through metrics and status.
@@ -210,20 +209,20 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 // Ready reports whether the agent holds a connection to at least one server;
 // the message says how many of the announced servers it holds.
 func (a *Agent) Ready() (bool, string) {
-	n, want := a.Connected()
+	n, want := a.connected()
 	return n > 0, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
 // ReadyAll reports whether the agent holds a connection to every server.
 func (a *Agent) ReadyAll() (bool, string) {
-	n, want := a.Connected()
+	n, want := a.connected()
 	return n >= want, fmt.Sprintf("connected %d/%d servers", n, want)
 }
 
-// Connected returns how many servers the agent holds a connection to, and how
+// connected returns how many servers the agent holds a connection to, and how
 // many it wants (the largest count a live server announced, combined with
 // the lease count by CountSource).
-func (a *Agent) Connected() (held, want int) {
+func (a *Agent) connected() (held, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return len(a.conns), a.maxCount
@@ -243,18 +242,18 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.beginDrain()
 	drained := make(chan struct{})
 	go func() {
-		// A tunnel a restarting server paused is still open: its next
-		// image resumes it through the connection the agent keeps
-		// redialling meanwhile (agent_pause.go).
+		// A destination held for a restarting server is still a tunnel:
+		// the server's next image carries it on through the connection
+		// the agent keeps redialling meanwhile.
 		deadline := time.Now().Add(a.cfg.DrainTimeout)
-		for (a.Stats.OpenStreams.Load() > 0 || a.heldPaused() > 0) && time.Now().Before(deadline) {
+		for (a.Stats.OpenStreams.Load() > 0 || a.heldCount() > 0) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		close(drained)
 	}()
 	<-drained
-	if n, held := a.Stats.OpenStreams.Load(), a.heldPaused(); n > 0 || held > 0 {
-		a.log.Warn("drain timeout: closing open tunnels", "open", n, "paused", held)
+	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || held > 0 {
+		a.log.Warn("drain timeout: closing open tunnels", "open", n, "held", held)
 	}
 	stopConnecting()
 	managers.Wait()
@@ -263,7 +262,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.closeConns()
 	a.connWG.Wait()
 	a.streams.Wait()
-	a.closePaused()
+	a.releaseHeld()
 	return nil
 }
 
@@ -400,16 +399,8 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return nil
 	}
-	if token := r.Header.Get(hdrResumeToken); token != "" {
-		dest, err := a.takePaused(token)
-		if err != nil {
-			a.log.Info("tunnel not resumed", "addr", addr, "err", err)
-			http.Error(w, errMsg(err), StatusCode(err))
-			return nil
-		}
-		dest.SetReadDeadline(time.Time{})
-		a.log.Debug("tunnel resumed", "addr", addr)
-		return dest
+	if dest, handled := a.takeHeldFor(w, r); handled {
+		return dest // a tunnel a restarting server's next image carries on
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
@@ -448,7 +439,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 // see "Parked stacks" in doc.go.
 func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	flush := flusherOf(w)
-	up := a.deliverUpload(r.Body, dest) // before the 200: a pause request finds it (Conn.Sink)
+	up := a.deliverUpload(r.Body.(*h2link.Body), dest) // before the 200: a server's stop request finds it (Conn.Sink)
 	flush()
 	var n int64
 	var downErr error
@@ -462,7 +453,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	putPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
 	if a.downloadStopped(dest, n, downErr) {
-		a.pausedEnd(r, up) // the destination is held for a resume (agent_pause.go)
+		a.heldEnd(r, up) // the destination is held for the server's next image
 	}
 	if downErr == nil {
 		a.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM
@@ -540,8 +531,11 @@ func (a *Agent) countUpload(up *h2link.Delivery) {
 // deliverUpload carries what the server sends on a stream to the
 // destination and passes the client's half-close on. A failed delivery
 // closes the destination, which ends the download side too.
-func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
-	after := func(err error) error {
+func (a *Agent) deliverUpload(body *h2link.Body, dest net.Conn) *h2link.Delivery {
+	// Each write to the destination is a DATA Packet received from the server.
+	toAgent := &a.metrics.packets.n[segToAgent][grpcwire.Data]
+	body.OnWrite(func(int) { toAgent.Add(1) })
+	return body.DeliverTo(dest, func(err error) error {
 		if err == nil {
 			a.metrics.packets.inc(segToAgent, grpcwire.CloseReq) // END_STREAM from the server
 			err = closeWrite(dest)                               // the client half-closed: pass it on
@@ -550,18 +544,5 @@ func (a *Agent) deliverUpload(body io.Reader, dest net.Conn) *h2link.Delivery {
 			dest.Close()
 		}
 		return err
-	}
-	// Each write to the destination is a DATA Packet received from the server.
-	toAgent := &a.metrics.packets.n[segToAgent][grpcwire.Data]
-	if lb, ok := body.(*h2link.Body); ok {
-		lb.OnWrite(func(int) { toAgent.Add(1) })
-		return lb.DeliverTo(dest, after)
-	}
-	d := h2link.NewDelivery()
-	go func() {
-		n, err := copyStream(&packetWriter{w: dest, c: packetCounter{toAgent}}, body, nil)
-		d.Add(n)
-		d.Complete(after(err))
-	}()
-	return d
+	})
 }

@@ -79,7 +79,7 @@ func (a *Agent) seek(ctx context.Context, t target) {
 	dupes := 0
 	for ctx.Err() == nil {
 		changed := a.changedChan()
-		if held, want := a.Connected(); held >= want {
+		if held, want := a.connected(); held >= want {
 			probe := a.cfg.SyncForever
 			wait := (<-chan time.Time)(nil)
 			if probe {
@@ -258,7 +258,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 		}
 		conn = tc
 	}
-	hello := agentHello{ID: a.cfg.ID, Identifiers: a.cfg.Identifiers, Held: a.heldServers(), CanPause: true}
+	hello := ourHello(a.cfg.ID, a.cfg.Identifiers, a.heldServers())
 	if a.cfg.Token != nil {
 		if hello.Token, err = a.cfg.Token(); err != nil {
 			conn.Close()
@@ -301,12 +301,13 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 
 // startConn registers l and serves it in a goroutine the agent owns. It
 // returns false (and closes l) when the agent is shutting down, unless it
-// still holds tunnels paused by a restarting server: their next image
-// resumes them on this connection, which announces the drain at once.
+// still holds destinations for a restarting server: its next image
+// carries them on through this connection, which announces the drain at
+// once.
 func (a *Agent) startConn(l *serverConn) bool {
 	a.mu.Lock()
 	if a.draining {
-		if a.pausedCount == 0 {
+		if a.held.count == 0 {
 			a.mu.Unlock()
 			l.conn.Close()
 			return false

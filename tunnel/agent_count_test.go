@@ -34,7 +34,7 @@ func TestAgentCountSources(t *testing.T) {
 			changed := a.changed
 			a.mu.Unlock()
 			a.SetLeaseCount(tc.lease)
-			if _, want := a.Connected(); want != tc.want {
+			if _, want := a.connected(); want != tc.want {
 				t.Fatalf("want %d servers, got %d", tc.want, want)
 			}
 			if tc.lease != 0 {
@@ -53,7 +53,7 @@ func TestAgentCountSources(t *testing.T) {
 			for _, n := range tc.announced {
 				announced = max(announced, n)
 			}
-			if _, want := a.Connected(); want != announced {
+			if _, want := a.connected(); want != announced {
 				t.Fatalf("without a lease count: want %d, got %d", announced, want)
 			}
 		})

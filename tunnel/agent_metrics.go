@@ -1,6 +1,11 @@
 package tunnel
 
-import "github.com/spinifex/konnectivity/tunnel/promtext"
+import (
+	"sort"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/promtext"
+)
 
 const agentPrefix = "konnectivity_network_proxy_agent_"
 
@@ -37,9 +42,9 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	am.packets.register(m, agentPrefix+"stream_packets_total", segFromAgent, segToAgent)
 	am.streamErrs.register(m, agentPrefix+"stream_errors_total", segFromAgent, segToAgent)
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
-		func() float64 { held, _ := a.Connected(); return float64(held) })
+		func() float64 { held, _ := a.connected(); return float64(held) })
 	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
-		func() float64 { _, want := a.Connected(); return float64(want) })
+		func() float64 { _, want := a.connected(); return float64(want) })
 	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
 		func() float64 { return float64(a.Stats.OpenStreams.Load()) })
 	m.CounterFunc(agentPrefix+"bytes_total", "Bytes carried to and from destinations, by direction.", []string{"direction"}, []string{"to_endpoint"},
@@ -47,4 +52,41 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	m.CounterFunc(agentPrefix+"bytes_total", "", []string{"direction"}, []string{"from_endpoint"},
 		func() float64 { return float64(a.Stats.BytesFromDest.Load()) })
 	return am
+}
+
+// agentDialBuckets are the buckets of upstream's agent
+// dial_duration_seconds, so that recorded dashboards keep their meaning.
+var agentDialBuckets = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
+
+// AgentSideStatus is what /debug/tunnels shows for an agent.
+type AgentSideStatus struct {
+	Role        string             `json:"role"` // "agent"
+	AgentID     string             `json:"agentID"`
+	Held        int                `json:"held"`
+	Want        int                `json:"want"`
+	LeaseCount  int                `json:"leaseCount,omitempty"` // valid server Leases, when counted
+	OpenStreams int64              `json:"openStreams"`
+	Servers     []ServerConnStatus `json:"servers"`
+}
+
+// ServerConnStatus is one server connection, as the agent sees it.
+type ServerConnStatus struct {
+	ServerID    string    `json:"serverID"`
+	Addr        string    `json:"addr"`
+	Since       time.Time `json:"since"`
+	Count       int       `json:"serverCount"`
+	OpenStreams int64     `json:"openStreams"`
+}
+
+// Status reports the agent's server connections, sorted by server ID.
+func (a *Agent) Status() AgentSideStatus {
+	a.mu.Lock()
+	st := AgentSideStatus{Role: "agent", AgentID: a.cfg.ID, Held: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
+	for l := range a.conns {
+		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
+	}
+	a.mu.Unlock()
+	st.OpenStreams = a.Stats.OpenStreams.Load()
+	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
+	return st
 }

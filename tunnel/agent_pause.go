@@ -1,16 +1,17 @@
 package tunnel
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
-	"golang.org/x/sys/unix"
 )
 
 // The agent's half of a handover (handover.go has the protocol): it pauses
@@ -31,11 +32,11 @@ const pauseWait = 5 * time.Second
 // maxPaused bounds the destination connections an agent holds paused.
 const maxPaused = 10000
 
-// agentTunnel is a tunnel a pause request is stopping: what servePause and
-// the tunnel's carry tell each other. It exists only while the request
-// runs, in Agent.pausing under the destination connection: nothing is
+// pauseMeeting is where servePause and the carry of the tunnel it stops
+// tell each other what they did. It exists only while the request runs,
+// in Agent.pausing under the destination connection: nothing is
 // registered per tunnel.
-type agentTunnel struct {
+type pauseMeeting struct {
 	// Immutable once registered.
 	dest    net.Conn
 	up      *h2link.Delivery // the server's bytes on their way to dest
@@ -47,6 +48,34 @@ type agentTunnel struct {
 	downSent int64
 	// Written by servePause before it closes settled.
 	paused bool // the destination is held for a resume: carry lets the stream go
+}
+
+// heldDests is what the agent holds for restarting servers; guarded by
+// Agent.mu, but for inFlight.
+type heldDests struct {
+	byToken  map[string]*pausedDest     // destination connections held for a resume, by token
+	meetings map[net.Conn]*pauseMeeting // pause requests running, by destination
+	count    int                        // destinations held or being stopped
+	inFlight atomic.Int32               // pause requests in flight: carry looks for its tunnel only then
+}
+
+// takeHeldFor answers a CONNECT stream that names a resume token with the
+// destination held under it: dest, or nil when the stream was answered
+// with the failure. handled is false when the stream names no token.
+func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Conn, handled bool) {
+	token := r.Header.Get(hdrResumeToken)
+	if token == "" {
+		return nil, false
+	}
+	dest, err := a.takePaused(token)
+	if err != nil {
+		a.log.Info("tunnel not resumed", "addr", r.Host, "err", err)
+		http.Error(w, errMsg(err), StatusCode(err))
+		return nil, true
+	}
+	dest.SetReadDeadline(time.Time{})
+	a.log.Debug("tunnel resumed", "addr", r.Host)
+	return dest, true
 }
 
 // pausedDest is a destination connection held for a resume.
@@ -83,7 +112,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		http.Error(w, "destination cannot be held: "+err.Error(), http.StatusConflict)
 		return
 	}
-	t := &agentTunnel{dest: dest, up: up, stopped: make(chan struct{}), settled: make(chan struct{})}
+	t := &pauseMeeting{dest: dest, up: up, stopped: make(chan struct{}), settled: make(chan struct{})}
 	if code, err := a.startPause(t); err != nil {
 		dup.Close()
 		http.Error(w, err.Error(), code)
@@ -124,60 +153,47 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 
 // startPause registers t for its tunnel's carry to find, within the bound
 // on held destinations.
-func (a *Agent) startPause(t *agentTunnel) (int, error) {
+func (a *Agent) startPause(t *pauseMeeting) (int, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.pausing[t.dest] != nil {
+	if a.held.meetings[t.dest] != nil {
 		return http.StatusConflict, errors.New("tunnel is already being paused")
 	}
-	if a.pausedCount >= maxPaused {
+	if a.held.count >= maxPaused {
 		return http.StatusServiceUnavailable, errors.New("too many paused tunnels")
 	}
-	if a.pausing == nil {
-		a.pausing = make(map[net.Conn]*agentTunnel)
+	if a.held.meetings == nil {
+		a.held.meetings = make(map[net.Conn]*pauseMeeting)
 	}
-	a.pausing[t.dest] = t
-	a.pausedCount++ // held from here on; given back by endPause unless paused
-	a.pauses.Add(1)
+	a.held.meetings[t.dest] = t
+	a.held.count++ // held from here on; given back by endPause unless paused
+	a.held.inFlight.Add(1)
 	return 0, nil
 }
 
-func (a *Agent) endPause(t *agentTunnel) {
+func (a *Agent) endPause(t *pauseMeeting) {
 	a.mu.Lock()
-	delete(a.pausing, t.dest)
+	delete(a.held.meetings, t.dest)
 	if !t.paused {
-		a.pausedCount--
+		a.held.count--
 	}
 	a.mu.Unlock()
-	a.pauses.Add(-1)
+	a.held.inFlight.Add(-1)
 }
 
-// waitDelivered waits until up has written sent bytes, or gives up.
+// waitDelivered waits until up has written exactly sent bytes and still
+// runs, or gives up after pauseWait.
 func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
-	deadline := time.Now().Add(pauseWait)
-	for {
-		written, _ := up.Result()
-		switch {
-		case written == sent:
-			select {
-			case <-up.Done():
-				return errors.New("the upload ended")
-			default:
-				return nil
-			}
-		case written > sent:
-			return fmt.Errorf("the destination got %d bytes, the server says it sent %d", written, sent)
-		}
-		select {
-		case <-up.Done():
-			return errors.New("the upload ended")
-		case <-r.Context().Done():
-			return r.Context().Err()
-		case <-time.After(time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%d of %d bytes reached the destination in %s", written, sent, pauseWait)
-		}
+	ctx, cancel := context.WithTimeout(r.Context(), pauseWait)
+	defer cancel()
+	if err := up.WaitWritten(ctx, sent); err != nil {
+		return fmt.Errorf("to the destination: %w", err)
+	}
+	select {
+	case <-up.Done():
+		return errors.New("the upload ended")
+	default:
+		return nil
 	}
 }
 
@@ -191,11 +207,11 @@ func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
 //
 //go:noinline
 func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
-	if a.pauses.Load() == 0 {
+	if a.held.inFlight.Load() == 0 {
 		return false
 	}
 	a.mu.Lock()
-	t := a.pausing[dest]
+	t := a.held.meetings[dest]
 	a.mu.Unlock()
 	if t == nil {
 		return false
@@ -210,12 +226,12 @@ func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
 	return t.paused
 }
 
-// pausedEnd ends a paused tunnel's stream: once the server ended it (the
+// heldEnd ends a paused tunnel's stream: once the server ended it (the
 // server's client has every byte sent here by then; a reset from this side
 // could overtake them), with a reset. Cold, as downloadStopped.
 //
 //go:noinline
-func (a *Agent) pausedEnd(r *http.Request, up *h2link.Delivery) {
+func (a *Agent) heldEnd(r *http.Request, up *h2link.Delivery) {
 	<-r.Context().Done()
 	r.Body.Close()
 	<-up.Done()
@@ -229,15 +245,15 @@ func (a *Agent) pausedEnd(r *http.Request, up *h2link.Delivery) {
 func (a *Agent) holdPaused(token string, p *pausedDest) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.paused == nil {
-		a.paused = make(map[string]*pausedDest)
+	if a.held.byToken == nil {
+		a.held.byToken = make(map[string]*pausedDest)
 	}
-	if old := a.paused[token]; old != nil { // a token used twice: the older one goes
+	if old := a.held.byToken[token]; old != nil { // a token used twice: the older one goes
 		old.timer.Stop()
 		abortConn(old.conn)
-		a.pausedCount--
+		a.held.count--
 	}
-	a.paused[token] = p
+	a.held.byToken[token] = p
 	p.timer = time.AfterFunc(resumeWindow, func() {
 		if a.takePausedIf(token, p) {
 			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", resumeWindow.String())
@@ -249,10 +265,10 @@ func (a *Agent) holdPaused(token string, p *pausedDest) {
 // takePaused removes and returns the connection held under token.
 func (a *Agent) takePaused(token string) (net.Conn, error) {
 	a.mu.Lock()
-	p := a.paused[token]
+	p := a.held.byToken[token]
 	if p != nil {
-		delete(a.paused, token)
-		a.pausedCount--
+		delete(a.held.byToken, token)
+		a.held.count--
 	}
 	a.mu.Unlock()
 	if p == nil {
@@ -265,27 +281,27 @@ func (a *Agent) takePaused(token string) (net.Conn, error) {
 func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.paused[token] != p {
+	if a.held.byToken[token] != p {
 		return false
 	}
-	delete(a.paused, token)
-	a.pausedCount--
+	delete(a.held.byToken, token)
+	a.held.count--
 	return true
 }
 
-// heldPaused is how many destinations are held for a resume or being paused.
-func (a *Agent) heldPaused() int {
+// heldCount is how many destinations are held for a resume or being paused.
+func (a *Agent) heldCount() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.pausedCount
+	return a.held.count
 }
 
-// closePaused closes every held destination: the agent is stopping.
-func (a *Agent) closePaused() {
+// releaseHeld closes every held destination: the agent is stopping.
+func (a *Agent) releaseHeld() {
 	a.mu.Lock()
-	held := a.paused
-	a.paused = nil
-	a.pausedCount = 0
+	held := a.held.byToken
+	a.held.byToken = nil
+	a.held.count = 0
 	a.mu.Unlock()
 	for _, p := range held {
 		p.timer.Stop()
@@ -299,32 +315,4 @@ func abortConn(c net.Conn) {
 		tc.SetLinger(0)
 	}
 	c.Close()
-}
-
-// dupSocket returns a second connection on c's socket (a plain TCP or Unix
-// socket), with close-on-exec set: closing either leaves the other working.
-func dupSocket(c net.Conn) (net.Conn, error) {
-	f, err := dupSocketFile(c)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close() // FileConn holds its own duplicate
-	return net.FileConn(f)
-}
-
-// dupSocketFile duplicates c's descriptor, close-on-exec set.
-func dupSocketFile(c net.Conn) (*os.File, error) {
-	raw := rawSocket(c)
-	if raw == nil {
-		return nil, errors.New("not a plain socket")
-	}
-	fd := -1
-	var dupErr error
-	if err := raw.Control(func(s uintptr) { fd, dupErr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 3) }); err != nil {
-		return nil, err
-	}
-	if dupErr != nil {
-		return nil, os.NewSyscallError("fcntl", dupErr)
-	}
-	return os.NewFile(uintptr(fd), "tunnel"), nil
 }

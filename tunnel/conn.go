@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -27,10 +28,11 @@ func (c *bufferedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
 // agent ended.
 type watchedConn struct {
 	net.Conn
-	mu      sync.Mutex
-	closed  bool
-	closeFn func()
-	readErr error // the first read error seen before the close: why the peer went away
+
+	mu      sync.Mutex // a leaf
+	closed  bool       // guarded by mu
+	closeFn func()     // guarded by mu; run once, outside it
+	readErr error      // guarded by mu: the first read error seen before the close: why the peer went away
 }
 
 func (c *watchedConn) Read(p []byte) (int, error) {
@@ -135,4 +137,32 @@ func defaultDuration(d *time.Duration, v time.Duration) {
 	if *d <= 0 {
 		*d = v
 	}
+}
+
+// dupSocket returns a second connection on c's socket (a plain TCP or Unix
+// socket), with close-on-exec set: closing either leaves the other working.
+func dupSocket(c net.Conn) (net.Conn, error) {
+	f, err := dupSocketFile(c)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close() // FileConn holds its own duplicate
+	return net.FileConn(f)
+}
+
+// dupSocketFile duplicates c's descriptor, close-on-exec set.
+func dupSocketFile(c net.Conn) (*os.File, error) {
+	raw := rawSocket(c)
+	if raw == nil {
+		return nil, errors.New("not a plain socket")
+	}
+	fd := -1
+	var dupErr error
+	if err := raw.Control(func(s uintptr) { fd, dupErr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 3) }); err != nil {
+		return nil, err
+	}
+	if dupErr != nil {
+		return nil, os.NewSyscallError("fcntl", dupErr)
+	}
+	return os.NewFile(uintptr(fd), "tunnel"), nil
 }

@@ -151,3 +151,13 @@ func writeStatus(w io.Writer, code int, msg string) error {
 // connectEstablished is the exact answer kube-apiserver's dialer expects: no
 // headers and no body, so nothing is buffered behind it.
 const connectEstablished = "HTTP/1.1 200 Connection Established\r\n\r\n"
+
+// errMsg is what a peer is told of err: a StatusError's message, or the
+// error's text.
+func errMsg(err error) string {
+	var se *StatusError
+	if errors.As(err, &se) {
+		return se.Msg
+	}
+	return err.Error()
+}

@@ -8,33 +8,11 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 )
-
-// stream is one open tunnel through an agent.
-type stream struct {
-	agent   *agentConn
-	body    io.ReadCloser
-	cancel  context.CancelFunc
-	once    sync.Once
-	since   time.Time
-	metrics *serverMetrics
-}
-
-// close ends the tunnel (RST_STREAM if it is still open); safe to repeat.
-func (st *stream) close() {
-	st.once.Do(func() {
-		st.body.Close()
-		st.cancel()
-		st.agent.streams.Add(-1)
-		st.metrics.established.Add(-1)
-		st.metrics.connDuration.ObserveDuration(time.Since(st.since))
-	})
-}
 
 // Dial-failure reasons, also used as metric labels.
 const (
@@ -69,50 +47,35 @@ func failureReason(err error) string {
 	return reasonErrorResponse
 }
 
-func errMsg(err error) string {
-	var se *StatusError
-	if errors.As(err, &se) {
-		return se.Msg
-	}
-	return err.Error()
-}
-
-// open picks an agent and opens a CONNECT stream to addr through it. It
-// returns once the agent has dialled the destination, or with a *StatusError.
-// A dial that meets a connection that died before the agent answered is
-// retried on another agent: nothing was sent, so nothing is lost.
-func (s *Server) open(addr string, up *upload) (*stream, error) {
+// open picks an agent and opens t's CONNECT stream to t.addr through it.
+// It returns once the agent has dialled the destination, or with a
+// *StatusError. A dial that meets a connection that died before the agent
+// answered is retried on another agent: nothing was sent, so nothing is
+// lost.
+func (s *Server) open(t *tunnel) error {
 	start := time.Now()
 	s.metrics.pending.Add(1)
 	defer s.metrics.pending.Add(-1)
-	host := hostOf(addr)
+	host := hostOf(t.addr)
 	deadline := time.Now().Add(s.cfg.DialTimeout)
 	tried := map[*agentConn]bool{}
 	for attempt := 0; ; attempt++ {
-		a, err := s.waitAgent(host, tried, up)
+		a, err := s.waitAgent(host, tried, &t.up)
 		if err != nil {
-			return nil, err
+			return err
 		}
-		st, err := s.roundTrip(a, addr, up, deadline, "")
+		err = s.roundTrip(t, a, deadline, "")
 		if err == nil {
-			s.established(st, a, up)
 			s.metrics.dialDuration.ObserveDuration(time.Since(start))
-			return st, nil
+			return nil
 		}
 		var se *StatusError
 		if errors.As(err, &se) || attempt >= 2 || time.Now().After(deadline) {
-			return nil, err
+			return err
 		}
 		tried[a] = true
-		s.log.Debug("dial retried on another agent", "addr", addr, "agent", a.id, "err", err)
+		s.log.Debug("dial retried on another agent", "addr", t.addr, "agent", a.id, "err", err)
 	}
-}
-
-// established counts a tunnel the agent answered.
-func (s *Server) established(st *stream, a *agentConn, up *upload) {
-	st.since, st.metrics = time.Now(), s.metrics
-	up.counters = append(up.counters, &a.bytesTo) // read only after start
-	s.metrics.established.Add(1)
 }
 
 // waitAgent returns an agent for host, waiting up to AgentWait for one to
@@ -144,12 +107,14 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 	}
 }
 
-// roundTrip sends the CONNECT stream to one agent and waits for its answer.
-// The request context lives as long as the tunnel, so the dial deadline is a
-// timer that cancels it only while the answer is outstanding. A resume
-// token asks the agent for the destination connection it holds under it
-// (handover.go) instead of a new one.
-func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.Time, resume string) (*stream, error) {
+// roundTrip sends t's CONNECT stream to one agent and waits for its
+// answer; on success t is established through a. The request context
+// lives as long as the tunnel, so the dial deadline is a timer that
+// cancels it only while the answer is outstanding. A token asks the agent
+// for the destination connection it holds under it (handover.go) instead
+// of a new one.
+func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token string) error {
+	addr, up := t.addr, &t.up
 	ctx, cancel := context.WithCancel(s.baseCtx)
 	var why atomic.Value // string: why ctx was cancelled before the answer
 	timer := time.AfterFunc(time.Until(deadline), func() { why.Store(reasonDialTimeout); cancel() })
@@ -163,8 +128,8 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		Header: make(http.Header),
 		Body:   body,
 	}
-	if resume != "" {
-		req.Header.Set(hdrResumeToken, resume)
+	if token != "" {
+		req.Header.Set(hdrResumeToken, token)
 	}
 	req = req.WithContext(ctx)
 	a.streams.Add(1)
@@ -183,11 +148,11 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		cancel()
 		switch why.Load() {
 		case reasonDialTimeout:
-			return nil, statusErrorf(http.StatusGatewayTimeout, "dial %s through agent %s: no answer within %s", addr, a.id, s.cfg.DialTimeout).withReason(reasonDialTimeout)
+			return statusErrorf(http.StatusGatewayTimeout, "dial %s through agent %s: no answer within %s", addr, a.id, s.cfg.DialTimeout).withReason(reasonDialTimeout)
 		case reasonFrontendClosed:
-			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection during the dial").withReason(reasonFrontendClosed)
+			return statusErrorf(http.StatusServiceUnavailable, "client closed the connection during the dial").withReason(reasonFrontendClosed)
 		}
-		return nil, fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
+		return fmt.Errorf("dial %s through agent %s: %w", addr, a.id, err)
 	}
 	s.metrics.packets.inc(segFromAgent, grpcwire.DialRsp)
 	if resp.StatusCode != http.StatusOK {
@@ -200,7 +165,8 @@ func (s *Server) roundTrip(a *agentConn, addr string, up *upload, deadline time.
 		if code != http.StatusGatewayTimeout && code != http.StatusForbidden && code != http.StatusBadRequest {
 			code = http.StatusBadGateway
 		}
-		return nil, statusErrorf(code, "agent %s: %s", a.id, strings.TrimSpace(cleanErr(errors.New(strings.TrimSpace(string(msg))))))
+		return statusErrorf(code, "agent %s: %s", a.id, strings.TrimSpace(cleanErr(errors.New(strings.TrimSpace(string(msg))))))
 	}
-	return &stream{agent: a, body: resp.Body, cancel: cancel}, nil
+	t.established(a, resp.Body, cancel)
+	return nil
 }

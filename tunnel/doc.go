@@ -19,27 +19,58 @@
 //   - link: the HTTP/2 session on a connection (h2link.Conn);
 //   - tunnel: one dial, that is one CONNECT stream on a link (or one
 //     connect ID on an upstream agent's gRPC stream), from the client's
-//     socket to the destination;
-//   - pause, handover, resume: a tunnel stopped at a byte-exact point in
-//     both directions, passed to the next image of the server's process,
-//     and carried on there on a new stream.
+//     socket to the destination; on the server, the type tunnel;
+//   - front door: where clients dial, HTTP CONNECT or gRPC; a tunnel's
+//     side of it is its front;
+//   - handover: a restart's move of open tunnels to the next image of
+//     the server's process, each stopped at a byte-exact point in both
+//     directions and carried on there on a new stream.
 //
 // # Files
 //
-// Server: server.go (lifecycle: Serve*, Shutdown, Close), frontend.go (a
-// client's CONNECT on the frontend socket), grpc_frontend.go (the gRPC
-// front door), admission.go (an agent's connection until it is admitted,
-// the limits on it, and register, which puts admitted agents of both kinds
-// in the registry), dial.go (picking an agent and opening a tunnel through
-// it), upstream_agent.go (upstream's gRPC agents), registry.go, identity.go,
-// quiet.go (a drain's close at a quiet moment), handover.go (tunnels paused
-// and handed to the next image of the process, and resumed there).
-// Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go (a
-// connection per server), agent_pause.go (its half of a handover: pausing a
-// tunnel and holding its destination for the resume), destinations.go (the
-// destination policy).
-// Shared: handshake.go (the Upgrade request), upload.go, buffers.go,
-// conn.go, packets.go and the metrics files.
+// Server: server.go (lifecycle: Serve*, Shutdown, Close), tunnel.go (the
+// tunnel type, its states and the table Server.tunnels), frontend.go
+// (the HTTP CONNECT front door), grpc_frontend.go (the gRPC front door),
+// upload.go (a tunnel's upload), admission.go (an agent's connection until
+// it is admitted, the limits on it, and register, which puts admitted
+// agents of both kinds in the registry), dial.go (picking an agent and
+// opening a tunnel through it), upstream_agent.go (upstream's gRPC
+// agents), registry.go, identity.go, quiet.go (a drain's close at a quiet
+// moment), hangup.go (clients that left), handover.go (the server's half
+// of a restart's move), server_metrics.go, status.go.
+// Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
+// (a connection per server), agent_metrics.go (its metrics and status),
+// and the agent's half of that move in the last agent_*.go.
+// Shared, what both sides speak: handshake.go (the Upgrade request, the
+// control line and the move's requests), connect.go (a CONNECT head,
+// StatusError), identifiers.go, destinations.go (the destination policy),
+// packets.go (upstream's Packet counts, stream error codes, a tunnel's
+// activity), conn.go (sockets), buffers.go, loglimit.go, panics.go.
+// A server file uses no agent file's names and an agent file no server
+// file's: the two sides meet only in the shared files, as they would as
+// packages of their own.
+//
+// # Locks
+//
+// Locks are taken in this order, never the other way round:
+//
+//	Server.mu → registry.mu → a link's locks (h2link: wmu, mu, a stream's rmu, ctlMu)
+//	Agent.mu → a link's locks
+//	grpcStream.mu → the gRPC front door link's locks (a write to the client)
+//	a promtext family's lock → Server.mu, registry.mu, Agent.mu (a scrape's functions)
+//
+// Server.mu guards the server's state, its listeners, the tunnel table
+// (Server.tunnels) with each tunnel's state, and the count of gRPC front
+// door connections; the quiet drain, the hang-up sweep and a restart
+// pick tunnels under it and act on them after it is released. registry.mu
+// guards the connected agents; pick asks their links whether they take a
+// stream under it. Agent.mu guards the agent's connections, counts and
+// the destinations held for a restart. Leaf locks, under which nothing
+// else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu,
+// watchedConn's, logLimiter's and promtext's registry lock. Nothing
+// registers a metric under Server.mu, registry.mu or Agent.mu. Every other shared field is
+// immutable once published, atomic, or owned by one goroutine, as its
+// comment says.
 //
 // # Rules
 //

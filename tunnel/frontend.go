@@ -8,78 +8,95 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
-// serveFrontendConn answers one CONNECT request and, on success, carries the
-// connection's bytes to and from an agent stream until both sides are done
-// or a handover pauses the tunnel; or it carries on a tunnel a previous
-// image paused (see openFrontendTunnel). release ends the dial's count as
-// pending once the tunnel is where a drain or a handover finds it.
-func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
-	if !s.trackFrontend(conn, true) {
+// httpFront is the client's side of a tunnel on the HTTP CONNECT front
+// door: its socket.
+type httpFront struct {
+	conn net.Conn        // immutable
+	raw  syscall.RawConn // immutable: conn's, when it is a plain socket
+}
+
+// httpTunnel is a tunnel with its HTTP CONNECT front, in one allocation.
+type httpTunnel struct {
+	tunnel
+	http httpFront
+}
+
+// newHTTPTunnel is the tunnel of a frontend connection.
+func newHTTPTunnel(conn net.Conn) *tunnel {
+	ht := &httpTunnel{http: httpFront{conn: conn, raw: rawSocket(conn)}}
+	ht.front = &ht.http
+	return &ht.tunnel
+}
+
+func (f *httpFront) quiet() time.Duration { return drainQuiet }
+
+// closeQuiet closes the client's socket: an idle keep-alive connection
+// closed by the server, which the client dials again.
+func (f *httpFront) closeQuiet(t *tunnel) {
+	f.conn.Close()
+	t.endStream()
+}
+
+func (f *httpFront) unread() bool { return f.raw != nil && unread(f.raw) }
+
+func (f *httpFront) hangup() net.Conn {
+	if _, ok := f.conn.(*net.UnixConn); ok {
+		return f.conn
+	}
+	return nil // TCP peers cannot be told apart this way; mTLS frontends rely on TCP keepalive
+}
+
+func (f *httpFront) closeSocket() { f.conn.Close() }
+
+// serveFrontendConn answers one CONNECT request and, on success, carries
+// the connection's bytes to and from an agent stream until both sides are
+// done or the tunnel moves to the next image; or it carries on a tunnel
+// the previous image handed on (t.handed). release ends the dial's count
+// as pending once the tunnel is open, where a drain or a restart finds it.
+func (s *Server) serveFrontendConn(t *tunnel, release func()) {
+	conn := t.front.(*httpFront).conn
+	if !s.enter(t) {
 		conn.Close()
 		return
 	}
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.httpConns.Add(1)
-	defer func() {
+	defer func() { // one deferred closure: see "Parked stacks" in doc.go
+		if t.body != nil {
+			t.endStream()
+		}
 		s.metrics.httpConns.Add(-1)
 		s.Stats.FrontendOpen.Add(-1)
-		s.trackFrontend(conn, false)
+		s.leave(t)
 		conn.Close()
 	}()
-	st, up := s.openFrontendTunnel(conn, release)
-	if st == nil {
+	if !s.openFrontendTunnel(t, conn) {
 		return
 	}
-	defer st.close()
-	s.watchTunnel(conn, st, up)
-	defer s.unwatchTunnel(conn, up)
 	release()
-	up.start()
-	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
-		s.carryDirect(conn, st, up, body)
+	t.up.start()
+	if body, ok := t.body.(*h2link.Body); ok && t.up.callerSends {
+		s.carryDirect(t, conn, body)
 		return
 	}
-	s.carryCopy(conn, st, up)
-}
-
-// watchTunnel registers an open tunnel with the sweeper (its client hung
-// up) and with a drain (a quiet moment to close it) until unwatchTunnel.
-// Cold work, apart from serveFrontendConn: see "Parked stacks" in doc.go.
-//
-//go:noinline
-func (s *Server) watchTunnel(conn net.Conn, st *stream, up *upload) {
-	s.hangups.add(conn, func() {
-		s.log.Debug("client closed its socket; ending the tunnel")
-		st.close()
-		conn.Close()
-	})
-	s.addQuiet(&quietTunnel{quiet: drainQuiet, act: &up.act, raw: up.raw, conn: conn, st: st, up: up, closeQuiet: func() {
-		conn.Close()
-		st.close()
-	}})
-}
-
-func (s *Server) unwatchTunnel(conn net.Conn, up *upload) {
-	s.hangups.remove(conn)
-	s.removeQuiet(&up.act)
+	s.carryCopy(t, conn)
 }
 
 // openFrontendTunnel reads the CONNECT request, checks the peer, opens a
-// stream through an agent and tells the client 200; for a connection a
-// previous image paused (Resume), it opens the stream that resumes it. On failure it answers
-// the error itself and returns nil. It returns before the tunnel parks:
-// see "Parked stacks" in doc.go.
-func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *upload) {
-	if s.resuming.Load() > 0 {
-		if p := s.takeResume(conn); p != nil {
-			return s.openResumed(conn, p)
-		}
+// stream through an agent, tells the client 200 and moves t to open; for
+// a tunnel a previous image handed over, it opens the stream that carries
+// it on. On failure it answers the error itself and returns false. It
+// returns before the tunnel parks: see "Parked stacks" in doc.go.
+func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn) bool {
+	if t.handed != nil {
+		return s.openHanded(t, conn)
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
@@ -97,7 +114,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		s.log.Debug("bad CONNECT request", "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		writeStatus(conn, StatusCode(err), errMsg(err))
-		return nil, nil
+		return false
 	}
 	// The peer is checked after its request is read: closing a Unix socket
 	// with unread data resets it, and the client would never see the 403.
@@ -108,18 +125,16 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 			writeStatus(conn, http.StatusForbidden, errMsg(err))
-			return nil, nil
+			return false
 		}
 	}
 	lim.limited = false
 	conn.SetDeadline(time.Time{})
 	s.metrics.packets.inc(segFromClient, grpcwire.DialReq) // a CONNECT request read and its peer admitted
 
-	up := s.newFrontendUpload(conn, br)
-	up.addr = addr
-	st, err := s.open(addr, up)
-	if err != nil {
-		release()
+	t.addr = addr
+	s.initFrontendUpload(t, conn, br)
+	if err := s.open(t); err != nil {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
@@ -129,7 +144,7 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		s.metrics.packets.inc(segToClient, grpcwire.DialRsp)
 		writeStatus(conn, StatusCode(err), errMsg(err))
-		return nil, nil
+		return false
 	}
 	s.Stats.DialsOK.Add(1)
 	s.metrics.packets.inc(segToClient, grpcwire.DialRsp)
@@ -137,34 +152,31 @@ func (s *Server) openFrontendTunnel(conn net.Conn, release func()) (*stream, *up
 	_, err = io.WriteString(conn, connectEstablished)
 	s.metrics.frontendWrite.ObserveDuration(time.Since(written))
 	if err != nil {
-		st.close()
-		return nil, nil
+		return false
 	}
-	up.packets = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.Data], &s.metrics.packets.n[segToAgent][grpcwire.Data]}
-	up.closes = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.CloseReq], &s.metrics.packets.n[segToAgent][grpcwire.CloseReq]}
-	return st, up
+	t.up.packets = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.Data], &s.metrics.packets.n[segToAgent][grpcwire.Data]}
+	t.up.closes = packetCounter{&s.metrics.packets.n[segFromClient][grpcwire.CloseReq], &s.metrics.packets.n[segToAgent][grpcwire.CloseReq]}
+	return t.move(tunnelOpen)
 }
 
-// newFrontendUpload is the upload of a frontend connection whose head br
-// has read.
-func (s *Server) newFrontendUpload(conn net.Conn, br *bufio.Reader) *upload {
-	up := newUpload(br, func() { conn.SetReadDeadline(time.Now()) }, s.goroutine)
-	up.raw = rawSocket(conn)
-	up.callerSends = up.raw != nil // a link sends it from here: see carryDirect
-	up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
-	return up
+// initFrontendUpload sets up the upload of a frontend connection whose
+// head br has read.
+func (s *Server) initFrontendUpload(t *tunnel, conn net.Conn, br *bufio.Reader) {
+	t.up.init(br, func() { conn.SetReadDeadline(time.Now()) }, &t.act, s.goroutine)
+	t.up.raw = t.front.(*httpFront).raw
+	t.up.callerSends = t.up.raw != nil // a link sends it from here: see carryDirect
+	t.up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 }
 
 // carryCopy carries a tunnel whose stream sends the upload itself (an
 // upstream agent) or whose client is not a plain socket: this goroutine
 // copies what the agent sends to the client.
-func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
+func (s *Server) carryCopy(t *tunnel, conn net.Conn) {
 	// Each write to the client is a DATA Packet received from the agent and
 	// sent on to the client.
-	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data]}, down: &up.act}
-	n, err := copyStream(to, st.body, nil)
-	s.Stats.BytesFromAgent.Add(n)
-	st.agent.bytesFrom.Add(n)
+	to := &packetWriter{w: conn, c: packetCounter{&s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data]}, down: &t.act}
+	n, err := copyStream(to, t.body, nil)
+	t.fromAgent(n)
 	if err != nil {
 		// The agent reset the stream or the client went away: abort both.
 		s.metrics.resets.Inc()
@@ -176,7 +188,7 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 	// the client to finish sending too (or for the agent to stop reading).
 	closeWrite(conn)
 	select {
-	case <-up.done:
+	case <-t.up.done:
 	case <-s.baseCtx.Done():
 	}
 }
@@ -186,8 +198,8 @@ func (s *Server) carryCopy(conn net.Conn, st *stream, up *upload) {
 // work, apart from carryDirect: see "Parked stacks" in doc.go.
 //
 //go:noinline
-func (s *Server) watchDeliveries(body *h2link.Body, up *upload) {
-	fromAgent, toClient, act := &s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data], &up.act
+func (s *Server) watchDeliveries(t *tunnel, body *h2link.Body) {
+	fromAgent, toClient, act := &s.metrics.packets.n[segFromAgent][grpcwire.Data], &s.metrics.packets.n[segToClient][grpcwire.Data], &t.act
 	body.OnWrite(func(int) {
 		fromAgent.Add(1)
 		toClient.Add(1)
@@ -199,10 +211,10 @@ func (s *Server) watchDeliveries(body *h2link.Body, up *upload) {
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
 // (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
-	s.watchDeliveries(body, up)
+func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body) {
+	s.watchDeliveries(t, body)
 	down := body.DeliverTo(conn, func(err error) error {
-		if up.pausing.Load() {
+		if t.up.stopping.Load() {
 			return err // the socket goes to the next image as it is
 		}
 		if err != nil {
@@ -214,20 +226,19 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link
 		closeWrite(conn)
 		return nil
 	})
-	up.down.Store(down)
+	t.down.Store(down)
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.
 	select {
 	case <-down.Done():
 	case <-s.baseCtx.Done():
-		st.close()
+		t.endStream()
 		<-down.Done()
 	}
 	n, err := down.Result()
-	s.Stats.BytesFromAgent.Add(n)
-	st.agent.bytesFrom.Add(n)
-	if err != nil && !up.pausing.Load() {
+	t.fromAgent(n)
+	if err != nil && !t.up.stopping.Load() {
 		s.metrics.resets.Inc()
 		s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
 		return

@@ -43,16 +43,32 @@ func (s *Server) ServeGRPC(ln net.Listener) error {
 	return s.serve(ln, true, s.serveGRPCConn)
 }
 
+// grpcConn is one kube-apiserver connection to the gRPC front door: the
+// handler of its link's calls.
+type grpcConn struct {
+	// Immutable once the link serves.
+	s       *Server
+	socket  net.Conn
+	link    *h2link.Conn // set before Serve: handlers run only from then on
+	release func()       // ends the connection's count as pending
+	refused error        // why the peer was refused, if it was
+
+	calls     atomic.Int32 // calls whose handler runs; a connection with more than one is not handed over
+	goingAway sync.Once
+}
+
 // serveGRPCConn serves one kube-apiserver connection; release is called
 // once its first dial is answered (the client uses a connection per dial).
 func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
-	if !s.trackFrontend(conn, true) {
+	if !s.enterGRPCConn() {
 		conn.Close()
 		return
 	}
+	stop := context.AfterFunc(s.baseCtx, func() { conn.Close() }) // Close ends the connection
 	defer func() {
-		s.trackFrontend(conn, false)
+		stop()
 		conn.Close()
+		s.leaveGRPCConn()
 	}()
 	if tc, ok := conn.(*tls.Conn); ok {
 		ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
@@ -63,52 +79,50 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			return
 		}
 	}
+	c := &grpcConn{s: s, socket: conn, release: release}
 	// A refused peer is told so on each of its streams (PERMISSION_DENIED)
 	// rather than by a reset connection it could not tell from a crash;
 	// it keeps the connection only for the header timeout, with small
 	// windows, as a peer not admitted on the agent port.
-	var refused error
 	var small int32
 	if s.cfg.CheckFrontendPeer != nil {
-		if refused = s.cfg.CheckFrontendPeer(conn); refused != nil {
-			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", refused)
+		if c.refused = s.cfg.CheckFrontendPeer(conn); c.refused != nil {
+			s.quiet.log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", c.refused)
 			cut := time.AfterFunc(s.cfg.HeaderTimeout, func() { conn.Close() })
 			defer cut.Stop()
 			small = preAdmitStreamWindow
 		}
 	}
-	var l *h2link.Conn
-	handler := s.grpcHandler(&l, conn, release, refused)
 	h2conn := grpcLinkConn(conn)
-	var err error
-	l, err = h2link.NewServer(h2conn, s.grpcLinkConfig(conn, h2conn, small), handler)
+	l, err := h2link.NewServer(h2conn, s.grpcLinkConfig(conn, h2conn, small), c)
 	if err != nil {
 		s.log.Debug("gRPC frontend: no HTTP/2 connection", "err", err)
 		release()
 		return
 	}
+	c.link = l
 	l.Serve()
 }
 
-// grpcHandler serves the calls on one frontend connection, *l once set.
-// A draining server lets the connection go once its calls are done:
-// GOAWAY, then close when idle (konnectivity-client uses one connection
-// per dial and closes it itself on CLOSE_RSP).
-func (s *Server) grpcHandler(l **h2link.Conn, conn net.Conn, release func(), refused error) http.Handler {
-	var goingAway sync.Once
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		defer release()
-		if refused != nil {
-			grpcTrailersOnly(w, grpcPermissionDenied, errMsg(refused))
-			return
-		}
-		if s.serveGRPCStream(*l, conn, w, r, release) == errTunnelPaused {
-			return // the connection goes to the next image as it is
-		}
-		if s.isShutting() {
-			goingAway.Do(func() { s.goroutine(func() { (*l).Shutdown(s.baseCtx) }) })
-		}
-	})
+// ServeHTTP serves one call. A draining server lets the connection go
+// once its calls are done: GOAWAY, then close when idle
+// (konnectivity-client uses one connection per dial and closes it itself
+// on CLOSE_RSP).
+func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	defer c.release()
+	if c.refused != nil {
+		grpcTrailersOnly(w, grpcPermissionDenied, errMsg(c.refused))
+		return
+	}
+	c.calls.Add(1)
+	defer c.calls.Add(-1)
+	s := c.s
+	if s.serveGRPCStream(c, w, r) == errHandedOn {
+		return // the connection goes to the next image as it is
+	}
+	if s.isShutting() {
+		c.goingAway.Do(func() { s.goroutine(func() { c.link.Shutdown(s.baseCtx) }) })
+	}
 }
 
 // grpcLinkConn is what the link writes to: the same HTTP/2 link as an
@@ -123,7 +137,7 @@ func grpcLinkConn(conn net.Conn) net.Conn {
 }
 
 // grpcLinkConfig configures a frontend connection's link. One on a plain
-// socket can be frozen and handed to the next image (handover.go).
+// socket can move to the next image of the process (handover.go).
 func (s *Server) grpcLinkConfig(conn, h2conn net.Conn, small int32) h2link.Config {
 	return h2link.Config{
 		KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, MaxConcurrentStreams: grpcMaxStreams,
@@ -216,14 +230,14 @@ func (g *grpcStream) finish(code int, msg string) {
 // errDialCancelled ends the upload of a dial the client gave up on.
 var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 
-// errTunnelPaused: the call's tunnel was paused for a handover; its stream
-// is left open for the link's freeze (handover.go).
-var errTunnelPaused = errors.New("tunnel paused for a handover")
+// errHandedOn: the call's tunnel went to the next image of the process;
+// its stream is left open for the link to move with it (handover.go).
+var errHandedOn = errors.New("tunnel handed to the next image")
 
 // serveGRPCStream runs one /ProxyService/Proxy call on link l over the
 // frontend socket conn: DIAL_REQ, DIAL_RSP, then DATA both ways until
-// either side closes, or a handover pauses the call (errTunnelPaused).
-func (s *Server) serveGRPCStream(l *h2link.Conn, conn net.Conn, w http.ResponseWriter, r *http.Request, release func()) error {
+// either side closes, or the call moves to the next image (errHandedOn).
+func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Request) error {
 	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
 		// Not gRPC at all (a probe, curl, a conformance suite): a plain
 		// HTTP answer says what this socket is. What the request still
@@ -240,10 +254,6 @@ func (s *Server) serveGRPCStream(l *h2link.Conn, conn net.Conn, w http.ResponseW
 	}
 	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
-		return nil
-	}
-	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/grpc") {
-		grpcTrailersOnly(w, grpcInvalidArgument, "content-type must be application/grpc")
 		return nil
 	}
 	s.Stats.FrontendOpen.Add(1)
@@ -287,44 +297,66 @@ func (s *Server) serveGRPCStream(l *h2link.Conn, conn net.Conn, w http.ResponseW
 
 	w.Header().Set("Content-Type", "application/grpc")
 	w.WriteHeader(http.StatusOK)
-	g := &grpcStream{w: w, flush: flusherOf(w)}
-	g.flush()
-	t := &grpcTunnel{link: l, conn: conn, ctx: r.Context(), g: g, body: r.Body}
-	code, msg, err := s.proxyGRPC(t, req, buf, release)
-	if err == errTunnelPaused {
+	t := newGRPCTunnel(c, w, r)
+	if !s.enter(t) {
+		return nil
+	}
+	defer s.leave(t)
+	f := t.front.(*grpcFront)
+	f.g.flush()
+	code, msg, err := s.proxyGRPC(t, req, buf)
+	if err == errHandedOn {
 		h2link.Detach(w)
 		return err
 	}
-	g.finish(code, msg)
+	f.g.finish(code, msg)
 	return nil
 }
 
-// grpcTunnel is one call's tunnel on the gRPC front door.
-type grpcTunnel struct {
-	// Set before the tunnel is carried.
-	link      *h2link.Conn
-	conn      net.Conn // the frontend socket
-	ctx       context.Context
+// grpcFront is the client's side of a tunnel on the gRPC front door: one
+// call on a connection.
+type grpcFront struct {
+	// Immutable once the tunnel is carried.
+	conn      *grpcConn
+	ctx       context.Context // the call's
 	g         *grpcStream
 	body      io.ReadCloser // the call's request body: the client's Packets
 	in        *grpcUploadReader
-	up        *upload
-	st        *stream
 	connectID int64
-	addr      string
-	release   func() // ends the dial's count as pending; nil for a resumed call
+	quietCh   chan struct{} // closed by closeQuiet: the drain ends the call
 
-	// A handover (handover.go): pausing is set by the pause before it ends
-	// the agent's stream; downSent counts the agent's bytes written to
-	// the client, by the goroutine that writes them.
-	pausing  atomic.Bool
-	downSent atomic.Int64
+	// handedOn is set before the agent's stream ends when the call goes
+	// to the next image as it is.
+	handedOn atomic.Bool
 }
 
+// grpcTunnel is a tunnel with its gRPC front, in one allocation.
+type grpcTunnel struct {
+	tunnel
+	grpc grpcFront
+}
+
+// newGRPCTunnel is the tunnel of one call on c.
+func newGRPCTunnel(c *grpcConn, w http.ResponseWriter, r *http.Request) *tunnel {
+	gt := &grpcTunnel{grpc: grpcFront{conn: c, ctx: r.Context(), g: &grpcStream{w: w, flush: flusherOf(w)}, body: r.Body, quietCh: make(chan struct{})}}
+	gt.front = &gt.grpc
+	return &gt.tunnel
+}
+
+func (f *grpcFront) quiet() time.Duration { return drainQuietGRPC }
+
+// closeQuiet has carryGRPC end the call with CLOSE_RSP.
+func (f *grpcFront) closeQuiet(*tunnel) { close(f.quietCh) }
+
+func (f *grpcFront) unread() bool     { return false }
+func (f *grpcFront) hangup() net.Conn { return nil }
+func (f *grpcFront) closeSocket()     { f.conn.socket.Close() }
+
 // proxyGRPC dials for one call and carries it. It returns the call's
-// final status, or errTunnelPaused.
-func (s *Server) proxyGRPC(t *grpcTunnel, req grpcwire.Packet, buf []byte, release func()) (int, string, error) {
-	g := t.g
+// final status, or errHandedOn.
+func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, string, error) {
+	f := t.front.(*grpcFront)
+	g := f.g
 	if req.Protocol != "" && req.Protocol != "tcp" {
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&StatusError{Code: http.StatusBadRequest})
@@ -337,13 +369,12 @@ func (s *Server) proxyGRPC(t *grpcTunnel, req grpcwire.Packet, buf []byte, relea
 		g.send(grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: errMsg(err)})
 		return grpcOK, "", nil
 	}
-	t.connectID = s.nextConnectID.Add(1)
+	f.connectID = s.nextConnectID.Add(1)
 	t.addr = req.Address
-	s.newGRPCUpload(t, buf, nil)
-	st, err := s.open(req.Address, t.up)
-	if err != nil {
-		release()
-		t.body.Close()
+	s.initGRPCUpload(t, buf, nil)
+	if err := s.open(t); err != nil {
+		f.conn.release()
+		f.body.Close()
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
@@ -351,96 +382,64 @@ func (s *Server) proxyGRPC(t *grpcTunnel, req grpcwire.Packet, buf []byte, relea
 		return grpcOK, "", nil
 	}
 	s.Stats.DialsOK.Add(1)
-	t.st, t.release = st, release
-	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: t.connectID}); err != nil {
-		release()
-		st.close()
-		t.body.Close()
+	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: f.connectID}); err != nil {
+		f.conn.release()
+		t.endStream()
+		f.body.Close()
 		return grpcUnavailable, "write DIAL_RSP", nil
 	}
 	return s.carryGRPC(t)
 }
 
-// newGRPCUpload sets up the client-to-agent direction: the client's
+// initGRPCUpload sets up the client-to-agent direction: the client's
 // packets are decoded as the upload is read, DATA payloads becoming upload
 // bytes without a copy through a pipe or a goroutine. buf holds what the
-// DIAL_REQ's read left; partial, a message a pause cut short.
-func (s *Server) newGRPCUpload(t *grpcTunnel, buf, partial []byte) {
-	t.in = &grpcUploadReader{body: t.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), closeReq: make(chan struct{}), packets: &s.metrics.packets}
-	t.in.mr.Prime(partial) // before the upload's watcher reads
-	body := t.body
-	t.up = newUpload(bufio.NewReaderSize(t.in, 4096), func() { body.Close() }, s.goroutine)
+// DIAL_REQ's read left; partial, a message cut short when the call moved
+// from the previous image.
+func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
+	f := t.front.(*grpcFront)
+	f.in = &grpcUploadReader{body: f.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), closeReq: make(chan struct{}), packets: &s.metrics.packets}
+	f.in.mr.Prime(partial) // before the upload's watcher reads
+	body := f.body
+	t.up.init(bufio.NewReaderSize(f.in, 4096), func() { body.Close() }, &t.act, s.goroutine)
 	t.up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	t.up.packets = packetCounter{&s.metrics.packets.n[segToAgent][grpcwire.Data]}
-	t.up.addr = t.addr
 }
 
 // carryGRPC carries an established call's tunnel until either side
-// closes, a drain ends it at a quiet moment, or a handover pauses it.
-func (s *Server) carryGRPC(t *grpcTunnel) (int, string, error) {
-	g, st, up := t.g, t.st, t.up
+// closes, a drain ends it at a quiet moment, or it moves to the next
+// image.
+func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
+	f := t.front.(*grpcFront)
+	g := f.g
 	defer func() {
-		if !t.pausing.Load() {
-			t.body.Close()
-			st.close()
+		if !f.handedOn.Load() {
+			f.body.Close()
+			t.endStream()
 		}
 	}()
 	// A draining server ends a quiet tunnel as the destination closing
 	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
 	// connection its HTTP client holds idle.
-	quietCh := make(chan struct{})
-	qt := &quietTunnel{quiet: drainQuietGRPC, act: &up.act, st: st, up: up, grpc: t, closeQuiet: func() { close(quietCh) }}
-	s.addQuiet(qt)
-	defer s.removeQuiet(qt.act)
-	if t.release != nil {
-		t.release() // the dial is answered and the tunnel registered: see Server.serve
-	}
-	up.start()
+	down := h2link.NewDelivery()
+	t.down.Store(down)
+	t.move(tunnelOpen)
+	f.conn.release() // the dial is answered and the tunnel open: see Server.serve
+	t.up.start()
 
 	// Downstream: the agent's bytes become DATA packets, read straight into
 	// place behind room for the packet's prefix, and written as one message.
 	downDone := make(chan error, 1)
-	s.goroutine(func() {
-		bp := largeBufs.Get().(*[]byte)
-		defer largeBufs.Put(bp)
-		buf := *bp
-		for {
-			n, err := st.body.Read(buf[grpcwire.DataPrefixRoom:])
-			if n > 0 {
-				s.Stats.BytesFromAgent.Add(int64(n))
-				st.agent.bytesFrom.Add(int64(n))
-				msg := grpcwire.PutDataPrefix(buf, t.connectID, n)
-				s.metrics.packets.inc(segFromAgent, grpcwire.Data)
-				s.metrics.packets.inc(segToClient, grpcwire.Data)
-				written := time.Now()
-				werr := g.write(msg)
-				up.act.down()
-				t.downSent.Add(int64(n))
-				s.metrics.frontendWrite.ObserveDuration(time.Since(written))
-				if werr != nil {
-					s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
-					downDone <- werr
-					return
-				}
-			}
-			if err != nil {
-				if errors.Is(err, io.EOF) {
-					err = nil
-				}
-				downDone <- err
-				return
-			}
-		}
-	})
+	s.goroutine(func() { downDone <- s.sendDownGRPC(t, down) })
 	select {
 	case err := <-downDone:
-		if t.pausing.Load() {
-			// The pause ended the agent's stream: the call goes to the
-			// next image, nothing is written here any more.
-			return 0, "", errTunnelPaused
+		if f.handedOn.Load() {
+			// The agent's stream ended for the move: the call goes to
+			// the next image, nothing is written here any more.
+			return 0, "", errHandedOn
 		}
 		// The destination closed (or the agent stream broke): tell the client.
-		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID}
+		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID}
 		if err != nil {
 			rsp.Error = err.Error()
 			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
@@ -449,34 +448,68 @@ func (s *Server) carryGRPC(t *grpcTunnel) (int, string, error) {
 		}
 		s.sendGRPC(g, rsp)
 		return grpcOK, "", nil
-	case <-quietCh:
+	case <-f.quietCh:
 		// Drained at a quiet moment: the client's connection was idle.
 		// CLOSE_RSP goes first, so the client sees the end (and its
 		// next write fails, unsent, so its HTTP client retries) as
 		// soon as possible; the agent's stream ends after.
-		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID})
-		st.close()
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID})
+		t.endStream()
 		<-downDone
 		return grpcOK, "", nil
-	case <-t.in.closeReq:
+	case <-f.in.closeReq:
 		// The client closed the connection: end the tunnel, then confirm.
-		st.close()
+		t.endStream()
 		<-downDone
 		s.metrics.packets.inc(segToAgent, grpcwire.CloseReq)
-		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID})
+		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID})
 		return grpcOK, "", nil
-	case <-t.ctx.Done():
+	case <-f.ctx.Done():
 		// The client reset the call or went away.
-		st.close()
+		t.endStream()
 		<-downDone
 		return grpcCancelled, "call ended by the client", nil
+	}
+}
+
+// sendDownGRPC writes the agent's bytes to the client as DATA packets
+// until the stream ends, counting them in down.
+func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
+	f := t.front.(*grpcFront)
+	bp := largeBufs.Get().(*[]byte)
+	defer largeBufs.Put(bp)
+	defer func() { down.Complete(err) }()
+	buf := *bp
+	for {
+		n, err := t.body.Read(buf[grpcwire.DataPrefixRoom:])
+		if n > 0 {
+			t.fromAgent(int64(n))
+			msg := grpcwire.PutDataPrefix(buf, f.connectID, n)
+			s.metrics.packets.inc(segFromAgent, grpcwire.Data)
+			s.metrics.packets.inc(segToClient, grpcwire.Data)
+			written := time.Now()
+			werr := f.g.write(msg)
+			t.act.down()
+			down.Add(int64(n))
+			s.metrics.frontendWrite.ObserveDuration(time.Since(written))
+			if werr != nil {
+				s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
+				return werr
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
 	}
 }
 
 // grpcUploadReader reads the client's Packets as a byte stream: DATA
 // payloads are the bytes; CLOSE_REQ ends it (and is signalled on closeReq);
 // DIAL_CLS ends it with errDialCancelled; the client's half-close is EOF.
-// A message cut short by a handover stays in mr (see handover.go).
+// A message cut short when the call moves to the next image stays in mr.
 type grpcUploadReader struct {
 	body     io.Reader
 	mr       *grpcwire.MessageReader

@@ -66,12 +66,23 @@ func (c *grpcCall) response() *http.Response {
 
 func openGRPC(t *testing.T, sock, method string) *grpcCall {
 	t.Helper()
-	tr := &http2.Transport{
+	return openGRPCOn(t, grpcTransport(sock), method)
+}
+
+// grpcTransport makes HTTP/2 connections with prior knowledge to sock; its
+// calls share one connection while it takes them.
+func grpcTransport(sock string) *http2.Transport {
+	return &http2.Transport{
 		AllowHTTP: true,
 		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
 			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
 		},
 	}
+}
+
+// openGRPCOn opens a call on tr.
+func openGRPCOn(t *testing.T, tr *http2.Transport, method string) *grpcCall {
+	t.Helper()
 	pr, pw := io.Pipe()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://konnectivity"+method, pr)

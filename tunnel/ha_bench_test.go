@@ -46,7 +46,7 @@ func fullMeshOnce(b *testing.B, n int) (mesh, p50, p99 time.Duration) {
 		for {
 			done := true
 			for _, a := range agents {
-				if held, want := a.Connected(); held < 3 || want < 3 {
+				if held, want := a.connected(); held < 3 || want < 3 {
 					done = false
 					break
 				}
@@ -71,7 +71,7 @@ func fullMeshOnce(b *testing.B, n int) (mesh, p50, p99 time.Duration) {
 	for {
 		all := true
 		for _, a := range agents {
-			if held, _ := a.Connected(); held != 2 {
+			if held, _ := a.connected(); held != 2 {
 				all = false
 			}
 		}
@@ -91,7 +91,7 @@ func fullMeshOnce(b *testing.B, n int) (mesh, p50, p99 time.Duration) {
 			defer wg.Done()
 			deadline := time.Now().Add(60 * time.Second)
 			for time.Now().Before(deadline) {
-				if held, _ := a.Connected(); held == 3 {
+				if held, _ := a.connected(); held == 3 {
 					times[i] = time.Since(back)
 					return
 				}

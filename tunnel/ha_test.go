@@ -139,7 +139,7 @@ func TestServerReplacedAgentsConverge(t *testing.T) {
 		t.Fatalf("%d of %d dials through the surviving servers failed", failures.Load(), dials.Load())
 	}
 	for _, a := range agents {
-		waitUntil(t, func() bool { held, want := a.Connected(); return held == 3 && want == 3 }, "agent holds 3/3")
+		waitUntil(t, func() bool { held, want := a.connected(); return held == 3 && want == 3 }, "agent holds 3/3")
 	}
 }
 
@@ -195,7 +195,7 @@ func TestServerCountRaised(t *testing.T) {
 	third := c.start("s3", "127.0.0.1:0", func(cfg *ServerConfig) { cfg.Count = 3 })
 	lb.setBackends(append(c.agentAddrs(), third.agentAddr)...)
 	c.waitMesh([]*env{c.servers[0], c.servers[1], third}, 1, 10*time.Second)
-	waitUntil(t, func() bool { held, want := a.Connected(); return held == 3 && want == 3 }, "agent holds 3/3")
+	waitUntil(t, func() bool { held, want := a.connected(); return held == 3 && want == 3 }, "agent holds 3/3")
 	if ok, msg := a.ReadyAll(); !ok {
 		t.Fatalf("ReadyAll: %s", msg)
 	}
@@ -232,7 +232,7 @@ func TestMultiAddressAndDNSFanOut(t *testing.T) {
 		cfg.Resolver = resolver
 	})
 	c.waitMesh(c.servers, 2, 10*time.Second)
-	waitUntil(t, func() bool { held, _ := a.Connected(); return held == 3 }, "DNS-expanded agent holds 3 servers")
+	waitUntil(t, func() bool { held, _ := a.connected(); return held == 3 }, "DNS-expanded agent holds 3 servers")
 }
 
 // An agent that drains is avoided while another agent fits, and still
@@ -253,7 +253,7 @@ func TestAgentDrainPrefersOthers(t *testing.T) {
 	e.waitAgents(2)
 	draining.cancel()
 	deadline := time.Now().Add(5 * time.Second)
-	for !e.srv.agentDraining("draining") {
+	for !e.srv.agents.draining("draining") {
 		if time.Now().After(deadline) {
 			t.Fatal("server never saw the drain")
 		}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // A handover moves open frontend tunnels from this server to the next
@@ -29,7 +30,7 @@ import (
 // resumed on a new stream:
 //
 //  1. The server stops reading the client's socket, having sent on every
-//     byte it read (the stream stays open: h2link.ErrUploadPaused).
+//     byte it read (the stream stays open: h2link.ErrUploadStopped).
 //  2. It asks the agent, on a new stream of the same connection:
 //     POST pausePath with the tunnel's stream ID, the bytes it sent on the
 //     tunnel, and a resume token it chose.
@@ -54,13 +55,9 @@ import (
 // with both directions open. Everything else drains as before (quiet.go),
 // and a pause that fails at any step closes its tunnel, as a drain's
 // deadline would.
-const (
-	pausePath      = "/konnectivity/v1/pause"
-	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
-	hdrPauseSent   = "Konnectivity-Pause-Sent"   // bytes the sender sent on the tunnel
-	hdrResumeToken = "Konnectivity-Resume-Token" // names a paused tunnel
-	maxResumeToken = 64
-)
+//
+// The wire words of the protocol (pausePath and its headers) are in
+// handshake.go, with the rest of what both sides speak.
 
 // resumeWait bounds how long the next image waits for a paused tunnel's
 // agent to log in again; less than the agent's resumeWindow.
@@ -83,30 +80,6 @@ type PausedTunnel struct {
 	GRPC  *PausedGRPC `json:"grpc,omitempty"` // set for a gRPC front door call
 }
 
-var errNotPausable = errors.New("tunnel cannot be paused")
-
-// pausable reports whether t can be paused: an HTTP CONNECT tunnel on a
-// plain socket, through an agent that pauses, both directions open.
-func (t *quietTunnel) pausable() bool {
-	if t.st == nil || !t.st.agent.canPause {
-		return false
-	}
-	if t.grpc != nil {
-		return t.grpc.link.Freezable() && !t.up.isDone() // freezable: a plain socket
-	}
-	if t.up.down.Load() == nil {
-		return false
-	}
-	select {
-	case <-t.up.done:
-		return false
-	case <-t.up.down.Load().Done():
-		return false
-	default:
-		return true
-	}
-}
-
 // PausedGRPC is what resuming a gRPC front door call needs besides the
 // tunnel: the call's connect ID, the part of a client message read before
 // the pause, and the frozen HTTP/2 connection.
@@ -116,24 +89,46 @@ type PausedGRPC struct {
 	Link      *h2link.Frozen `json:"link"`
 }
 
-// takePausable takes every pausable tunnel off the drain, before the drain
-// closes any.
-func (s *Server) takePausable() []*quietTunnel {
-	var todo []*quietTunnel
+var errNotPausable = errors.New("tunnel cannot be paused")
+
+// HandOver is Shutdown for a self-restart: before the drain it pauses
+// every tunnel that can move to the next image without loss and returns
+// them; the caller passes their sockets on, and the next image calls
+// Resume. Tunnels that cannot move drain as with Shutdown.
+func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
+	var paused []*PausedTunnel
+	err := s.shutdown(ctx, func() func(context.Context) {
+		todo := s.takeMovable()
+		return func(ctx context.Context) { paused = s.handOverAll(ctx, todo) }
+	})
+	return paused, err
+}
+
+// takeMovable moves every open tunnel that can be paused to pausing, which
+// takes it off the quiet drain, before the drain closes any; the others
+// are counted as not pausable.
+func (s *Server) takeMovable() []*tunnel {
+	var todo []*tunnel
+	refused := 0
 	s.mu.Lock()
-	for act, t := range s.quietTunnels {
-		if t.pausable() {
-			delete(s.quietTunnels, act)
+	for t := range s.tunnels {
+		if t.state != tunnelOpen {
+			continue
+		}
+		if t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing) {
 			todo = append(todo, t)
+		} else {
+			refused++
 		}
 	}
 	s.mu.Unlock()
+	s.metrics.restarts.paused[resultNotPausable].Add(uint64(refused))
 	return todo
 }
 
-// pauseAll pauses the tunnels takePausable took; the ones that fail are
+// handOverAll pauses the tunnels takeMovable took; the ones that fail are
 // closed.
-func (s *Server) pauseAll(ctx context.Context, todo []*quietTunnel) []*PausedTunnel {
+func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunnel {
 	if len(todo) == 0 {
 		return nil
 	}
@@ -141,21 +136,19 @@ func (s *Server) pauseAll(ctx context.Context, todo []*quietTunnel) []*PausedTun
 		mu     sync.Mutex
 		paused []*PausedTunnel
 		wg     sync.WaitGroup
-		next   = make(chan *quietTunnel)
+		next   = make(chan *tunnel)
 	)
 	for range min(pauseWorkers, len(todo)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for t := range next {
-				pause := s.pauseTunnel
-				if t.grpc != nil {
-					pause = s.pauseGRPCTunnel
-				}
-				p, err := pause(ctx, t)
+				pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
+				p, err := t.front.pause(pctx, t)
+				cancel()
+				s.metrics.restarts.paused[pauseResult(err)].Inc()
 				if err != nil {
-					s.Stats.PauseFailed.Add(1)
-					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.up.addr, "agent", t.st.agent.id, "err", err)
+					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.addr, "agent", t.agent.id, "err", err)
 					continue
 				}
 				mu.Lock()
@@ -169,28 +162,41 @@ func (s *Server) pauseAll(ctx context.Context, todo []*quietTunnel) []*PausedTun
 	}
 	close(next)
 	wg.Wait()
-	s.Stats.Paused.Add(int64(len(paused)))
 	s.log.Info("tunnels paused for the next image", "paused", len(paused), "failed", len(todo)-len(paused))
 	return paused
 }
 
-// pauseTunnel pauses one tunnel (steps 1 to 4 above). On failure the
-// tunnel is closed.
-func (s *Server) pauseTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunnel, err error) {
-	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
-	defer cancel()
-	up, st, conn := t.up, t.st, t.conn
+// pausable: an HTTP CONNECT tunnel on a plain socket whose bytes flow both
+// ways.
+func (f *httpFront) pausable(t *tunnel) bool {
+	down := t.down.Load()
+	if down == nil {
+		return false
+	}
+	select {
+	case <-t.up.done:
+		return false
+	case <-down.Done():
+		return false
+	default:
+		return true
+	}
+}
+
+// pause pauses an HTTP CONNECT tunnel (steps 1 to 4 above). On failure
+// the tunnel is closed.
+func (f *httpFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err error) {
 	// The duplicate is taken first: once the stream ends, the tunnel's
 	// goroutine closes its own descriptor.
-	f, err := dupSocketFile(conn)
+	file, err := dupSocketFile(f.conn)
 	if err != nil {
-		t.closeQuiet()
+		f.closeQuiet(t)
 		return nil, err
 	}
 	defer func() {
 		if err != nil {
-			f.Close()
-			t.closeQuiet()
+			file.Close()
+			f.closeQuiet(t)
 		}
 	}()
 	token, err := newResumeToken()
@@ -198,57 +204,113 @@ func (s *Server) pauseTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunn
 		return nil, err
 	}
 	// 1. Stop the upload where it is.
-	up.pausing.Store(true)
-	conn.SetReadDeadline(time.Now())
-	select {
-	case <-up.done:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("upload did not stop: %w", ctx.Err())
-	}
-	if !up.paused {
-		return nil, errNotPausable // the client ended its upload meanwhile
+	t.up.stopping.Store(true)
+	f.conn.SetReadDeadline(time.Now())
+	if err := t.waitUploadStopped(ctx); err != nil {
+		return nil, err
 	}
 	// 2 and 3. Ask the agent.
-	agentSent, err := s.askPause(ctx, st, up.sent, token)
+	agentSent, err := t.askPause(ctx, token)
 	if err != nil {
 		return nil, err
 	}
 	// 4. Let the client have every byte the agent sent.
-	down := up.down.Load()
-	for {
-		written, _ := down.Result()
-		if written == agentSent {
-			break
-		}
-		select {
-		case <-down.Done():
-			if written, _ = down.Result(); written != agentSent {
-				return nil, fmt.Errorf("delivery ended at %d of %d bytes", written, agentSent)
-			}
-		case <-ctx.Done():
-			return nil, fmt.Errorf("client took %d of %d bytes: %w", written, agentSent, ctx.Err())
-		case <-time.After(time.Millisecond):
-		}
+	if err := t.down.Load().WaitWritten(ctx, agentSent); err != nil {
+		return nil, fmt.Errorf("to the client: %w", err)
 	}
-	st.close()
-	return &PausedTunnel{File: f, Addr: t.up.addr, Agent: st.agent.id, Token: token}, nil
+	t.move(tunnelPaused)
+	t.endStream()
+	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token}, nil
 }
 
-// askPause asks the agent to pause the tunnel on st once the sent bytes
-// reached the destination, and returns the bytes the agent sent on it.
-func (s *Server) askPause(ctx context.Context, st *stream, sent int64, token string) (int64, error) {
-	body := st.body.(*h2link.Body)
+// pausable: a call on a plain socket, alone on its connection
+// (konnectivity-client dials one per tunnel), still sending.
+func (f *grpcFront) pausable(t *tunnel) bool {
+	return f.conn.link.Freezable() && f.conn.calls.Load() == 1 && !t.up.isDone()
+}
+
+// pause pauses a gRPC front door call: the same steps as an HTTP CONNECT
+// tunnel, with the client's HTTP/2 connection stopped at a frame boundary
+// (step 1), and frozen once the call let its stream go (step 4).
+func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err error) {
+	link := f.conn.link
+	file, err := dupSocketFile(f.conn.socket)
+	if err != nil {
+		link.Close()
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			file.Close()
+			link.Close() // the call ends with the connection, as a drain's deadline would end it
+		}
+	}()
+	token, err := newResumeToken()
+	if err != nil {
+		return nil, err
+	}
+	// 1. Nothing more is read from the client; the upload sends what was.
+	t.up.stopping.Store(true)
+	if err := link.StopReading(ctx); err != nil {
+		return nil, fmt.Errorf("stop reading the client: %w", err)
+	}
+	if err := t.waitUploadStopped(ctx); err != nil {
+		return nil, err
+	}
+	// 2 and 3.
+	agentSent, err := t.askPause(ctx, token)
+	if err != nil {
+		return nil, err
+	}
+	// 4. Every byte the agent sent goes to the client, then the call lets
+	// its stream go and the connection is frozen.
+	if err := t.down.Load().WaitWritten(ctx, agentSent); err != nil {
+		return nil, fmt.Errorf("to the client: %w", err)
+	}
+	f.handedOn.Store(true)
+	t.move(tunnelPaused)
+	t.endStream()
+	if err := link.WaitAtRest(ctx); err != nil {
+		return nil, err
+	}
+	frozen, err := link.Freeze()
+	if err != nil {
+		return nil, err
+	}
+	partial := append([]byte(nil), f.in.mr.Partial()...)
+	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token,
+		GRPC: &PausedGRPC{ConnectID: f.connectID, Partial: partial, Link: frozen}}, nil
+}
+
+// waitUploadStopped waits for the upload to stop after step 1, every byte
+// it read sent on.
+func (t *tunnel) waitUploadStopped(ctx context.Context) error {
+	select {
+	case <-t.up.done:
+	case <-ctx.Done():
+		return fmt.Errorf("upload did not stop: %w", ctx.Err())
+	}
+	if !t.up.stopped {
+		return errNotPausable // the client ended its upload meanwhile
+	}
+	return nil
+}
+
+// askPause asks the agent to pause t once the bytes sent on it reached the
+// destination, and returns the bytes the agent sent on it.
+func (t *tunnel) askPause(ctx context.Context, token string) (int64, error) {
+	body := t.body.(*h2link.Body)
 	req := (&http.Request{
 		Method: http.MethodPost,
 		URL:    &url.URL{Scheme: "https", Host: "agent", Path: pausePath},
 		Host:   "agent",
 		Header: http.Header{
 			hdrPauseStream: {strconv.FormatUint(uint64(body.StreamID()), 10)},
-			hdrPauseSent:   {strconv.FormatInt(sent, 10)},
+			hdrPauseSent:   {strconv.FormatInt(t.up.sent, 10)},
 			hdrResumeToken: {token},
 		},
 	}).WithContext(ctx)
-	resp, err := st.agent.link.RoundTrip(req)
+	resp, err := t.agent.link.RoundTrip(req)
 	if err != nil {
 		return 0, fmt.Errorf("pause request: %w", err)
 	}
@@ -261,78 +323,6 @@ func (s *Server) askPause(ctx context.Context, st *stream, sent int64, token str
 		return 0, errors.New("agent's pause answer has no byte count")
 	}
 	return agentSent, nil
-}
-
-// pauseGRPCTunnel pauses a gRPC front door call: the same steps as
-// pauseTunnel, with the client's HTTP/2 connection stopped at a frame
-// boundary (step 1), and frozen once the call let its stream go (step 4).
-// A connection carries one call (konnectivity-client dials one per
-// tunnel); one with more is not paused.
-func (s *Server) pauseGRPCTunnel(ctx context.Context, t *quietTunnel) (p *PausedTunnel, err error) {
-	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
-	defer cancel()
-	gt, st, up := t.grpc, t.st, t.up
-	f, err := dupSocketFile(gt.conn)
-	if err != nil {
-		gt.link.Close()
-		return nil, err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			gt.link.Close() // the call ends with the connection, as a drain's deadline would end it
-		}
-	}()
-	token, err := newResumeToken()
-	if err != nil {
-		return nil, err
-	}
-	// 1. Nothing more is read from the client; the upload sends what was.
-	up.pausing.Store(true)
-	if err := gt.link.StopReading(ctx); err != nil {
-		return nil, fmt.Errorf("stop reading the client: %w", err)
-	}
-	select {
-	case <-up.done:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("upload did not stop: %w", ctx.Err())
-	}
-	if !up.paused {
-		return nil, errNotPausable // the call ended meanwhile
-	}
-	// 2 and 3.
-	agentSent, err := s.askPause(ctx, st, up.sent, token)
-	if err != nil {
-		return nil, err
-	}
-	// 4. Every byte the agent sent goes to the client, then the call lets
-	// its stream go and the connection is frozen.
-	for gt.downSent.Load() != agentSent {
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("client took %d of %d bytes: %w", gt.downSent.Load(), agentSent, ctx.Err())
-		case <-time.After(time.Millisecond):
-		}
-	}
-	gt.pausing.Store(true)
-	st.close()
-	var frozen *h2link.Frozen
-	for {
-		if frozen, err = gt.link.Freeze(); err == nil {
-			break
-		}
-		if !errors.Is(err, h2link.ErrNotAtRest) {
-			return nil, err
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("%w: %w", err, ctx.Err())
-		case <-time.After(time.Millisecond):
-		}
-	}
-	partial := append([]byte(nil), gt.in.mr.Partial()...)
-	return &PausedTunnel{File: f, Addr: gt.addr, Agent: st.agent.id, Token: token,
-		GRPC: &PausedGRPC{ConnectID: gt.connectID, Partial: partial, Link: frozen}}, nil
 }
 
 func newResumeToken() (string, error) {
@@ -357,74 +347,52 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 	c, err := net.FileConn(p.File)
 	p.File.Close()
 	if err != nil {
-		s.Stats.ResumeFailed.Add(1)
-		s.log.Warn("paused tunnel's socket unusable", "addr", p.Addr, "err", err)
+		s.resumeFailed(p, resultFailed, fmt.Errorf("socket unusable: %w", err))
 		return
 	}
 	if p.GRPC != nil {
-		if !s.trackFrontend(c, true) {
-			c.Close()
-			return
-		}
-		defer func() {
-			s.trackFrontend(c, false)
-			c.Close()
-		}()
 		s.resumeGRPC(c, p)
 		return
 	}
-	s.addResume(c, p)
-	s.serveFrontendConn(c, func() {})
+	// The tunnel's own path is that of a new one, so that it parks as
+	// shallow (see "Parked stacks" in doc.go).
+	t := newHTTPTunnel(c)
+	t.handed = p
+	s.serveFrontendConn(t, func() {})
 }
 
-// addResume marks c as the socket of paused tunnel p, for
-// openFrontendTunnel; the tunnel's own path is then that of a new one, so
-// that it parks as shallow (see "Parked stacks" in doc.go).
-func (s *Server) addResume(c net.Conn, p *PausedTunnel) {
-	s.mu.Lock()
-	if s.resumes == nil {
-		s.resumes = make(map[net.Conn]*PausedTunnel)
-	}
-	s.resumes[c] = p
-	s.mu.Unlock()
-	s.resuming.Add(1)
-}
-
-// takeResume returns the paused tunnel c is the socket of, once.
-//
-//go:noinline
-func (s *Server) takeResume(c net.Conn) *PausedTunnel {
-	s.mu.Lock()
-	p := s.resumes[c]
-	delete(s.resumes, c)
-	s.mu.Unlock()
-	if p != nil {
-		s.resuming.Add(-1)
-	}
-	return p
-}
-
-func (s *Server) resumeFailed(p *PausedTunnel, err error) {
-	s.Stats.ResumeFailed.Add(1)
+func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
+	s.metrics.restarts.resumed[result].Inc()
 	s.log.Warn("paused tunnel could not be resumed; client connection closed", "addr", p.Addr, "agent", p.Agent, "err", err)
 }
 
 // resumeGRPC rebuilds a gRPC front door connection whose call was paused
 // and serves it: the call goes on as the one paused, and any call the
 // client opens later is served as usual.
-func (s *Server) resumeGRPC(c net.Conn, p *PausedTunnel) {
-	var l *h2link.Conn
-	h2conn := grpcLinkConn(c)
+func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel) {
+	if !s.enterGRPCConn() {
+		conn.Close()
+		return
+	}
+	stop := context.AfterFunc(s.baseCtx, func() { conn.Close() })
+	defer func() {
+		stop()
+		conn.Close()
+		s.leaveGRPCConn()
+	}()
+	c := &grpcConn{s: s, socket: conn, release: func() {}}
 	resumed := func(w http.ResponseWriter, r *http.Request) {
-		if s.resumeGRPCCall(l, c, w, r, p) == errTunnelPaused {
+		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
 		}
 	}
-	l, err := h2link.ResumeServer(h2conn, s.grpcLinkConfig(c, h2conn, 0), p.GRPC.Link, s.grpcHandler(&l, c, func() {}, nil), resumed)
+	h2conn := grpcLinkConn(conn)
+	l, err := h2link.ResumeServer(h2conn, s.grpcLinkConfig(conn, h2conn, 0), p.GRPC.Link, c, resumed)
 	if err != nil {
-		s.resumeFailed(p, err)
+		s.resumeFailed(p, resultFailed, err)
 		return
 	}
+	c.link = l
 	l.Serve()
 }
 
@@ -432,62 +400,132 @@ func (s *Server) resumeGRPC(c net.Conn, p *PausedTunnel) {
 // rebuilt, the agent is asked for the held destination, and the tunnel is
 // carried as proxyGRPC carries it. If the tunnel cannot resume, the client
 // is told as when the destination breaks (CLOSE_RSP with the error).
-func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
+func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
+	c.calls.Add(1)
+	defer c.calls.Add(-1)
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
 	defer func() {
 		s.metrics.grpcConns.Add(-1)
 		s.Stats.FrontendOpen.Add(-1)
 	}()
-	g := &grpcStream{w: w, flush: flusherOf(w)}
-	t := &grpcTunnel{link: l, conn: c, ctx: r.Context(), g: g, body: r.Body, connectID: p.GRPC.ConnectID, addr: p.Addr}
-	s.newGRPCUpload(t, nil, p.GRPC.Partial)
-	var err error
-	if t.st, err = s.resumeStream(p, t.up); err != nil {
-		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
-		g.finish(grpcOK, "")
+	t := newGRPCTunnel(c, w, r)
+	f := t.front.(*grpcFront)
+	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
+	if !s.enter(t) {
+		return nil
+	}
+	defer s.leave(t)
+	s.initGRPCUpload(t, nil, p.GRPC.Partial)
+	if err := s.resumeStream(t); err != nil {
+		s.sendGRPC(f.g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
+		f.g.finish(grpcOK, "")
 		return nil
 	}
 	code, msg, err := s.carryGRPC(t)
-	if err == errTunnelPaused {
+	if err == errHandedOn {
 		return err
 	}
-	g.finish(code, msg)
+	f.g.finish(code, msg)
 	return nil
 }
 
-// openResumed opens the stream that resumes p through its agent; on
-// failure it logs and returns nil, and the client's connection is closed.
-func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload) {
+// openHanded opens the stream that carries on t, a tunnel a previous
+// image paused, through its agent; on failure it logs and returns false,
+// and the client's connection is closed.
+func (s *Server) openHanded(t *tunnel, conn net.Conn) bool {
 	br := headReaders.Get().(*bufio.Reader)
-	br.Reset(c)
-	up := s.newFrontendUpload(c, br)
-	up.addr = p.Addr
-	st, err := s.resumeStream(p, up)
-	if err != nil {
-		return nil, nil
-	}
-	return st, up
+	br.Reset(conn)
+	s.initFrontendUpload(t, conn, br)
+	t.addr = t.handed.Addr
+	return s.resumeStream(t) == nil && t.move(tunnelOpen)
 }
 
-// resumeStream waits for p's agent and opens the stream that resumes p,
-// with up as its upload; a failure is logged and counted, and up released.
-func (s *Server) resumeStream(p *PausedTunnel, up *upload) (*stream, error) {
+// resumeStream waits for the agent of t.handed and opens the stream that
+// carries t on; a failure is logged and counted, and the upload released.
+func (s *Server) resumeStream(t *tunnel) error {
+	p := t.handed
 	a := s.waitAgentID(p.Agent, resumeWait)
-	var st *stream
-	err := fmt.Errorf("agent not back within %s", resumeWait)
+	err, result := fmt.Errorf("agent not back within %s", resumeWait), resultTimeout
 	if a != nil {
-		st, err = s.roundTrip(a, p.Addr, up, time.Now().Add(s.cfg.DialTimeout), p.Token)
+		err, result = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token), resultFailed
 	}
 	if err != nil {
-		up.unblock()
-		s.resumeFailed(p, err)
-		return nil, err
+		t.up.unblock()
+		s.resumeFailed(p, result, err)
+		return err
 	}
-	s.established(st, a, up)
-	s.Stats.Resumed.Add(1)
+	s.metrics.restarts.resumed[resultOK].Inc()
 	s.log.Debug("tunnel resumed", "addr", p.Addr, "agent", p.Agent, "grpc", p.GRPC != nil)
-	return st, nil
+	return nil
+}
+
+// Results of a pause and of a resume, the label of the handover metrics.
+const (
+	resultOK          = "ok"
+	resultFailed      = "failed"
+	resultTimeout     = "timeout"
+	resultNotPausable = "not_pausable" // a pause only: the tunnel drained instead
+)
+
+// pauseResult is the result label of a pause that ended with err.
+func pauseResult(err error) string {
+	switch {
+	case err == nil:
+		return resultOK
+	case errors.Is(err, errNotPausable):
+		return resultNotPausable
+	case errors.Is(err, context.DeadlineExceeded):
+		return resultTimeout
+	}
+	return resultFailed
+}
+
+// restartMetrics count what a restart moved: tunnels paused here for the
+// next image, and tunnels the next image resumed, by result.
+type restartMetrics struct {
+	paused, resumed map[string]*promtext.Counter // immutable maps of the results
+}
+
+func newRestartMetrics(m *promtext.Registry) restartMetrics {
+	h := restartMetrics{paused: map[string]*promtext.Counter{}, resumed: map[string]*promtext.Counter{}}
+	for _, r := range []string{resultOK, resultFailed, resultTimeout, resultNotPausable} {
+		h.paused[r] = m.Counter(serverPrefix+"tunnels_paused_total", "Tunnels a restart paused to hand to the next image, by result (not_pausable: drained instead).", []string{"result"}, r)
+	}
+	for _, r := range []string{resultOK, resultFailed, resultTimeout} {
+		h.resumed[r] = m.Counter(serverPrefix+"tunnels_resumed_total", "Tunnels a previous image paused and this one resumed, by result (timeout: the agent did not come back).", []string{"result"}, r)
+	}
+	return h
+}
+
+// RestartStatus counts the tunnels a restart paused here for the next
+// image, and those this image resumed, by result (ok, failed, timeout,
+// not_pausable); the same counts as the tunnels_paused_total and
+// tunnels_resumed_total metrics.
+type RestartStatus struct {
+	Paused  map[string]uint64 `json:"paused"`
+	Resumed map[string]uint64 `json:"resumed"`
+}
+
+func (h *RestartStatus) count(which, result string) uint64 {
+	if which == "resumed" {
+		return h.Resumed[result]
+	}
+	return h.Paused[result]
+}
+
+// restartStatus is RestartStatus now.
+func (s *Server) restartStatus() *RestartStatus {
+	return &RestartStatus{Paused: counts(s.metrics.restarts.paused), Resumed: counts(s.metrics.restarts.resumed)}
+}
+
+// counts returns the counters by result, for status.
+func counts(cs map[string]*promtext.Counter) map[string]uint64 {
+	out := make(map[string]uint64, len(cs))
+	for r, c := range cs {
+		out[r] = c.Value()
+	}
+	return out
 }
 
 // waitAgentID returns the connected agent with id once it is there, or nil

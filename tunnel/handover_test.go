@@ -139,17 +139,56 @@ func handOverTo(t *testing.T, cur *env, want int) (*env, []*PausedTunnel) {
 	if err != nil {
 		t.Fatalf("HandOver: %v", err)
 	}
-	if len(paused) != want || cur.srv.Stats.PauseFailed.Load() != 0 {
-		t.Fatalf("%d tunnels paused, %d failed; want %d, 0", len(paused), cur.srv.Stats.PauseFailed.Load(), want)
+	failed := handedOver(cur.srv, "paused", resultFailed) + handedOver(cur.srv, "paused", resultTimeout)
+	if len(paused) != want || failed != 0 {
+		t.Fatalf("%d tunnels paused, %d failed; want %d, 0", len(paused), failed, want)
 	}
+	checkHandoverMetric(t, cur.srv, "paused", resultOK, want)
 	cur.stop()
 	next := newEnvOn(t, cur.pki, cur.agentAddr, nil)
 	next.srv.Resume(paused)
-	waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == int64(want) }, "tunnels resumed")
-	if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
+	waitUntil(t, func() bool { return resumedOrNot(next.srv) == want }, "tunnels resumed")
+	if n := resumedOrNot(next.srv) - int(handedOver(next.srv, "resumed", resultOK)); n != 0 {
 		t.Fatalf("%d tunnels not resumed", n)
 	}
+	checkHandoverMetric(t, next.srv, "resumed", resultOK, want)
 	return next, paused
+}
+
+// handedOver is a handover metric's count: of tunnels "paused" or
+// "resumed", with result.
+func handedOver(s *Server, which, result string) uint64 {
+	m := s.metrics.restarts.paused
+	if which == "resumed" {
+		m = s.metrics.restarts.resumed
+	}
+	return m[result].Value()
+}
+
+// resumedOrNot counts the tunnels s resumed or failed to.
+func resumedOrNot(s *Server) int {
+	n := uint64(0)
+	for _, r := range []string{resultOK, resultFailed, resultTimeout} {
+		n += handedOver(s, "resumed", r)
+	}
+	return int(n)
+}
+
+// checkHandoverMetric checks that s's metrics, as a scrape shows them,
+// count want tunnels "paused" or "resumed" with result.
+func checkHandoverMetric(t *testing.T, s *Server, which, result string, want int) {
+	t.Helper()
+	var b strings.Builder
+	if err := s.cfg.Metrics.WriteText(&b); err != nil {
+		t.Fatal(err)
+	}
+	line := fmt.Sprintf("%stunnels_%s_total{result=%q} %d\n", serverPrefix, which, result, want)
+	if !strings.Contains(b.String(), line) {
+		t.Errorf("metrics lack %q", line)
+	}
+	if st := s.Status(); st.Restarts == nil || st.Restarts.count(which, result) != uint64(want) {
+		t.Errorf("status shows %+v, want %d tunnels %s %s", st.Restarts, want, which, result)
+	}
 }
 
 // TestHandOverResumesTunnels: tunnels carrying bytes both ways through a
@@ -192,6 +231,47 @@ func TestHandOverResumesTunnels(t *testing.T) {
 	}
 	if n := accepted.Load(); n != tunnels+1 {
 		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels+1)
+	}
+}
+
+// TestHandOverLeavesSharedGRPCConn: two calls on one gRPC front door
+// connection are not paused (a connection is frozen whole, and holds one
+// call when konnectivity-client made it): they are counted not pausable
+// and drain as with Shutdown, closed at a quiet moment with CLOSE_RSP.
+func TestHandOverLeavesSharedGRPCConn(t *testing.T) {
+	checkNoLeaks(t)
+	dest, _ := countingEcho(t)
+	e := newEnv(t, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	tr := grpcTransport(e.grpcSocket(t))
+	var calls []*grpcCall
+	for i := range 2 {
+		c := openGRPCOn(t, tr, grpcProxyMethod)
+		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(i + 1)})
+		rsp, err := c.read()
+		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
+			t.Fatalf("DIAL_RSP: %+v %v", rsp, err)
+		}
+		c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: rsp.ConnectID, Data: []byte("x")})
+		if p, err := c.read(); err != nil || p.Type != grpcwire.Data || string(p.Data) != "x" {
+			t.Fatalf("echo: %+v %v", p, err)
+		}
+		calls = append(calls, c)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != 0 {
+		t.Fatalf("HandOver: %d paused, %v; want none and the drain to end", len(paused), err)
+	}
+	if n := handedOver(e.srv, "paused", resultNotPausable); n != 2 {
+		t.Errorf("%d calls counted not pausable, want 2", n)
+	}
+	for _, c := range calls {
+		if p, err := c.read(); err != nil || p.Type != grpcwire.CloseRsp {
+			t.Errorf("a drained call: %+v %v, want CLOSE_RSP", p, err)
+		}
 	}
 }
 
@@ -347,11 +427,12 @@ func TestPauseRequestsRefused(t *testing.T) {
 	}
 	// A resume with a token nobody holds opens no tunnel.
 	pr, pw := io.Pipe() // a client that sends nothing and stays
-	up := newUpload(bufio.NewReader(pr), func() { pw.Close() }, e.srv.goroutine)
-	if _, err := e.srv.roundTrip(a, echo, up, time.Now().Add(5*time.Second), "0123456789abcdef"); err == nil || !strings.Contains(err.Error(), "no paused tunnel for this resume token") {
+	rt := &tunnel{s: e.srv, addr: echo}
+	rt.up.init(bufio.NewReader(pr), func() { pw.Close() }, &rt.act, e.srv.goroutine)
+	if err := e.srv.roundTrip(rt, a, time.Now().Add(5*time.Second), "0123456789abcdef"); err == nil || !strings.Contains(err.Error(), "no paused tunnel for this resume token") {
 		t.Errorf("resume with an unknown token: %v, want the agent's refusal", err)
 	}
-	up.unblock()
+	rt.up.unblock()
 	// The tunnel still works.
 	if _, err := c.Write([]byte("z")); err != nil {
 		t.Fatal(err)
@@ -386,8 +467,8 @@ func TestHandOverWhileAgentStops(t *testing.T) {
 	e.stop()
 	next := newEnvOn(t, e.pki, e.agentAddr, nil)
 	next.srv.Resume(paused)
-	waitUntil(t, func() bool { return next.srv.Stats.Resumed.Load()+next.srv.Stats.ResumeFailed.Load() == 1 }, "tunnel resumed")
-	if n := next.srv.Stats.ResumeFailed.Load(); n != 0 {
+	waitUntil(t, func() bool { return resumedOrNot(next.srv) == 1 }, "tunnel resumed")
+	if handedOver(next.srv, "resumed", resultOK) != 1 {
 		t.Fatalf("the stopping agent's tunnel was not resumed")
 	}
 	before := c.recv.Load()

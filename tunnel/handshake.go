@@ -25,6 +25,24 @@ const (
 	maxIDLen         = 256
 )
 
+// What the server asks an agent, on the agent's link, when a restart
+// moves a tunnel (handover.go has the protocol; agent_pause.go the
+// agent's half), and the token that names the destination the agent holds
+// for it.
+const (
+	pausePath      = "/konnectivity/v1/pause"
+	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
+	hdrPauseSent   = "Konnectivity-Pause-Sent"   // bytes the sender sent on the tunnel
+	hdrResumeToken = "Konnectivity-Resume-Token" // names a paused tunnel
+	maxResumeToken = 64
+)
+
+// The control line an agent sends a rotated token on: "token <jwt>".
+const controlToken = "token"
+
+// maxControlLine bounds one control line (a token is at most 64 KiB).
+const maxControlLine = 64<<10 + 64
+
 // agentHello is what an agent says about itself when it connects.
 type agentHello struct {
 	ID          string
@@ -149,3 +167,8 @@ const (
 	controlPath  = "/konnectivity/v1/control"
 	controlDrain = "drain"
 )
+
+// ourHello is this agent's hello: it names every feature this package has.
+func ourHello(id, identifiers string, held []string) agentHello {
+	return agentHello{ID: id, Identifiers: identifiers, Held: held, CanPause: true}
+}

@@ -2,7 +2,6 @@ package tunnel
 
 import (
 	"net"
-	"sync"
 	"syscall"
 	"time"
 
@@ -31,62 +30,28 @@ func peerHungUp(c net.Conn) bool {
 	return hup
 }
 
-// hangups ends tunnels whose client closed its Unix socket completely but
-// whose tunnel cannot notice by itself: the destination is silent, or the
-// upload is stuck on a destination that does not read. One goroutine
-// sweeps every open tunnel; a tunnel found hung up on two sweeps in a row
-// (so bytes the client sent just before closing still get their chance)
-// is ended.
-type hangups struct {
-	mu      sync.Mutex
-	tunnels map[net.Conn]*hangupEntry
-}
-
-type hangupEntry struct {
-	end      func()
-	hungSeen bool
-}
-
+// The hang-up sweep ends tunnels whose client closed its Unix socket
+// completely but whose tunnel cannot notice by itself: the destination is
+// silent, or the upload is stuck on a destination that does not read. One
+// goroutine sweeps every open tunnel in Server.tunnels; a tunnel found
+// hung up on two sweeps in a row (so bytes the client sent just before
+// closing still get their chance) is ended.
 const hangupSweep = 2 * time.Second
 
-func (h *hangups) add(c net.Conn, end func()) {
-	if _, ok := c.(*net.UnixConn); !ok {
-		return // TCP peers cannot be told apart this way; mTLS frontends rely on TCP keepalive
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.tunnels[c] = &hangupEntry{end: end}
-}
-
-func (h *hangups) remove(c net.Conn) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	delete(h.tunnels, c)
-}
-
-func (h *hangups) sweep() {
-	h.mu.Lock()
-	conns := make([]net.Conn, 0, len(h.tunnels))
-	for c := range h.tunnels {
-		conns = append(conns, c)
-	}
-	h.mu.Unlock()
-	for _, c := range conns {
+// sweepHangups is one sweep. It owns tunnel.hungSeen.
+func (s *Server) sweepHangups() {
+	for _, t := range s.tunnelsIn(tunnelOpen) {
+		c := t.front.hangup()
+		if c == nil {
+			continue
+		}
 		hung := peerHungUp(c)
-		h.mu.Lock()
-		e := h.tunnels[c]
-		var end func()
-		if e != nil {
-			if hung && e.hungSeen {
-				end = e.end
-				delete(h.tunnels, c)
-			}
-			e.hungSeen = hung
+		if hung && t.hungSeen {
+			s.log.Debug("client closed its socket; ending the tunnel")
+			t.endStream()
+			t.front.closeSocket()
 		}
-		h.mu.Unlock()
-		if end != nil {
-			end()
-		}
+		t.hungSeen = hung
 	}
 }
 
@@ -99,7 +64,7 @@ func (s *Server) runHangups() {
 		case <-s.baseCtx.Done():
 			return
 		case <-t.C:
-			s.hangups.sweep()
+			s.sweepHangups()
 		}
 	}
 }

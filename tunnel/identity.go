@@ -315,28 +315,6 @@ func (s *Server) trustedForRoutes(p Principal, id string) bool {
 	return false
 }
 
-// heldByOther reports whether id is connected with a credential other
-// than cred.
-func (r *registry) heldByOther(id, cred string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	old := r.agents[id]
-	return old != nil && old.principal.Credential != cred
-}
-
-// claim registers a like add, unless its ID was taken meanwhile by a
-// connection with another credential: then it returns ok false and
-// registers nothing.
-func (r *registry) claim(a *agentConn) (replaced *agentConn, ok bool) {
-	r.mu.Lock()
-	if old := r.agents[a.id]; old != nil && old.principal.Credential != a.principal.Credential {
-		r.mu.Unlock()
-		return nil, false
-	}
-	r.mu.Unlock()
-	return r.add(a), true
-}
-
 // watchCredential starts the periodic review of a token agent's token.
 // The link's end must call endCredential.
 func (s *Server) watchCredential(a *agentConn, token string, tlsState tls.ConnectionState) {
@@ -460,12 +438,6 @@ func (s *Server) newToken(a *agentConn, token string) {
 	a.cred.mu.Unlock()
 	s.log.Debug("agent presented a rotated token", "agent", a.id)
 }
-
-// The control line an agent sends a rotated token on: "token <jwt>".
-const controlToken = "token"
-
-// maxControlLine bounds one control line (a token is at most 64 KiB).
-const maxControlLine = 64<<10 + 64
 
 // readControlLine reads one line of at most maxControlLine bytes.
 func readControlLine(br *bufio.Reader) (string, error) {

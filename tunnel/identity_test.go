@@ -333,7 +333,7 @@ func TestIdentityDuplicateLogin(t *testing.T) {
 	if got := e.srv.agents.snapshot(); len(got) != 1 || got[0] != first || first.draining.Load() {
 		t.Fatal("the connected agent was replaced or drained by a refused login")
 	}
-	if held, _ := a.Connected(); held != 1 {
+	if held, _ := a.connected(); held != 1 {
 		t.Fatalf("agent holds %d links", held)
 	}
 	if err := e.echoOnce(echoServer(t)); err != nil {

@@ -1,11 +1,14 @@
 package tunnel
 
 import (
+	"context"
+	"errors"
 	"io"
 	"sync"
 	"sync/atomic"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
@@ -132,6 +135,43 @@ func (c *packetCounter) inc() {
 	for _, n := range c {
 		if n != nil {
 			n.Add(1)
+		}
+	}
+}
+
+// streamErrorCode is the gRPC code upstream would report for err: a stream
+// the peer reset is Canceled, anything else (a broken connection, a failed
+// write) Unavailable.
+func streamErrorCode(err error) string {
+	if errors.Is(err, h2link.ErrStreamReset) || errors.Is(err, context.Canceled) {
+		return codeCanceled
+	}
+	return codeUnavailable
+}
+
+// activity is a tunnel's traffic as a draining server sees it: a count of
+// socket reads and writes, and which way the last went, in one word
+// (count<<1 | 1 when the last went toward the client). One atomic
+// operation per system call, no allocation, ordered: a read from the
+// client after the last write always shows.
+type activity struct{ v atomic.Uint64 }
+
+// up records a read from the client (bytes toward the agent).
+func (a *activity) up() {
+	for {
+		o := a.v.Load()
+		if a.v.CompareAndSwap(o, (o|1)+1) {
+			return
+		}
+	}
+}
+
+// down records a write toward the client.
+func (a *activity) down() {
+	for {
+		o := a.v.Load()
+		if a.v.CompareAndSwap(o, (o+2)|1) {
+			return
 		}
 	}
 }

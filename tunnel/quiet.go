@@ -2,8 +2,6 @@ package tunnel
 
 import (
 	"context"
-	"net"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -22,7 +20,7 @@ import (
 // tunnel that never goes quiet (a log follow, an exec) is still cut at the
 // deadline.
 //
-// drainQuiet is longer than the pauses inside one response (its writes
+// drainQuiet is longer than the gaps inside one response (its writes
 // follow each other within milliseconds: TLS records, chunks an agent
 // passes on) and than the time this process takes to read a request the
 // client has already sent, so that neither is mistaken for the end of a
@@ -34,8 +32,8 @@ import (
 // processed the CLOSE_RSP, a few milliseconds on a loaded machine, and
 // kube-apiserver then loses the call. There only a connection quiet for
 // drainQuietGRPC is closed, long enough that kube-apiserver is not using
-// it (measured against a real kube-apiserver: closes after 5 ms pauses
-// lost 8 calls in 21, closes after 50 ms pauses some, after 250 ms none).
+// it (measured against a real kube-apiserver: closes after 5 ms gaps
+// lost 8 calls in 21, closes after 50 ms gaps some, after 250 ms none).
 // The quiet is never shortened as the deadline nears, for the same reason.
 const (
 	drainQuiet     = 50 * time.Millisecond
@@ -47,65 +45,6 @@ const (
 	drainStall = 10 * time.Millisecond
 )
 
-// activity is a tunnel's traffic as a draining server sees it: a count of
-// socket reads and writes, and which way the last went, in one word
-// (count<<1 | 1 when the last went toward the client). One atomic
-// operation per system call, no allocation, ordered: a read from the
-// client after the last write always shows.
-type activity struct{ v atomic.Uint64 }
-
-// up records a read from the client (bytes toward the agent).
-func (a *activity) up() {
-	for {
-		o := a.v.Load()
-		if a.v.CompareAndSwap(o, (o|1)+1) {
-			return
-		}
-	}
-}
-
-// down records a write toward the client.
-func (a *activity) down() {
-	for {
-		o := a.v.Load()
-		if a.v.CompareAndSwap(o, (o+2)|1) {
-			return
-		}
-	}
-}
-
-// quietTunnel is a frontend tunnel a draining server may close at a quiet
-// moment: closeQuiet ends it the way the client sees a server closing an
-// idle connection.
-// raw, when set, is the client's socket: bytes it holds unread make the
-// tunnel busy, so that a request the client has sent but this process has
-// not read yet is never cut.
-// conn, st and up are set for an HTTP CONNECT tunnel, st, up and grpc
-// for a gRPC call: a handover may pause them instead (handover.go).
-type quietTunnel struct {
-	quiet      time.Duration // drainQuiet, or drainQuietGRPC
-	act        *activity
-	raw        syscall.RawConn
-	closeQuiet func()
-	conn       net.Conn
-	st         *stream
-	up         *upload
-	grpc       *grpcTunnel // set for a gRPC front door call, with st and up
-}
-
-// addQuiet registers an open tunnel until it ends.
-func (s *Server) addQuiet(t *quietTunnel) {
-	s.mu.Lock()
-	s.quietTunnels[t.act] = t
-	s.mu.Unlock()
-}
-
-func (s *Server) removeQuiet(act *activity) {
-	s.mu.Lock()
-	delete(s.quietTunnels, act)
-	s.mu.Unlock()
-}
-
 // unread reports whether a socket holds bytes not read yet.
 func unread(raw syscall.RawConn) bool {
 	n := 0
@@ -113,16 +52,17 @@ func unread(raw syscall.RawConn) bool {
 	return n > 0
 }
 
-// closeQuietTunnels closes each open frontend tunnel once it is quiet,
-// until stop is closed. One goroutine per draining server polls them all:
-// nothing runs per tunnel.
+// closeQuietTunnels closes each open tunnel once it is quiet, until stop
+// is closed. One goroutine per draining server polls them all: nothing
+// runs per tunnel. A tunnel it closes moves to draining, so a restart
+// no longer moves it.
 func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 	type sample struct {
 		v     uint64
 		since time.Time
 	}
-	seen := map[*activity]sample{}
-	var due []*quietTunnel
+	seen := map[*tunnel]sample{}
+	var due []*tunnel
 	tick := time.NewTicker(drainPoll)
 	lastTick := time.Now()
 	defer tick.Stop()
@@ -137,39 +77,42 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 		now := time.Now()
 		if now.Sub(lastTick) > drainStall {
 			// This process did not run for a while: a quiet it did
-			// not watch may be its own stall, not the client's pause.
+			// not watch may be its own stall, not the client's silence.
 			clear(seen)
 		}
 		lastTick = now
 		due = due[:0]
 		s.mu.Lock()
-		for act, t := range s.quietTunnels {
-			v := act.v.Load()
-			prev, ok := seen[act]
-			if !ok || prev.v != v {
-				seen[act] = sample{v, now}
+		for t := range s.tunnels {
+			if t.state != tunnelOpen {
 				continue
 			}
-			if v&1 == 1 && now.Sub(prev.since) >= t.quiet {
-				if t.raw != nil && (unread(t.raw) || act.v.Load() != v) {
+			v := t.act.v.Load()
+			prev, ok := seen[t]
+			if !ok || prev.v != v {
+				seen[t] = sample{v, now}
+				continue
+			}
+			if v&1 == 1 && now.Sub(prev.since) >= t.front.quiet() {
+				if t.front.unread() || t.act.v.Load() != v {
 					// A request has come, or is being read.
-					seen[act] = sample{act.v.Load(), now}
+					seen[t] = sample{t.act.v.Load(), now}
 					continue
 				}
-				delete(s.quietTunnels, act)
-				delete(seen, act)
+				t.moveLocked(tunnelDraining)
+				delete(seen, t)
 				due = append(due, t)
 			}
 		}
-		for act := range seen {
-			if _, open := s.quietTunnels[act]; !open {
-				delete(seen, act)
+		for t := range seen {
+			if t.state != tunnelOpen {
+				delete(seen, t)
 			}
 		}
 		s.mu.Unlock()
 		for _, t := range due {
 			s.Stats.ClosedQuiet.Add(1)
-			t.closeQuiet()
+			t.front.closeQuiet(t)
 		}
 	}
 }

@@ -44,22 +44,23 @@ func ParseStrategies(s string) ([]Strategy, error) {
 
 // agentConn is one agent's connection to this server and, for our agents, its link.
 type agentConn struct {
-	id       string
-	ids      Identifiers
-	remote   string
-	since    time.Time
-	link     *h2link.Conn
-	conn     *watchedConn
-	streams  atomic.Int64
-	draining atomic.Bool
-
-	bytesTo, bytesFrom atomic.Int64
-
+	// Immutable once registered.
+	id          string
+	ids         Identifiers
+	remote      string
+	since       time.Time
+	link        *h2link.Conn // nil for an upstream agent; its own locks
+	conn        *watchedConn
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
 	principal   Principal          // what the agent's credential proves; fixed at login
-	cred        *connCredential    // the credential the connection stands on; set before it is registered
+	cred        *connCredential    // the credential the connection stands on; its own lock
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
-	canPause    bool               // it pauses and resumes tunnels (handover.go); fixed at login
+	canPause    bool               // it hands tunnels over (handover.go); fixed at login
+
+	// Atomic: any goroutine.
+	streams            atomic.Int64 // open tunnels
+	draining           atomic.Bool  // the agent announced a drain
+	bytesTo, bytesFrom atomic.Int64
 }
 
 // roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an
@@ -104,12 +105,15 @@ func (a *agentConn) usable(maxStreams int64) bool {
 }
 
 // registry holds the connected agents. Waiters block on changed, which is
-// closed and replaced whenever an agent joins.
+// closed and replaced whenever an agent joins. Every method that reads
+// agents is here. Its lock comes after Server.mu and before an agent's
+// link (tunnel/doc.go, "Locks"): pick asks a link whether it takes a
+// stream under it.
 type registry struct {
 	mu      sync.Mutex
-	agents  map[string]*agentConn
-	changed chan struct{}
-	next    atomic.Uint64
+	agents  map[string]*agentConn // guarded by mu
+	changed chan struct{}         // guarded by mu
+	next    atomic.Uint64         // rotation among equal agents
 }
 
 func newRegistry() *registry {
@@ -209,10 +213,57 @@ func hostOf(addr string) string {
 	return host
 }
 
-// agentDraining reports whether the named agent told this server it drains.
-func (s *Server) agentDraining(id string) bool {
-	s.agents.mu.Lock()
-	defer s.agents.mu.Unlock()
-	a := s.agents.agents[id]
+// draining reports whether the named agent told this server it drains.
+func (r *registry) draining(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	a := r.agents[id]
 	return a != nil && a.draining.Load()
+}
+
+// heldByOther reports whether id is connected with a credential other
+// than cred.
+func (r *registry) heldByOther(id, cred string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	old := r.agents[id]
+	return old != nil && old.principal.Credential != cred
+}
+
+// claim registers a like add, unless its ID was taken meanwhile by a
+// connection with another credential: then it returns ok false and
+// registers nothing.
+func (r *registry) claim(a *agentConn) (replaced *agentConn, ok bool) {
+	r.mu.Lock()
+	if old := r.agents[a.id]; old != nil && old.principal.Credential != a.principal.Credential {
+		r.mu.Unlock()
+		return nil, false
+	}
+	r.mu.Unlock()
+	return r.add(a), true
+}
+
+// countFor counts agents a dial could use under one strategy.
+func (r *registry) countFor(st Strategy, maxStreams int64) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, a := range r.agents {
+		if !a.usable(maxStreams) {
+			continue
+		}
+		switch st {
+		case StrategyDefault:
+			n++
+		case StrategyDefaultRoute:
+			if a.ids.DefaultRoute {
+				n++
+			}
+		case StrategyDestHost:
+			if len(a.ids.Hosts)+len(a.ids.Addrs)+len(a.ids.CIDRs) > 0 {
+				n++
+			}
+		}
+	}
+	return n
 }

@@ -98,41 +98,42 @@ func (c *ServerConfig) setDefaults() {
 
 // Server accepts agents on one side and CONNECT requests on the other, and
 // joins each request to an HTTP/2 stream on an agent's connection.
+//
+// Locks, in the order they may be taken (tunnel/doc.go, "Locks"): mu, then
+// the registry's (agents.mu), then an agent's link; the rest are leaves.
 type Server struct {
-	cfg    ServerConfig
-	log    *slog.Logger
-	agents *registry
+	// Immutable after NewServer.
+	cfg      ServerConfig
+	log      *slog.Logger
+	agents   *registry // its own lock: see registry
+	metrics  *serverMetrics
+	gate     *admission // agent-port connections before they are admitted; its own lock
+	identity *identityState
+	quiet    *logLimiter // repeated warnings: one line per key per 10s; its own lock
 
 	// baseCtx is cancelled by Close, ending every tunnel and handshake.
 	baseCtx   context.Context
 	cancelAll context.CancelFunc
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// listeners are the open listeners; guarded by mu.
 	listeners map[*net.Listener]struct{}
-	frontends map[net.Conn]struct{}
-	// quietTunnels are the open frontend tunnels a drain may close at a
-	// quiet moment (quiet.go).
-	quietTunnels map[*activity]*quietTunnel
-	// resumes are the sockets of tunnels a previous image paused, until
-	// their serving goroutine takes them (handover.go); resuming counts
-	// them, so a new connection does not look.
-	resumes map[net.Conn]*PausedTunnel
-	// The server's state.
-	shutting bool           // no new connections are accepted
-	closed   bool           // everything is being torn down
-	wg       sync.WaitGroup // every goroutine the server starts
+	// tunnels is the one table of tunnels, from a frontend connection's
+	// accept (or a gRPC call's DIAL_REQ) until the goroutine serving it
+	// returns; guarded by mu, as is each tunnel's state.
+	tunnels   map[*tunnel]struct{}
+	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
+	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
+	// The server's state; guarded by mu.
+	shutting bool     // no new connections are accepted
+	closed   bool     // everything is being torn down
+	spareFD  *os.File // guarded by mu: released to answer 503 when out of file descriptors
 
+	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
 	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
-	resuming    atomic.Int64 // entries in resumes
 
 	Stats         ServerStats
-	metrics       *serverMetrics
-	gate          *admission // agent-port connections before they are admitted
-	identity      *identityState
-	quiet         *logLimiter  // repeated warnings: one line per key per 10s
-	hangups       hangups      // open Unix-socket tunnels, swept for clients that left
-	spareFD       *os.File     // released to answer 503 when out of file descriptors
 	nextConnectID atomic.Int64 // gRPC frontend connection IDs
 }
 
@@ -141,9 +142,6 @@ type ServerStats struct {
 	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
 	BytesToAgent, BytesFromAgent                      atomic.Int64
 	ClosedQuiet                                       atomic.Int64 // tunnels a drain closed at a quiet moment
-	// A handover (handover.go): tunnels paused for the next image and
-	// pauses that failed; in the next image, tunnels resumed and not.
-	Paused, PauseFailed, Resumed, ResumeFailed atomic.Int64
 }
 
 // NewServer checks cfg and returns a Server that is not yet serving.
@@ -163,15 +161,12 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		baseCtx:   ctx,
 		cancelAll: cancel,
 		listeners: make(map[*net.Listener]struct{}),
-		frontends: make(map[net.Conn]struct{}),
-
-		quietTunnels: make(map[*activity]*quietTunnel),
+		tunnels:   make(map[*tunnel]struct{}),
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
 	s.quiet = newLogLimiter(10 * time.Second)
-	s.hangups.tunnels = map[net.Conn]*hangupEntry{}
 	s.spareFD, _ = os.Open(os.DevNull)
 	s.goroutine(s.runHangups)
 	return s, nil
@@ -320,7 +315,7 @@ func (s *Server) isShutting() bool {
 // ServeFrontend accepts HTTP CONNECT connections (kube-apiserver's
 // HTTPConnect egress protocol) on ln until Shutdown or Close.
 func (s *Server) ServeFrontend(ln net.Listener) error {
-	return s.serve(ln, true, s.serveFrontendConn)
+	return s.serve(ln, true, func(c net.Conn, release func()) { s.serveFrontendConn(newHTTPTunnel(c), release) })
 }
 
 // ServeAgents accepts agent connections on ln until Shutdown or Close.
@@ -340,37 +335,17 @@ func (s *Server) Ready() (bool, string) {
 	return true, fmt.Sprintf("%d agent(s) connected", n)
 }
 
-func (s *Server) trackFrontend(c net.Conn, add bool) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if add {
-		if s.closed {
-			return false
-		}
-		s.frontends[c] = struct{}{}
-		return true
-	}
-	delete(s.frontends, c)
-	return true
-}
-
 // Shutdown stops accepting, answers the dials already accepted, then sends
 // GOAWAY to every agent and waits for open tunnels to finish until ctx
 // ends; then it closes what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
-	_, err := s.shutdown(ctx, false)
-	return err
+	return s.shutdown(ctx, nil)
 }
 
-// HandOver is Shutdown for a self-restart: before the drain it pauses
-// every tunnel that can move to the next image without loss (handover.go)
-// and returns them; the caller passes their sockets on, and the next image
-// calls Resume. Tunnels that cannot move drain as with Shutdown.
-func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
-	return s.shutdown(ctx, true)
-}
-
-func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, error) {
+// shutdown is Shutdown; move, when set, runs before the drain closes any
+// tunnel, and returns the work that runs while it does (a restart's:
+// HandOver).
+func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)) error {
 	s.mu.Lock()
 	s.shutting = true
 	for ln := range s.listeners {
@@ -382,9 +357,9 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 	for s.pending.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(2 * time.Millisecond)
 	}
-	var pausable []*quietTunnel
-	if handOver {
-		pausable = s.takePausable()
+	var moving func(context.Context)
+	if move != nil {
+		moving = move()
 	}
 	// Tunnels that would never end (keep-alive connections) close at a
 	// quiet moment, so their clients dial again and nothing is cut.
@@ -395,7 +370,9 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
 		}
 	}()
-	paused := s.pauseAll(ctx, pausable)
+	if moving != nil {
+		moving(ctx)
+	}
 
 	var wg sync.WaitGroup
 	for _, a := range s.agents.snapshot() {
@@ -414,24 +391,14 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 		err = ctx.Err()
 	}
 	// The agents' streams are done, but the last bytes may still be on
-	// their way to the clients: let the frontend connections finish too.
-	for err == nil && s.openFrontends() > 0 {
-		select {
-		case <-ctx.Done():
-			err = ctx.Err()
-		case <-time.After(5 * time.Millisecond):
-		}
+	// their way to the clients: let the tunnels finish too.
+	if err == nil {
+		err = s.waitTunnels(ctx)
 	}
 	close(stopQuiet)
 	s.Close()
 	<-drained
-	return paused, err
-}
-
-func (s *Server) openFrontends() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.frontends)
+	return err
 }
 
 // Close ends every listener, agent connection and tunnel at once, and waits
@@ -443,8 +410,8 @@ func (s *Server) Close() error {
 	for ln := range s.listeners {
 		(*ln).Close()
 	}
-	for c := range s.frontends {
-		c.Close()
+	for t := range s.tunnels {
+		t.front.closeSocket()
 	}
 	s.mu.Unlock()
 	s.cancelAll()

@@ -1,11 +1,7 @@
 package tunnel
 
 import (
-	"context"
-	"errors"
-
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
-	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
@@ -26,6 +22,7 @@ type serverMetrics struct {
 	failures      map[string]*promtext.Counter
 	packets       packetCounts
 	streamErrs    streamErrors
+	restarts      restartMetrics
 }
 
 func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
@@ -40,6 +37,7 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
 		failures:      map[string]*promtext.Counter{},
+		restarts:      newRestartMetrics(m),
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
@@ -57,6 +55,10 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		func() float64 { return float64(s.Stats.BytesToAgent.Load()) })
 	m.CounterFunc(serverPrefix+"bytes_total", "", []string{"direction"}, []string{"from_agent"},
 		func() float64 { return float64(s.Stats.BytesFromAgent.Load()) })
+	for st := tunnelOpen; st < tunnelClosed; st++ {
+		m.GaugeFunc(serverPrefix+"tunnels", "Tunnels in the server's table, by state (dialing tunnels are counted by pending_backend_dials).", []string{"state"}, []string{st.String()},
+			func() float64 { return float64(s.countTunnels(st)) })
+	}
 	m.CounterFunc(serverPrefix+"agents_refused_total", "Agent connections refused (TLS, handshake or authentication).", nil, nil,
 		func() float64 { return float64(s.Stats.AgentsRefused.Load()) })
 	return sm
@@ -68,31 +70,6 @@ func (sm *serverMetrics) dialFailed(err error) {
 	}
 }
 
-// countFor counts agents a dial could use under one strategy.
-func (r *registry) countFor(st Strategy, maxStreams int64) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	n := 0
-	for _, a := range r.agents {
-		if !a.usable(maxStreams) {
-			continue
-		}
-		switch st {
-		case StrategyDefault:
-			n++
-		case StrategyDefaultRoute:
-			if a.ids.DefaultRoute {
-				n++
-			}
-		case StrategyDestHost:
-			if len(a.ids.Hosts)+len(a.ids.Addrs)+len(a.ids.CIDRs) > 0 {
-				n++
-			}
-		}
-	}
-	return n
-}
-
 // countEnd counts a tunnel's clean end from the agent's side: its
 // END_STREAM is upstream's CLOSE_RSP from the agent, passed on to the
 // client.
@@ -101,22 +78,10 @@ func (sm *serverMetrics) countEnd() {
 	sm.packets.inc(segToClient, grpcwire.CloseRsp)
 }
 
-// streamErrorCode is the gRPC code upstream would report for err: a stream
-// the peer reset is Canceled, anything else (a broken connection, a failed
-// write) Unavailable.
-func streamErrorCode(err error) string {
-	if errors.Is(err, h2link.ErrStreamReset) || errors.Is(err, context.Canceled) {
-		return codeCanceled
-	}
-	return codeUnavailable
-}
-
 // Buckets of the upstream metrics of the same names, so that recorded
 // dashboards keep their meaning: the server's latencies (dial_duration_seconds,
-// frontend_write_duration_seconds), the server's connection_duration_seconds
-// and the agent's dial_duration_seconds.
+// frontend_write_duration_seconds) and connection_duration_seconds.
 var (
 	latencyBuckets    = []float64{0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5}
 	connectionBuckets = []float64{1, 5, 15, 30, 60, 300, 900, 1800, 3600, 14400, 43200, 86400}
-	agentDialBuckets  = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
 )

@@ -644,7 +644,7 @@ func TestAgentDrain(t *testing.T) {
 		t.Fatal(resp.Status)
 	}
 	a.cancel() // begin draining
-	waitUntil(t, func() bool { return e.srv.agentDraining("a1") }, "the server saw the agent drain")
+	waitUntil(t, func() bool { return e.srv.agents.draining("a1") }, "the server saw the agent drain")
 	io.WriteString(conn, "drain")
 	got := make([]byte, 5)
 	if _, err := io.ReadFull(br, got); err != nil || string(got) != "drain" {

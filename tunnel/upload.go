@@ -13,12 +13,14 @@ import (
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
-// upload is the client-to-agent direction of one frontend connection. The
-// link reads it as the CONNECT request body, but only after the
-// agent has answered: until then a watcher merely peeks, so a client that
-// gives up during a pending dial cancels it, and a dial retried on another
-// agent has lost no byte.
+// upload is the client-to-agent direction of a tunnel, and part of it
+// (tunnel.up). The link reads it as the CONNECT request body, but only
+// after the agent has answered: until then a watcher merely peeks, so a
+// client that gives up during a pending dial cancels it, and a dial
+// retried on another agent has lost no byte.
 type upload struct {
+	// Set by init, or before start by the goroutine serving the tunnel;
+	// read-only afterwards.
 	br            *bufio.Reader
 	unblock       func() // releases a Read blocked on the source
 	established   chan struct{}
@@ -36,37 +38,26 @@ type upload struct {
 	packets packetCounter
 	closes  packetCounter // the client's clean end of sending (EOF)
 	sender  packetWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
-	// act is the tunnel's activity (quiet.go): reads from the client
-	// stamp it here, writes toward the client where they are made.
-	act activity
+	act     *activity     // the tunnel's; reads from the client stamp it
 
-	// A handover (handover.go). addr is set before start; down once the
-	// tunnel delivers to a plain socket. pausing is set by the pause;
-	// sent and paused are written by the goroutine sending the upload
+	// A stop for a restart's move (handover.go). stopping is set by it;
+	// sent and stopped are written by the goroutine sending the upload
 	// before done is closed, and read after.
-	addr    string
-	down    atomic.Pointer[h2link.Delivery] // the agent's bytes on their way to the client
-	pausing atomic.Bool                     // a pause stops the upload: its deadline is not the client's end
-	paused  bool                            // the upload stopped for a pause, every byte read sent
-	sent    int64                           // bytes sent to the agent on this tunnel
+	stopping atomic.Bool // the upload's deadline is the move's, not the client's end
+	stopped  bool        // the upload stopped for it, every byte read sent
+	sent     int64       // bytes sent to the agent on this tunnel
 }
 
 var errAbandoned = errors.New("dial attempt abandoned")
 
-// newUpload starts the watcher through spawn, which must run it as an owned
+// init starts the watcher through spawn, which must run it as an owned
 // goroutine; it ends when data arrives or the source is closed. unblock
 // must make a Read blocked on br's source return.
-func newUpload(br *bufio.Reader, unblock func(), spawn func(func())) *upload {
+func (u *upload) init(br *bufio.Reader, unblock func(), act *activity, spawn func(func())) {
 	ctx, gone := context.WithCancel(context.Background())
-	u := &upload{
-		br:            br,
-		unblock:       unblock,
-		established:   make(chan struct{}),
-		peeked:        make(chan struct{}),
-		clientGoneCtx: ctx,
-		clientGone:    ctx.Done(),
-		done:          make(chan struct{}),
-	}
+	u.br, u.unblock, u.act = br, unblock, act
+	u.established, u.peeked, u.done = make(chan struct{}), make(chan struct{}), make(chan struct{})
+	u.clientGoneCtx, u.clientGone = ctx, ctx.Done()
 	spawn(func() {
 		_, err := br.Peek(1)
 		close(u.peeked)
@@ -74,7 +65,6 @@ func newUpload(br *bufio.Reader, unblock func(), spawn func(func())) *upload {
 			gone()
 		}
 	})
-	return u
 }
 
 // start lets the link read: the client has been told 200.
@@ -150,9 +140,9 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 		c.Add(int64(n))
 	}
 	b.u.sent += int64(n)
-	if err != nil && b.u.pausing.Load() && errors.Is(err, h2link.ErrReadStopped) {
-		b.u.paused = true // every byte read was returned to the link before this call
-		err = h2link.ErrUploadPaused
+	if err != nil && b.u.stopping.Load() && errors.Is(err, h2link.ErrReadStopped) {
+		b.u.stopped = true // every byte read was returned to the link before this call
+		err = h2link.ErrUploadStopped
 	}
 	if n > 0 {
 		b.u.act.up()
@@ -225,16 +215,16 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	if err := b.sendBuffered(w); err != nil {
 		return err
 	}
-	b.u.sender.w, b.u.sender.c, b.u.sender.up = w, b.u.packets, &b.u.act
+	b.u.sender.w, b.u.sender.c, b.u.sender.up = w, b.u.packets, b.u.act
 	n, err := copyFromSocket(&b.u.sender, b.u.raw, nil)
 	b.u.count(int(n))
 	b.u.sent += n
 	if err == nil {
 		b.u.closes.inc()
 	}
-	if err != nil && b.u.pausing.Load() && errors.Is(err, os.ErrDeadlineExceeded) {
-		b.u.paused = true
-		err = h2link.ErrUploadPaused
+	if err != nil && b.u.stopping.Load() && errors.Is(err, os.ErrDeadlineExceeded) {
+		b.u.stopped = true
+		err = h2link.ErrUploadStopped
 	}
 	b.u.finish()
 	return err

@@ -146,7 +146,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		s:       s,
 		out:     g,
 		pending: map[int64]chan grpcwire.Packet{},
-		conns:   map[int64]*upstreamConn{},
+		conns:   map[int64]*upstreamTunnel{},
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
@@ -183,29 +183,35 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 }
 
 // upstreamAgent is the server's view of one upstream agent's stream.
+// Its mu is a leaf: nothing else is locked under it, and the read loop
+// (readLoop) is the only goroutine that delivers the agent's packets.
 type upstreamAgent struct {
+	// Immutable.
 	s     *Server
 	agent *agentConn
-	out   *grpcStream
+	out   *grpcStream   // its own lock: the packets written to the agent
+	done  chan struct{} // closed by close
+	stop  chan struct{} // closed, once by stopOnce, to end the stream after a drain
 
 	mu       sync.Mutex
-	pending  map[int64]chan grpcwire.Packet // dials waiting for DIAL_RSP, by random
-	conns    map[int64]*upstreamConn
-	closed   bool
-	stopping bool          // shutting down: no new dials
-	done     chan struct{} // closed by close
-	stop     chan struct{} // closed to end the stream after a drain
+	pending  map[int64]chan grpcwire.Packet // guarded by mu: dials waiting for DIAL_RSP, by random
+	conns    map[int64]*upstreamTunnel      // guarded by mu: open tunnels, by connect ID
+	closed   bool                           // guarded by mu
+	stopping bool                           // guarded by mu: shutting down, no new dials
 	stopOnce sync.Once
-	wg       sync.WaitGroup // upload goroutines
+	wg       sync.WaitGroup // upload goroutines; close waits for them
 }
 
-// upstreamConn is one tunnel through an upstream agent.
-type upstreamConn struct {
-	ua        *upstreamAgent
-	id        int64
-	pr        *io.PipeReader
-	pw        *io.PipeWriter
-	upload    io.ReadCloser
+// upstreamTunnel is one tunnel through an upstream agent: one connect ID
+// on its stream, the body of the tunnel's answer.
+type upstreamTunnel struct {
+	// Immutable once in upstreamAgent.conns.
+	ua     *upstreamAgent
+	id     int64
+	pr     *io.PipeReader // the agent's bytes, read by the tunnel
+	pw     *io.PipeWriter // written by the agent's read loop
+	upload io.ReadCloser  // the client's bytes, sent by sendUpload
+
 	closeOnce sync.Once
 	agentDone atomic.Bool // the agent reported the end (CLOSE_RSP): no CLOSE_REQ is owed
 }
@@ -275,12 +281,12 @@ func (ua *upstreamAgent) dialAnswered(p grpcwire.Packet) {
 	ua.mu.Lock()
 	ch := ua.pending[p.Random]
 	delete(ua.pending, p.Random)
-	var c *upstreamConn
+	var c *upstreamTunnel
 	if ch != nil && p.Error == "" {
 		// Registered before the answer is delivered, so DATA that follows
 		// the DIAL_RSP at once has somewhere to go.
 		pr, pw := io.Pipe()
-		c = &upstreamConn{ua: ua, id: p.ConnectID, pr: pr, pw: pw}
+		c = &upstreamTunnel{ua: ua, id: p.ConnectID, pr: pr, pw: pw}
 		ua.conns[p.ConnectID] = c
 	}
 	ua.mu.Unlock()
@@ -345,7 +351,7 @@ func (ua *upstreamAgent) forget(random int64) {
 
 // sendUpload turns the client's bytes into DATA packets. Upstream's
 // protocol has no half-close, so the client's end closes the tunnel.
-func (c *upstreamConn) sendUpload() {
+func (c *upstreamTunnel) sendUpload() {
 	bp := largeBufs.Get().(*[]byte)
 	defer largeBufs.Put(bp)
 	for {
@@ -363,17 +369,17 @@ func (c *upstreamConn) sendUpload() {
 	}
 }
 
-func (c *upstreamConn) Read(p []byte) (int, error) { return c.pr.Read(p) }
+func (c *upstreamTunnel) Read(p []byte) (int, error) { return c.pr.Read(p) }
 
 // Close is the server ending the tunnel (client gone or reset).
-func (c *upstreamConn) Close() error {
+func (c *upstreamTunnel) Close() error {
 	c.close(true)
 	return nil
 }
 
 // close ends the tunnel once; tellAgent sends CLOSE_REQ so the agent
 // closes its destination connection.
-func (c *upstreamConn) close(tellAgent bool) {
+func (c *upstreamTunnel) close(tellAgent bool) {
 	c.closeOnce.Do(func() {
 		c.ua.mu.Lock()
 		delete(c.ua.conns, c.id)
@@ -390,7 +396,7 @@ func (c *upstreamConn) close(tellAgent bool) {
 }
 
 // endFromAgent is the agent's CLOSE_RSP: the destination is done.
-func (c *upstreamConn) endFromAgent(errText string) {
+func (c *upstreamTunnel) endFromAgent(errText string) {
 	c.agentDone.Store(true)
 	c.ua.mu.Lock()
 	delete(c.ua.conns, c.id)
@@ -410,7 +416,7 @@ func (ua *upstreamAgent) close() {
 		return
 	}
 	ua.closed = true
-	conns := make([]*upstreamConn, 0, len(ua.conns))
+	conns := make([]*upstreamTunnel, 0, len(ua.conns))
 	for _, c := range ua.conns {
 		conns = append(conns, c)
 	}

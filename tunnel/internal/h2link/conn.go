@@ -88,24 +88,25 @@ type Conn struct {
 	fread      *frameReader  // the read loop's reader
 	readParked chan struct{} // closed when the read loop stopped for a freeze
 	frozen     chan struct{} // closed by Freeze or closeWith: the parked read loop returns
+	rest       chan struct{} // under mu, made by WaitAtRest: closed when a handler returns or a stream leaves
 	resumed    []func()      // ResumeServer's handlers of frozen streams; Serve starts them
 }
 
 // Errors of the link. A dial that meets ErrClosed or ErrGoAway before the
 // peer answered may be retried elsewhere: the peer saw nothing of it.
 var (
-	ErrClosed      = errors.New("agent connection closed")
-	ErrGoAway      = errors.New("agent connection is going away")
-	ErrStreamReset = errors.New("tunnel reset")
-	// ErrUploadPaused, from an upload's SendTo, stops sending it without
+	ErrClosed      = errors.New("connection closed")
+	ErrGoAway      = errors.New("connection is going away")
+	ErrStreamReset = errors.New("stream reset")
+	// ErrUploadStopped, from an upload's SendTo, stops sending it without
 	// END_STREAM or RST_STREAM: the stream stays open.
-	ErrUploadPaused = errors.New("upload paused")
-	errPingTimeout  = errors.New("no answer to PING")
-	errCalm         = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
+	ErrUploadStopped = errors.New("upload stopped")
+	errPingTimeout   = errors.New("no answer to PING")
+	errCalm          = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
 
 	// What remove tells a caller still waiting for the answer; made once,
 	// as every stream's end passes it (a no-op for the answered ones).
-	errEndedUnanswered = fmt.Errorf("%w: the stream ended before the agent answered", ErrStreamReset)
+	errEndedUnanswered = fmt.Errorf("%w: the stream ended before the peer answered", ErrStreamReset)
 )
 
 // NewClient starts the client end of HTTP/2 on conn, and its read loop
@@ -257,10 +258,6 @@ func (l *Conn) RaiseWindows() {
 		l.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(0, uint32(connDelta)) })
 	}
 }
-
-// IsServing reports the role: true for the serving end (NewServer), whose
-// peer opens the streams; false for the client end.
-func (l *Conn) IsServing() bool { return l.serving }
 
 // --- writing ---
 

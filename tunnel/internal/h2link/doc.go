@@ -38,10 +38,10 @@
 // admission to give the full windows.
 //
 // A serving end made with Config.Freezable can move to another process
-// on the same socket (freeze.go): StopReading stops its read loop at a
-// frame boundary, handlers let their streams go with Detach, Freeze
-// returns the state (Frozen) and ResumeServer rebuilds it. A client end's
-// upload that returns ErrUploadPaused stops without ending its stream.
+// on the same socket: StopReading stops its read loop at a frame
+// boundary, handlers let their streams go with Detach, and the rest is in
+// freeze.go. A client end's upload that returns ErrUploadStopped stops
+// without ending its stream.
 //
 // The package knows nothing of its users: an upload that sends itself
 // implements SendTo(io.Writer) error (and CallerSends() bool when its

@@ -33,7 +33,7 @@ import (
 var ErrReadStopped = errors.New("reading stopped for a handover")
 
 // ErrNotAtRest is Freeze's answer while a handler still runs or a stream
-// still holds received bytes: try again once they are done.
+// still holds received bytes: WaitAtRest waits until they are done.
 var ErrNotAtRest = errors.New("freeze: a stream is not at rest")
 
 // Freezable reports whether the connection was made with Config.Freezable.
@@ -287,6 +287,43 @@ func (l *Conn) atRest() error {
 		}
 	}
 	return nil
+}
+
+// WaitAtRest waits until Freeze would find every stream at rest, looking
+// again each time a handler returns or a stream leaves; it returns early
+// when ctx ends or the connection closes.
+func (l *Conn) WaitAtRest(ctx context.Context) error {
+	if l.fread == nil {
+		return errors.New("connection is not freezable")
+	}
+	for {
+		l.mu.Lock()
+		if l.rest == nil {
+			l.rest = make(chan struct{})
+		}
+		changed := l.rest
+		l.mu.Unlock()
+		err := l.atRest()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-changed:
+		case <-l.frozen:
+			return l.err()
+		case <-ctx.Done():
+			return fmt.Errorf("%w: %w", err, ctx.Err())
+		}
+	}
+}
+
+// restChangedLocked wakes WaitAtRest, if it waits: a handler returned or a
+// stream left. l.mu is held.
+func (l *Conn) restChangedLocked() {
+	if l.rest != nil {
+		close(l.rest)
+		l.rest = nil
+	}
 }
 
 // ResumeServer rebuilds on conn a serving end a previous process froze.

@@ -141,13 +141,12 @@ func TestFreezeResume(t *testing.T) {
 		t.Fatal(err)
 	}
 	echoed := <-stopped
-	// The handler has detached; its return (which Freeze waits for, as
-	// ErrNotAtRest says) may take a moment more.
-	frozen, err := l.Freeze()
-	for deadline := time.Now().Add(5 * time.Second); errors.Is(err, ErrNotAtRest) && time.Now().Before(deadline); {
-		time.Sleep(time.Millisecond)
-		frozen, err = l.Freeze()
+	// The handler has detached; its return (which Freeze needs, as
+	// ErrNotAtRest says) may take a moment more: WaitAtRest waits for it.
+	if err := l.WaitAtRest(ctx); err != nil {
+		t.Fatal(err)
 	}
+	frozen, err := l.Freeze()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -191,6 +191,7 @@ func (st *stream) handlerDone() {
 	if st.state == stateClosed {
 		st.uncountLocked()
 	}
+	l.restChangedLocked()
 	if !st.resetByThePeer && l.resetBudget < l.cfg.MaxPeerResets {
 		l.resetBudget++
 	}

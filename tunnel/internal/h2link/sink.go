@@ -1,11 +1,13 @@
 package h2link
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 
@@ -25,12 +27,24 @@ import (
 // The read loop never blocks: its write is one non-blocking system call,
 // and whatever the socket did not take is queued for the writer.
 
-// delivery is the progress of a stream's bytes into a socket.
+// Delivery is the progress of a stream's bytes into a socket.
 type Delivery struct {
 	done    chan struct{} // closed when delivery ended
 	written atomic.Int64  // bytes written so far; any goroutine
 	err     error         // written once, before done is closed: nil after a clean END_STREAM
+	// mark is the one waiter of WaitWritten, if any: whoever adds bytes that
+	// take written to its count closes its channel.
+	mark atomic.Pointer[deliveryMark]
 }
+
+// deliveryMark is a count of written bytes someone waits for.
+type deliveryMark struct {
+	n    int64
+	ch   chan struct{}
+	once sync.Once
+}
+
+func (m *deliveryMark) reach() { m.once.Do(func() { close(m.ch) }) }
 
 // Done is closed once everything was delivered, or delivery failed.
 func (d *Delivery) Done() <-chan struct{} { return d.done }
@@ -38,15 +52,60 @@ func (d *Delivery) Done() <-chan struct{} { return d.done }
 // Result is what was written and why delivery ended; valid after Done.
 func (d *Delivery) Result() (int64, error) { return d.written.Load(), d.err }
 
+// Written is the count of bytes written so far.
+func (d *Delivery) Written() int64 { return d.written.Load() }
+
 // NewDelivery is a delivery that its caller carries out itself: it adds
-// what it wrote with Add and ends it with Complete.
+// what it wrote with Add, and ends it with Complete.
 func NewDelivery() *Delivery { return &Delivery{done: make(chan struct{})} }
 
-// Add counts n more bytes written.
-func (d *Delivery) Add(n int64) { d.written.Add(n) }
+// Add counts n more bytes written, for a delivery made with NewDelivery.
+func (d *Delivery) Add(n int64) { d.add(n) }
 
-// Complete ends the delivery with err; once only.
+// Complete ends a delivery made with NewDelivery; once only.
 func (d *Delivery) Complete(err error) { d.complete(err) }
+
+// add counts n more bytes written and wakes the waiter of Reached once
+// its count is met: one atomic load more than the count itself.
+func (d *Delivery) add(n int64) {
+	w := d.written.Add(n)
+	if m := d.mark.Load(); m != nil && w >= m.n {
+		m.reach()
+	}
+}
+
+// reached returns a channel closed once n bytes in all were written
+// (at once if they were). One waiter at a time: a later call replaces an
+// earlier one's count.
+func (d *Delivery) reached(n int64) <-chan struct{} {
+	m := &deliveryMark{n: n, ch: make(chan struct{})}
+	d.mark.Store(m)
+	if d.written.Load() >= n {
+		m.reach()
+	}
+	return m.ch
+}
+
+// WaitWritten waits until exactly n bytes in all were written. It fails
+// when more were, when the delivery ends short of n, or when ctx ends
+// first. One waiter at a time.
+func (d *Delivery) WaitWritten(ctx context.Context, n int64) error {
+	select {
+	case <-d.reached(n):
+	case <-d.done:
+	case <-ctx.Done():
+	}
+	switch w := d.written.Load(); {
+	case w == n:
+		return nil
+	case w > n:
+		return fmt.Errorf("%d bytes written, more than the %d expected", w, n)
+	case ctx.Err() != nil:
+		return fmt.Errorf("%d of %d bytes written: %w", w, n, ctx.Err())
+	default:
+		return fmt.Errorf("delivery ended after %d of %d bytes", w, n)
+	}
+}
 
 func (d *Delivery) complete(err error) {
 	d.err = err
@@ -110,7 +169,7 @@ func (b *Body) DeliverTo(conn net.Conn, after func(error) error) *Delivery {
 	if raw == nil {
 		st.l.cfg.Spawn(func() {
 			n, err := b.WriteTo(conn)
-			d.written.Add(n)
+			d.add(n)
 			d.complete(after(err))
 		})
 		return d
@@ -204,7 +263,7 @@ func (st *stream) writeToSinkRLocked(data []byte) (n int, failed error) {
 	case werr != nil:
 		return 0, os.NewSyscallError("write", werr)
 	}
-	s.d.written.Add(int64(n))
+	s.d.add(int64(n))
 	if n > 0 && st.onWrite != nil {
 		st.onWrite(n)
 	}
@@ -229,7 +288,7 @@ func (st *stream) drainSink() {
 		st.rmu.Unlock()
 
 		n, taken, err := writeChunks(s.conn, chunks, head)
-		s.d.written.Add(n)
+		s.d.add(n)
 		st.rmu.Lock()
 		if n > 0 && st.onWrite != nil {
 			st.onWrite(int(n))

@@ -2,10 +2,12 @@ package h2link
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"net"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -326,4 +328,39 @@ func sinkFramesOnce(t *testing.T, data []byte) {
 		t.Fatalf("%d bytes delivered from %d bytes of frames", written, len(data))
 	}
 	waitLinkEnded(t, l, "link did not end with its connection")
+}
+
+// TestDeliveryWaitWritten: a waiter wakes when the count it waits for is
+// written, not before; and fails when more was written, when the delivery
+// ends short, or when its context ends.
+func TestDeliveryWaitWritten(t *testing.T) {
+	d := NewDelivery()
+	d.Add(3)
+	if err := d.WaitWritten(context.Background(), 3); err != nil {
+		t.Fatalf("3 of 3 bytes written: %v", err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- d.WaitWritten(context.Background(), 10) }()
+	d.Add(4)
+	select {
+	case err := <-waited:
+		t.Fatalf("returned at 7 of 10 bytes: %v", err)
+	default:
+	}
+	d.Add(3)
+	if err := <-waited; err != nil {
+		t.Fatalf("10 of 10 bytes written: %v", err)
+	}
+	if err := d.WaitWritten(context.Background(), 8); err == nil {
+		t.Error("10 bytes written, 8 expected: no error")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := d.WaitWritten(ctx, 20); !errors.Is(err, context.Canceled) {
+		t.Errorf("context ended: %v", err)
+	}
+	go d.Complete(nil)
+	if err := d.WaitWritten(context.Background(), 20); err == nil || !strings.Contains(err.Error(), "ended after 10 of 20") {
+		t.Errorf("delivery ended short: %v", err)
+	}
 }

@@ -260,13 +260,13 @@ func (st *stream) pumpUpload() {
 }
 
 // uploadFailed resets the stream after its upload failed, unless the upload
-// paused: then the stream stays open for the caller, which moves the tunnel
-// elsewhere (a restart's handover). Apart from pumpUpload, whose frame stays
-// on parked stacks.
+// stopped (ErrUploadStopped): then the stream stays open for the caller,
+// which moves the tunnel elsewhere. Apart from pumpUpload, whose frame
+// stays on parked stacks.
 //
 //go:noinline
 func (st *stream) uploadFailed(err error) {
-	if errors.Is(err, ErrUploadPaused) {
+	if errors.Is(err, ErrUploadStopped) {
 		return
 	}
 	st.reset(http2.ErrCodeCancel, fmt.Errorf("%w: upload: %v", ErrStreamReset, err))
@@ -450,6 +450,7 @@ func (st *stream) remove() {
 	if !st.handlerRunning {
 		st.uncountLocked()
 	}
+	l.restChangedLocked()
 	if l.idle != nil && len(l.streams) == 0 {
 		select {
 		case <-l.idle:
@@ -547,7 +548,7 @@ func (st *stream) resetByPeer(code http2.ErrCode) (exhausted bool) {
 		}
 		l.mu.Unlock()
 	}
-	st.finish(fmt.Errorf("%w by the agent (%v)", ErrStreamReset, code))
+	st.finish(fmt.Errorf("%w by the peer (%v)", ErrStreamReset, code))
 	st.remove()
 	st.abort()
 	return exhausted

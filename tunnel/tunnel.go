@@ -1,0 +1,242 @@
+package tunnel
+
+import (
+	"context"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+)
+
+// tunnel is one dial on the server, from the client's side of a front door
+// to the agent's stream: everything the server knows of it is here, and
+// every per-tunnel task (the quiet drain, the hang-up sweep, a handover,
+// status and metrics) finds it in one table, Server.tunnels. The two front
+// doors differ only in front.
+type tunnel struct {
+	// Immutable once the tunnel is in Server.tunnels.
+	s     *Server
+	front front // the client's side: an HTTP CONNECT socket or a gRPC call
+
+	// Owned by the goroutine that serves the tunnel until it moves to
+	// open; read-only from then on (the move is made under Server.mu).
+	addr   string             // the destination, as the client asked for it
+	agent  *agentConn         // the agent the stream runs through
+	body   io.ReadCloser      // the stream's answer: the agent's bytes
+	cancel context.CancelFunc // ends the stream (RST_STREAM while it is open)
+	since  time.Time          // when the agent answered
+	handed *PausedTunnel      // a tunnel the previous image paused, to carry on
+
+	up   upload                          // the client's bytes toward the agent
+	down atomic.Pointer[h2link.Delivery] // the agent's bytes toward the client, once they flow
+	act  activity                        // the tunnel's traffic, for the quiet drain (quiet.go)
+
+	state    tunnelState // guarded by Server.mu; changed only by moveLocked
+	hungSeen bool        // owned by the hang-up sweep (hangup.go)
+	endOnce  sync.Once   // endStream
+}
+
+// front is the client's side of a tunnel: what differs between the HTTP
+// CONNECT front door (frontend.go) and the gRPC one (grpc_frontend.go).
+type front interface {
+	// quiet is how long the tunnel must be quiet before a drain closes it.
+	quiet() time.Duration
+	// closeQuiet ends the tunnel the way a client sees a server close an
+	// idle connection. Called once, outside every lock.
+	closeQuiet(t *tunnel)
+	// unread reports bytes the client sent that were not read yet.
+	unread() bool
+	// hangup is the client's Unix socket, swept for a client that left
+	// (hangup.go); nil when it cannot be told this way.
+	hangup() net.Conn
+	// closeSocket closes the client's socket: the server is closing.
+	closeSocket()
+	// pausable and pause are the front door's half of a handover
+	// (handover.go).
+	pausable(t *tunnel) bool
+	pause(ctx context.Context, t *tunnel) (*PausedTunnel, error)
+}
+
+// tunnelState is where a tunnel is in its life. Every change goes through
+// moveLocked and the table tunnelMoves.
+type tunnelState uint8
+
+const (
+	tunnelDialing  tunnelState = iota // in the table, the agent has not answered: only Close ends it
+	tunnelOpen                        // carrying bytes both ways
+	tunnelDraining                    // a drain is closing it at a quiet moment
+	tunnelPausing                     // a handover is stopping it
+	tunnelPaused                      // handed to the next image; its stream here ends
+	tunnelClosed                      // out of the table
+	numTunnelStates
+)
+
+var tunnelStateNames = [numTunnelStates]string{"dialing", "open", "draining", "pausing", "paused", "closed"}
+
+func (st tunnelState) String() string { return tunnelStateNames[st] }
+
+// tunnelMoves is the one table of a tunnel's states: the states each may
+// move to. Closed is where every tunnel ends, when the goroutine serving it
+// returns (Server.leave); a drain and a handover take only open tunnels,
+// so the two never meet on one.
+var tunnelMoves = [numTunnelStates][]tunnelState{
+	tunnelDialing:  {tunnelOpen, tunnelClosed},
+	tunnelOpen:     {tunnelDraining, tunnelPausing, tunnelClosed},
+	tunnelDraining: {tunnelClosed},
+	tunnelPausing:  {tunnelPaused, tunnelClosed},
+	tunnelPaused:   {tunnelClosed},
+	tunnelClosed:   nil,
+}
+
+// moveLocked moves t to next if tunnelMoves allows it, and reports whether
+// it did; a tunnel that closes leaves the table. Server.mu is held.
+func (t *tunnel) moveLocked(next tunnelState) bool {
+	for _, ok := range tunnelMoves[t.state] {
+		if ok == next {
+			t.state = next
+			if next == tunnelClosed {
+				t.s.leftLocked(t)
+			}
+			return true
+		}
+	}
+	return false
+}
+
+// move is moveLocked under Server.mu.
+func (t *tunnel) move(next tunnelState) bool {
+	t.s.mu.Lock()
+	defer t.s.mu.Unlock()
+	return t.moveLocked(next)
+}
+
+// enter puts a new tunnel in the table, dialing; false once the server
+// closed.
+func (s *Server) enter(t *tunnel) bool {
+	t.s = s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.tunnels[t] = struct{}{}
+	return true
+}
+
+// leave ends t's time in the table: the goroutine serving it returns.
+func (s *Server) leave(t *tunnel) {
+	s.mu.Lock()
+	t.moveLocked(tunnelClosed)
+	s.mu.Unlock()
+}
+
+// leftLocked takes a closed tunnel off the table. Server.mu is held.
+func (s *Server) leftLocked(t *tunnel) {
+	delete(s.tunnels, t)
+	s.emptiedLocked()
+}
+
+// enterGRPCConn and leaveGRPCConn count a gRPC front door connection, which
+// a drain waits for as for a tunnel: its last call's status goes out after
+// the call's tunnel left the table. enterGRPCConn is false once the server
+// closed.
+func (s *Server) enterGRPCConn() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.grpcConns++
+	return true
+}
+
+func (s *Server) leaveGRPCConn() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.grpcConns--
+	s.emptiedLocked()
+}
+
+// emptiedLocked wakes waitTunnels once no tunnel and no gRPC connection is
+// left. Server.mu is held.
+func (s *Server) emptiedLocked() {
+	if len(s.tunnels) == 0 && s.grpcConns == 0 && s.emptied != nil {
+		close(s.emptied)
+		s.emptied = nil
+	}
+}
+
+// waitTunnels waits until no tunnel and no gRPC connection is left, or ctx
+// ends.
+func (s *Server) waitTunnels(ctx context.Context) error {
+	s.mu.Lock()
+	if len(s.tunnels) == 0 && s.grpcConns == 0 {
+		s.mu.Unlock()
+		return nil
+	}
+	if s.emptied == nil {
+		s.emptied = make(chan struct{})
+	}
+	emptied := s.emptied
+	s.mu.Unlock()
+	select {
+	case <-emptied:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// tunnelsIn returns the tunnels in state st.
+func (s *Server) tunnelsIn(st tunnelState) []*tunnel {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*tunnel
+	for t := range s.tunnels {
+		if t.state == st {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// countTunnels counts the tunnels in state st.
+func (s *Server) countTunnels(st tunnelState) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for t := range s.tunnels {
+		if t.state == st {
+			n++
+		}
+	}
+	return n
+}
+
+// established records the agent's answer: t carries bytes from here on.
+func (t *tunnel) established(a *agentConn, body io.ReadCloser, cancel context.CancelFunc) {
+	t.agent, t.body, t.cancel, t.since = a, body, cancel, time.Now()
+	t.up.counters = append(t.up.counters, &a.bytesTo) // read only after start
+	t.s.metrics.established.Add(1)
+}
+
+// endStream ends the agent's stream (RST_STREAM if it is still open);
+// safe to repeat, and to call from any goroutine.
+func (t *tunnel) endStream() {
+	t.endOnce.Do(func() {
+		t.body.Close()
+		t.cancel()
+		t.agent.streams.Add(-1)
+		t.s.metrics.established.Add(-1)
+		t.s.metrics.connDuration.ObserveDuration(time.Since(t.since))
+	})
+}
+
+// fromAgent counts n bytes the agent sent and that went to the client.
+func (t *tunnel) fromAgent(n int64) {
+	t.s.Stats.BytesFromAgent.Add(n)
+	t.agent.bytesFrom.Add(n)
+}
