@@ -109,6 +109,12 @@ func New(cfg Config) (*Watcher, error) {
 // Table is the table the Watcher keeps; lookups may start before Run.
 func (w *Watcher) Table() *Table { return w.table }
 
+// NodeOf names the node that owns host, or "" (Table.Lookup).
+func (w *Watcher) NodeOf(host string) string {
+	n, _ := w.table.Lookup(host)
+	return n
+}
+
 // Synced reports whether every kind has been listed at least once.
 func (w *Watcher) Synced() bool {
 	for _, f := range w.kinds {
