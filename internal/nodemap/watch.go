@@ -106,6 +106,14 @@ func New(cfg Config) (*Watcher, error) {
 	return w, nil
 }
 
+// SetLogger replaces the logger New was given; call it before Run.
+func (w *Watcher) SetLogger(l *slog.Logger) {
+	w.log = l
+	for _, f := range w.kinds {
+		f.log = l.With("kind", f.c.kind.String())
+	}
+}
+
 // Table is the table the Watcher keeps; lookups may start before Run.
 func (w *Watcher) Table() *Table { return w.table }
 
