@@ -61,9 +61,10 @@ type follower struct {
 	log     *slog.Logger
 	state   string // the last failure logged ("" when working)
 	full    bool   // a table-full warning was logged since the last list
-	synced  atomic.Bool
-	minGap  time.Duration // least time between two list or watch calls
-	lastReq time.Time
+	synced    atomic.Bool
+	minGap    time.Duration // least time between two lists, and between two watches
+	lastList  time.Time     // when the last list started
+	lastWatch time.Time     // when the last watch started
 }
 
 // New returns a Watcher that is not yet running.
@@ -167,20 +168,21 @@ func (f *follower) run(ctx context.Context) {
 	}
 }
 
-// pace keeps list and watch calls minGap apart, so an apiserver that ends
-// every watch at once is not called in a tight loop.
-func (f *follower) pace(ctx context.Context) bool {
-	if wait := f.minGap - time.Since(f.lastReq); wait > 0 && !sleep(ctx, wait) {
+// pace keeps two lists, or two watches, minGap apart, so an apiserver
+// that ends every watch at once, or answers every watch with 410, is not
+// called in a tight loop. A watch right after its list does not wait.
+func (f *follower) pace(ctx context.Context, last *time.Time) bool {
+	if wait := f.minGap - time.Since(*last); wait > 0 && !sleep(ctx, wait) {
 		return false
 	}
-	f.lastReq = time.Now()
+	*last = time.Now()
 	return true
 }
 
 // list reads the whole collection page by page into the table, then drops
 // the objects the table holds that the list no longer has.
 func (f *follower) list(ctx context.Context) (string, error) {
-	if !f.pace(ctx) {
+	if !f.pace(ctx, &f.lastList) {
 		return "", ctx.Err()
 	}
 	seen := map[string]struct{}{}
@@ -222,7 +224,7 @@ func (f *follower) list(ctx context.Context) (string, error) {
 // ends on time is renewed from the last resourceVersion seen.
 func (f *follower) watchFrom(ctx context.Context, rv string) error {
 	for {
-		if !f.pace(ctx) {
+		if !f.pace(ctx, &f.lastWatch) {
 			return ctx.Err()
 		}
 		timeout := f.w.cfg.WatchTimeout + time.Duration(rand.Int64N(int64(f.w.cfg.WatchTimeout)))
