@@ -56,11 +56,11 @@ type Watcher struct {
 // follower lists and watches one kind; its fields are owned by the
 // goroutine that runs it (Watcher.Run starts one per kind).
 type follower struct {
-	w       *Watcher
-	c       client
-	log     *slog.Logger
-	state   string // the last failure logged ("" when working)
-	full    bool   // a table-full warning was logged since the last list
+	w         *Watcher
+	c         client
+	log       *slog.Logger
+	state     string // the last failure logged ("" when working)
+	full      bool   // a table-full warning was logged since the last list
 	synced    atomic.Bool
 	minGap    time.Duration // least time between two lists, and between two watches
 	lastList  time.Time     // when the last list started
