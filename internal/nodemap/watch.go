@@ -53,8 +53,10 @@ type Watcher struct {
 	kinds []*follower
 }
 
-// follower lists and watches one kind; its fields are owned by the
-// goroutine that runs it (Watcher.Run starts one per kind).
+// follower lists and watches one kind. Its fields are owned by the
+// goroutine that runs it (Watcher.Run starts one per kind), except synced,
+// which Synced reads from any goroutine, and log, which SetLogger may
+// replace before Run.
 type follower struct {
 	w         *Watcher
 	c         client
