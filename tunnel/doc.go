@@ -67,17 +67,18 @@
 // stream under it. Agent.mu guards the agent's connections, counts and
 // the destinations held for a restart. Leaf locks, under which nothing
 // else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu,
-// watchedConn's, logLimiter's and promtext's registry lock. Nothing
-// registers a metric under Server.mu, registry.mu or Agent.mu. Every other shared field is
-// immutable once published, atomic, or owned by one goroutine, as its
-// comment says.
+// watchedConn's, logLimiter's and promtext's registry lock; nothing
+// registers a metric under Server.mu, registry.mu or Agent.mu. Every
+// other shared field is immutable once published, atomic, or owned by
+// one goroutine, as its comment says.
 //
 // # Rules
 //
 // Lifecycles: every goroutine has an owner that ends it: the Server (Close
 // waits for all it started) or the Agent (Run returns after its
-// connections and tunnels ended). Package-level state is read-only, apart
-// from sync.Pools of buffers. The package imports tunnel/internal/h2link (the link),
+// connections and tunnels ended). Package-level state is read-only (the
+// table of a tunnel's states among it), apart from sync.Pools of buffers.
+// The package imports tunnel/internal/h2link (the link),
 // tunnel/internal/grpcwire (upstream's Packet wire format) and
 // tunnel/promtext (metrics); it never imports package main, auth or certs:
 // authentication reaches it as functions in ServerConfig.

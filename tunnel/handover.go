@@ -52,9 +52,11 @@ import (
 //
 // Only what can move without loss is paused: a tunnel on a Unix-socket (or
 // plain TCP) front door, through an agent that announced featurePause,
-// with both directions open. Everything else drains as before (quiet.go),
-// and a pause that fails at any step closes its tunnel, as a drain's
-// deadline would.
+// with both directions open, alone on its connection. Everything else
+// drains as with Shutdown (quiet.go), and a pause that fails at any step
+// closes its tunnel, as a drain's deadline would. Only an open tunnel
+// moves to pausing (tunnel.go), so a drain never closes a tunnel being
+// paused.
 //
 // The wire words of the protocol (pausePath and its headers) are in
 // handshake.go, with the rest of what both sides speak.

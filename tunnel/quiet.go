@@ -54,8 +54,8 @@ func unread(raw syscall.RawConn) bool {
 
 // closeQuietTunnels closes each open tunnel once it is quiet, until stop
 // is closed. One goroutine per draining server polls them all: nothing
-// runs per tunnel. A tunnel it closes moves to draining, so a restart
-// no longer moves it.
+// runs per tunnel. A tunnel it closes moves to draining, which a
+// restart's move never takes.
 func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 	type sample struct {
 		v     uint64

@@ -139,7 +139,8 @@ type Server struct {
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
-	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
+	pending     atomic.Int64  // accepted frontend connections whose dial is not yet answered
+	answered    chan struct{} // guarded by mu: closed when pending drops to 0 (waitPending)
 
 	Stats         ServerStats
 	nextConnectID atomic.Int64 // gRPC frontend connection IDs
@@ -279,12 +280,45 @@ func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Con
 		if countPending {
 			s.pending.Add(1)
 			var once sync.Once
-			release = func() { once.Do(func() { s.pending.Add(-1) }) }
+			release = func() { once.Do(s.answeredOne) }
 		}
 		s.goroutine(func() {
 			defer release()
 			handle(c, release)
 		})
+	}
+}
+
+// answeredOne ends one accepted connection's count as pending, and wakes
+// waitPending when it was the last.
+func (s *Server) answeredOne() {
+	if s.pending.Add(-1) != 0 {
+		return
+	}
+	s.mu.Lock()
+	if s.answered != nil {
+		close(s.answered)
+		s.answered = nil
+	}
+	s.mu.Unlock()
+}
+
+// waitPending waits until every accepted connection's dial is answered, or
+// ctx ends.
+func (s *Server) waitPending(ctx context.Context) {
+	s.mu.Lock()
+	if s.pending.Load() == 0 {
+		s.mu.Unlock()
+		return
+	}
+	if s.answered == nil {
+		s.answered = make(chan struct{})
+	}
+	answered := s.answered
+	s.mu.Unlock()
+	select {
+	case <-answered:
+	case <-ctx.Done():
 	}
 }
 
@@ -367,9 +401,7 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 	s.mu.Unlock()
 	s.acceptLoops.Wait()
 	// Agents still take new streams here, so accepted dials complete.
-	for s.pending.Load() > 0 && ctx.Err() == nil {
-		time.Sleep(2 * time.Millisecond)
-	}
+	s.waitPending(ctx)
 	var moving func(context.Context)
 	if move != nil {
 		moving = move()
