@@ -208,3 +208,32 @@ func TestWatcherOneNode(t *testing.T) {
 	f.put(pathPods, done)
 	waitFor(t, "finished pod dropped", routesTo(tb, "172.31.1.2", ""))
 }
+
+// With Pods, a server also learns pod addresses from Pods on every node,
+// beside EndpointSlices; a Pod that leaves its address (finished, or on
+// the host's network) places none.
+func TestWatcherPods(t *testing.T) {
+	testnet.CheckNoLeaks(t)
+	f := newFakeAPI(t)
+	f.put(pathNodes, nodeObj("a", []string{"192.168.0.1"}, "10.244.0.0/24"))
+	f.put(pathNodes, nodeObj("b", []string{"192.168.0.2"}, "10.244.1.0/24"))
+	f.put(pathPods, podObj("default", "pa", "a", "172.31.1.1"))
+	hostNet := podObj("kube-system", "proxy-b", "b", "192.168.0.2")
+	hostNet["spec"].(map[string]any)["hostNetwork"] = true
+	f.put(pathPods, hostNet)
+	w, _ := startWatcher(t, f.srv.URL, Config{Pods: true})
+	tb := w.Table()
+	waitFor(t, "first list", w.Synced)
+	checkLookups(t, tb, []lookupCase{
+		{"172.31.1.1", "a", PodAddress},
+		{"192.168.0.2", "b", NodeAddress},
+	})
+	if _, pods := tb.Size(); pods != 1 {
+		t.Errorf("pod addresses = %d, want 1 (the host-network pod places none)", pods)
+	}
+	f.put(pathPods, podObj("default", "pb", "b", "172.31.2.2"))
+	waitFor(t, "new pod", routesTo(tb, "172.31.2.2", "b"))
+	if n := f.count("LIST " + pathPods); n != 1 {
+		t.Errorf("pod lists = %d, want 1", n)
+	}
+}
