@@ -94,7 +94,7 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 			if timer != nil {
 				timer.Stop()
 			}
-			s.countNodeRoute(used, d, a)
+			s.countNodeRoute(used, a)
 			return a, nil
 		}
 		if timer == nil {
@@ -104,7 +104,7 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 		select {
 		case <-changed:
 		case <-timer.C:
-			s.countNodeRoute("", d, nil)
+			s.countNodeRoute("", nil)
 			return nil, statusErrorf(http.StatusServiceUnavailable, "no agent available for %s: waited %s%s", host, s.cfg.AgentWait, s.nodeRouteWhy(d)).withReason(reasonNoAgent)
 		case <-up.clientGone:
 			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection while waiting for an agent").withReason(reasonFrontendClosed)
@@ -124,7 +124,7 @@ const (
 // countNodeRoute counts what the node strategy did for a dial that found
 // agent a by strategy used (nil and "": none found). A dial that an
 // earlier strategy routed never asked the node strategy.
-func (s *Server) countNodeRoute(used Strategy, d dest, a *agentConn) {
+func (s *Server) countNodeRoute(used Strategy, a *agentConn) {
 	if s.nodeRank < 0 {
 		return
 	}
@@ -135,7 +135,6 @@ func (s *Server) countNodeRoute(used Strategy, d dest, a *agentConn) {
 		s.metrics.nodeRoutes[nodeRefused].Inc()
 	case slices.Index(s.cfg.Strategies, used) > s.nodeRank:
 		s.metrics.nodeRoutes[nodeFellThrough].Inc()
-		s.log.Debug("dial fell through the node strategy", "host", d.host, "node", d.node, "agent", a.id, "strategy", string(used))
 	}
 }
 
