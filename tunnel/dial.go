@@ -88,7 +88,7 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 	for {
 		changed := s.agents.waitChan()
 		if s.nodeRank >= 0 {
-			d.node = s.cfg.NodeOf(host) // again on each wake: the map follows the apiserver
+			d.node, d.mapLoaded = s.cfg.NodeOf(host) // again on each wake: the map follows the apiserver
 		}
 		if a, used := s.agents.pick(d, s.cfg.Strategies, maxStreams, exclude); a != nil {
 			if timer != nil {
@@ -143,6 +143,8 @@ func (s *Server) nodeRouteWhy(d dest) string {
 	switch {
 	case s.nodeRank < 0:
 		return ""
+	case d.node == "" && !d.mapLoaded:
+		return "; node strategy: the server has not read the apiserver's Nodes and EndpointSlices yet (its log says why: apiserver unreachable, or RBAC missing)"
 	case d.node == "":
 		return fmt.Sprintf("; node strategy: no node the apiserver lists owns %s", d.host)
 	}

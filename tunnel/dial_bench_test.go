@@ -57,14 +57,14 @@ func BenchmarkDialEchoNodeStrategy(b *testing.B) {
 		pods[netip.AddrFrom4([4]byte{100, byte(64 + i>>16), byte(i >> 8), byte(i)})] = "node"
 	}
 	var mu sync.RWMutex
-	nodeOf := func(host string) string {
+	nodeOf := func(host string) (string, bool) {
 		a, err := netip.ParseAddr(host)
 		if err != nil {
-			return ""
+			return "", true
 		}
 		mu.RLock()
 		defer mu.RUnlock()
-		return pods[a]
+		return pods[a], true
 	}
 	e := newEnv(b, func(c *ServerConfig) {
 		c.Strategies = []Strategy{StrategyNode, StrategyDefault}

@@ -6,13 +6,14 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 )
 
 // nodeEnv is a token server whose node map says 127.0.0.2 is node-a's,
 // 127.0.0.3 node-b's and 127.0.0.4 node-c's, with agents for node-a and
 // node-b (token-bound) and one whose token names no node.
-func nodeEnv(t *testing.T, strategies ...Strategy) *env {
+func nodeEnv(t *testing.T, loaded *atomic.Bool, strategies ...Strategy) *env {
 	f := newFakeTokens()
 	f.addPod("tok-a", "node-a", "agent-a", "uid-a")
 	f.addPod("tok-b", "node-b", "agent-b", "uid-b")
@@ -20,7 +21,7 @@ func nodeEnv(t *testing.T, strategies ...Strategy) *env {
 	owners := map[string]string{"127.0.0.2": "node-a", "127.0.0.3": "node-b", "127.0.0.4": "node-c"}
 	e := tokenEnv(t, f, nil, func(c *ServerConfig) {
 		c.Strategies = strategies
-		c.NodeOf = func(host string) string { return owners[host] }
+		c.NodeOf = func(host string) (string, bool) { return owners[host], loaded.Load() }
 	})
 	noCert := func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.pki.pool, ServerName: name}, nil }
 	for id, tok := range map[string]string{"node-a": "tok-a", "node-b": "tok-b", "free": "tok-free"} {
@@ -61,7 +62,9 @@ func nodeRoutes(e *env, result string) uint64 { return e.srv.metrics.nodeRoutes[
 // owns, falls through to default.
 func TestNodeStrategyRoutesToBoundAgent(t *testing.T) {
 	checkNoLeaks(t)
-	e := nodeEnv(t, StrategyNode, StrategyDefault)
+	var loaded atomic.Bool
+	loaded.Store(true)
+	e := nodeEnv(t, &loaded, StrategyNode, StrategyDefault)
 	toA, toB := echoOn(t, "127.0.0.2"), echoOn(t, "127.0.0.3")
 	var open []net.Conn
 	defer func() {
@@ -95,11 +98,14 @@ func TestNodeStrategyRoutesToBoundAgent(t *testing.T) {
 	}
 }
 
-// With node alone, a dial it cannot route is a 503 that says why.
+// With node alone, a dial it cannot route is a 503 that says why: the map
+// not read yet, no agent for the owning node, or no owner.
 func TestNodeStrategyLastRefusesWithReason(t *testing.T) {
 	checkNoLeaks(t)
-	e := nodeEnv(t, StrategyNode)
+	var loaded atomic.Bool
+	e := nodeEnv(t, &loaded, StrategyNode)
 	for _, tc := range []struct{ addr, why string }{
+		{echoOn(t, "127.0.0.5"), "has not read the apiserver's Nodes and EndpointSlices yet"},
 		{echoOn(t, "127.0.0.4"), `no agent bound to node "node-c" (which owns 127.0.0.4) is connected`},
 		{echoOn(t, "127.0.0.5"), "no node the apiserver lists owns 127.0.0.5"},
 	} {
@@ -109,9 +115,10 @@ func TestNodeStrategyLastRefusesWithReason(t *testing.T) {
 		if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(msg)+resp.Status, tc.why) {
 			t.Errorf("CONNECT %s: %s %q; want 503 saying %q", tc.addr, resp.Status, msg, tc.why)
 		}
+		loaded.Store(true) // after the first: the map is read
 	}
-	if n := nodeRoutes(e, nodeRefused); n != 2 {
-		t.Errorf("refused = %d, want 2", n)
+	if n := nodeRoutes(e, nodeRefused); n != 3 {
+		t.Errorf("refused = %d, want 3", n)
 	}
 	e.echoOne(echoOn(t, "127.0.0.2")).Close()
 }

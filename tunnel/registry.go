@@ -165,9 +165,11 @@ func (r *registry) waitChan() <-chan struct{} {
 
 // dest is a dial's destination as the strategies see it: its host, and the
 // node the apiserver says owns it ("" when none does or the node strategy
-// is off). The node is looked up before the registry's lock is taken.
+// is off; mapLoaded false when the server has not read the apiserver's
+// view yet). The node is looked up before the registry's lock is taken.
 type dest struct {
 	host, node string
+	mapLoaded  bool
 }
 
 // pick chooses an agent for a dial to d, or nil, and says which strategy

@@ -52,9 +52,11 @@ type ServerConfig struct {
 	// NodeOf names the node the apiserver says owns a destination host (a
 	// node address, a pod address, an address in a pod CIDR), or "" when
 	// none does; the node strategy routes the dial to the agent bound to
-	// that node. Required when Strategies holds StrategyNode. It is called
-	// for every dial, with no lock of the server held.
-	NodeOf func(host string) string
+	// that node. loaded is false until the server has read the apiserver's
+	// view once, so a refusal can tell "no node owns it" from "not known
+	// yet". Required when Strategies holds StrategyNode. It is called for
+	// every dial, with no lock of the server held.
+	NodeOf func(host string) (node string, loaded bool)
 
 	AgentWait          time.Duration // how long a dial waits for an agent to appear (default 5s)
 	DialTimeout        time.Duration // bound from CONNECT to the agent's answer (default 10s)

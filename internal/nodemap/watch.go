@@ -120,10 +120,11 @@ func (w *Watcher) SetLogger(l *slog.Logger) {
 // Table is the table the Watcher keeps; lookups may start before Run.
 func (w *Watcher) Table() *Table { return w.table }
 
-// NodeOf names the node that owns host, or "" (Table.Lookup).
-func (w *Watcher) NodeOf(host string) string {
+// NodeOf names the node that owns host, or "" (Table.Lookup); loaded is
+// false until every kind has been listed once.
+func (w *Watcher) NodeOf(host string) (node string, loaded bool) {
 	n, _ := w.table.Lookup(host)
-	return n
+	return n, w.Synced()
 }
 
 // Synced reports whether every kind has been listed at least once.
