@@ -246,8 +246,9 @@ type listHead struct {
 }
 
 // decodeList reads a list answer from body, handing each item to each as
-// soon as it is read, so a list is never held whole. Each item may take
-// at most maxObjectSize bytes and a page at most maxListItems items.
+// soon as it is read, so a list is never held whole. Each item is read
+// with a budget of maxObjectSize bytes (beyond what the decoder had read
+// ahead), and a page may hold at most maxListItems items.
 func decodeList(body io.Reader, each func(item []byte) error) (listHead, error) {
 	br := &budgetReader{r: body, budget: maxObjectSize}
 	dec := json.NewDecoder(br)

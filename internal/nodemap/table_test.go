@@ -1,7 +1,10 @@
 package nodemap
 
 import (
+	"encoding/json"
+	"errors"
 	"net/netip"
+	"strings"
 	"testing"
 )
 
@@ -184,4 +187,40 @@ func TestTableAmbiguousRoutesNowhere(t *testing.T) {
 		{"203.0.113.1", "a", NodeAddress},
 		{"10.244.1.1", "a", PodCIDR},
 	})
+}
+
+// A list item or watch event far over maxObjectSize ends the read: a
+// broken or hostile apiserver cannot make the decoder buffer without
+// bound. (The budget counts bytes read; what the decoder read ahead for
+// the previous value is not counted again, so the bound is approximate by
+// at most that read-ahead.)
+func TestDecodeBounds(t *testing.T) {
+	big := `{"metadata":{"name":"n"},"pad":"` + strings.Repeat("x", 2*maxObjectSize) + `"}`
+	err := func() error {
+		_, err := decodeList(strings.NewReader(`{"items":[`+big+`]}`), func([]byte) error { return nil })
+		return err
+	}()
+	if !errors.Is(err, errTooLarge) {
+		t.Errorf("list with a %d-byte item: %v", len(big), err)
+	}
+	br := &budgetReader{r: strings.NewReader(`{"type":"ADDED","object":` + big + `}`)}
+	if _, err := nextEvent(json.NewDecoder(br), br, kindNodes); !errors.Is(err, errTooLarge) {
+		t.Errorf("watch event over the bound: %v", err)
+	}
+	items := strings.Repeat(`{"metadata":{"name":"n"}},`, maxListItems)
+	if _, err := decodeList(strings.NewReader(`{"items":[`+items+`{"metadata":{"name":"n"}}]}`), func([]byte) error { return nil }); err == nil || !strings.Contains(err.Error(), "more than") {
+		t.Errorf("list page with %d items: %v", maxListItems+1, err)
+	}
+	// Many small objects in a row each get the whole budget.
+	var ok strings.Builder
+	for range 5 {
+		ok.WriteString(`{"type":"ADDED","object":{"metadata":{"name":"n"},"pad":"` + strings.Repeat("x", maxObjectSize/2) + `"}}` + "\n")
+	}
+	br = &budgetReader{r: strings.NewReader(ok.String())}
+	dec := json.NewDecoder(br)
+	for i := range 5 {
+		if _, err := nextEvent(dec, br, kindNodes); err != nil {
+			t.Fatalf("event %d of half the bound: %v", i, err)
+		}
+	}
 }
