@@ -3,16 +3,19 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"strings"
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/internal/proxydial"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
@@ -37,6 +40,8 @@ type agentOptions struct {
 	denyDestinations       string
 	openDestinations       string
 	destinations           *tunnel.DestinationPolicy
+	nodeName               string
+	ownNode                *nodemap.Watcher // follows the agent's Node and its pods for --allow-destinations=node; nil without
 	leases                 agentLeaseOptions
 	// serverDialer reaches the servers through the egress proxy the
 	// environment names (HTTPS_PROXY, NO_PROXY), or directly.
@@ -103,6 +108,7 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
 	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")
+	f.StringVar(&o.nodeName, "node-name", os.Getenv("NODE_NAME"), "the agent's node, for the --allow-destinations keyword node (default $NODE_NAME)")
 	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
@@ -154,9 +160,13 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if err := o.daemonOptions.complete(cf); err != nil {
 		return err
 	}
-	if o.destinations, err = tunnel.NewDestinationPolicy(tunnel.DestinationRules{
-		Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations,
-	}); err != nil {
+	rules := tunnel.DestinationRules{Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations}
+	if tunnel.HasNodeRule(o.allowDestinations) {
+		if err := o.followOwnNode(&rules); err != nil {
+			return fmt.Errorf("--allow-destinations=node: %w", err)
+		}
+	}
+	if o.destinations, err = tunnel.NewDestinationPolicy(rules); err != nil {
 		return err
 	}
 	if o.leases.parsed, err = lease.ParseSelector(o.leases.selector); err != nil {
@@ -271,6 +281,11 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	}
 	stopCounting := o.startLeaseCounter(ctx, agent, metrics, log)
 	defer stopCounting()
+	if o.ownNode != nil {
+		o.ownNode.SetLogger(log)
+		defer goUntilStopped(context.WithoutCancel(ctx), o.ownNode.Run)()
+		log.Info("destinations limited to this node", "node", o.nodeName)
+	}
 	log.Info("agent starting", "agent_id", o.agentID, "servers", strings.Join(cfg.ServerAddrs, ","), "identifiers", o.identifiers)
 	for _, addr := range cfg.ServerAddrs {
 		p, _ := o.serverDialer.Proxy(addr) // checked in complete
@@ -299,6 +314,25 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		},
 		MemoryReady: func() bool { ok, _ := agent.ReadyAll(); return ok },
 	}))
+}
+
+// followOwnNode makes the watcher of the agent's own Node and pods, read
+// with its own credential (--kubeconfig, else in-cluster), that the node
+// rule checks destinations against.
+func (o *agentOptions) followOwnNode(rules *tunnel.DestinationRules) error {
+	if o.nodeName == "" {
+		return errors.New("the agent's node is not known: set --node-name or $NODE_NAME (spec.nodeName)")
+	}
+	rc, err := auth.LoadKubeconfig(o.kubeconfig, "")
+	if err != nil {
+		return err
+	}
+	if o.ownNode, err = nodemap.New(nodemap.Config{REST: rc, Node: o.nodeName}); err != nil {
+		return err
+	}
+	rules.OwnNode = o.nodeName
+	rules.Owns = func(a netip.Addr) bool { n, _ := o.ownNode.Table().LookupAddr(a); return n == o.nodeName }
+	return nil
 }
 
 // startLeaseCounter counts the server Leases and hands the count to the

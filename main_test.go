@@ -216,3 +216,21 @@ func TestServicePortZeroIsOff(t *testing.T) {
 		t.Errorf("servicePort(\"\", 8092) = %q", got)
 	}
 }
+
+// The agent's node rule needs its node's name and an apiserver config.
+func TestAgentNodeRuleFlags(t *testing.T) {
+	t.Setenv("NODE_NAME", "")
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--proxy-server-host=127.0.0.1", "--allow-destinations=node"}, "set --node-name or $NODE_NAME"},
+		{[]string{"--proxy-server-host=127.0.0.1", "--allow-destinations=10.0.0.0/8,node", "--node-name=n1", "--kubeconfig=/nonexistent/kubeconfig"}, "--allow-destinations=node"},
+	} {
+		var errb bytes.Buffer
+		code := runAgent(c.args, io.Discard, &errb)
+		if code != 2 || !strings.Contains(errb.String(), c.want) {
+			t.Errorf("%v: exit %d, stderr %q; want 2 and %q", c.args, code, errb.String(), c.want)
+		}
+	}
+}

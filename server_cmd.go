@@ -21,6 +21,7 @@ import (
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/tunnel"
 	"github.com/spinifex/konnectivity/tunnel/lease"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
@@ -53,6 +54,7 @@ type serverOptions struct {
 	serverIDFixed         bool // from --server-id or $PROXY_SERVER_ID: the same after a self-restart
 	serverCount           int
 	proxyStrategies       string
+	nodeStrategyPods      bool
 	agentWait             time.Duration
 	backendDialTimeout    time.Duration
 	headerTimeout         time.Duration
@@ -123,7 +125,8 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.DurationVar(&o.tokenRecheck, "token-recheck-interval", time.Minute, "how often a connected agent's token is reviewed again (and at its expiry); a link whose token is no longer valid is drained and closed; 0 never")
 	f.StringVar(&o.serverID, "server-id", "", "ID announced to agents (default: $PROXY_SERVER_ID, else random per process)")
 	f.IntVar(&o.serverCount, "server-count", 1, "number of server replicas agents should connect to")
-	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: destHost, default, defaultRoute")
+	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: node, destHost, default, defaultRoute")
+	f.BoolVar(&o.nodeStrategyPods, "node-strategy-pods", false, "the node strategy also learns pod addresses from Pods, not only EndpointSlices (for pods/proxy to pods outside the Nodes' pod CIDRs; RBAC: list,watch pods)")
 	f.DurationVar(&o.agentWait, "agent-wait", 5*time.Second, "how long a dial waits for an agent to connect before 503")
 	f.DurationVar(&o.backendDialTimeout, "backend-dial-timeout", 10*time.Second, "bound from CONNECT to the agent's dial answer (504 after it); below kube-apiserver's 30s")
 	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
@@ -287,6 +290,12 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	cfg, err := o.serverConfig(agentTLS, metrics, log)
 	if err != nil {
 		return err
+	}
+	if nodes, err := o.nodeMap(log); err != nil {
+		return err
+	} else if nodes != nil {
+		cfg.NodeOf = nodes.NodeOf
+		defer goUntilStopped(context.WithoutCancel(ctx), nodes.Run)()
 	}
 	srv, err := tunnel.NewServer(cfg)
 	if err != nil {
@@ -683,6 +692,20 @@ func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
 		return auth.LoadKubeconfig(o.kubeconfig, o.kubeCtx)
 	}
 	return auth.InClusterConfig()
+}
+
+// nodeMap follows the apiserver's Nodes and EndpointSlices (and Pods with
+// --node-strategy-pods) for the node strategy; nil when it is off.
+func (o *serverOptions) nodeMap(log *slog.Logger) (*nodemap.Watcher, error) {
+	if !strings.Contains(","+strings.ReplaceAll(o.proxyStrategies, " ", "")+",", ",node,") {
+		return nil, nil
+	}
+	rc, err := o.restConfig()
+	if err != nil {
+		return nil, fmt.Errorf("--proxy-strategies=node reads Nodes from the apiserver: %w", err)
+	}
+	log.Info("node strategy: following nodes", "apiserver", rc.Server(), "pods", o.nodeStrategyPods)
+	return nodemap.New(nodemap.Config{REST: rc, Pods: o.nodeStrategyPods, Logger: log})
 }
 
 // startLeases runs the lease controller until stop is called; stop waits

@@ -86,10 +86,10 @@ func printStatus(w io.Writer, body []byte, now time.Time) error {
 		if r := st.Restarts; r != nil {
 			fmt.Fprintf(tw, "restarts: tunnels handed to the next image: %s; taken from the previous one: %s\n", countsLine(r.Paused), countsLine(r.Resumed))
 		}
-		fmt.Fprintln(tw, "AGENT\tREMOTE\tCONNECTED\tTUNNELS\tTO AGENT\tFROM AGENT\tDRAINING\tIDENTIFIERS")
+		fmt.Fprintln(tw, "AGENT\tREMOTE\tCONNECTED\tTUNNELS\tTO AGENT\tFROM AGENT\tDRAINING\tNODE\tIDENTIFIERS")
 		for _, a := range st.Agents {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", a.ID, a.Remote, age(now, a.Since), a.OpenStreams,
-				bytesHuman(a.BytesToAgent), bytesHuman(a.BytesFromAgent), yesNo(a.Draining), dashIfEmpty(a.Identifiers))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", a.ID, a.Remote, age(now, a.Since), a.OpenStreams,
+				bytesHuman(a.BytesToAgent), bytesHuman(a.BytesFromAgent), yesNo(a.Draining), dashIfEmpty(a.Node), dashIfEmpty(a.Identifiers))
 		}
 	case "agent":
 		var st tunnel.AgentSideStatus

@@ -124,6 +124,7 @@ func kubeInNamespace(t *testing.T) {
 	for _, mode := range []string{"http-connect", "grpc"} {
 		t.Run(mode, func(t *testing.T) { kubeMode(t, apiserver, etcd, mode) })
 	}
+	t.Run("node-routing", func(t *testing.T) { kubeNodeRouting(t, apiserver, etcd) })
 }
 
 // kubeEnv is one mode's control plane, konnectivity pair and backends.

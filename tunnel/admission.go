@@ -335,7 +335,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello agentHell
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID)}
 	if !s.register(a, hello.Token, tlsState) {
 		stopControl()
 		a.endCredential()

@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"strconv"
@@ -15,7 +16,10 @@ import (
 //  2. a Deny rule that matches refuses it;
 //  3. a built-in rule (link-local ranges, cloud metadata services) refuses
 //     it, unless an Open rule matches;
-//  4. with Allow rules, an address none of them matches is refused;
+//  4. with Allow rules, an address none of them matches is refused; the
+//     Allow keyword "node" matches loopback and the addresses of the
+//     agent's own node as the apiserver says (its addresses, pod CIDRs and
+//     pods: DestinationRules.Owns);
 //  5. anything else is allowed.
 //
 // Addresses are checked as they are dialled: an IPv4-mapped IPv6 address
@@ -28,6 +32,8 @@ import (
 // at once.
 type DestinationPolicy struct {
 	allow, deny, open []destRule
+	ownNode           string                // the agent's node, with the "node" keyword; "" without
+	owns              func(netip.Addr) bool // whether an address is ownNode's; safe for concurrent use
 }
 
 // DestinationRules are the operator's comma lists of rules, each rule
@@ -37,6 +43,33 @@ type DestinationRules struct {
 	Allow string // when set, the only destinations that may be dialled
 	Deny  string // never dialled; wins over everything else
 	Open  string // parts of the built-in denied ranges that may be dialled
+
+	// OwnNode is the agent's node and Owns says whether an address is one
+	// of its addresses, inside its pod CIDRs, or a pod the apiserver
+	// places on it. Both are needed when Allow holds the keyword "node".
+	OwnNode string
+	Owns    func(netip.Addr) bool
+}
+
+// nodeKeyword in an Allow list allows loopback and the agent's own node.
+const nodeKeyword = "node"
+
+// HasNodeRule reports whether an Allow list holds the keyword "node".
+func HasNodeRule(allow string) bool {
+	_, found := withoutNodeKeyword(allow)
+	return found
+}
+
+func withoutNodeKeyword(allow string) (rest string, found bool) {
+	var kept []string
+	for _, item := range strings.Split(allow, ",") {
+		if strings.TrimSpace(item) == nodeKeyword {
+			found = true
+			continue
+		}
+		kept = append(kept, item)
+	}
+	return strings.Join(kept, ","), found
 }
 
 type destRule struct {
@@ -79,8 +112,15 @@ var (
 // NewDestinationPolicy parses the operator's rules.
 func NewDestinationPolicy(r DestinationRules) (*DestinationPolicy, error) {
 	p := &DestinationPolicy{}
+	allow, ownNode := withoutNodeKeyword(r.Allow)
+	if ownNode {
+		if r.OwnNode == "" || r.Owns == nil {
+			return nil, errors.New("allowed destinations: the rule \"node\" needs the agent's node name and its view of the node")
+		}
+		p.ownNode, p.owns = r.OwnNode, r.Owns
+	}
 	var err error
-	if p.allow, err = parseDestRules(r.Allow); err != nil {
+	if p.allow, err = parseDestRules(allow); err != nil {
 		return nil, fmt.Errorf("allowed destinations: %w", err)
 	}
 	if p.deny, err = parseDestRules(r.Deny); err != nil {
@@ -252,10 +292,19 @@ func (p *DestinationPolicy) Check(ip netip.Addr, port int) error {
 			return fmt.Errorf("destination %s denied by the built-in rule %s; --open-destinations opens it", describeDest(asked, ip, port), r.text)
 		}
 	}
-	if len(p.allow) > 0 && !matchesAny(p.allow, ip, port) {
+	if (len(p.allow) > 0 || p.owns != nil) && !matchesAny(p.allow, ip, port) && !p.ownNodeHas(ip) {
+		if p.owns != nil {
+			return fmt.Errorf("destination %s is not in the allowed destinations (--allow-destinations): not loopback, nor an address, pod CIDR or pod of this agent's node %q as the apiserver lists them", describeDest(asked, ip, port), p.ownNode)
+		}
 		return fmt.Errorf("destination %s is not in the allowed destinations (--allow-destinations)", describeDest(asked, ip, port))
 	}
 	return nil
+}
+
+// ownNodeHas reports whether the "node" rule allows ip: loopback, or an
+// address of the agent's own node.
+func (p *DestinationPolicy) ownNodeHas(ip netip.Addr) bool {
+	return p.owns != nil && (ip.IsLoopback() || p.owns(ip))
 }
 
 func matchesAny(rules []destRule, ip netip.Addr, port int) bool {

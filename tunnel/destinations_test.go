@@ -376,3 +376,49 @@ func BenchmarkDestinationCheck(b *testing.B) {
 		p.Check(addrs[i%len(addrs)], 10250)
 	}
 }
+
+// The "node" keyword allows loopback and what Owns says is the agent's
+// node; other Allow rules add to it, and Deny and the built-in rules still
+// win.
+func TestDestinationPolicyOwnNode(t *testing.T) {
+	own := map[netip.Addr]bool{netip.MustParseAddr("10.0.0.5"): true, netip.MustParseAddr("10.244.0.7"): true, netip.MustParseAddr("fd10::7"): true, netip.MustParseAddr("169.254.1.1"): true}
+	rules := func(allow, deny string) DestinationRules {
+		return DestinationRules{Allow: allow, Deny: deny, OwnNode: "node-a", Owns: func(a netip.Addr) bool { return own[a] }}
+	}
+	for _, tc := range []struct {
+		rules DestinationRules
+		addr  string
+		want  string
+	}{
+		{rules("node", ""), "10.0.0.5", ""},
+		{rules("node", ""), "10.244.0.7", ""},
+		{rules("node", ""), "::ffff:10.244.0.7", ""},
+		{rules("node", ""), "fd10::7", ""},
+		{rules("node", ""), "127.0.0.1", ""},
+		{rules("node", ""), "::1", ""},
+		{rules("node", ""), "0.0.0.0", ""},
+		{rules("node", ""), "10.244.1.7", `not loopback, nor an address, pod CIDR or pod of this agent's node "node-a"`},
+		{rules(" node , 192.168.0.0/16", ""), "192.168.3.3", ""},
+		{rules("192.168.0.0/16,node", ""), "10.244.1.7", "node-a"},
+		{rules("node", "10.244.0.7"), "10.244.0.7", "denied by rule 10.244.0.7"},
+		{rules("node", ""), "169.254.1.1", "built-in rule"},
+	} {
+		p, err := NewDestinationPolicy(tc.rules)
+		if err != nil {
+			t.Fatalf("%+v: %v", tc.rules, err)
+		}
+		err = p.Check(netip.MustParseAddr(tc.addr), 443)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("allow %q deny %q: %s refused: %v", tc.rules.Allow, tc.rules.Deny, tc.addr, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("allow %q deny %q: %s: got %v, want %q", tc.rules.Allow, tc.rules.Deny, tc.addr, err, tc.want)
+		}
+	}
+	if _, err := NewDestinationPolicy(DestinationRules{Allow: "node"}); err == nil {
+		t.Error("the node rule without the node's view was accepted")
+	}
+	if !HasNodeRule("10.0.0.0/8, node") || HasNodeRule("10.0.0.0/8,nodes") {
+		t.Error("HasNodeRule")
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -82,13 +83,18 @@ func (s *Server) open(t *tunnel) error {
 // connect. It gives up early if the client goes away.
 func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload) (*agentConn, error) {
 	maxStreams := int64(s.cfg.MaxStreamsPerAgent)
+	d := dest{host: host}
 	var timer *time.Timer
 	for {
 		changed := s.agents.waitChan()
-		if a := s.agents.pick(host, s.cfg.Strategies, maxStreams, exclude); a != nil {
+		if s.nodeRank >= 0 {
+			d.node, d.mapLoaded = s.cfg.NodeOf(host) // again on each wake: the map follows the apiserver
+		}
+		if a, used := s.agents.pick(d, s.cfg.Strategies, maxStreams, exclude); a != nil {
 			if timer != nil {
 				timer.Stop()
 			}
+			s.countNodeRoute(used, a)
 			return a, nil
 		}
 		if timer == nil {
@@ -98,13 +104,51 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 		select {
 		case <-changed:
 		case <-timer.C:
-			return nil, statusErrorf(http.StatusServiceUnavailable, "no agent available for %s: waited %s", host, s.cfg.AgentWait).withReason(reasonNoAgent)
+			s.countNodeRoute("", nil)
+			return nil, statusErrorf(http.StatusServiceUnavailable, "no agent available for %s: waited %s%s", host, s.cfg.AgentWait, s.nodeRouteWhy(d)).withReason(reasonNoAgent)
 		case <-up.clientGone:
 			return nil, statusErrorf(http.StatusServiceUnavailable, "client closed the connection while waiting for an agent").withReason(reasonFrontendClosed)
 		case <-s.baseCtx.Done():
 			return nil, statusErrorf(http.StatusServiceUnavailable, "server shutting down").withReason(reasonShutdown)
 		}
 	}
+}
+
+// Results of the node strategy, the labels of node_route_total.
+const (
+	nodeRouted      = "routed"         // the agent bound to the owning node took the dial
+	nodeFellThrough = "fallen_through" // no such agent; a later strategy found one
+	nodeRefused     = "refused"        // no such agent, and no later strategy found one: 503
+)
+
+// countNodeRoute counts what the node strategy did for a dial that found
+// agent a by strategy used (nil and "": none found). A dial that an
+// earlier strategy routed never asked the node strategy.
+func (s *Server) countNodeRoute(used Strategy, a *agentConn) {
+	if s.nodeRank < 0 {
+		return
+	}
+	switch {
+	case used == StrategyNode:
+		s.metrics.nodeRoutes[nodeRouted].Inc()
+	case a == nil:
+		s.metrics.nodeRoutes[nodeRefused].Inc()
+	case slices.Index(s.cfg.Strategies, used) > s.nodeRank:
+		s.metrics.nodeRoutes[nodeFellThrough].Inc()
+	}
+}
+
+// nodeRouteWhy says why the node strategy found no agent, for a 503.
+func (s *Server) nodeRouteWhy(d dest) string {
+	switch {
+	case s.nodeRank < 0:
+		return ""
+	case d.node == "" && !d.mapLoaded:
+		return "; node strategy: the server has not read the apiserver's Nodes and EndpointSlices yet (its log says why: apiserver unreachable, or RBAC missing)"
+	case d.node == "":
+		return fmt.Sprintf("; node strategy: no node the apiserver lists owns %s", d.host)
+	}
+	return fmt.Sprintf("; node strategy: no agent bound to node %q (which owns %s) is connected", d.node, d.host)
 }
 
 // roundTrip sends t's CONNECT stream to one agent and waits for its

@@ -1,7 +1,9 @@
 package tunnel
 
 import (
+	"net/netip"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 )
@@ -37,5 +39,53 @@ func waitTunnelsClosed(b *testing.B, e *env) {
 			b.Fatalf("%d frontend connections still open", e.srv.Stats.FrontendOpen.Load())
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// BenchmarkDialEchoNodeStrategy is BenchmarkDialEcho with
+// --proxy-strategies=node,default and a node lookup the size of a 5,000-node
+// cluster's (a map of 150,000 pod addresses under a read lock, as
+// internal/nodemap's Table holds them; BenchmarkLookup there times the
+// real one): the destination belongs to no node, so every dial asks the
+// map and falls through to default. Compare its ns/op with
+// BenchmarkDialEcho's.
+//
+//	go test -run '^$' -bench 'DialEcho' -count 3 ./tunnel/
+func BenchmarkDialEchoNodeStrategy(b *testing.B) {
+	pods := make(map[netip.Addr]string, 150000)
+	for i := range 150000 {
+		pods[netip.AddrFrom4([4]byte{100, byte(64 + i>>16), byte(i >> 8), byte(i)})] = "node"
+	}
+	var mu sync.RWMutex
+	nodeOf := func(host string) (string, bool) {
+		a, err := netip.ParseAddr(host)
+		if err != nil {
+			return "", true
+		}
+		mu.RLock()
+		defer mu.RUnlock()
+		return pods[a], true
+	}
+	e := newEnv(b, func(c *ServerConfig) {
+		c.Strategies = []Strategy{StrategyNode, StrategyDefault}
+		c.NodeOf = nodeOf
+	})
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	addr := echoServer(b)
+	defer e.stop()
+	dial := func() { e.echoOne(addr).Close() }
+	dial()
+	waitTunnelsClosed(b, e)
+	runtime.GC()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		dial()
+	}
+	b.StopTimer()
+	waitTunnelsClosed(b, e)
+	if n := e.srv.metrics.nodeRoutes[nodeFellThrough].Value(); n < uint64(b.N) {
+		b.Fatalf("fallen_through = %d after %d dials: the node strategy was not asked", n, b.N)
 	}
 }

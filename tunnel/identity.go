@@ -239,6 +239,22 @@ func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids 
 	return ids, nil
 }
 
+// boundNode is the node an agent's credential binds it to, the node whose
+// dials the node strategy sends it: a token's node claim (the apiserver
+// issued the token to a pod on that node), or, when certificate names bind
+// IDs, the agent's ID, a name its certificate carries. An agent whose
+// credential proves no node serves none: the node strategy never routes by
+// what an agent says about itself.
+func (s *Server) boundNode(p Principal, id string) string {
+	switch {
+	case p.Kind == PrincipalToken:
+		return p.Node
+	case p.Kind == PrincipalCertificate && s.cfg.Identity.CertificateNames && containsFold(p.Names, id):
+		return strings.ToLower(id)
+	}
+	return ""
+}
+
 // checkNodeAddrs checks claimed addresses against the node's. verified
 // false with no error: the server cannot read the Node (no lookup, or the
 // apiserver forbids it), so the addresses are neither backed nor refuted.

@@ -257,11 +257,11 @@ func TestIdentityUnverifiableAddresses(t *testing.T) {
 	}
 	all := int64(1 << 30)
 	for _, host := range []string{"127.0.0.1", "::1"} {
-		if a := e.srv.agents.pick(host, []Strategy{StrategyDestHost}, all, nil); a != nil {
+		if a, _ := e.srv.agents.pick(dest{host: host}, []Strategy{StrategyDestHost}, all, nil); a != nil {
 			t.Errorf("a dial to %s is routed to %s by a dropped address", host, a.id)
 		}
 	}
-	if a := e.srv.agents.pick("node-f", []Strategy{StrategyDestHost}, all, nil); a == nil || a.id != "konnectivity-agent-f1" {
+	if a, _ := e.srv.agents.pick(dest{host: "node-f"}, []Strategy{StrategyDestHost}, all, nil); a == nil || a.id != "konnectivity-agent-f1" {
 		t.Errorf("host=node-f does not route to its agent: %v", a)
 	}
 	if n := refusals(e, identityAddressUnverified); n != 2 {

@@ -21,6 +21,7 @@ const (
 	StrategyDefault      Strategy = "default"      // any agent, spread round-robin
 	StrategyDestHost     Strategy = "destHost"     // the agent whose identifiers name the destination host
 	StrategyDefaultRoute Strategy = "defaultRoute" // agents that advertised default-route=true
+	StrategyNode         Strategy = "node"         // the agent bound to the node the apiserver says owns the destination
 )
 
 // ParseStrategies parses upstream's --proxy-strategies list.
@@ -29,11 +30,11 @@ func ParseStrategies(s string) ([]Strategy, error) {
 	for _, part := range strings.Split(s, ",") {
 		part = strings.TrimSpace(part)
 		switch Strategy(part) {
-		case StrategyDefault, StrategyDestHost, StrategyDefaultRoute:
+		case StrategyDefault, StrategyDestHost, StrategyDefaultRoute, StrategyNode:
 			out = append(out, Strategy(part))
 		case "":
 		default:
-			return nil, fmt.Errorf("unknown proxy strategy %q (want default, destHost or defaultRoute)", part)
+			return nil, fmt.Errorf("unknown proxy strategy %q (want default, destHost, defaultRoute or node)", part)
 		}
 	}
 	if len(out) == 0 {
@@ -56,6 +57,7 @@ type agentConn struct {
 	cred        *connCredential    // the credential the connection stands on; its own lock
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
 	canPause    bool               // it hands tunnels over (handover.go); fixed at login
+	node        string             // the node its credential binds it to (boundNode); "" for none
 
 	// Atomic: any goroutine.
 	streams            atomic.Int64 // open tunnels
@@ -161,10 +163,20 @@ func (r *registry) waitChan() <-chan struct{} {
 	return r.changed
 }
 
-// pick chooses an agent for a dial to host, or nil. Within a strategy,
-// agents that are not draining are preferred, and the choice rotates so
-// dials spread across agents.
-func (r *registry) pick(host string, strategies []Strategy, maxStreams int64, exclude map[*agentConn]bool) *agentConn {
+// dest is a dial's destination as the strategies see it: its host, and the
+// node the apiserver says owns it ("" when none does or the node strategy
+// is off; mapLoaded false when the server has not read the apiserver's
+// view yet). The node is looked up before the registry's lock is taken.
+type dest struct {
+	host, node string
+	mapLoaded  bool
+}
+
+// pick chooses an agent for a dial to d, or nil, and says which strategy
+// found it. Within a strategy, agents that are not draining are preferred,
+// and the choice rotates so dials spread across agents.
+func (r *registry) pick(d dest, strategies []Strategy, maxStreams int64, exclude map[*agentConn]bool) (*agentConn, Strategy) {
+	host := d.host
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, st := range strategies {
@@ -184,6 +196,10 @@ func (r *registry) pick(host string, strategies []Strategy, maxStreams int64, ex
 				}
 			case StrategyDestHost:
 				rank = int(a.ids.matchHost(host))
+			case StrategyNode:
+				if d.node != "" && a.node == d.node {
+					rank = 1
+				}
 			}
 			if rank == 0 {
 				continue
@@ -199,10 +215,10 @@ func (r *registry) pick(host string, strategies []Strategy, maxStreams int64, ex
 			}
 		}
 		if len(best) > 0 {
-			return best[r.next.Add(1)%uint64(len(best))]
+			return best[r.next.Add(1)%uint64(len(best))], st
 		}
 	}
-	return nil
+	return nil, ""
 }
 
 func hostOf(addr string) string {
@@ -261,6 +277,10 @@ func (r *registry) countFor(st Strategy, maxStreams int64) int {
 			}
 		case StrategyDestHost:
 			if len(a.ids.Hosts)+len(a.ids.Addrs)+len(a.ids.CIDRs) > 0 {
+				n++
+			}
+		case StrategyNode:
+			if a.node != "" {
 				n++
 			}
 		}

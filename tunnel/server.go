@@ -48,7 +48,16 @@ type ServerConfig struct {
 	// request is read, for example by the peer's Unix credentials.
 	CheckFrontendPeer func(net.Conn) error
 
-	Strategies         []Strategy
+	Strategies []Strategy
+	// NodeOf names the node the apiserver says owns a destination host (a
+	// node address, a pod address, an address in a pod CIDR), or "" when
+	// none does; the node strategy routes the dial to the agent bound to
+	// that node. loaded is false until the server has read the apiserver's
+	// view once, so a refusal can tell "no node owns it" from "not known
+	// yet". Required when Strategies holds StrategyNode. It is called for
+	// every dial, with no lock of the server held.
+	NodeOf func(host string) (node string, loaded bool)
+
 	AgentWait          time.Duration // how long a dial waits for an agent to appear (default 5s)
 	DialTimeout        time.Duration // bound from CONNECT to the agent's answer (default 10s)
 	HeaderTimeout      time.Duration // bound on reading a request head or handshake (default 10s)
@@ -110,6 +119,7 @@ type Server struct {
 	gate     *admission // agent-port connections before they are admitted; its own lock
 	identity *identityState
 	quiet    *logLimiter // repeated warnings: one line per key per 10s; its own lock
+	nodeRank int         // index of StrategyNode in cfg.Strategies; -1 when it is off
 
 	// baseCtx is cancelled by Close, ending every tunnel and handshake.
 	baseCtx   context.Context
@@ -151,6 +161,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if err := validID(cfg.ID); err != nil {
 		return nil, fmt.Errorf("server %w", err)
 	}
+	nodeRank := slices.Index(cfg.Strategies, StrategyNode)
+	if nodeRank >= 0 && cfg.NodeOf == nil {
+		return nil, errors.New("the node proxy strategy needs ServerConfig.NodeOf")
+	}
 	if cfg.AgentTLS != nil {
 		cfg.AgentTLS = withH2(cfg.AgentTLS)
 	}
@@ -163,6 +177,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cancelAll: cancel,
 		listeners: make(map[*net.Listener]struct{}),
 		tunnels:   make(map[*tunnel]struct{}),
+		nodeRank:  nodeRank,
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)

@@ -20,6 +20,7 @@ type serverMetrics struct {
 	resets        *promtext.Counter
 	panics        *promtext.Counter
 	failures      map[string]*promtext.Counter
+	nodeRoutes    map[string]*promtext.Counter // by result; only with the node strategy on
 	packets       packetCounts
 	streamErrs    streamErrors
 	restarts      restartMetrics
@@ -41,6 +42,12 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 	}
 	for _, r := range []string{reasonNoAgent, reasonErrorResponse, reasonDialTimeout, reasonFrontendClosed, reasonBadRequest, reasonForbidden, reasonBackendClosed, reasonShutdown, reasonNoFD} {
 		sm.failures[r] = m.Counter(serverPrefix+"dial_failure_count", "Dials that failed, by reason.", []string{"reason"}, r)
+	}
+	if s.nodeRank >= 0 {
+		sm.nodeRoutes = map[string]*promtext.Counter{}
+		for _, r := range []string{nodeRouted, nodeFellThrough, nodeRefused} {
+			sm.nodeRoutes[r] = m.Counter(serverPrefix+"node_route_total", "Dials the node proxy strategy saw, by result: routed to the agent bound to the node that owns the destination, fallen through to a later strategy, or refused (503) for want of any agent.", []string{"result"}, r)
+		}
 	}
 	m.Gauge(serverPrefix+"grpc_connections", "", []string{"service_method"}, "Connect") // agents speak HTTP/2 CONNECT, not gRPC
 	sm.packets.register(m, serverPrefix+"stream_packets_total", segFromClient, segToClient, segFromAgent, segToAgent)

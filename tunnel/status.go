@@ -19,8 +19,11 @@ type ServerStatus struct {
 
 // AgentStatus is one connected agent, as the server sees it.
 type AgentStatus struct {
-	ID             string    `json:"id"`
-	Identifiers    string    `json:"identifiers,omitempty"`
+	ID          string `json:"id"`
+	Identifiers string `json:"identifiers,omitempty"`
+	// Node is the node the agent's credential binds it to, whose dials the
+	// node strategy sends it; empty when it proves none.
+	Node           string    `json:"node,omitempty"`
 	Remote         string    `json:"remote"`
 	Since          time.Time `json:"since"`
 	OpenStreams    int64     `json:"openStreams"`
@@ -50,6 +53,7 @@ func (s *Server) Status() ServerStatus {
 		st.Agents = append(st.Agents, AgentStatus{
 			ID:             a.id,
 			Identifiers:    a.ids.String(),
+			Node:           a.node,
 			Remote:         a.remote,
 			Since:          a.since,
 			OpenStreams:    a.streams.Load(),

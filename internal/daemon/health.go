@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/pprof"
 	"time"
 )
 
@@ -65,14 +64,6 @@ func healthMux(ready []Check, readyAll ...Check) *http.ServeMux {
 	mux.HandleFunc("/readyz", readyz)
 	mux.HandleFunc("/ready", readyz) // upstream's deprecated name
 	return mux
-}
-
-func addProfiling(mux *http.ServeMux) {
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 }
 
 // httpService is a small HTTP server (health or admin) with its listener.

@@ -1,0 +1,146 @@
+package nodemap
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"time"
+)
+
+// APIError is an answer from the apiserver other than success.
+type APIError struct {
+	Code    int
+	Reason  string
+	Message string
+}
+
+func (e *APIError) Error() string {
+	if e.Message != "" {
+		return fmt.Sprintf("apiserver: %d %s: %s", e.Code, e.Reason, e.Message)
+	}
+	return fmt.Sprintf("apiserver: %d %s", e.Code, e.Reason)
+}
+
+func isCode(err error, code int) bool {
+	var ae *APIError
+	return errors.As(err, &ae) && ae.Code == code
+}
+
+// statusJSON is a metav1.Status.
+type statusJSON struct {
+	Kind    string `json:"kind"`
+	Message string `json:"message"`
+	Reason  string `json:"reason"`
+	Code    int    `json:"code"`
+}
+
+func decodeStatus(code int, body []byte) *APIError {
+	e := &APIError{Code: code}
+	var st statusJSON
+	if json.Unmarshal(body, &st) == nil && st.Kind == "Status" {
+		e.Reason, e.Message = st.Reason, st.Message
+		if st.Code != 0 {
+			e.Code = st.Code
+		}
+	}
+	if e.Reason == "" {
+		e.Reason = http.StatusText(e.Code)
+	}
+	e.Message = truncate(e.Message, 256)
+	return e
+}
+
+// client lists and watches one kind of object.
+type client struct {
+	http          *http.Client
+	base          string // apiserver URL, no trailing slash
+	kind          kindID
+	fieldSelector string
+	page          int // items asked for per list page
+}
+
+func (c *client) url(q url.Values) string {
+	if c.fieldSelector != "" {
+		q.Set("fieldSelector", c.fieldSelector)
+	}
+	return c.base + c.kind.path() + "?" + q.Encode()
+}
+
+func (c *client) get(ctx context.Context, u string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", "application/json")
+	req.Header.Set("User-Agent", "konnectivity")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+		resp.Body.Close()
+		return nil, decodeStatus(resp.StatusCode, data)
+	}
+	return resp, nil
+}
+
+// listPage reads one page of the collection, handing each item to each,
+// and returns the page's resourceVersion and continue token.
+func (c *client) listPage(ctx context.Context, cont string, each func([]byte) error) (listHead, error) {
+	q := url.Values{}
+	q.Set("limit", strconv.Itoa(c.page))
+	if cont != "" {
+		q.Set("continue", cont)
+	}
+	resp, err := c.get(ctx, c.url(q))
+	if err != nil {
+		return listHead{}, fmt.Errorf("list %s: %w", c.kind, err)
+	}
+	defer resp.Body.Close()
+	head, err := decodeList(resp.Body, each)
+	if err != nil {
+		return head, fmt.Errorf("list %s: %w", c.kind, err)
+	}
+	return head, nil
+}
+
+// watch opens a watch from rv for at most timeout. The caller reads events
+// with next and closes the body.
+func (c *client) watch(ctx context.Context, rv string, timeout time.Duration) (*watchStream, error) {
+	q := url.Values{}
+	q.Set("watch", "true")
+	q.Set("allowWatchBookmarks", "true")
+	q.Set("resourceVersion", rv)
+	q.Set("timeoutSeconds", strconv.Itoa(int(timeout/time.Second)))
+	resp, err := c.get(ctx, c.url(q))
+	if err != nil {
+		return nil, fmt.Errorf("watch %s: %w", c.kind, err)
+	}
+	br := &budgetReader{r: resp.Body}
+	return &watchStream{body: resp.Body, br: br, dec: json.NewDecoder(br), kind: c.kind}, nil
+}
+
+// watchStream is one open watch; its reader is the goroutine that opened it.
+type watchStream struct {
+	body io.ReadCloser
+	br   *budgetReader
+	dec  *json.Decoder
+	kind kindID
+}
+
+// next returns the next event; io.EOF when the apiserver ended the watch.
+func (w *watchStream) next() (watchEvent, error) {
+	ev, err := nextEvent(w.dec, w.br, w.kind)
+	if err != nil && !errors.Is(err, io.EOF) {
+		err = fmt.Errorf("watch %s: %w", w.kind, err)
+	}
+	return ev, err
+}
+
+func (w *watchStream) close() { w.body.Close() }
