@@ -1,0 +1,70 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestMain lets the test binary serve as the benchmark's helper processes,
+// which are this executable run again with helperEnv set.
+func TestMain(m *testing.M) {
+	if role := os.Getenv(helperEnv); role != "" {
+		os.Exit(runHelper(role))
+	}
+	os.Exit(m.Run())
+}
+
+// TestScaleSmoke runs the scale benchmark at a tiny size against
+// $KONNECTIVITY_BIN (or a binary built from ../.. as `make build` does), both
+// front doors, so that it cannot rot. It fails on correctness only (an
+// agent not connected, a dial or a held tunnel that failed, a tunnel left
+// open), never on a figure.
+func TestScaleSmoke(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a server and helper processes; skipped with -short")
+	}
+	bin := os.Getenv("KONNECTIVITY_BIN")
+	if bin == "" {
+		bin = filepath.Join(t.TempDir(), "konnectivity")
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, ".")
+		cmd.Dir = filepath.Join("..", "..")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("build konnectivity from ../..: %v\n%s", err, out)
+		}
+	}
+	var stderr bytes.Buffer
+	cfg, err := parseFlags([]string{"--bin", bin, "--agents", "20", "--tunnels", "200", "--dials", "50",
+		"--idle-cpu", "500ms", "--connect-timeout", "30s", "--timeout", "2m"}, &stderr)
+	if err != nil {
+		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.timeout+time.Minute)
+	defer cancel()
+	var out, progress bytes.Buffer
+	res, err := run(ctx, cfg, &out, &progress)
+	t.Logf("progress:\n%s\n%s", progress.String(), out.String())
+	if err != nil {
+		t.Fatalf("scale: %v", err)
+	}
+	if res.failed > 0 || res.passed == 0 {
+		t.Fatalf("scale: %d checks passed, %d failed", res.passed, res.failed)
+	}
+	// Every figure of both doors is in the table.
+	for _, want := range []string{"| figure | http-connect | grpc |", "server RSS per agent", "server RSS per idle tunnel", "dial p50 / p99, 20 agents + tunnels held"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("table lacks %q", want)
+		}
+	}
+	if strings.Contains(out.String(), "| – |") {
+		t.Errorf("a figure was not measured:\n%s", out.String())
+	}
+}
