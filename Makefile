@@ -117,7 +117,8 @@ bench-compare: build
 # its own TLS connection and link) and TUNNELS idle tunnels, through both
 # front doors: time until the fleet is connected, server RSS per agent and
 # per tunnel, idle CPU, dial p50/p99 against the 1-agent figure. OTHER=dir
-# with upstream's binaries prints what cannot be measured of them, and why.
+# holding upstream's proxy-server runs the same against it, its agents
+# speaking upstream's agent protocol (in-process, as ours are).
 AGENTS  ?= 5000
 TUNNELS ?= 50000
 bench-scale: build

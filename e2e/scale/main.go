@@ -31,6 +31,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -38,7 +39,8 @@ import (
 
 type config struct {
 	bin       string
-	other     string // directory with upstream's proxy-server and proxy-agent
+	other     string // directory with upstream's proxy-server
+	upstream  bool   // our server's agents speak upstream's protocol
 	agents    int
 	tunnels   int
 	dials     int
@@ -55,7 +57,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs := flag.NewFlagSet("scale", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.bin, "bin", "", "konnectivity binary under test (required)")
-	fs.StringVar(&c.other, "other", "", "directory holding upstream's proxy-server and proxy-agent, measured where it can be")
+	fs.StringVar(&c.other, "other", "", "directory holding upstream's proxy-server (and proxy-agent): the same run against it, with agents speaking upstream's agent protocol")
+	var proto string
+	fs.StringVar(&proto, "agent-protocol", "konnectivity", "protocol of the simulated agents of konnectivity's server: konnectivity (the product's agent code) or upstream (upstream's agent protocol, as with --other)")
 	fs.IntVar(&c.agents, "agents", 5000, "agents, each with its own TLS connection and link")
 	fs.IntVar(&c.tunnels, "tunnels", 50000, "idle tunnels held with all agents connected (the HTTP CONNECT door holds as many as the descriptor limit allows)")
 	fs.IntVar(&c.dials, "dials", 1000, "sequential dials (CONNECT + 1-byte echo) per latency figure")
@@ -83,6 +87,18 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		case "":
 		default:
 			return c, fmt.Errorf("--doors: %q is not http-connect or grpc", d)
+		}
+	}
+	switch proto {
+	case "konnectivity":
+	case "upstream":
+		c.upstream = true
+	default:
+		return c, fmt.Errorf("--agent-protocol=%q: want konnectivity or upstream", proto)
+	}
+	if c.other != "" {
+		if _, err := os.Stat(filepath.Join(c.other, "proxy-server")); err != nil {
+			return c, fmt.Errorf("--other: %w", err)
 		}
 	}
 	if len(c.doors) == 0 {

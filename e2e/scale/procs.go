@@ -25,7 +25,8 @@ const (
 )
 
 // helperEnv makes this binary a helper process instead of the benchmark:
-// "sim" (agents in-process) or "echo" (a destination). Its settings are
+// "sim" (agents in-process), "usim" (agents speaking upstream's protocol,
+// in-process) or "echo" (a destination). Its settings are
 // JSON in helperArgsEnv.
 const (
 	helperEnv     = "KONNECTIVITY_SCALE_HELPER"
@@ -40,6 +41,8 @@ func runHelper(role string) int {
 	switch role {
 	case "sim":
 		err = runSim(os.Stdin, os.Stdout)
+	case "usim":
+		err = runUsim(os.Stdin, os.Stdout)
 	case "echo":
 		err = runEcho(os.Stdin, os.Stdout)
 	default:

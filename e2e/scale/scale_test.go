@@ -22,7 +22,8 @@ func TestMain(m *testing.M) {
 
 // TestScaleSmoke runs the scale benchmark at a tiny size against
 // $KONNECTIVITY_BIN (or a binary built from ../.. as `make build` does), both
-// front doors, so that it cannot rot. It fails on correctness only (an
+// front doors with the product's agents, and the gRPC door with agents
+// speaking upstream's protocol (the --other path), so that it cannot rot. It fails on correctness only (an
 // agent not connected, a dial or a held tunnel that failed, a tunnel left
 // open), never on a figure.
 func TestScaleSmoke(t *testing.T) {
@@ -41,9 +42,29 @@ func TestScaleSmoke(t *testing.T) {
 			t.Fatalf("build konnectivity from ../..: %v\n%s", err, out)
 		}
 	}
+	t.Run("product agents", func(t *testing.T) {
+		out := runSmoke(t, bin, "--agents", "20", "--tunnels", "200")
+		for _, want := range []string{"| figure | http-connect | grpc |", "server RSS per agent", "server RSS per idle tunnel", "dial p50 / p99, 20 agents + tunnels held"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("table lacks %q", want)
+			}
+		}
+	})
+	t.Run("upstream-protocol agents", func(t *testing.T) {
+		out := runSmoke(t, bin, "--agents", "10", "--tunnels", "100", "--doors", "grpc", "--agent-protocol", "upstream")
+		if !strings.Contains(out, "| figure | grpc (upstream-protocol agents) |") {
+			t.Errorf("table lacks the upstream-protocol column")
+		}
+	})
+}
+
+// runSmoke runs the benchmark with args beside --bin and small bounds, fails
+// t on any failed check or unmeasured figure, and returns the output.
+func runSmoke(t *testing.T, bin string, args ...string) string {
+	t.Helper()
 	var stderr bytes.Buffer
-	cfg, err := parseFlags([]string{"--bin", bin, "--agents", "20", "--tunnels", "200", "--dials", "50",
-		"--idle-cpu", "500ms", "--connect-timeout", "30s", "--timeout", "2m"}, &stderr)
+	cfg, err := parseFlags(append([]string{"--bin", bin, "--dials", "50", "--idle-cpu", "500ms",
+		"--connect-timeout", "30s", "--timeout", "2m"}, args...), &stderr)
 	if err != nil {
 		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
 	}
@@ -58,13 +79,8 @@ func TestScaleSmoke(t *testing.T) {
 	if res.failed > 0 || res.passed == 0 {
 		t.Fatalf("scale: %d checks passed, %d failed", res.passed, res.failed)
 	}
-	// Every figure of both doors is in the table.
-	for _, want := range []string{"| figure | http-connect | grpc |", "server RSS per agent", "server RSS per idle tunnel", "dial p50 / p99, 20 agents + tunnels held"} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("table lacks %q", want)
-		}
-	}
 	if strings.Contains(out.String(), "| – |") {
 		t.Errorf("a figure was not measured:\n%s", out.String())
 	}
+	return out.String()
 }

@@ -16,7 +16,7 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 	head := "| figure |"
 	sep := "|---|"
 	for _, d := range doors {
-		head += " " + d.door + " |"
+		head += " " + d.label + " |"
 		sep += "---|"
 	}
 	fmt.Fprintln(out)
@@ -41,7 +41,12 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 		}
 		return fmt.Sprintf("%d / %d / %d", d.fleet.failures, d.fleet.retried2, d.fleet.maxFailures)
 	})
-	row("server's refusals while they connected (agents_refused_total)", func(d *doorRun) string { return fmt.Sprintf("%.0f", d.refused) })
+	row("server's refusals while they connected (agents_refused_total)", func(d *doorRun) string {
+		if d.refused < 0 {
+			return "not counted"
+		}
+		return fmt.Sprintf("%.0f", d.refused)
+	})
 	row(fmt.Sprintf("server RSS with 1 agent → %d agents", n), func(d *doorRun) string {
 		return fmt.Sprintf("%s → %s", mibStr(d.rss1), mibStr(d.rssN))
 	})
@@ -86,16 +91,18 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 	fmt.Fprintln(out)
 	for _, d := range doors {
 		if len(d.fleet.errors) > 0 {
-			fmt.Fprintf(out, "%s: agents' most frequent connection error per simulator (sampled, the agent rate-limits its log): %s\n", d.door, strings.Join(d.fleet.errors, "; "))
+			fmt.Fprintf(out, "%s: agents' most frequent connection error, per simulator: %s\n", d.label, strings.Join(d.fleet.errors, "; "))
 		}
 	}
-}
-
-// printOther says which figures of upstream's binaries this benchmark
-// cannot take, and why.
-func printOther(out io.Writer, cfg config) {
-	fmt.Fprintf(out, "\nother (%s): not measured. The agents here are the product's own agent code run in-process, which speaks this project's agent protocol, not upstream's; upstream's agent runs only as a proxy-agent process here (its package is not a dependency of the e2e module), and %d of those processes do not fit this machine. `make bench-compare OTHER=%s` measures upstream with one agent.\n",
-		cfg.other, cfg.agents, cfg.other)
+	var usims []string
+	for _, d := range doors {
+		if d.simRole == "usim" {
+			usims = append(usims, d.label)
+		}
+	}
+	if len(usims) > 0 {
+		fmt.Fprintf(out, "%s: the agents speak upstream's agent protocol (gRPC AgentService/Connect, one TLS connection each) with this benchmark's code, grpc-go and konnectivity-client's packets, retrying as upstream's proxy-agent defaults pace it (1 s doubling to 10 s, jittered); upstream's agent code itself is not a dependency of the e2e module.\n", strings.Join(usims, ", "))
+	}
 }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
