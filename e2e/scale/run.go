@@ -197,6 +197,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.g1 = d.metric(ctx, mGoroutines)
 	target := d.echoAddrs[0]
 	d.lat1 = measureLatency(ctx, d.dial, target, cfg.dials)
+	if ctx.Err() != nil {
+		return nil // run reports the interruption; no check past it
+	}
 	d.check(fmt.Sprintf("%d dials with 1 agent", cfg.dials), d.lat1.errs == 0, errDetail(d.lat1.errs, d.lat1.firstErr))
 	settle(ctx, time.Second)
 
@@ -230,6 +233,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	if st.lastConnect > 0 {
 		d.connectTime = time.Unix(0, st.lastConnect).Sub(t0)
 	}
+	if ctx.Err() != nil {
+		return nil
+	}
 	d.check(fmt.Sprintf("%d agents connected", cfg.agents), err == nil, errStr(err))
 	if err != nil {
 		return nil
@@ -247,6 +253,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.gN = d.metric(ctx, mGoroutines)
 	d.cpuN = d.idleCPU(ctx)
 	d.latN = measureLatency(ctx, d.dial, target, cfg.dials)
+	if ctx.Err() != nil {
+		return nil
+	}
 	d.check(fmt.Sprintf("%d dials with %d agents", cfg.dials, cfg.agents), d.latN.errs == 0, errDetail(d.latN.errs, d.latN.firstErr))
 
 	// The held tunnels.
@@ -261,6 +270,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	t1 := time.Now()
 	d.heldErrs, d.heldFirstErr = openAll(ctx, h, d.echoAddrs, d.heldWanted, 64)
 	d.openTime = time.Since(t1)
+	if ctx.Err() != nil {
+		return nil
+	}
 	d.held = d.heldWanted - d.heldErrs
 	d.check(fmt.Sprintf("%d idle tunnels opened, each echoed a byte", d.heldWanted), d.heldErrs == 0, errDetail(d.heldErrs, d.heldFirstErr))
 	settle(ctx, 2*time.Second)
@@ -277,6 +289,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	}
 	d.cpuM = d.idleCPU(ctx)
 	d.latM = measureLatency(ctx, d.dial, target, cfg.dials)
+	if ctx.Err() != nil {
+		return nil
+	}
 	d.check(fmt.Sprintf("%d dials with %d agents and %d tunnels held", cfg.dials, cfg.agents, d.held), d.latM.errs == 0, errDetail(d.latM.errs, d.latM.firstErr))
 
 	h.close()

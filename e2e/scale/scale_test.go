@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -70,8 +71,15 @@ func runSmoke(t *testing.T, bin string, args ...string) string {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.timeout+time.Minute)
 	defer cancel()
+	base := runtime.NumGoroutine()
 	var out, progress bytes.Buffer
 	res, err := run(ctx, cfg, &out, &progress)
+	// Every goroutine the run started ends with it (gRPC connections and
+	// idle HTTP connections finish closing just after).
+	var left int
+	if !waitFor(ctx, 10*time.Second, func() bool { left = runtime.NumGoroutine(); return left <= base }) {
+		t.Errorf("%d goroutines after the run, %d before", left, base)
+	}
 	t.Logf("progress:\n%s\n%s", progress.String(), out.String())
 	if err != nil {
 		t.Fatalf("scale: %v", err)

@@ -233,16 +233,17 @@ func (h *simLog) Handle(_ context.Context, r slog.Record) error {
 func (h *simLog) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *simLog) WithGroup(string) slog.Handler      { return h }
 
-// shortErr drops the addresses from an error text so that the same
+// shortErr replaces the addresses in an error text, so that the same
 // failure on different connections counts as one kind.
 func shortErr(e string) string {
 	f := strings.Fields(e)
-	out := f[:0]
-	for _, w := range f {
+	for i, w := range f {
 		if strings.Count(w, ".") == 3 && strings.Contains(w, ":") {
-			continue // an address
+			f[i] = "ADDR"
+			if strings.HasSuffix(w, ":") {
+				f[i] += ":"
+			}
 		}
-		out = append(out, w)
 	}
-	return strings.Join(out, " ")
+	return strings.Join(f, " ")
 }
