@@ -10,6 +10,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"regexp"
 	"runtime"
 	"strconv"
 	"strings"
@@ -233,17 +234,9 @@ func (h *simLog) Handle(_ context.Context, r slog.Record) error {
 func (h *simLog) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *simLog) WithGroup(string) slog.Handler      { return h }
 
+// addrPattern matches an IPv4 address with its port.
+var addrPattern = regexp.MustCompile(`\d+\.\d+\.\d+\.\d+:\d+`)
+
 // shortErr replaces the addresses in an error text, so that the same
 // failure on different connections counts as one kind.
-func shortErr(e string) string {
-	f := strings.Fields(e)
-	for i, w := range f {
-		if strings.Count(w, ".") == 3 && strings.Contains(w, ":") {
-			f[i] = "ADDR"
-			if strings.HasSuffix(w, ":") {
-				f[i] += ":"
-			}
-		}
-	}
-	return strings.Join(f, " ")
-}
+func shortErr(e string) string { return addrPattern.ReplaceAllString(e, "ADDR") }
