@@ -96,7 +96,7 @@ func runSmoke(t *testing.T, bin string, args ...string) string {
 // TestShortErr: error kinds lose their addresses, nothing else.
 func TestShortErr(t *testing.T) {
 	for in, want := range map[string]string{
-		"TLS handshake with 127.0.0.1:4000: EOF": "TLS handshake with ADDR: EOF",
+		"TLS handshake with 127.0.0.1:4000: EOF":                                    "TLS handshake with ADDR: EOF",
 		"read tcp 127.0.0.1:45440->127.0.0.1:37519: read: connection reset by peer": "read tcp ADDR->ADDR: read: connection reset by peer",
 		"server refused": "server refused",
 	} {
