@@ -159,6 +159,7 @@ type doorRun struct {
 	lat1, latN, latM           latency
 	connectTime                time.Duration
 	connectPolled              time.Duration
+	connectCPU, connectSimCPU  float64 // CPU seconds of the server and of the simulators while the fleet connected
 	refused                    float64
 	fleet                      simStat // simulators after the fleet connected
 	fleetM                     simStat // simulators with the tunnels held
@@ -206,6 +207,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	// The fleet, all at once, as after a server restart.
 	d.rssPre, _ = rssKiB(d.server.pid())
 	refused0 := d.metric(ctx, mRefused)
+	srvCPU0, simCPU0 := d.cpuSeconds()
 	t0 := time.Now()
 	var wg sync.WaitGroup
 	errs := make([]error, len(d.sims))
@@ -229,6 +231,8 @@ func (d *doorRun) run(ctx context.Context) error {
 	}
 	st, err := d.pollFleet(ctx, cfg.agents, cfg.connectBy)
 	d.connectPolled = time.Since(t0)
+	srvCPU1, simCPU1 := d.cpuSeconds()
+	d.connectCPU, d.connectSimCPU = srvCPU1-srvCPU0, simCPU1-simCPU0
 	d.fleet = st
 	if st.lastConnect > 0 {
 		d.connectTime = time.Unix(0, st.lastConnect).Sub(t0)
@@ -511,6 +515,20 @@ func (d *doorRun) simStats(ctx context.Context) (simStat, error) {
 		}
 	}
 	return st, nil
+}
+
+// cpuSeconds returns the CPU time used so far by the server and by the
+// simulators together.
+func (d *doorRun) cpuSeconds() (server, sims float64) {
+	if t, err := cpuTicks(d.server.pid()); err == nil {
+		server = float64(t) / clockTicks
+	}
+	for _, h := range d.sims {
+		if t, err := cpuTicks(h.pid()); err == nil {
+			sims += float64(t) / clockTicks
+		}
+	}
+	return server, sims
 }
 
 // idleCPU is the server's CPU over cfg.idleCPU, in % of one core.

@@ -41,6 +41,12 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 		}
 		return fmt.Sprintf("%d / %d / %d", d.fleet.failures, d.fleet.retried2, d.fleet.maxFailures)
 	})
+	row("CPU while they connected: server / agent simulators", func(d *doorRun) string {
+		if d.connectTime == 0 {
+			return "–"
+		}
+		return fmt.Sprintf("%.2f s / %.2f s", d.connectCPU, d.connectSimCPU)
+	})
 	row("server's refusals while they connected (agents_refused_total)", func(d *doorRun) string {
 		if d.refused < 0 {
 			return "not counted"
