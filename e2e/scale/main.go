@@ -38,17 +38,18 @@ import (
 )
 
 type config struct {
-	bin       string
-	other     string // directory with upstream's proxy-server
-	upstream  bool   // our server's agents speak upstream's protocol
-	agents    int
-	tunnels   int
-	dials     int
-	doors     []string
-	idleCPU   time.Duration
-	connectBy time.Duration // bound on the fleet connecting
-	timeout   time.Duration
-	keep      bool
+	bin          string
+	other        string // directory with upstream's proxy-server
+	upstream     bool   // our server's agents speak upstream's protocol
+	agents       int
+	tunnels      int
+	dials        int
+	fdsPerHelper int // descriptors a simulator or echo process is given
+	doors        []string
+	idleCPU      time.Duration
+	connectBy    time.Duration // bound on the fleet connecting
+	timeout      time.Duration
+	keep         bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
@@ -62,6 +63,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&proto, "agent-protocol", "konnectivity", "protocol of the simulated agents of konnectivity's server: konnectivity (the product's agent code) or upstream (upstream's agent protocol, as with --other)")
 	fs.IntVar(&c.agents, "agents", 5000, "agents, each with its own TLS connection and link")
 	fs.IntVar(&c.tunnels, "tunnels", 50000, "idle tunnels held with all agents connected (the HTTP CONNECT door holds as many as the descriptor limit allows)")
+	fs.IntVar(&c.fdsPerHelper, "fds-per-helper", 12000, "sockets given to each agent-simulator and echo process; more processes are started to stay within it (below RLIMIT_NOFILE, with room for the tunnels' uneven spread over agents)")
 	fs.IntVar(&c.dials, "dials", 1000, "sequential dials (CONNECT + 1-byte echo) per latency figure")
 	fs.StringVar(&doors, "doors", "http-connect,grpc", "front doors to measure, one server run each")
 	fs.DurationVar(&c.idleCPU, "idle-cpu", 5*time.Second, "window over which the server's idle CPU is read")
@@ -77,8 +79,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if c.bin == "" {
 		return c, fmt.Errorf("--bin is required (e.g. --bin ../bin/konnectivity)")
 	}
-	if c.agents < 1 || c.tunnels < 0 || c.dials < 1 {
-		return c, fmt.Errorf("--agents and --dials must be positive, --tunnels not negative")
+	if c.agents < 1 || c.tunnels < 0 || c.dials < 1 || c.fdsPerHelper < 1 {
+		return c, fmt.Errorf("--agents, --dials and --fds-per-helper must be positive, --tunnels not negative")
 	}
 	for _, d := range strings.Split(doors, ",") {
 		switch d = strings.TrimSpace(d); d {

@@ -13,14 +13,8 @@ import (
 	"time"
 )
 
-// Descriptor budgets per helper process, below the 20,000 a process may
-// hold on the reference machine, with room for the dials of the latency
-// figures and the tunnels' uneven spread over agents.
-const (
-	simBudget  = 12000 // agents' server connections plus the destination sockets of the tunnels they serve
-	echoBudget = 12000 // destination sockets
-	fdReserve  = 1024  // descriptors a process keeps for everything else
-)
+// fdReserve is what a process keeps for everything but tunnels and agents.
+const fdReserve = 1024
 
 const (
 	serverPrefix = "konnectivity_network_proxy_server_"
@@ -372,8 +366,11 @@ func (d *doorRun) startHelpers(ctx context.Context) error {
 			d.heldWhy = fmt.Sprintf("of %d: descriptor limit %d of server and client", cfg.tunnels, min(srvLimit, d.nofile))
 		}
 	}
-	nEcho := max(1, (d.heldWanted+echoBudget-1)/echoBudget)
-	nSim := max(1, (cfg.agents+d.heldWanted+simBudget-1)/simBudget)
+	// A simulator holds its agents' server connections and the destination
+	// sockets of the tunnels they serve; an echo process, destination sockets.
+	budget := cfg.fdsPerHelper
+	nEcho := max(1, (d.heldWanted+budget-1)/budget)
+	nSim := max(1, (cfg.agents+d.heldWanted+budget-1)/budget)
 	for i := range nEcho {
 		// Each destination on its own loopback address: the agents' sockets
 		// toward it have their own ephemeral port range.

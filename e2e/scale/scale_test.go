@@ -44,11 +44,15 @@ func TestScaleSmoke(t *testing.T) {
 		}
 	}
 	t.Run("product agents", func(t *testing.T) {
-		out := runSmoke(t, bin, "--agents", "20", "--tunnels", "200")
+		// A small budget per helper: several simulators and echo processes.
+		out := runSmoke(t, bin, "--agents", "20", "--tunnels", "200", "--fds-per-helper", "150")
 		for _, want := range []string{"| figure | http-connect | grpc |", "server RSS per agent", "server RSS per idle tunnel", "dial p50 / p99, 20 agents + tunnels held"} {
 			if !strings.Contains(out, want) {
 				t.Errorf("table lacks %q", want)
 			}
+		}
+		if !strings.Contains(out, "| agent simulators: processes; goroutines, RSS with agents / + tunnels | 2;") {
+			t.Errorf("not 2 simulator processes for 220 sockets at 150 each")
 		}
 	})
 	t.Run("upstream-protocol agents", func(t *testing.T) {
