@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -169,7 +170,7 @@ type doorRun struct {
 type simStat struct {
 	agents, connected, connects, failures, retried2, open, goroutines, rssKiB int64
 	maxFailures, lastConnect                                                  int64
-	errors                                                                    []string
+	errors                                                                    map[string]int64 // most frequent connection error of each simulator: count
 }
 
 func (d *doorRun) run(ctx context.Context) error {
@@ -507,8 +508,12 @@ func (d *doorRun) simStats(ctx context.Context) (simStat, error) {
 		st.rssKiB += kvInt(m, "rss_kib")
 		st.maxFailures = max(st.maxFailures, kvInt(m, "max_failures"))
 		st.lastConnect = max(st.lastConnect, kvInt(m, "last_connect"))
-		if e := m["errors"]; e != "" && e != "-" {
-			st.errors = append(st.errors, e)
+		if n, kind, ok := strings.Cut(m["errors"], "x:"); ok {
+			if st.errors == nil {
+				st.errors = map[string]int64{}
+			}
+			c, _ := strconv.ParseInt(n, 10, 64)
+			st.errors[strings.ReplaceAll(kind, "_", " ")] += c
 		}
 	}
 	return st, nil

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"sort"
 	"strings"
 	"time"
 )
@@ -97,7 +98,12 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 	fmt.Fprintln(out)
 	for _, d := range doors {
 		if len(d.fleet.errors) > 0 {
-			fmt.Fprintf(out, "%s: agents' most frequent connection error, per simulator: %s\n", d.label, strings.Join(d.fleet.errors, "; "))
+			var kinds []string
+			for k, n := range d.fleet.errors {
+				kinds = append(kinds, fmt.Sprintf("%q %d×", k, n))
+			}
+			sort.Strings(kinds)
+			fmt.Fprintf(out, "%s: agents' connection errors (the most frequent kind of each simulator, logged ones): %s\n", d.label, strings.Join(kinds, "; "))
 		}
 	}
 	var usims []string
