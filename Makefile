@@ -116,9 +116,10 @@ bench-compare: build
 # One server, AGENTS agents (the product's agent code, in-process, each with
 # its own TLS connection and link) and TUNNELS idle tunnels, through both
 # front doors: time until the fleet is connected, server RSS per agent and
-# per tunnel, idle CPU, dial p50/p99 against the 1-agent figure. OTHER=dir
-# holding upstream's proxy-server runs the same against it, its agents
-# speaking upstream's agent protocol (in-process, as ours are).
+# per tunnel, idle CPU, dial p50/p99 against the 1-agent figure. OTHER= runs
+# the same against another server: a directory holding upstream's
+# proxy-server (its agents then speak upstream's agent protocol, in-process
+# as ours are), or the path of another konnectivity binary.
 AGENTS  ?= 5000
 TUNNELS ?= 50000
 bench-scale: build

@@ -39,7 +39,8 @@ import (
 
 type config struct {
 	bin          string
-	other        string // directory with upstream's proxy-server
+	other        string // directory with upstream's proxy-server, or another konnectivity binary
+	otherIsDir   bool   // other is upstream's directory
 	upstream     bool   // our server's agents speak upstream's protocol
 	agents       int
 	tunnels      int
@@ -58,7 +59,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs := flag.NewFlagSet("scale", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.bin, "bin", "", "konnectivity binary under test (required)")
-	fs.StringVar(&c.other, "other", "", "directory holding upstream's proxy-server (and proxy-agent): the same run against it, with agents speaking upstream's agent protocol")
+	fs.StringVar(&c.other, "other", "", "the same run against another server: a directory holding upstream's proxy-server (its agents then speak upstream's agent protocol), or another konnectivity binary (with this tree's agents)")
 	var proto string
 	fs.StringVar(&proto, "agent-protocol", "konnectivity", "protocol of the simulated agents of konnectivity's server: konnectivity (the product's agent code) or upstream (upstream's agent protocol, as with --other)")
 	fs.IntVar(&c.agents, "agents", 5000, "agents, each with its own TLS connection and link")
@@ -99,8 +100,14 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, fmt.Errorf("--agent-protocol=%q: want konnectivity or upstream", proto)
 	}
 	if c.other != "" {
-		if _, err := os.Stat(filepath.Join(c.other, "proxy-server")); err != nil {
+		fi, err := os.Stat(c.other)
+		if err != nil {
 			return c, fmt.Errorf("--other: %w", err)
+		}
+		if c.otherIsDir = fi.IsDir(); c.otherIsDir {
+			if _, err := os.Stat(filepath.Join(c.other, "proxy-server")); err != nil {
+				return c, fmt.Errorf("--other: %w", err)
+			}
 		}
 	}
 	if len(c.doors) == 0 {

@@ -98,8 +98,13 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 	}
 	if cfg.other != "" {
 		for _, door := range cfg.doors {
-			plan = append(plan, &doorRun{s: s, door: door, label: "other " + door, nofile: int64(nofile),
-				serverBin: filepath.Join(cfg.other, "proxy-server"), other: true, simRole: "usim"})
+			d := &doorRun{s: s, door: door, label: "other " + door, nofile: int64(nofile), serverBin: cfg.other, other: true, simRole: "sim"}
+			if cfg.otherIsDir {
+				d.serverBin, d.upstreamServer, d.simRole = filepath.Join(cfg.other, "proxy-server"), true, "usim"
+			} else if cfg.upstream {
+				d.label, d.simRole = d.label+" (upstream-protocol agents)", "usim"
+			}
+			plan = append(plan, d)
 		}
 	}
 	var doors []*doorRun
@@ -130,13 +135,14 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 
 // doorRun is one server run through one front door, and its figures.
 type doorRun struct {
-	s         *scale
-	door      string // http-connect or grpc
-	label     string // column of the table
-	nofile    int64
-	serverBin string
-	other     bool   // the server is upstream's proxy-server: its failures are reported, not counted
-	simRole   string // helper role of the agent simulators: sim or usim
+	s              *scale
+	door           string // http-connect or grpc
+	label          string // column of the table
+	nofile         int64
+	serverBin      string
+	other          bool   // the server is --other: its failures are reported, not counted
+	upstreamServer bool   // the server is upstream's proxy-server, run without the server subcommand
+	simRole        string // helper role of the agent simulators: sim or usim
 
 	server     *proc
 	adminPort  int
@@ -331,7 +337,7 @@ func (d *doorRun) startServer(ctx context.Context) error {
 		"--admin-bind-address=127.0.0.1",
 		"--admin-port=" + strconv.Itoa(d.adminPort),
 	}
-	if !d.other {
+	if !d.upstreamServer {
 		args = append([]string{"server"}, args...)
 	}
 	var err error
