@@ -12,6 +12,10 @@
 //
 //	cd e2e && go run ./scale --bin ../bin/konnectivity --agents 5000 --tunnels 50000
 //
+// --other runs the same against another server: upstream's proxy-server
+// (a directory holding it), whose agents then speak upstream's agent
+// protocol, simulated in-process like ours; or another konnectivity binary.
+//
 // Descriptors: a process here may hold at most RLIMIT_NOFILE descriptors
 // (20,000 on the reference machine). Each agent costs one socket in its
 // simulator process and one in the server; each held tunnel costs a
@@ -21,7 +25,10 @@
 // processes listen on distinct 127.0.0.x addresses so that ephemeral ports
 // do not run out, and the HTTP CONNECT door holds as many tunnels as the
 // server's limit leaves room for (the gRPC door multiplexes its calls on a
-// few connections).
+// few connections). kube-apiserver's konnectivity-client opens one gRPC
+// connection per tunnel, so the gRPC door's figure per held tunnel leaves
+// out that connection's cost; its dials (the latency figures) are made as
+// kube-apiserver makes them.
 package main
 
 import (

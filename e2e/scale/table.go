@@ -106,6 +106,12 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 			fmt.Fprintf(out, "%s: agents' connection errors (the most frequent kind of each simulator, logged ones): %s\n", d.label, strings.Join(kinds, "; "))
 		}
 	}
+	for _, d := range doors {
+		if d.door == "grpc" && d.held > 0 {
+			fmt.Fprintf(out, "gRPC door: the held tunnels are calls multiplexed on gRPC connections of up to %d calls; kube-apiserver's konnectivity-client opens a connection per tunnel, whose cost the figure per idle tunnel leaves out. The latency dials are made as kube-apiserver makes them (one connection each).\n", grpcStreamsPerConn)
+			break
+		}
+	}
 	var usims []string
 	for _, d := range doors {
 		if d.simRole == "usim" {
