@@ -25,9 +25,9 @@ const (
 )
 
 // helperEnv makes this binary a helper process instead of the benchmark:
-// "sim" (agents in-process), "usim" (agents speaking upstream's protocol,
-// in-process) or "echo" (a destination). Its settings are
-// JSON in helperArgsEnv.
+// "agents" (the product's agents, in-process), "upstream-agents" (agents
+// speaking upstream's agent protocol, in-process) or "echo" (a
+// destination). Its settings are JSON in helperArgsEnv.
 const (
 	helperEnv     = "KONNECTIVITY_SCALE_HELPER"
 	helperArgsEnv = "KONNECTIVITY_SCALE_HELPER_ARGS"
@@ -39,10 +39,10 @@ func runHelper(role string) int {
 	raiseNofile()
 	var err error
 	switch role {
-	case "sim":
-		err = runSim(os.Stdin, os.Stdout)
-	case "usim":
-		err = runUsim(os.Stdin, os.Stdout)
+	case "agents":
+		err = runFleet(os.Stdin, os.Stdout, newProductAgent)
+	case "upstream-agents":
+		err = runFleet(os.Stdin, os.Stdout, newUpstreamAgent)
 	case "echo":
 		err = runEcho(os.Stdin, os.Stdout)
 	default:

@@ -90,19 +90,19 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 	}
 	var plan []*doorRun
 	for _, door := range cfg.doors {
-		d := &doorRun{s: s, door: door, label: door, nofile: int64(nofile), serverBin: s.cfg.bin, simRole: "sim"}
+		d := &doorRun{s: s, door: door, label: door, nofile: int64(nofile), serverBin: s.cfg.bin, simRole: "agents"}
 		if cfg.upstream {
-			d.label, d.simRole = door+" (upstream-protocol agents)", "usim"
+			d.label, d.simRole = door+" (upstream-protocol agents)", "upstream-agents"
 		}
 		plan = append(plan, d)
 	}
 	if cfg.other != "" {
 		for _, door := range cfg.doors {
-			d := &doorRun{s: s, door: door, label: "other " + door, nofile: int64(nofile), serverBin: cfg.other, other: true, simRole: "sim"}
+			d := &doorRun{s: s, door: door, label: "other " + door, nofile: int64(nofile), serverBin: cfg.other, other: true, simRole: "agents"}
 			if cfg.otherIsDir {
-				d.serverBin, d.upstreamServer, d.simRole = filepath.Join(cfg.other, "proxy-server"), true, "usim"
+				d.serverBin, d.upstreamServer, d.simRole = filepath.Join(cfg.other, "proxy-server"), true, "upstream-agents"
 			} else if cfg.upstream {
-				d.label, d.simRole = d.label+" (upstream-protocol agents)", "usim"
+				d.label, d.simRole = d.label+" (upstream-protocol agents)", "upstream-agents"
 			}
 			plan = append(plan, d)
 		}
@@ -142,7 +142,7 @@ type doorRun struct {
 	serverBin      string
 	other          bool   // the server is --other: its failures are reported, not counted
 	upstreamServer bool   // the server is upstream's proxy-server, run without the server subcommand
-	simRole        string // helper role of the agent simulators: sim or usim
+	simRole        string // helper role of the agent simulators: agents or upstream-agents
 
 	server     *proc
 	adminPort  int

@@ -114,7 +114,7 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 	}
 	var usims []string
 	for _, d := range doors {
-		if d.simRole == "usim" {
+		if d.simRole == "upstream-agents" {
 			usims = append(usims, d.label)
 		}
 	}

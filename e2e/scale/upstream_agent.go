@@ -1,20 +1,12 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
-	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
-	"os"
-	"runtime"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -29,41 +21,25 @@ import (
 // defaults (--sync-interval 1s, --sync-interval-cap 10s), doubled per
 // failure, with jitter.
 const (
-	usimRetry    = time.Second
-	usimRetryCap = 10 * time.Second
-	usimSetup    = 15 * time.Second // connection and stream set-up bound
-	usimDestIdle = 5 * time.Second  // bound on one write to a destination
+	upstreamRetry    = time.Second
+	upstreamRetryCap = 10 * time.Second
+	upstreamSetup    = 15 * time.Second // connection and stream set-up bound
+	upstreamDestIdle = 5 * time.Second  // bound on one write to a destination
 )
 
-// usim runs agents that speak upstream's agent protocol, in this process:
+// upstreamAgent speaks upstream's agent protocol as a simulated agent:
 // one gRPC connection (its own TLS connection) and one
-// /AgentService/Connect call per agent, with grpc-go and
-// konnectivity-client's packet types. It is the benchmark's own code, not
-// upstream's agent: it serves what the server's side of the protocol
-// needs (DIAL_REQ, DATA, CLOSE_REQ, DIAL_CLS) and retries as upstream's
-// defaults pace it. Requests as for sim.
-type usim struct {
-	args simArgs
-	tls  *tls.Config
-	ctx  context.Context
-	wg   sync.WaitGroup // one per running agent
-
-	mu     sync.Mutex // guards agents
-	agents []*uAgent
-
-	connects    atomic.Int64
-	lastConnect atomic.Int64 // unix nanoseconds
-	errMu       sync.Mutex   // guards errSeen
-	errSeen     map[string]int
-}
-
-// uAgent is one upstream-protocol agent; its endpoints are its open
+// /AgentService/Connect call, with grpc-go and konnectivity-client's packet
+// types. It is the benchmark's own code, not upstream's agent: it serves
+// what the server's side of the protocol needs (DIAL_REQ, DATA, CLOSE_REQ)
+// and retries as upstream's defaults pace it. Its endpoints are its open
 // tunnels, by connect ID.
-type uAgent struct {
-	s        *usim
-	id       string
-	up       atomic.Bool   // holds a stream the server accepted
-	failures atomic.Uint64 // attempts that did not get a stream
+type upstreamAgent struct {
+	f    *fleet
+	id   string
+	tls  *tls.Config
+	up   atomic.Bool   // holds a stream the server accepted
+	fail atomic.Uint64 // attempts that did not get a stream
 
 	mu        sync.Mutex // guards endpoints, nextID and serving
 	endpoints map[int64]net.Conn
@@ -71,142 +47,38 @@ type uAgent struct {
 	serving   bool // a stream is being served: a dial may add its endpoint
 }
 
-func runUsim(in io.Reader, out io.Writer) error {
-	var args simArgs
-	if err := json.Unmarshal([]byte(os.Getenv(helperArgsEnv)), &args); err != nil {
-		return fmt.Errorf("settings: %w", err)
-	}
-	caPEM, err := os.ReadFile(args.CACert)
+func newUpstreamAgent(f *fleet, i int) (simAgent, error) {
+	c := f.tls.Clone()
+	host, _, err := net.SplitHostPort(f.args.Server)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(caPEM) {
-		return fmt.Errorf("%s: no certificate", args.CACert)
-	}
-	cert, err := tls.LoadX509KeyPair(args.AgentCert, args.AgentKey)
-	if err != nil {
-		return err
-	}
-	host, _, _ := net.SplitHostPort(args.Server)
-	ctx, cancel := context.WithCancel(context.Background())
-	s := &usim{
-		args:    args,
-		tls:     &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{cert}, ServerName: host, MinVersion: tls.VersionTLS12},
-		ctx:     ctx,
-		errSeen: map[string]int{},
-	}
-	defer func() {
-		cancel()
-		s.wg.Wait()
-	}()
-	fmt.Fprintln(out, "ready")
-	sc := bufio.NewScanner(in)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		if len(f) == 0 {
-			continue
-		}
-		var ans string
-		switch f[0] {
-		case "start":
-			ans = s.start(f[1:])
-		case "stat":
-			ans = s.statLine()
-		default:
-			ans = "error unknown request " + strconv.Quote(f[0])
-		}
-		fmt.Fprintln(out, ans)
-	}
-	return nil
+	c.ServerName = host
+	return &upstreamAgent{f: f, id: "scale-" + strconv.Itoa(i), tls: c, endpoints: map[int64]net.Conn{}}, nil
 }
 
-func (s *usim) start(f []string) string {
-	if len(f) != 2 {
-		return "error want: start FROM TO"
-	}
-	from, err1 := strconv.Atoi(f[0])
-	to, err2 := strconv.Atoi(f[1])
-	if err1 != nil || err2 != nil || from < 0 || to < from {
-		return "error bad range"
-	}
-	for i := from; i < to; i++ {
-		a := &uAgent{s: s, id: "scale-" + strconv.Itoa(i), endpoints: map[int64]net.Conn{}}
-		s.mu.Lock()
-		s.agents = append(s.agents, a)
-		s.mu.Unlock()
-		s.wg.Add(1)
-		go func() { // owned by s: ends when s.ctx ends
-			defer s.wg.Done()
-			a.run(s.ctx)
-		}()
-	}
-	return "ok"
-}
+func (a *upstreamAgent) connected() bool  { return a.up.Load() }
+func (a *upstreamAgent) failures() uint64 { return a.fail.Load() }
 
-func (s *usim) statLine() string {
-	s.mu.Lock()
-	agents := s.agents
-	s.mu.Unlock()
-	var connected, open int64
-	var failures, maxFail, retried2 uint64
-	for _, a := range agents {
-		if a.up.Load() {
-			connected++
-		}
-		a.mu.Lock()
-		open += int64(len(a.endpoints))
-		a.mu.Unlock()
-		n := a.failures.Load()
-		failures += n
-		maxFail = max(maxFail, n)
-		if n >= 2 {
-			retried2++
-		}
-	}
-	rss, _ := rssKiB(os.Getpid())
-	return fmt.Sprintf("stat agents=%d connected=%d connects=%d last_connect=%d failures=%d max_failures=%d retried2=%d open=%d goroutines=%d rss_kib=%d errors=%s",
-		len(agents), connected, s.connects.Load(), s.lastConnect.Load(), failures, maxFail, retried2, open,
-		runtime.NumGoroutine(), rss, s.errSummary())
-}
-
-func (s *usim) noteErr(err error) {
-	e := shortErr(err.Error())
-	s.errMu.Lock()
-	defer s.errMu.Unlock()
-	if len(s.errSeen) < 32 || s.errSeen[e] > 0 {
-		s.errSeen[e]++
-	}
-}
-
-func (s *usim) errSummary() string {
-	s.errMu.Lock()
-	defer s.errMu.Unlock()
-	best, n := "", 0
-	for e, c := range s.errSeen {
-		if c > n {
-			best, n = e, c
-		}
-	}
-	if best == "" {
-		return "-"
-	}
-	return strconv.Itoa(n) + "x:" + strings.ReplaceAll(best, " ", "_")
+func (a *upstreamAgent) open() int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return int64(len(a.endpoints))
 }
 
 // run keeps the agent connected until ctx ends.
-func (a *uAgent) run(ctx context.Context) {
-	delay := usimRetry
+func (a *upstreamAgent) run(ctx context.Context) {
+	delay := upstreamRetry
 	for ctx.Err() == nil {
 		served, err := a.session(ctx)
 		if ctx.Err() != nil {
 			return
 		}
 		if served {
-			delay = usimRetry
+			delay = upstreamRetry
 		} else {
-			a.failures.Add(1)
-			a.s.noteErr(err)
+			a.fail.Add(1)
+			a.f.errs.note(err.Error())
 		}
 		// Jitter: between half and all of the delay.
 		d := delay/2 + rand.N(delay/2+1)
@@ -218,22 +90,22 @@ func (a *uAgent) run(ctx context.Context) {
 		case <-t.C:
 		}
 		if !served {
-			delay = min(2*delay, usimRetryCap)
+			delay = min(2*delay, upstreamRetryCap)
 		}
 	}
 }
 
 // session opens one connection and stream and serves it until it ends;
 // served says whether the server accepted it.
-func (a *uAgent) session(ctx context.Context) (served bool, err error) {
-	cc, err := grpc.NewClient(a.s.args.Server, grpc.WithTransportCredentials(credentials.NewTLS(a.s.tls)))
+func (a *upstreamAgent) session(ctx context.Context) (served bool, err error) {
+	cc, err := grpc.NewClient(a.f.args.Server, grpc.WithTransportCredentials(credentials.NewTLS(a.tls)))
 	if err != nil {
 		return false, err
 	}
 	defer cc.Close()
 	sctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(ctx, "agentid", a.id, "agentidentifiers", ""))
 	defer cancel()
-	setup := time.AfterFunc(usimSetup, cancel)
+	setup := time.AfterFunc(upstreamSetup, cancel)
 	st, err := cc.NewStream(sctx, &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}, "/AgentService/Connect")
 	if err == nil {
 		var h metadata.MD
@@ -253,8 +125,7 @@ func (a *uAgent) session(ctx context.Context) (served bool, err error) {
 		return false, err
 	}
 	a.up.Store(true)
-	a.s.connects.Add(1)
-	a.s.lastConnect.Store(time.Now().UnixNano())
+	a.f.connectedNow()
 	a.serve(sctx, st)
 	a.up.Store(false)
 	return true, nil
@@ -262,7 +133,7 @@ func (a *uAgent) session(ctx context.Context) (served bool, err error) {
 
 // serve handles the server's packets until the stream ends, then closes
 // every endpoint and waits for their readers.
-func (a *uAgent) serve(ctx context.Context, st grpc.ClientStream) {
+func (a *upstreamAgent) serve(ctx context.Context, st grpc.ClientStream) {
 	var (
 		wg     sync.WaitGroup
 		sendMu sync.Mutex // grpc-go allows one SendMsg at a time
@@ -313,8 +184,8 @@ func (a *uAgent) serve(ctx context.Context, st grpc.ClientStream) {
 				continue
 			}
 			// Written here, in order: the destinations are local echo
-			// servers, and a stuck one is cut off after usimDestIdle.
-			_ = c.SetWriteDeadline(time.Now().Add(usimDestIdle))
+			// servers, and a stuck one is cut off after upstreamDestIdle.
+			_ = c.SetWriteDeadline(time.Now().Add(upstreamDestIdle))
 			if _, err := c.Write(d.GetData()); err != nil {
 				c.Close()
 			}
@@ -334,7 +205,7 @@ func (a *uAgent) serve(ctx context.Context, st grpc.ClientStream) {
 
 // dial opens a destination, answers DIAL_RSP and copies the destination's
 // bytes to the server until it ends, then reports the end (CLOSE_RSP).
-func (a *uAgent) dial(ctx context.Context, addr string, random int64, send func(*proxypb.Packet) error, closeRsp func(int64, string) *proxypb.Packet) {
+func (a *upstreamAgent) dial(ctx context.Context, addr string, random int64, send func(*proxypb.Packet) error, closeRsp func(int64, string) *proxypb.Packet) {
 	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	var d net.Dialer
 	c, err := d.DialContext(dctx, "tcp", addr)
