@@ -375,7 +375,9 @@ func (d *doorRun) startHelpers(ctx context.Context) error {
 	}
 	// A simulator holds its agents' server connections and the destination
 	// sockets of the tunnels they serve; an echo process, destination sockets.
-	budget := cfg.fdsPerHelper
+	// Within 60% of the descriptor limit: the tunnels spread over agents
+	// unevenly, and dials come and go.
+	budget := max(1, min(cfg.fdsPerHelper, int(d.nofile)*6/10))
 	nEcho := max(1, (d.heldWanted+budget-1)/budget)
 	nSim := max(1, (cfg.agents+d.heldWanted+budget-1)/budget)
 	for i := range nEcho {
