@@ -50,8 +50,8 @@ func newProductAgent(f *fleet, i int) (simAgent, error) {
 func (p *productAgent) run(ctx context.Context) { _ = p.a.Run(ctx) }
 
 func (p *productAgent) connected() bool {
-	held, _ := p.a.Connected()
-	return held > 0
+	ok, _ := p.a.Ready() // at least one server held
+	return ok
 }
 
 func (p *productAgent) open() int64      { return p.a.Stats.OpenStreams.Load() }
