@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // The agent's Upgrade request and the server's answer. Everything the two
@@ -23,6 +24,20 @@ const (
 	featurePause     = "pause"                       // it answers pausePath and resumes paused tunnels (handover.go)
 	maxHandshakeHead = 16 << 10
 	maxIDLen         = 256
+)
+
+// hdrRetryAfterMs is the agent port's answer to a connection refused at the
+// unadmitted limit, written in plain text before any TLS: when to come
+// back, in milliseconds (Retry-After beside it has whole seconds, for other
+// clients). The server spaces these so a fleet's retries arrive no faster
+// than it admits; the agent reads it from the bytes its TLS handshake got.
+const hdrRetryAfterMs = "Konnectivity-Retry-After-Ms"
+
+// Bounds on that delay: not sooner than a handshake can start again, and
+// never so long that an agent stays away for long.
+const (
+	minRetryAfter = 10 * time.Millisecond
+	maxRetryAfter = 2 * time.Minute
 )
 
 // What the server asks an agent, on the agent's link, when a restart
