@@ -91,13 +91,18 @@ type pacer struct {
 	next time.Time     // guarded by mu: the last moment handed out
 }
 
-// admitted records how long an admitted connection waited.
+// admitted records how long an admitted connection waited. The average
+// rises fast and falls slowly: a moment handed out too early costs an
+// agent a second refusal, one too late only a little of its time.
 func (p *pacer) admitted(waited time.Duration) {
 	p.mu.Lock()
-	if p.hold == 0 {
+	switch {
+	case p.hold == 0:
 		p.hold = waited
-	} else {
-		p.hold += (waited - p.hold) / 16
+	case waited > p.hold:
+		p.hold += (waited - p.hold) / 4
+	default:
+		p.hold += (waited - p.hold) / 32
 	}
 	p.mu.Unlock()
 }
