@@ -53,8 +53,8 @@ func TestBusyRefusalSaysWhenToComeBack(t *testing.T) {
 	sc.conn.Close()
 }
 
-// The pacer hands out moments spaced by the time a slot takes to free,
-// with a quarter to spare, within the bounds.
+// The pacer hands out moments spaced by half the time a slot takes to
+// free, within the bounds.
 func TestPacerSpacesRetries(t *testing.T) {
 	var p pacer
 	p.admitted(64 * time.Millisecond) // 64 slots: one frees every millisecond
@@ -66,8 +66,8 @@ func TestPacerSpacesRetries(t *testing.T) {
 	if got[0] != minRetryAfter {
 		t.Errorf("first retry in %s, want the floor %s", got[0], minRetryAfter)
 	}
-	if want := 100 * 1250 * time.Microsecond; got[99] != want {
-		t.Errorf("100th retry in %s, want %s (1.25 ms apart)", got[99], want)
+	if want := 100 * 500 * time.Microsecond; got[99] != want {
+		t.Errorf("100th retry in %s, want %s (0.5 ms apart)", got[99], want)
 	}
 	later := now.Add(time.Hour) // the burst long over: the spacing starts again from now
 	if r := p.retryAfter(later, 64); r != minRetryAfter {
