@@ -12,7 +12,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -523,11 +522,7 @@ func (h *headRecorder) busyAnswer(err error) *StatusError {
 		return nil
 	}
 	resp.Body.Close()
-	se := &StatusError{Code: resp.StatusCode, Msg: "too many connections waiting to be admitted"}
-	if ms, err := strconv.ParseInt(resp.Header.Get(hdrRetryAfterMs), 10, 64); err == nil && ms > 0 {
-		se.RetryAfter = min(time.Duration(ms)*time.Millisecond, maxRetryAfter)
-	}
-	return se
+	return &StatusError{Code: resp.StatusCode, Msg: "too many connections waiting to be admitted", RetryAfter: retryAfterHeader(resp.Header)}
 }
 
 // backoff is capped exponential backoff with full jitter: each delay is

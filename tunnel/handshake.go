@@ -40,6 +40,15 @@ const (
 	maxRetryAfter = 2 * time.Minute
 )
 
+// retryAfterHeader reads hdrRetryAfterMs, within its bounds; 0 if absent.
+func retryAfterHeader(h http.Header) time.Duration {
+	ms, err := strconv.ParseInt(h.Get(hdrRetryAfterMs), 10, 64)
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return min(time.Duration(ms)*time.Millisecond, maxRetryAfter)
+}
+
 // What the server asks an agent, on the agent's link, when a restart
 // moves a tunnel (handover.go has the protocol; agent_pause.go the
 // agent's half), and the token that names the destination the agent holds
@@ -163,7 +172,7 @@ func readReply(br *bufio.Reader) (serverReply, error) {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()
 		r.ServerID = resp.Header.Get(hdrServerID)
-		return r, &StatusError{Code: resp.StatusCode, Msg: cleanErr(fmt.Errorf("%s", strings.TrimSpace(string(body))))}
+		return r, &StatusError{Code: resp.StatusCode, Msg: cleanErr(fmt.Errorf("%s", strings.TrimSpace(string(body)))), RetryAfter: retryAfterHeader(resp.Header)}
 	}
 	r.ServerID = resp.Header.Get(hdrServerID)
 	if err := validID(r.ServerID); err != nil {
