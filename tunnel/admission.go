@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -27,7 +28,10 @@ import (
 //   - time: a connection not admitted within HeaderTimeout of its accept
 //     (TLS handshake, login and review included) is closed;
 //   - count: at most MaxUnadmitted such connections per server; past it a
-//     new connection is closed at once, before its TLS handshake;
+//     new connection is closed at once, before its TLS handshake, told in
+//     one plain-text 503 when to come back (hdrRetryAfterMs): the moments
+//     handed out are spaced by the time a slot takes to free, so a fleet
+//     that reconnects at once comes back at the rate it can be admitted;
 //   - work: one login per connection (a refused login ends the
 //     connection), and at most MaxReviews calls of AuthenticateAgent in
 //     flight per server, each under the context of the connection or
@@ -55,6 +59,8 @@ type admission struct {
 	reviews  chan struct{} // a slot per AuthenticateAgent call in flight
 	inflight atomic.Int64  // reviews holding a slot, for the gauge
 
+	pace pacer // when a connection refused at the limit may come back
+
 	dropped  *promtext.Counter // connections closed at once: MaxUnadmitted reached
 	timedOut *promtext.Counter // connections closed at the header timeout, not admitted
 	refused  *promtext.Counter // reviews that could not be done (authentication unavailable)
@@ -74,6 +80,65 @@ func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admissio
 	return a
 }
 
+// pacer spaces the retries of connections refused at the unadmitted limit.
+// While every slot is taken a slot frees about every hold/max (hold: how
+// long an admitted connection waited, a moving average). Each refusal is
+// handed the moment half of that after the last one handed out: hold
+// counts the agent's own side of the handshake, which costs the server
+// nothing, so hold/max itself leaves the server idle between retries
+// (measured with e2e/scale: twice the time to connect a 5,000-agent
+// fleet), while half of it still costs most agents one refusal at most.
+// A leaf lock.
+type pacer struct {
+	mu   sync.Mutex
+	hold time.Duration // guarded by mu: moving average, accept to admission
+	next time.Time     // guarded by mu: the last moment handed out
+}
+
+// admitted records how long an admitted connection waited.
+func (p *pacer) admitted(waited time.Duration) {
+	p.mu.Lock()
+	if p.hold == 0 {
+		p.hold = waited
+	} else {
+		p.hold += (waited - p.hold) / 8
+	}
+	p.mu.Unlock()
+}
+
+// retryAfter hands a refused connection the next moment to come back.
+func (p *pacer) retryAfter(now time.Time, slots int64) time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	hold := p.hold
+	if hold == 0 {
+		hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
+	}
+	step := hold / time.Duration(2*max(slots, 1))
+	p.next = maxTime(p.next, now).Add(step)
+	if d := p.next.Sub(now); d > maxRetryAfter {
+		p.next = now.Add(maxRetryAfter)
+	}
+	return min(max(p.next.Sub(now), minRetryAfter), maxRetryAfter)
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+// refuseBusy answers a connection refused at the unadmitted limit with a
+// plain-text 503 saying when to come back, and closes it. The answer is
+// one small write on a fresh socket, so it never waits on the peer.
+func refuseBusy(conn net.Conn, retry time.Duration) {
+	conn.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	fmt.Fprintf(conn, "HTTP/1.1 503 Service Unavailable\r\n%s: %d\r\nRetry-After: %d\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+		hdrRetryAfterMs, retry.Milliseconds(), int64((retry+time.Second-1)/time.Second))
+	conn.Close()
+}
+
 // pendingConn is one agent-port connection from its accept until it is
 // admitted or closed. The deadline timer closes the connection unless
 // admit wins the race for mu first.
@@ -81,6 +146,7 @@ type pendingConn struct {
 	a     *admission
 	conn  net.Conn
 	timer *time.Timer
+	start time.Time // its accept
 
 	mu       sync.Mutex
 	state    pendingState // guarded by mu
@@ -96,15 +162,15 @@ const (
 )
 
 // enter counts a newly accepted connection and arms its deadline. It
-// returns nil, having closed conn, when MaxUnadmitted are already waiting.
+// returns nil when MaxUnadmitted are already waiting: the caller refuses
+// conn (refuseBusy).
 func (a *admission) enter(conn net.Conn, timeout time.Duration) *pendingConn {
 	if a.open.Add(1) > a.max {
 		a.open.Add(-1)
 		a.dropped.Inc()
-		conn.Close()
 		return nil
 	}
-	p := &pendingConn{a: a, conn: conn}
+	p := &pendingConn{a: a, conn: conn, start: time.Now()}
 	p.mu.Lock()
 	p.timer = time.AfterFunc(timeout, p.expire)
 	p.mu.Unlock()
@@ -139,6 +205,7 @@ func (p *pendingConn) admit() bool {
 	p.mu.Unlock()
 	p.timer.Stop()
 	p.a.open.Add(-1)
+	p.a.pace.admitted(time.Since(p.start))
 	return true
 }
 
@@ -232,7 +299,9 @@ func (s *Server) serveAgentConn(raw net.Conn) {
 	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
 	if pc == nil {
 		s.Stats.AgentsRefused.Add(1)
-		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted)
+		retry := s.gate.pace.retryAfter(time.Now(), s.gate.max)
+		refuseBusy(raw, retry)
+		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted, "retry_in", retry.Round(time.Millisecond).String())
 		return
 	}
 	defer pc.release()

@@ -415,7 +415,8 @@ func TestHostileUnadmittedLimit(t *testing.T) {
 	}
 	waitUntil(t, func() bool { return e.srv.gate.open.Load() == limit }, "the server to count the waiting connections")
 
-	// Past the limit: closed before a byte is exchanged.
+	// Past the limit: closed at once, after one plain-text 503 saying when
+	// to come back.
 	const extra = 20
 	var cut []time.Duration
 	for range extra {

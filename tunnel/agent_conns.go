@@ -2,7 +2,9 @@ package tunnel
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -120,11 +122,16 @@ func (a *Agent) seek(ctx context.Context, t target) {
 }
 
 // failureDelay is how long to wait after a failed dial, and logs it
-// (rate-limited). A refused connection costs the server nothing, so it is
-// retried at the base interval; anything else backs off.
+// (rate-limited). A server that said when to come back (its unadmitted
+// limit) is retried then, spread over an eighth of that more, so a fleet
+// that reconnects at once arrives at the rate the server admits; a refused
+// connection costs the server nothing, so it is retried at the base
+// interval; anything else backs off.
 func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
 	delay := b.next()
-	if isCheap(err) {
+	if r := retryAfter(err); r > 0 {
+		delay = r + rand.N(r/8+1)
+	} else if isCheap(err) {
 		delay = jitter(a.cfg.SyncInterval)
 	}
 	a.metrics.toServerFailures.Inc()
@@ -223,6 +230,15 @@ func (a *Agent) expand(ctx context.Context, host, port string) {
 	}
 }
 
+// retryAfter is how long a refusal told the agent to stay away; 0 if it did not.
+func retryAfter(err error) time.Duration {
+	var se *StatusError
+	if errors.As(err, &se) {
+		return se.RetryAfter
+	}
+	return 0
+}
+
 func isDuplicate(err error) bool {
 	var se *StatusError
 	return errors.As(err, &se) && se.Code == http.StatusConflict
@@ -251,11 +267,16 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 			raw.Close()
 			return nil, fmt.Errorf("TLS configuration: %w", err)
 		}
-		tc := tlsClient(raw, tcfg)
+		head := &headRecorder{Conn: raw}
+		tc := tlsClient(head, tcfg)
 		if err := tc.HandshakeContext(hctx); err != nil {
 			raw.Close()
+			if se := head.busyAnswer(err); se != nil {
+				return nil, fmt.Errorf("server %s refused the connection: %w", t.addr, se)
+			}
 			return nil, fmt.Errorf("TLS handshake with %s: %w", t.addr, err)
 		}
+		head.done = true
 		conn = tc
 	}
 	hello := ourHello(a.cfg.ID, a.cfg.Identifiers, a.heldServers())
@@ -471,7 +492,42 @@ func validToken(t string) bool {
 	return true
 }
 
-// backoff is capped exponential backoff with jitter.
+// headRecorder keeps the first bytes a TLS handshake reads, so that a
+// plain-text refusal in their place (the server's unadmitted limit) can be
+// read after the handshake failed on it. Owned by the dial until done;
+// afterwards reads pass through.
+type headRecorder struct {
+	net.Conn
+	head []byte
+	done bool
+}
+
+func (h *headRecorder) Read(p []byte) (int, error) {
+	n, err := h.Conn.Read(p)
+	if !h.done && len(h.head) < 512 {
+		h.head = append(h.head, p[:min(n, 512-len(h.head))]...)
+	}
+	return n, err
+}
+
+// busyAnswer reads the server's plain-text answer in place of a TLS
+// handshake, or returns nil if err is not one.
+func (h *headRecorder) busyAnswer(err error) *StatusError {
+	var rh tls.RecordHeaderError
+	if !errors.As(err, &rh) || string(rh.RecordHeader[:]) != "HTTP/" {
+		return nil
+	}
+	resp, rerr := http.ReadResponse(bufio.NewReader(bytes.NewReader(h.head)), nil)
+	if rerr != nil {
+		return nil
+	}
+	resp.Body.Close()
+	return &StatusError{Code: resp.StatusCode, Msg: "too many connections waiting to be admitted", RetryAfter: retryAfterHeader(resp.Header)}
+}
+
+// backoff is capped exponential backoff with full jitter: each delay is
+// drawn from the whole of [min, cur], cur doubling up to max, so agents
+// that failed together do not come back together.
 type backoff struct {
 	min, max, cur time.Duration
 }
@@ -481,7 +537,7 @@ func newBackoff(lo, hi time.Duration) *backoff { return &backoff{min: lo, max: h
 func (b *backoff) reset() { b.cur = b.min }
 
 func (b *backoff) next() time.Duration {
-	d := jitter(b.cur)
+	d := b.min + rand.N(b.cur-b.min+1)
 	b.cur = min(b.cur*2, b.max)
 	return d
 }

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"time"
 )
 
 // StatusError is a failure with the HTTP status a client should see.
@@ -15,6 +16,9 @@ type StatusError struct {
 	Code   int
 	Msg    string
 	Reason string // for dial failures: the metric label (no_agent, backend_dial_timeout, ...)
+	// RetryAfter is when the agent port said to come back (hdrRetryAfterMs);
+	// zero when it did not say.
+	RetryAfter time.Duration
 }
 
 func (e *StatusError) Error() string {

@@ -35,7 +35,8 @@
 // it is admitted, the limits on it, and register, which puts admitted
 // agents of both kinds in the registry), dial.go (picking an agent and
 // opening a tunnel through it), upstream_agent.go (upstream's gRPC
-// agents), registry.go, identity.go, quiet.go (a drain's close at a quiet
+// agents), registry.go and registry_index.go (the agents by what a
+// strategy asks for), identity.go, quiet.go (a drain's close at a quiet
 // moment), hangup.go (clients that left), handover.go (the server's half
 // of a restart's move), server_metrics.go, status.go.
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
@@ -63,8 +64,9 @@
 // (Server.tunnels) with each tunnel's state, and the count of gRPC front
 // door connections; the quiet drain, the hang-up sweep and a restart
 // pick tunnels under it and act on them after it is released. registry.mu
-// guards the connected agents; pick asks their links whether they take a
-// stream under it. Agent.mu guards the agent's connections, counts and
+// (read-locked by a dial's pick) guards the connected agents and their
+// index (registry_index.go); whether a link takes a stream is an atomic
+// the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
 // the destinations held for a restart. Leaf locks, under which nothing
 // else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu,
 // watchedConn's, logLimiter's and promtext's registry lock; nothing

@@ -401,7 +401,18 @@ func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 	f.in = &grpcUploadReader{body: f.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), closeReq: make(chan struct{}), packets: &s.metrics.packets}
 	f.in.mr.Prime(partial) // before the upload's watcher reads
 	body := f.body
-	t.up.init(bufio.NewReaderSize(f.in, 4096), func() { body.Close() }, &t.act, s.goroutine)
+	// The reader only answers the watcher's Peek: reads pass it by into
+	// the caller's buffer, so it is the smallest bufio allows.
+	br := bufio.NewReaderSize(f.in, 16)
+	t.up.init(br, func() { body.Close() }, &t.act, s.goroutine)
+	if hb, ok := body.(*h2link.Body); ok {
+		in := f.in
+		t.up.wait = func() {
+			if br.Buffered() == 0 && len(in.pending) == 0 && in.err == nil {
+				hb.Ready()
+			}
+		}
+	}
 	t.up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	t.up.packets = packetCounter{&s.metrics.packets.n[segToAgent][grpcwire.Data]}
 }
@@ -473,15 +484,27 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 }
 
 // sendDownGRPC writes the agent's bytes to the client as DATA packets
-// until the stream ends, counting them in down.
+// until the stream ends, counting them in down. It borrows a buffer only
+// once the agent's stream has bytes (a small one, a large one while reads
+// fill it), so an idle call holds none.
 func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
 	f := t.front.(*grpcFront)
-	bp := largeBufs.Get().(*[]byte)
-	defer largeBufs.Put(bp)
 	defer func() { down.Complete(err) }()
-	buf := *bp
+	body, _ := t.body.(*h2link.Body) // nil for an upstream agent's: it waits with a buffer
+	size := smallBufSize
 	for {
+		if body != nil {
+			body.Ready()
+		}
+		bp := getBuf(size)
+		buf := *bp
 		n, err := t.body.Read(buf[grpcwire.DataPrefixRoom:])
+		switch {
+		case n == len(buf)-grpcwire.DataPrefixRoom:
+			size = largeBufSize
+		case n < smallBufSize:
+			size = smallBufSize
+		}
 		if n > 0 {
 			t.fromAgent(int64(n))
 			msg := grpcwire.PutDataPrefix(buf, f.connectID, n)
@@ -489,6 +512,7 @@ func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
 			s.metrics.packets.inc(segToClient, grpcwire.Data)
 			written := time.Now()
 			werr := f.g.write(msg)
+			putBuf(bp)
 			t.act.down()
 			down.Add(int64(n))
 			s.metrics.frontendWrite.ObserveDuration(time.Since(written))
@@ -496,6 +520,9 @@ func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
 				s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
 				return werr
 			}
+		}
+		if n <= 0 {
+			putBuf(bp)
 		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {

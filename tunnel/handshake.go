@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // The agent's Upgrade request and the server's answer. Everything the two
@@ -24,6 +25,29 @@ const (
 	maxHandshakeHead = 16 << 10
 	maxIDLen         = 256
 )
+
+// hdrRetryAfterMs is the agent port's answer to a connection refused at the
+// unadmitted limit, written in plain text before any TLS: when to come
+// back, in milliseconds (Retry-After beside it has whole seconds, for other
+// clients). The server spaces these so a fleet's retries arrive no faster
+// than it admits; the agent reads it from the bytes its TLS handshake got.
+const hdrRetryAfterMs = "Konnectivity-Retry-After-Ms"
+
+// Bounds on that delay: not sooner than a handshake can start again, and
+// never so long that an agent stays away for long.
+const (
+	minRetryAfter = 10 * time.Millisecond
+	maxRetryAfter = 2 * time.Minute
+)
+
+// retryAfterHeader reads hdrRetryAfterMs, within its bounds; 0 if absent.
+func retryAfterHeader(h http.Header) time.Duration {
+	ms, err := strconv.ParseInt(h.Get(hdrRetryAfterMs), 10, 64)
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return min(time.Duration(ms)*time.Millisecond, maxRetryAfter)
+}
 
 // What the server asks an agent, on the agent's link, when a restart
 // moves a tunnel (handover.go has the protocol; agent_pause.go the
@@ -148,7 +172,7 @@ func readReply(br *bufio.Reader) (serverReply, error) {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()
 		r.ServerID = resp.Header.Get(hdrServerID)
-		return r, &StatusError{Code: resp.StatusCode, Msg: cleanErr(fmt.Errorf("%s", strings.TrimSpace(string(body))))}
+		return r, &StatusError{Code: resp.StatusCode, Msg: cleanErr(fmt.Errorf("%s", strings.TrimSpace(string(body)))), RetryAfter: retryAfterHeader(resp.Header)}
 	}
 	r.ServerID = resp.Header.Get(hdrServerID)
 	if err := validID(r.ServerID); err != nil {

@@ -96,6 +96,8 @@ func (a *agentConn) shutdown(ctx context.Context) {
 	}
 }
 
+// usable reports whether a takes a new tunnel now. It takes no lock (the
+// link keeps its answer in an atomic), so a dial may ask it of many agents.
 func (a *agentConn) usable(maxStreams int64) bool {
 	if a.streams.Load() >= maxStreams {
 		return false
@@ -106,20 +108,24 @@ func (a *agentConn) usable(maxStreams int64) bool {
 	return a.link.CanTakeNewRequest()
 }
 
-// registry holds the connected agents. Waiters block on changed, which is
-// closed and replaced whenever an agent joins. Every method that reads
-// agents is here. Its lock comes after Server.mu and before an agent's
-// link (tunnel/doc.go, "Locks"): pick asks a link whether it takes a
-// stream under it.
+// registry holds the connected agents and the index a dial chooses from:
+// every agent, those with default-route, and by host, address, CIDR and
+// node. Choosing visits only the agents a strategy names, starting at a
+// rotating cursor and stopping at the first live usable one, so a dial
+// costs the same whatever the number of agents while most can take a
+// tunnel. Waiters block on changed, which is closed and replaced whenever
+// an agent joins. Every method that reads agents is here. Its lock comes
+// after Server.mu and before an agent's link (tunnel/doc.go, "Locks").
 type registry struct {
-	mu      sync.Mutex
+	mu      sync.RWMutex
 	agents  map[string]*agentConn // guarded by mu
+	idx     agentIndex            // guarded by mu: the agents in agents, indexed
 	changed chan struct{}         // guarded by mu
 	next    atomic.Uint64         // rotation among equal agents
 }
 
 func newRegistry() *registry {
-	return &registry{agents: make(map[string]*agentConn), changed: make(chan struct{})}
+	return &registry{agents: make(map[string]*agentConn), idx: newAgentIndex(), changed: make(chan struct{})}
 }
 
 // add registers a, returning the connection it replaces (same agent ID), if any.
@@ -127,7 +133,11 @@ func (r *registry) add(a *agentConn) (replaced *agentConn) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	replaced = r.agents[a.id]
+	if replaced != nil {
+		r.idx.remove(replaced)
+	}
 	r.agents[a.id] = a
+	r.idx.add(a)
 	close(r.changed)
 	r.changed = make(chan struct{})
 	return replaced
@@ -138,12 +148,13 @@ func (r *registry) remove(a *agentConn) {
 	defer r.mu.Unlock()
 	if r.agents[a.id] == a {
 		delete(r.agents, a.id)
+		r.idx.remove(a)
 	}
 }
 
 func (r *registry) snapshot() []*agentConn {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
 	out := make([]*agentConn, 0, len(r.agents))
 	for _, a := range r.agents {
 		out = append(out, a)
@@ -152,14 +163,14 @@ func (r *registry) snapshot() []*agentConn {
 }
 
 func (r *registry) len() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
 	return len(r.agents)
 }
 
 func (r *registry) waitChan() <-chan struct{} {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
 	return r.changed
 }
 
@@ -173,49 +184,29 @@ type dest struct {
 }
 
 // pick chooses an agent for a dial to d, or nil, and says which strategy
-// found it. Within a strategy, agents that are not draining are preferred,
-// and the choice rotates so dials spread across agents.
+// found it. Within a strategy, an exact destHost match beats a CIDR one,
+// agents that are not draining beat draining ones, and the choice rotates
+// so dials spread across agents.
 func (r *registry) pick(d dest, strategies []Strategy, maxStreams int64, exclude map[*agentConn]bool) (*agentConn, Strategy) {
-	host := d.host
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	c := chooser{maxStreams: maxStreams, exclude: exclude, turn: r.next.Add(1)}
 	for _, st := range strategies {
-		var best []*agentConn
-		bestRank := 0
-		for _, a := range r.agents {
-			if exclude[a] || !a.usable(maxStreams) {
-				continue
+		var a *agentConn
+		switch st {
+		case StrategyDefault:
+			a = c.choose(r.idx.all.list)
+		case StrategyDefaultRoute:
+			a = c.choose(r.idx.defaultRoute.list)
+		case StrategyNode:
+			if d.node != "" {
+				a = c.choose(r.idx.nodes[d.node])
 			}
-			rank := 0
-			switch st {
-			case StrategyDefault:
-				rank = 1
-			case StrategyDefaultRoute:
-				if a.ids.DefaultRoute {
-					rank = 1
-				}
-			case StrategyDestHost:
-				rank = int(a.ids.matchHost(host))
-			case StrategyNode:
-				if d.node != "" && a.node == d.node {
-					rank = 1
-				}
-			}
-			if rank == 0 {
-				continue
-			}
-			if !a.draining.Load() {
-				rank += 10 // any live agent beats every draining one
-			}
-			switch {
-			case rank > bestRank:
-				best, bestRank = append(best[:0], a), rank
-			case rank == bestRank:
-				best = append(best, a)
-			}
+		case StrategyDestHost:
+			a = r.idx.chooseHost(&c, d.host)
 		}
-		if len(best) > 0 {
-			return best[r.next.Add(1)%uint64(len(best))], st
+		if a != nil {
+			return a, st
 		}
 	}
 	return nil, ""
@@ -231,8 +222,8 @@ func hostOf(addr string) string {
 
 // draining reports whether the named agent told this server it drains.
 func (r *registry) draining(id string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
 	a := r.agents[id]
 	return a != nil && a.draining.Load()
 }
@@ -240,8 +231,8 @@ func (r *registry) draining(id string) bool {
 // heldByOther reports whether id is connected with a credential other
 // than cred.
 func (r *registry) heldByOther(id, cred string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
 	old := r.agents[id]
 	return old != nil && old.principal.Credential != cred
 }
@@ -261,8 +252,8 @@ func (r *registry) claim(a *agentConn) (replaced *agentConn, ok bool) {
 
 // countFor counts agents a dial could use under one strategy.
 func (r *registry) countFor(st Strategy, maxStreams int64) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.mu.RLock()
+	defer r.mu.RUnlock()
 	n := 0
 	for _, a := range r.agents {
 		if !a.usable(maxStreams) {

@@ -9,6 +9,8 @@ import (
 	"net"
 	"runtime"
 	"testing"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 )
 
 // TestIdleTunnelStacksShrink checks that the goroutine of an idle tunnel
@@ -51,5 +53,53 @@ func TestIdleTunnelStacksShrink(t *testing.T) {
 	t.Logf("stack per new goroutine after two collections: %.0f bytes (%d goroutines)", per, added)
 	if per > 4.5*1024 {
 		t.Fatalf("idle tunnels hold %.0f bytes of stack per goroutine after two collections, want about 4 KiB: a parked stack did not shrink", per)
+	}
+}
+
+// TestIdleGRPCTunnelsHoldNoBuffer checks that an idle call on the gRPC
+// front door holds no copy buffer: after data in both directions (more
+// than a small buffer holds, so the copies take large ones) the calls go
+// quiet, and the heap they hold, everything in this process counted
+// (client, server, agent, echo destination), stays far below one large
+// buffer per tunnel.
+func TestIdleGRPCTunnelsHoldNoBuffer(t *testing.T) {
+	e, echo := newEchoEnv(t)
+	defer e.stop()
+	sock := e.grpcSocket(t)
+	tr := grpcTransport(sock)
+	mem := func() (heap, stack uint64, goroutines int) {
+		runtime.GC()
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapInuse, ms.StackInuse, runtime.NumGoroutine()
+	}
+	heap0, stack0, g0 := mem()
+	const n = 100
+	payload := make([]byte, 8<<10) // fills a small buffer: the copies take large ones
+	for i := range n {
+		c := openGRPCOn(t, tr, grpcProxyMethod)
+		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(i)})
+		rsp, err := c.read()
+		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
+			t.Fatalf("DIAL_RSP: %+v %v", rsp, err)
+		}
+		c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: rsp.ConnectID, Data: payload})
+		for got := 0; got < len(payload); {
+			p, err := c.read()
+			if err != nil || p.Type != grpcwire.Data {
+				t.Fatalf("DATA: %v %v", p.Type, err)
+			}
+			got += len(p.Data)
+		}
+	}
+	heap1, stack1, g1 := mem()
+	perHeap := float64(heap1-heap0) / n
+	t.Logf("per idle gRPC tunnel, the whole process: heap %.1f KiB, stack %.1f KiB in %.1f goroutines",
+		perHeap/1024, float64(stack1-stack0)/n/1024, float64(g1-g0)/n)
+	// The test's own client (x/net's HTTP/2 transport) keeps about 64 KiB
+	// per call; one copy buffer held on top of it crosses the bound.
+	if perHeap > 1.25*largeBufSize {
+		t.Fatalf("idle gRPC tunnels hold %.0f KiB of heap each, the client's share and a %d KiB copy buffer or more: an idle call holds a buffer", perHeap/1024, largeBufSize>>10)
 	}
 }

@@ -32,6 +32,7 @@ type upload struct {
 	doneOnce      sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
 	raw           syscall.RawConn // the client's socket, when it is a plain one: see SendTo
+	wait          func()          // otherwise, if set: returns once a Read would not block (see SendTo)
 	callerSends   bool            // the frontend sends the body itself (see sentByCaller)
 	// packets counts each chunk sent on as one DATA Packet (see packets.go)
 	// in each counter that is set; set before start, read after it.
@@ -208,6 +209,9 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 // plain socket (sendBuffered, then copyFromSocket straight from here: see
 // "Parked stacks" in doc.go), else through copyStream.
 func (b *uploadBody) SendTo(w io.Writer) error {
+	if b.u.raw == nil && b.u.wait != nil {
+		return b.sendWaiting(w)
+	}
 	if b.u.raw == nil {
 		_, err := copyStream(w, b, nil)
 		return err
@@ -228,6 +232,42 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	}
 	b.u.finish()
 	return err
+}
+
+// sendWaiting is SendTo for a source that can say when it has bytes (the
+// gRPC door's call): it waits for them with no buffer, then borrows one
+// for the read (a small one, a large one while reads fill it), so a quiet
+// tunnel holds none. It returns nil at the client's clean end.
+func (b *uploadBody) sendWaiting(w io.Writer) error {
+	if err := b.ready(); err != nil {
+		return err
+	}
+	size := smallBufSize
+	for {
+		b.u.wait()
+		bp := getBuf(size)
+		n, rerr := b.Read(*bp)
+		var werr error
+		if n > 0 {
+			_, werr = w.Write((*bp)[:n])
+		}
+		switch {
+		case n == len(*bp):
+			size = largeBufSize
+		case n < smallBufSize:
+			size = smallBufSize
+		}
+		putBuf(bp)
+		if werr != nil {
+			return werr
+		}
+		if rerr != nil {
+			if errors.Is(rerr, io.EOF) {
+				return nil
+			}
+			return rerr
+		}
+	}
 }
 
 func (u *upload) count(n int) {

@@ -103,6 +103,19 @@ func (b *Body) WriteTo(w io.Writer) (int64, error) {
 	}
 }
 
+// Ready waits until a Read would not block: bytes are queued, the stream
+// ended or failed, the body was closed or reading stopped for a handover
+// (Read's own wait, without the read). A caller that borrows a buffer
+// only for a Read waits here without one, so a quiet stream costs none.
+func (b *Body) Ready() {
+	st := b.st
+	st.rmu.Lock()
+	for len(st.queue) == 0 && !st.eof && st.recvErr == nil && !st.readerGone && !st.l.readStopped() {
+		st.recvCond.Wait()
+	}
+	st.rmu.Unlock()
+}
+
 // Close stops reading; a stream still open is reset (CANCEL).
 func (b *Body) Close() error {
 	st := b.st

@@ -61,13 +61,17 @@ type Conn struct {
 	idle       chan struct{}      // under mu: closed when goAway is set and no stream is left
 
 	peerMaxStreams uint32 // under mu: the peer's SETTINGS_MAX_CONCURRENT_STREAMS
-	peerWindow     int32  // under mu: the peer's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame   uint32 // under mu: the peer's SETTINGS_MAX_FRAME_SIZE
-	sendWindow     window // under mu: the connection's send window
-	recvWindow     window // under mu: what the peer may still send on the connection
-	recvUnacked    int64  // under mu: connection credit not yet returned
-	recvTarget     int32  // under mu: the connection window this end wants the peer to have
-	streamWindow   int32  // under mu: the receive window each new stream gets
+	// canTake is CanTakeNewRequest's answer, written under mu by
+	// capacityChangedLocked whenever a field it depends on changes, so that
+	// a caller choosing among thousands of links reads it without mu.
+	canTake      atomic.Bool
+	peerWindow   int32  // under mu: the peer's SETTINGS_INITIAL_WINDOW_SIZE
+	peerMaxFrame uint32 // under mu: the peer's SETTINGS_MAX_FRAME_SIZE
+	sendWindow   window // under mu: the connection's send window
+	recvWindow   window // under mu: what the peer may still send on the connection
+	recvUnacked  int64  // under mu: connection credit not yet returned
+	recvTarget   int32  // under mu: the connection window this end wants the peer to have
+	streamWindow int32  // under mu: the receive window each new stream gets
 
 	// The client end only; under mu.
 	nextID uint32 // the next stream this end opens
@@ -114,6 +118,7 @@ var (
 func NewClient(conn net.Conn, cfg Config) (*Conn, error) {
 	l := newConn(conn, cfg, false)
 	l.nextID = 1
+	l.capacityChangedLocked()
 
 	l.armWrite()
 	if _, err := io.WriteString(conn, http2.ClientPreface); err != nil {
@@ -190,6 +195,7 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 	l.fr.MaxHeaderListSize = cfg.MaxHeaderListSize
 	l.henc = hpack.NewEncoder(&l.hbuf)
 	l.lastRead.Store(time.Now().UnixNano())
+	l.capacityChangedLocked()
 	return l
 }
 
@@ -413,11 +419,14 @@ func (l *Conn) retire() {
 	})
 }
 
-// CanTakeNewRequest reports whether a new stream may be opened now.
-func (l *Conn) CanTakeNewRequest() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return !l.closed && !l.goAway && l.nextID <= maxStreamID && uint32(len(l.streams)) < l.peerMaxStreams
+// CanTakeNewRequest reports whether a new stream may be opened now. It
+// takes no lock: a server's agent choice asks it of many links per dial.
+func (l *Conn) CanTakeNewRequest() bool { return l.canTake.Load() }
+
+// capacityChangedLocked recomputes canTake; every change to closed, goAway,
+// nextID, streams or peerMaxStreams calls it, under mu.
+func (l *Conn) capacityChangedLocked() {
+	l.canTake.Store(!l.closed && !l.goAway && l.nextID <= maxStreamID && uint32(len(l.streams)) < l.peerMaxStreams)
 }
 
 // Shutdown sends GOAWAY, lets the open streams finish, then closes. It
@@ -429,6 +438,7 @@ func (l *Conn) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	l.goAway = true
+	l.capacityChangedLocked()
 	idle := l.idleChanLocked(0)
 	last := l.lastPeerID
 	l.mu.Unlock()
@@ -461,6 +471,7 @@ func (l *Conn) idleChanLocked(leaving int) chan struct{} {
 func (l *Conn) GoAwayNow() {
 	l.mu.Lock()
 	l.goAway = true
+	l.capacityChangedLocked()
 	last := l.lastPeerID
 	l.mu.Unlock()
 	// Written here rather than queued: the caller closes the connection next.
@@ -497,6 +508,7 @@ func (l *Conn) closeWith(err error) {
 		return
 	}
 	l.closed = true
+	l.capacityChangedLocked()
 	l.closeErr = fmt.Errorf("%w: %w", ErrClosed, err)
 	if errors.Is(err, ErrClosed) {
 		l.closeErr = ErrClosed

@@ -569,6 +569,7 @@ func TestLinkRetiresWhenStreamIDsRunOut(t *testing.T) {
 	l, _ := newLinkPair(t, 0, 0)
 	l.mu.Lock()
 	l.nextID = maxStreamID + 2
+	l.capacityChangedLocked() // as the last stream's open would
 	l.mu.Unlock()
 	if l.CanTakeNewRequest() {
 		t.Fatal("a link with no stream IDs left takes new streams")

@@ -263,6 +263,7 @@ func (l *Conn) Freeze() (*Frozen, error) {
 	}
 	// From here this end is done with the connection, but leaves it be.
 	l.closed = true
+	l.capacityChangedLocked()
 	l.closeErr = ErrClosed
 	if l.pingTimer != nil {
 		l.pingTimer.Stop()
@@ -358,6 +359,7 @@ func ResumeServer(conn net.Conn, cfg Config, f *Frozen, handler http.Handler, re
 	l.henc.SetMaxDynamicTableSize(4096)
 
 	l.peerMaxStreams, l.peerWindow, l.peerMaxFrame = f.PeerMaxStreams, f.PeerWindow, f.PeerMaxFrame
+	l.capacityChangedLocked()
 	l.sendWindow, l.recvWindow = window{f.SendWindow}, window{f.RecvWindow}
 	l.recvUnacked, l.recvTarget, l.streamWindow = f.RecvUnacked, f.RecvTarget, f.StreamWindow
 	l.lastPeerID = f.LastPeerID
@@ -374,6 +376,7 @@ func ResumeServer(conn net.Conn, cfg Config, f *Frozen, handler http.Handler, re
 		}).WithContext(ctx)
 		l.counted++
 		l.streams[st.id] = st
+		l.capacityChangedLocked()
 		w := &responseWriter{st: st, header: make(http.Header), status: http.StatusOK, headersSent: true}
 		l.resumed = append(l.resumed, func() { l.runResumed(st, w, req, resumed) })
 	}

@@ -65,6 +65,7 @@ func (l *Conn) readLoop() {
 func (l *Conn) goAwayClose(code http2.ErrCode, err error) {
 	l.mu.Lock()
 	l.goAway = true
+	l.capacityChangedLocked()
 	last := l.lastPeerID
 	l.mu.Unlock()
 	written := make(chan struct{})
@@ -185,6 +186,7 @@ func (l *Conn) applySettings(f *http2.SettingsFrame) error {
 			l.peerMaxFrame = s.Val
 		case http2.SettingMaxConcurrentStreams:
 			l.peerMaxStreams = s.Val
+			l.capacityChangedLocked()
 		case http2.SettingInitialWindowSize:
 			delta := int64(s.Val) - int64(l.peerWindow)
 			l.peerWindow = int32(s.Val)
@@ -206,6 +208,7 @@ func (l *Conn) applySettings(f *http2.SettingsFrame) error {
 func (l *Conn) onGoAway(f *http2.GoAwayFrame) {
 	l.mu.Lock()
 	l.goAway = true
+	l.capacityChangedLocked()
 	// The last stream ID counts streams this end opened; on the serving
 	// end the peer opened them all, and they go on.
 	var refused []*stream

@@ -80,6 +80,7 @@ func (l *Conn) onRequest(f *http2.MetaHeadersFrame) error {
 	st.counted = true
 	l.counted++
 	l.streams[id] = st
+	l.capacityChangedLocked()
 	l.mu.Unlock()
 	l.cfg.Spawn(func() { l.runHandler(st, req) })
 	return nil

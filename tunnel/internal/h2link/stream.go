@@ -181,6 +181,7 @@ func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
 	st.body = req.Body
 	l.nextID += 2
 	l.streams[st.id] = st
+	l.capacityChangedLocked()
 	l.mu.Unlock()
 
 	l.hbuf.Reset()
@@ -447,6 +448,7 @@ func (st *stream) remove() {
 	}
 	st.state = stateClosed
 	delete(l.streams, st.id)
+	l.capacityChangedLocked()
 	if !st.handlerRunning {
 		st.uncountLocked()
 	}

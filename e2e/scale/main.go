@@ -1,0 +1,148 @@
+// Command scale is konnectivity's scale benchmark: one real server process
+// from --bin, N agents (the product's own agent code, run in-process by a few
+// simulator processes, each agent with its own TLS connection and link) and M
+// idle tunnels held through the front door. For each front door (HTTP CONNECT
+// and gRPC, one server run each) it prints the time until N agents are
+// connected and the retries that took, server RSS per agent and per idle
+// tunnel, the server's idle CPU, and dial p50/p99 with 1 agent, with N and
+// with N agents and M tunnels, each beside the 1-agent figure of the same run.
+// Figures are reported, not asserted; the exit status counts correctness
+// checks only (agents connected, tunnels opened, dials echoed, nothing left
+// open).
+//
+//	cd e2e && go run ./scale --bin ../bin/konnectivity --agents 5000 --tunnels 50000
+//
+// --other runs the same against another server: upstream's proxy-server
+// (a directory holding it), whose agents then speak upstream's agent
+// protocol, simulated in-process like ours; or another konnectivity binary.
+//
+// Descriptors: a process here may hold at most RLIMIT_NOFILE descriptors
+// (20,000 on the reference machine). Each agent costs one socket in its
+// simulator process and one in the server; each held tunnel costs a
+// destination socket in a simulator and one in an echo process, and on the
+// HTTP CONNECT door one Unix socket in the server and one in this process.
+// Simulators and echo processes are sized to stay under budget, echo
+// processes listen on distinct 127.0.0.x addresses so that ephemeral ports
+// do not run out, and the HTTP CONNECT door holds as many tunnels as the
+// server's limit leaves room for (the gRPC door multiplexes its calls on a
+// few connections). kube-apiserver's konnectivity-client opens one gRPC
+// connection per tunnel, so the gRPC door's figure per held tunnel leaves
+// out that connection's cost; its dials (the latency figures) are made as
+// kube-apiserver makes them.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+type config struct {
+	bin          string
+	other        string // directory with upstream's proxy-server, or another konnectivity binary
+	otherIsDir   bool   // other is upstream's directory
+	upstream     bool   // our server's agents speak upstream's protocol
+	agents       int
+	tunnels      int
+	dials        int
+	fdsPerHelper int // descriptors a simulator or echo process is given
+	doors        []string
+	idleCPU      time.Duration
+	connectBy    time.Duration // bound on the fleet connecting
+	timeout      time.Duration
+	keep         bool
+}
+
+func parseFlags(args []string, stderr io.Writer) (config, error) {
+	c := config{}
+	var doors string
+	fs := flag.NewFlagSet("scale", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.bin, "bin", "", "konnectivity binary under test (required)")
+	fs.StringVar(&c.other, "other", "", "the same run against another server: a directory holding upstream's proxy-server (its agents then speak upstream's agent protocol), or another konnectivity binary (with this tree's agents)")
+	var proto string
+	fs.StringVar(&proto, "agent-protocol", "konnectivity", "protocol of the simulated agents of konnectivity's server: konnectivity (the product's agent code) or upstream (upstream's agent protocol, as with --other)")
+	fs.IntVar(&c.agents, "agents", 5000, "agents, each with its own TLS connection and link")
+	fs.IntVar(&c.tunnels, "tunnels", 50000, "idle tunnels held with all agents connected (the HTTP CONNECT door holds as many as the descriptor limit allows)")
+	fs.IntVar(&c.fdsPerHelper, "fds-per-helper", 12000, "sockets given to each agent-simulator and echo process; more processes are started to stay within it (below RLIMIT_NOFILE, with room for the tunnels' uneven spread over agents)")
+	fs.IntVar(&c.dials, "dials", 1000, "sequential dials (CONNECT + 1-byte echo) per latency figure")
+	fs.StringVar(&doors, "doors", "http-connect,grpc", "front doors to measure, one server run each")
+	fs.DurationVar(&c.idleCPU, "idle-cpu", 5*time.Second, "window over which the server's idle CPU is read")
+	fs.DurationVar(&c.connectBy, "connect-timeout", 5*time.Minute, "bound on the fleet connecting")
+	fs.DurationVar(&c.timeout, "timeout", 15*time.Minute, "bound on the whole run")
+	fs.BoolVar(&c.keep, "keep", false, "keep the work directory (certificates, logs)")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if c.bin == "" {
+		return c, fmt.Errorf("--bin is required (e.g. --bin ../bin/konnectivity)")
+	}
+	if c.agents < 1 || c.tunnels < 0 || c.dials < 1 || c.fdsPerHelper < 1 {
+		return c, fmt.Errorf("--agents, --dials and --fds-per-helper must be positive, --tunnels not negative")
+	}
+	for _, d := range strings.Split(doors, ",") {
+		switch d = strings.TrimSpace(d); d {
+		case "http-connect", "grpc":
+			c.doors = append(c.doors, d)
+		case "":
+		default:
+			return c, fmt.Errorf("--doors: %q is not http-connect or grpc", d)
+		}
+	}
+	switch proto {
+	case "konnectivity":
+	case "upstream":
+		c.upstream = true
+	default:
+		return c, fmt.Errorf("--agent-protocol=%q: want konnectivity or upstream", proto)
+	}
+	if c.other != "" {
+		fi, err := os.Stat(c.other)
+		if err != nil {
+			return c, fmt.Errorf("--other: %w", err)
+		}
+		if c.otherIsDir = fi.IsDir(); c.otherIsDir {
+			if _, err := os.Stat(filepath.Join(c.other, "proxy-server")); err != nil {
+				return c, fmt.Errorf("--other: %w", err)
+			}
+		}
+	}
+	if len(c.doors) == 0 {
+		return c, fmt.Errorf("--doors: none given")
+	}
+	return c, nil
+}
+
+func main() {
+	if role := os.Getenv(helperEnv); role != "" {
+		os.Exit(runHelper(role))
+	}
+	cfg, err := parseFlags(os.Args[1:], os.Stderr)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "scale: %v\n", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	fmt.Printf("command: %s\n", strings.Join(os.Args, " "))
+	res, err := run(ctx, cfg, os.Stdout, os.Stderr)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "scale: %v\n", err)
+		res.failed++
+	}
+	fmt.Printf("scale: %d checks passed, %d failed\n", res.passed, res.failed)
+	if res.failed > 0 {
+		stop()
+		os.Exit(1)
+	}
+}
