@@ -39,12 +39,12 @@ func (s *Server) serveFrontendConn(conn net.Conn, release func()) {
 	defer st.close()
 	s.watchTunnel(conn, st, up)
 	defer s.unwatchTunnel(conn, up)
-	release()
 	up.start()
 	if body, ok := st.body.(*h2link.Body); ok && up.callerSends {
-		s.carryDirect(conn, st, up, body)
+		s.carryDirect(conn, st, up, body, release)
 		return
 	}
+	release()
 	s.carryCopy(conn, st, up)
 }
 
@@ -198,8 +198,10 @@ func (s *Server) watchDeliveries(body *h2link.Body, up *upload) {
 // carryDirect carries a tunnel on a link between a plain client socket
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
-// (see sink.go).
-func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body) {
+// (see sink.go). It calls release once the delivery is set: only then can
+// a handover pause the tunnel (pausable), so only then may a shutdown stop
+// waiting for it.
+func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link.Body, release func()) {
 	s.watchDeliveries(body, up)
 	down := body.DeliverTo(conn, func(err error) error {
 		if up.pausing.Load() {
@@ -215,6 +217,7 @@ func (s *Server) carryDirect(conn net.Conn, st *stream, up *upload, body *h2link
 		return nil
 	})
 	up.down.Store(down)
+	release()
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.

@@ -347,13 +347,24 @@ func newResumeToken() (string, error) {
 // waits for its agent to log in again (up to resumeWait) and continues on
 // a new stream. Call it once the agent listener serves. A tunnel that
 // cannot resume is closed, and logged.
+//
+// Each counts as pending (Server.pending) until its tunnel is where a
+// handover can pause it again, as an accepted dial does: a restart that
+// comes while a resume is under way must find the tunnel to pause, not
+// leave it to the drain, which closes a keep-alive connection.
 func (s *Server) Resume(paused []*PausedTunnel) {
 	for _, p := range paused {
-		s.goroutine(func() { s.resumeTunnel(p) })
+		s.pending.Add(1)
+		var once sync.Once
+		release := func() { once.Do(func() { s.pending.Add(-1) }) }
+		s.goroutine(func() {
+			defer release()
+			s.resumeTunnel(p, release)
+		})
 	}
 }
 
-func (s *Server) resumeTunnel(p *PausedTunnel) {
+func (s *Server) resumeTunnel(p *PausedTunnel, release func()) {
 	c, err := net.FileConn(p.File)
 	p.File.Close()
 	if err != nil {
@@ -370,11 +381,11 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 			s.trackFrontend(c, false)
 			c.Close()
 		}()
-		s.resumeGRPC(c, p)
+		s.resumeGRPC(c, p, release)
 		return
 	}
 	s.addResume(c, p)
-	s.serveFrontendConn(c, func() {})
+	s.serveFrontendConn(c, release)
 }
 
 // addResume marks c as the socket of paused tunnel p, for
@@ -411,12 +422,13 @@ func (s *Server) resumeFailed(p *PausedTunnel, err error) {
 
 // resumeGRPC rebuilds a gRPC front door connection whose call was paused
 // and serves it: the call goes on as the one paused, and any call the
-// client opens later is served as usual.
-func (s *Server) resumeGRPC(c net.Conn, p *PausedTunnel) {
+// client opens later is served as usual. release ends the resume's count
+// as pending.
+func (s *Server) resumeGRPC(c net.Conn, p *PausedTunnel, release func()) {
 	var l *h2link.Conn
 	h2conn := grpcLinkConn(c)
 	resumed := func(w http.ResponseWriter, r *http.Request) {
-		if s.resumeGRPCCall(l, c, w, r, p) == errTunnelPaused {
+		if s.resumeGRPCCall(l, c, w, r, p, release) == errTunnelPaused {
 			h2link.Detach(w)
 		}
 	}
@@ -432,7 +444,7 @@ func (s *Server) resumeGRPC(c net.Conn, p *PausedTunnel) {
 // rebuilt, the agent is asked for the held destination, and the tunnel is
 // carried as proxyGRPC carries it. If the tunnel cannot resume, the client
 // is told as when the destination breaks (CLOSE_RSP with the error).
-func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
+func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWriter, r *http.Request, p *PausedTunnel, release func()) error {
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
 	defer func() {
@@ -440,10 +452,11 @@ func (s *Server) resumeGRPCCall(l *h2link.Conn, c net.Conn, w http.ResponseWrite
 		s.Stats.FrontendOpen.Add(-1)
 	}()
 	g := &grpcStream{w: w, flush: flusherOf(w)}
-	t := &grpcTunnel{link: l, conn: c, ctx: r.Context(), g: g, body: r.Body, connectID: p.GRPC.ConnectID, addr: p.Addr}
+	t := &grpcTunnel{link: l, conn: c, ctx: r.Context(), g: g, body: r.Body, connectID: p.GRPC.ConnectID, addr: p.Addr, release: release}
 	s.newGRPCUpload(t, nil, p.GRPC.Partial)
 	var err error
 	if t.st, err = s.resumeStream(p, t.up); err != nil {
+		release() // the connection is served on; the tunnel is not
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: t.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
 		g.finish(grpcOK, "")
 		return nil
@@ -475,7 +488,7 @@ func (s *Server) openResumed(c net.Conn, p *PausedTunnel) (*stream, *upload) {
 func (s *Server) resumeStream(p *PausedTunnel, up *upload) (*stream, error) {
 	a := s.waitAgentID(p.Agent, resumeWait)
 	var st *stream
-	err := fmt.Errorf("agent not back within %s", resumeWait)
+	err := fmt.Errorf("agent not back within %s, or the server shut down first", resumeWait)
 	if a != nil {
 		st, err = s.roundTrip(a, p.Addr, up, time.Now().Add(s.cfg.DialTimeout), p.Token)
 	}
@@ -491,7 +504,8 @@ func (s *Server) resumeStream(p *PausedTunnel, up *upload) (*stream, error) {
 }
 
 // waitAgentID returns the connected agent with id once it is there, or nil
-// after wait.
+// after wait or once the server shuts down: a shutdown waits for resumes
+// (Server.pending), and must not wait for an agent that is not back.
 func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
@@ -501,6 +515,9 @@ func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 			if a.id == id && a.canPause {
 				return a
 			}
+		}
+		if s.isShutting() {
+			return nil
 		}
 		select {
 		case <-changed:

@@ -104,7 +104,7 @@ func (a *agentConn) usable(maxStreams int64) bool {
 }
 
 // registry holds the connected agents. Waiters block on changed, which is
-// closed and replaced whenever an agent joins.
+// closed and replaced whenever an agent joins, or by wake.
 type registry struct {
 	mu      sync.Mutex
 	agents  map[string]*agentConn
@@ -125,6 +125,14 @@ func (r *registry) add(a *agentConn) (replaced *agentConn) {
 	close(r.changed)
 	r.changed = make(chan struct{})
 	return replaced
+}
+
+// wake makes every waiter look again (the server began shutting down).
+func (r *registry) wake() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	close(r.changed)
+	r.changed = make(chan struct{})
 }
 
 func (r *registry) remove(a *agentConn) {

@@ -123,7 +123,7 @@ type Server struct {
 	wg       sync.WaitGroup // every goroutine the server starts
 
 	acceptLoops sync.WaitGroup
-	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered
+	pending     atomic.Int64 // accepted frontend connections whose dial is not yet answered, and resumes under way, until their tunnel can be paused
 	resuming    atomic.Int64 // entries in resumes
 
 	Stats         ServerStats
@@ -377,6 +377,7 @@ func (s *Server) shutdown(ctx context.Context, handOver bool) ([]*PausedTunnel, 
 		(*ln).Close()
 	}
 	s.mu.Unlock()
+	s.agents.wake() // a resume waiting for its agent gives up (waitAgentID)
 	s.acceptLoops.Wait()
 	// Agents still take new streams here, so accepted dials complete.
 	for s.pending.Load() > 0 && ctx.Err() == nil {
