@@ -80,12 +80,12 @@ func (s *Server) serveFrontendConn(t *tunnel, release func()) {
 	if !s.openFrontendTunnel(t, conn) {
 		return
 	}
-	release()
 	t.up.start()
 	if body, ok := t.body.(*h2link.Body); ok && t.up.callerSends {
-		s.carryDirect(t, conn, body)
+		s.carryDirect(t, conn, body, release)
 		return
 	}
+	release()
 	s.carryCopy(t, conn)
 }
 
@@ -210,8 +210,10 @@ func (s *Server) watchDeliveries(t *tunnel, body *h2link.Body) {
 // carryDirect carries a tunnel on a link between a plain client socket
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
-// (see sink.go).
-func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body) {
+// (see sink.go). It calls release once the delivery is set: only then can
+// a handover pause the tunnel (pausable), so only then may a shutdown stop
+// waiting for it.
+func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body, release func()) {
 	s.watchDeliveries(t, body)
 	down := body.DeliverTo(conn, func(err error) error {
 		if t.up.stopping.Load() {
@@ -227,6 +229,7 @@ func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body) {
 		return nil
 	})
 	t.down.Store(down)
+	release()
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.

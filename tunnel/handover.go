@@ -101,7 +101,9 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 	var paused []*PausedTunnel
 	err := s.shutdown(ctx, func() func(context.Context) {
 		todo := s.takeMovable()
-		return func(ctx context.Context) { paused = s.handOverAll(ctx, todo) }
+		paused = s.takeWaiting() // still paused: passed on as they are
+		s.metrics.restarts.paused[resultOK].Add(uint64(len(paused)))
+		return func(ctx context.Context) { paused = append(paused, s.handOverAll(ctx, todo)...) }
 	})
 	return paused, err
 }
@@ -339,13 +341,44 @@ func newResumeToken() (string, error) {
 // waits for its agent to log in again (up to resumeWait) and continues on
 // a new stream. Call it once the agent listener serves. A tunnel that
 // cannot resume is closed, and logged.
+//
+// A tunnel waiting for its agent is still paused: a restart that comes
+// meanwhile passes it on to the next image as it is (Server.waiting). From
+// the agent's return until the tunnel is where a handover can pause it
+// again, it counts as pending (Server.pending), as an accepted dial does,
+// so that a restart waits for it rather than leaving it to the drain.
 func (s *Server) Resume(paused []*PausedTunnel) {
+	s.mu.Lock()
+	for _, p := range paused {
+		s.waiting[p] = struct{}{}
+	}
+	s.mu.Unlock()
 	for _, p := range paused {
 		s.goroutine(func() { s.resumeTunnel(p) })
 	}
 }
 
 func (s *Server) resumeTunnel(p *PausedTunnel) {
+	a := s.waitAgentID(p.Agent, resumeWait)
+	s.mu.Lock()
+	if _, ok := s.waiting[p]; !ok || s.shutting {
+		// A handover passes it on, or Close closes it.
+		s.mu.Unlock()
+		return
+	}
+	delete(s.waiting, p)
+	if a != nil {
+		s.pending.Add(1) // under mu: a shutdown either waits for it or saw it waiting
+	}
+	s.mu.Unlock()
+	if a == nil {
+		p.File.Close()
+		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", resumeWait))
+		return
+	}
+	var once sync.Once
+	release := func() { once.Do(s.answeredOne) }
+	defer release()
 	c, err := net.FileConn(p.File)
 	p.File.Close()
 	if err != nil {
@@ -353,14 +386,37 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 		return
 	}
 	if p.GRPC != nil {
-		s.resumeGRPC(c, p)
+		s.resumeGRPC(c, p, release)
 		return
 	}
 	// The tunnel's own path is that of a new one, so that it parks as
 	// shallow (see "Parked stacks" in doc.go).
 	t := newHTTPTunnel(c)
 	t.handed = p
-	s.serveFrontendConn(t, func() {})
+	s.serveFrontendConn(t, release)
+}
+
+// takeWaiting takes the resumes still waiting for their agent, for a
+// handover to pass on as they are.
+func (s *Server) takeWaiting() []*PausedTunnel {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*PausedTunnel, 0, len(s.waiting))
+	for p := range s.waiting {
+		out = append(out, p)
+		delete(s.waiting, p)
+	}
+	return out
+}
+
+// dropWaitingLocked closes the resumes still waiting for their agent: the
+// server closes without a next image. Server.mu is held.
+func (s *Server) dropWaitingLocked() {
+	for p := range s.waiting {
+		p.File.Close()
+		delete(s.waiting, p)
+		s.resumeFailed(p, resultFailed, errors.New("server closed before the agent was back"))
+	}
 }
 
 func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
@@ -370,8 +426,9 @@ func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
 
 // resumeGRPC rebuilds a gRPC front door connection whose call was paused
 // and serves it: the call goes on as the one paused, and any call the
-// client opens later is served as usual.
-func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel) {
+// client opens later is served as usual. release ends the resume's count
+// as pending.
+func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, release func()) {
 	if !s.enterGRPCConn() {
 		conn.Close()
 		return
@@ -382,7 +439,7 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel) {
 		conn.Close()
 		s.leaveGRPCConn()
 	}()
-	c := &grpcConn{s: s, socket: conn, release: func() {}}
+	c := &grpcConn{s: s, socket: conn, release: release}
 	resumed := func(w http.ResponseWriter, r *http.Request) {
 		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
@@ -415,11 +472,13 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 	f := t.front.(*grpcFront)
 	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
 	if !s.enter(t) {
+		c.release()
 		return nil
 	}
 	defer s.leave(t)
 	s.initGRPCUpload(t, nil, p.GRPC.Partial)
 	if err := s.resumeStream(t); err != nil {
+		c.release() // the connection is served on; the tunnel is not
 		s.sendGRPC(f.g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
 		f.g.finish(grpcOK, "")
 		return nil
@@ -443,14 +502,15 @@ func (s *Server) openHanded(t *tunnel, conn net.Conn) bool {
 	return s.resumeStream(t) == nil && t.move(tunnelOpen)
 }
 
-// resumeStream waits for the agent of t.handed and opens the stream that
-// carries t on; a failure is logged and counted, and the upload released.
+// resumeStream opens the stream that carries t.handed on through its
+// agent, which resumeTunnel saw back; a failure is logged and counted, and
+// the upload released.
 func (s *Server) resumeStream(t *tunnel) error {
 	p := t.handed
-	a := s.waitAgentID(p.Agent, resumeWait)
-	err, result := fmt.Errorf("agent not back within %s", resumeWait), resultTimeout
+	a := s.agents.byID(p.Agent)
+	err, result := errors.New("agent gone again before the tunnel resumed"), resultFailed
 	if a != nil {
-		err, result = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token), resultFailed
+		err = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token)
 	}
 	if err != nil {
 		t.up.unblock()
@@ -531,7 +591,8 @@ func counts(cs map[string]*promtext.Counter) map[string]uint64 {
 }
 
 // waitAgentID returns the connected agent with id once it is there, or nil
-// after wait.
+// after wait or once the server shuts down: a shutdown waits for resumes
+// (Server.pending), and must not wait for an agent that is not back.
 func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
@@ -541,6 +602,9 @@ func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 			if a.id == id && a.canPause {
 				return a
 			}
+		}
+		if s.isShutting() {
+			return nil
 		}
 		select {
 		case <-changed:

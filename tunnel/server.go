@@ -133,6 +133,10 @@ type Server struct {
 	// returns; guarded by mu, as is each tunnel's state.
 	tunnels   map[*tunnel]struct{}
 	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
+	// waiting are the paused tunnels a previous image handed over whose
+	// agent is not back yet (Resume); guarded by mu. A handover passes
+	// them on as they are; Close closes them.
+	waiting map[*PausedTunnel]struct{}
 	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
 	// The server's state; guarded by mu.
 	shutting bool     // no new connections are accepted
@@ -141,7 +145,7 @@ type Server struct {
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
-	pending     atomic.Int64  // accepted frontend connections whose dial is not yet answered
+	pending     atomic.Int64  // dials asked for whose tunnel cannot be paused yet, and resumes under way until theirs can
 	answered    chan struct{} // guarded by mu: closed when pending drops to 0 (waitPending)
 
 	Stats         ServerStats
@@ -177,6 +181,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cancelAll: cancel,
 		listeners: make(map[*net.Listener]struct{}),
 		tunnels:   make(map[*tunnel]struct{}),
+		waiting:   make(map[*PausedTunnel]struct{}),
 		nodeRank:  nodeRank,
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
@@ -401,6 +406,7 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 		(*ln).Close()
 	}
 	s.mu.Unlock()
+	s.agents.wake() // a resume waiting for its agent gives up (waitAgentID)
 	s.acceptLoops.Wait()
 	// Agents still take new streams here, so accepted dials complete.
 	s.waitPending(ctx)
@@ -460,6 +466,7 @@ func (s *Server) Close() error {
 	for t := range s.tunnels {
 		t.front.closeSocket()
 	}
+	s.dropWaitingLocked()
 	s.mu.Unlock()
 	s.cancelAll()
 	for _, a := range s.agents.snapshot() {
