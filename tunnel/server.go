@@ -132,12 +132,12 @@ type Server struct {
 	// accept (or a gRPC call's DIAL_REQ) until the goroutine serving it
 	// returns; guarded by mu, as is each tunnel's state.
 	tunnels   map[*tunnel]struct{}
-	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
+	grpcConns int // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	// waiting are the paused tunnels a previous image handed over whose
 	// agent is not back yet (Resume); guarded by mu. A handover passes
 	// them on as they are; Close closes them.
 	waiting map[*PausedTunnel]struct{}
-	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
+	emptied chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
 	// The server's state; guarded by mu.
 	shutting bool     // no new connections are accepted
 	closed   bool     // everything is being torn down
