@@ -1,0 +1,150 @@
+package e2e
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Restarts under attack: what a peer does, or fails to do, while the
+// server re-executes in place must not cost another client its tunnel
+// (RELIABILITY.md, "Restarts under attack").
+
+// slowLogin is a TCP relay between an agent and the server's agent port
+// that, once armed, holds each new connection for delay before passing
+// it on: an agent whose login after a restart is slow.
+type slowLogin struct {
+	l     net.Listener
+	armed atomic.Bool
+	delay time.Duration
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conns []net.Conn // every socket it opened, closed on cleanup
+}
+
+func startSlowLogin(t *testing.T, to string, delay time.Duration) *slowLogin {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &slowLogin{l: l, delay: delay}
+	p.wg.Go(func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			p.track(c)
+			p.wg.Go(func() {
+				if p.armed.Load() {
+					time.Sleep(p.delay)
+				}
+				up, err := net.Dial("tcp", to)
+				if err != nil {
+					c.Close()
+					return
+				}
+				p.track(up)
+				go func() { _, _ = io.Copy(up, c); up.Close() }()
+				_, _ = io.Copy(c, up)
+				c.Close()
+			})
+		}
+	})
+	t.Cleanup(func() {
+		l.Close()
+		p.mu.Lock()
+		for _, c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *slowLogin) track(c net.Conn) {
+	p.mu.Lock()
+	p.conns = append(p.conns, c)
+	p.mu.Unlock()
+}
+
+func (p *slowLogin) port() int { return p.l.Addr().(*net.TCPAddr).Port }
+
+// checkTunnelsKept fails t unless every tunnel still echoes: each was
+// handed from image to image, never closed.
+func checkTunnelsKept(t *testing.T, conns []net.Conn, what string) {
+	t.Helper()
+	lost := 0
+	for i, c := range conns {
+		_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+		if err := echoOnce(c, bufio.NewReader(c), fmt.Sprintf("after %d\n", i)); err != nil {
+			lost++
+			t.Errorf("%s: tunnel %d lost: %v", what, i, err)
+		}
+	}
+	t.Logf("%s: %d of %d tunnels kept", what, len(conns)-lost, len(conns))
+}
+
+// TestRestartDuringResumeKeepsTunnels: a SIGHUP that comes while the
+// tunnels the previous image handed over still wait for their agent to log
+// in again passes them on to the next image as they are: none is lost,
+// whether the second SIGHUP comes 0.3 s after the first with the agent's
+// login slowed to 1 s, or 50 come 10 ms apart.
+func TestRestartDuringResumeKeepsTunnels(t *testing.T) {
+	t.Run("second-sighup-during-slow-login", func(t *testing.T) {
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--restart-grace=5s")
+		relay := startSlowLogin(t, fmt.Sprintf("127.0.0.1:%d", s.agentPort), time.Second)
+		realPort := s.agentPort
+		s.agentPort = relay.port()
+		s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		s.agentPort = realPort
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		var conns []net.Conn
+		for range 5 {
+			conns = append(conns, openEcho(t, s, echo))
+		}
+		relay.armed.Store(true)
+		metricsURL := s.healthURL("/metrics")
+		before := startTime(metricsURL)
+		s.proc.signal(t, syscall.SIGHUP)
+		waitNewImageOrDump(t, s, metricsURL, before)
+		time.Sleep(300 * time.Millisecond) // the agent's login is still held by the relay
+		before = startTime(metricsURL)
+		s.proc.signal(t, syscall.SIGHUP)
+		waitNewImageOrDump(t, s, metricsURL, before)
+		relay.armed.Store(false)
+		checkTunnelsKept(t, conns, "SIGHUP 0.3 s after SIGHUP")
+		if line := lineWith(s.proc.out.String(), "could not be resumed"); line != "" {
+			t.Errorf("a tunnel was not resumed: %s", line)
+		}
+	})
+	t.Run("50-sighups-10ms-apart", func(t *testing.T) {
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--restart-grace=5s")
+		s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		var conns []net.Conn
+		for range 5 {
+			conns = append(conns, openEcho(t, s, echo))
+		}
+		for range 50 {
+			s.proc.signal(t, syscall.SIGHUP)
+			time.Sleep(10 * time.Millisecond)
+		}
+		checkTunnelsKept(t, conns, "50 SIGHUPs 10 ms apart")
+		if s.proc.exited() {
+			t.Fatalf("server exited: %v", s.proc.waitErr)
+		}
+		if n := strings.Count(s.proc.out.String(), "could not be resumed"); n > 0 {
+			t.Errorf("%d tunnels not resumed: %s", n, lineWith(s.proc.out.String(), "could not be resumed"))
+		}
+	})
+}
