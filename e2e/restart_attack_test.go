@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -146,5 +147,89 @@ func TestRestartDuringResumeKeepsTunnels(t *testing.T) {
 		if n := strings.Count(s.proc.out.String(), "could not be resumed"); n > 0 {
 			t.Errorf("%d tunnels not resumed: %s", n, lineWith(s.proc.out.String(), "could not be resumed"))
 		}
+	})
+}
+
+// dialThrough opens a tunnel to addr through s without a round trip.
+func dialThrough(t *testing.T, s *server, addr string) net.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := s.egressDialer(t).bounded()(ctx, "tcp", addr)
+	if err != nil {
+		t.Fatalf("dial %s: %v", addr, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// restartOnce sends SIGHUP and waits for the next image; it returns how
+// long the restart took, from the signal to the next image serving.
+func restartOnce(t *testing.T, s *server) time.Duration {
+	t.Helper()
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
+	before := startTime(metricsURL)
+	start := time.Now()
+	s.proc.signal(t, syscall.SIGHUP)
+	for {
+		if s.proc.exited() {
+			t.Fatalf("server exited during the restart: %v", s.proc.waitErr)
+		}
+		if st := startTime(metricsURL); st != 0 && st != before {
+			return time.Since(start)
+		}
+		if time.Since(start) > 30*time.Second {
+			t.Fatalf("no new image 30 s after SIGHUP (last log: %q)", lastLine(s.proc.out.String()))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestRestartPausesEachTunnelAlone: a tunnel's chance to be handed over
+// does not depend on its place in a queue or on another agent. 100
+// tunnels whose client does not read beside 10 healthy ones on one agent,
+// and an agent that never answers (stopped) holding 200 tunnels beside a
+// good agent with 10: every healthy tunnel is handed over.
+func TestRestartPausesEachTunnelAlone(t *testing.T) {
+	t.Run("stalled-readers", func(t *testing.T) {
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--restart-grace=10s")
+		s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		var written atomic.Int64
+		hose := startTCPBackend(t, "127.0.0.1", firehoseHandler(&written))
+		var healthy []net.Conn
+		for i := range 110 {
+			if i%11 == 5 {
+				healthy = append(healthy, openEcho(t, s, echo))
+				continue
+			}
+			c := dialThrough(t, s, hose.addr())
+			if _, err := c.Write([]byte{'g'}); err != nil { // go: the client then never reads
+				t.Fatal(err)
+			}
+		}
+		took := restartOnce(t, s)
+		t.Logf("restart with 100 stalled tunnels took %v", took.Round(time.Millisecond))
+		checkTunnelsKept(t, healthy, "healthy beside 100 stalled")
+	})
+	t.Run("agent-never-answers", func(t *testing.T) {
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--restart-grace=10s",
+			"--proxy-strategies=destHost,default")
+		bad := s.startAgent(t, "bad", "ipv4=127.0.0.2", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		s.startAgent(t, "good", "ipv4=127.0.0.3", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		echoBad := startTCPBackend(t, "127.0.0.2", echoHandler)
+		echoGood := startTCPBackend(t, "127.0.0.3", echoHandler)
+		var good []net.Conn
+		for i := range 210 {
+			if i%21 == 10 {
+				good = append(good, openEcho(t, s, echoGood))
+				continue
+			}
+			openEcho(t, s, echoBad)
+		}
+		bad.proc.freeze(t)
+		took := restartOnce(t, s)
+		t.Logf("restart with an agent that never answers took %v", took.Round(time.Millisecond))
+		checkTunnelsKept(t, good, "good agent's beside a stopped agent with 200")
 	})
 }

@@ -68,8 +68,6 @@ const resumeWait = 20 * time.Second
 // pauseTimeout bounds one tunnel's pause.
 const pauseTimeout = 5 * time.Second
 
-// pauseWorkers bounds the pauses in flight at once.
-const pauseWorkers = 32
 
 // PausedTunnel is a frontend tunnel paused for the next image of this
 // process: the client's socket and what resuming it needs.
@@ -130,8 +128,12 @@ func (s *Server) takeMovable() []*tunnel {
 	return todo
 }
 
-// handOverAll pauses the tunnels takeMovable took; the ones that fail are
-// closed.
+// handOverAll pauses the tunnels takeMovable took, all at once, each on
+// its own goroutine under its own pauseTimeout: a tunnel's chance does not
+// depend on its place in a queue, so a tunnel whose client does not read,
+// or whose agent never answers, costs no other tunnel its time; the ones
+// that fail are closed, alone. What bounds the requests in flight on one
+// agent's connection is its own stream limit, as for dials.
 func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunnel {
 	if len(todo) == 0 {
 		return nil
@@ -140,31 +142,24 @@ func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunne
 		mu     sync.Mutex
 		paused []*PausedTunnel
 		wg     sync.WaitGroup
-		next   = make(chan *tunnel)
 	)
-	for range min(pauseWorkers, len(todo)) {
+	for _, t := range todo {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for t := range next {
-				pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
-				p, err := t.front.pause(pctx, t)
-				cancel()
-				s.metrics.restarts.paused[pauseResult(err)].Inc()
-				if err != nil {
-					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.addr, "agent", t.agent.id, "err", err)
-					continue
-				}
-				mu.Lock()
-				paused = append(paused, p)
-				mu.Unlock()
+			pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
+			p, err := t.front.pause(pctx, t)
+			cancel()
+			s.metrics.restarts.paused[pauseResult(err)].Inc()
+			if err != nil {
+				s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.addr, "agent", t.agent.id, "err", err)
+				return
 			}
+			mu.Lock()
+			paused = append(paused, p)
+			mu.Unlock()
 		}()
 	}
-	for _, t := range todo {
-		next <- t
-	}
-	close(next)
 	wg.Wait()
 	s.log.Info("tunnels paused for the next image", "paused", len(paused), "failed", len(todo)-len(paused))
 	return paused
