@@ -68,7 +68,6 @@ const resumeWait = 20 * time.Second
 // pauseTimeout bounds one tunnel's pause.
 const pauseTimeout = 5 * time.Second
 
-
 // PausedTunnel is a frontend tunnel paused for the next image of this
 // process: the client's socket and what resuming it needs.
 // All but File travel to the next image as JSON.
