@@ -12,6 +12,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
+	apiserverapi "k8s.io/apiserver/pkg/apis/apiserver"
 )
 
 // Restarts under attack: what a peer does, or fails to do, while the
@@ -231,5 +234,149 @@ func TestRestartPausesEachTunnelAlone(t *testing.T) {
 		took := restartOnce(t, s)
 		t.Logf("restart with an agent that never answers took %v", took.Round(time.Millisecond))
 		checkTunnelsKept(t, good, "good agent's beside a stopped agent with 200")
+	})
+}
+
+// idleGRPCPeer opens a gRPC front door connection that sends the HTTP/2
+// preface and its SETTINGS, answers PINGs and SETTINGS, and opens no
+// stream; goAway is closed when the server sends GOAWAY.
+func idleGRPCPeer(t *testing.T, sock string) (goAway chan struct{}) {
+	t.Helper()
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	fr := http2.NewFramer(c, c)
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	goAway = make(chan struct{})
+	var once sync.Once
+	go func() {
+		defer once.Do(func() { close(goAway) })
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			switch f := f.(type) {
+			case *http2.PingFrame:
+				if !f.IsAck() {
+					_ = fr.WritePing(true, f.Data)
+				}
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					_ = fr.WriteSettingsAck()
+				}
+			case *http2.GoAwayFrame:
+				return
+			}
+		}
+	}()
+	return goAway
+}
+
+// TestRestartNotHeldByIdlePeers: nothing a peer has not asked for holds a
+// restart. One idle gRPC connection (preface, no stream); a silent TCP
+// peer on the mTLS front door and a Unix-socket peer with half a CONNECT
+// head: every tunnel is handed over, the restart takes about what it
+// takes without them, the idle gRPC connection gets GOAWAY, and the
+// Unix-socket peer, handed to the next image as it is, finishes its head
+// there and gets its tunnel.
+func TestRestartNotHeldByIdlePeers(t *testing.T) {
+	t.Run("grpc-idle-connection", func(t *testing.T) {
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--mode=grpc", "--restart-grace=10s")
+		s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		d := s.egressDialerProto(t, apiserverapi.ProtocolGRPC).bounded()
+		var conns []net.Conn
+		for range 5 {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			c, err := d(ctx, "tcp", echo.addr())
+			cancel()
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			if err := echoOnce(c, bufio.NewReader(c), "before\n"); err != nil {
+				t.Fatal(err)
+			}
+			conns = append(conns, c)
+		}
+		baseline := restartOnce(t, s)
+		goAway := idleGRPCPeer(t, s.sock)
+		time.Sleep(100 * time.Millisecond) // the server has read its preface
+		took := restartOnce(t, s)
+		t.Logf("restart: %v without the idle connection, %v with it", baseline.Round(time.Millisecond), took.Round(time.Millisecond))
+		checkTunnelsKept(t, conns, "beside an idle gRPC connection")
+		select {
+		case <-goAway:
+		case <-time.After(10 * time.Second):
+			t.Error("the idle gRPC connection was not let go")
+		}
+		if took > 2*baseline+time.Second {
+			t.Errorf("restart took %v with an idle gRPC connection, %v without", took, baseline)
+		}
+	})
+	t.Run("http-connect-silent-peers", func(t *testing.T) {
+		tcpPort := freePort(t)
+		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--restart-grace=10s")
+		s.proc.stop(t)
+		s.args = append(s.args,
+			"--server-bind-address=127.0.0.1",
+			fmt.Sprintf("--server-port=%d", tcpPort),
+			"--server-cert="+s.pki.serverCert,
+			"--server-key="+s.pki.serverKey,
+			"--server-ca-cert="+s.pki.caCert)
+		s.launch(t)
+		s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=200ms")
+		echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+		var conns []net.Conn
+		for range 5 {
+			conns = append(conns, openEcho(t, s, echo))
+		}
+		baseline := restartOnce(t, s)
+		silentTCP, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", tcpPort))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer silentTCP.Close()
+		halfHead, err := net.Dial("unix", s.sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer halfHead.Close()
+		if _, err := fmt.Fprintf(halfHead, "CONNECT %s HTTP/1.1\r\n", echo.addr()); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond) // the server has read it
+		took := restartOnce(t, s)
+		t.Logf("restart: %v without the silent peers, %v with them", baseline.Round(time.Millisecond), took.Round(time.Millisecond))
+		checkTunnelsKept(t, conns, "beside silent TCP and Unix-socket peers")
+		if took > 2*baseline+time.Second {
+			t.Errorf("restart took %v with silent peers, %v without", took, baseline)
+		}
+		// The rest of the head, to the next image.
+		_ = halfHead.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(halfHead, "Host: 127.0.0.1\r\n\r\n"); err != nil {
+			t.Fatalf("half a head across the restart: %v", err)
+		}
+		br := bufio.NewReader(halfHead)
+		status, err := br.ReadString('\n')
+		if err != nil || !strings.Contains(status, " 200 ") {
+			t.Fatalf("half a head across the restart: %q %v", status, err)
+		}
+		for line := status; line != "\r\n"; {
+			if line, err = br.ReadString('\n'); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := echoOnce(halfHead, br, "after\n"); err != nil {
+			t.Fatalf("tunnel asked for across the restart: %v", err)
+		}
 	})
 }

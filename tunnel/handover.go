@@ -71,12 +71,19 @@ const pauseTimeout = 5 * time.Second
 // PausedTunnel is a frontend tunnel paused for the next image of this
 // process: the client's socket and what resuming it needs.
 // All but File travel to the next image as JSON.
+//
+// An Unasked one is an HTTP CONNECT connection whose client had not asked
+// for a dial yet (its head was not complete): it has no agent, no
+// destination and no token, only the bytes read so far (Head), and the
+// next image serves it as a new connection.
 type PausedTunnel struct {
-	File  *os.File    `json:"-"`              // a duplicate of the client's socket, close-on-exec set
-	Addr  string      `json:"addr"`           // the destination, as the client asked for it
-	Agent string      `json:"agent"`          // the agent holding the destination connection
-	Token string      `json:"token"`          // the resume token the agent holds it under
-	GRPC  *PausedGRPC `json:"grpc,omitempty"` // set for a gRPC front door call
+	File    *os.File    `json:"-"`                 // a duplicate of the client's socket, close-on-exec set
+	Addr    string      `json:"addr"`              // the destination, as the client asked for it
+	Agent   string      `json:"agent"`             // the agent holding the destination connection
+	Token   string      `json:"token"`             // the resume token the agent holds it under
+	GRPC    *PausedGRPC `json:"grpc,omitempty"`    // set for a gRPC front door call
+	Unasked bool        `json:"unasked,omitempty"` // a connection whose client asked for nothing yet
+	Head    []byte      `json:"head,omitempty"`    // Unasked: the bytes read from it so far
 }
 
 // PausedGRPC is what resuming a gRPC front door call needs besides the
@@ -100,9 +107,82 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 		todo := s.takeMovable()
 		paused = s.takeWaiting() // still paused: passed on as they are
 		s.metrics.restarts.paused[resultOK].Add(uint64(len(paused)))
-		return func(ctx context.Context) { paused = append(paused, s.handOverAll(ctx, todo)...) }
+		unasked := s.collectUnasked()
+		return func(ctx context.Context) {
+			paused = append(paused, unasked...)
+			paused = append(paused, s.handOverAll(ctx, todo)...)
+		}
 	})
 	return paused, err
+}
+
+// takeUnaskedLocked takes every front-door connection still reading its
+// client's head to paused: its goroutine, woken by leaving
+// (interruptUnasked), passes it on as it is (passUnasked). Called in the
+// same critical section that sets shutting, so each connection either
+// asked before (pending, waited for) or is taken here. Server.mu is held.
+func (s *Server) takeUnaskedLocked() {
+	for t := range s.tunnels {
+		if t.state == tunnelReading && t.moveLocked(tunnelPaused) {
+			s.unaskedWG.Add(1)
+		}
+	}
+}
+
+// interruptUnasked ends the head read of t once a handover took it.
+func (s *Server) interruptUnasked(t *tunnel, conn net.Conn) {
+	s.mu.Lock()
+	taken := t.state == tunnelPaused
+	s.mu.Unlock()
+	if taken {
+		conn.SetReadDeadline(time.Unix(1, 0))
+	}
+}
+
+// asked moves t, whose head has been read (or failed), to dialing and
+// counts its dial as pending; false when a handover took it first.
+func (s *Server) asked(t *tunnel, pd *pendingDial) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if t.state != tunnelReading {
+		return false
+	}
+	t.moveLocked(tunnelDialing)
+	pd.ask()
+	return true
+}
+
+// passUnasked passes t, taken by a handover before its client asked for
+// anything, on to the next image with the bytes read from it: a plain
+// socket is duplicated; a TLS one is closed (its handshake cannot move),
+// which loses nothing its client asked for.
+func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
+	defer s.unaskedWG.Done()
+	file, err := dupSocketFile(conn)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err != nil || s.closed {
+		if file != nil {
+			file.Close()
+		}
+		s.log.Debug("front-door connection that asked for nothing closed by the restart", "err", err)
+		return
+	}
+	s.unasked = append(s.unasked, &PausedTunnel{File: file, Unasked: true, Head: seen})
+}
+
+// collectUnasked waits until every connection takeUnaskedLocked took is
+// passed on, and returns them.
+func (s *Server) collectUnasked() []*PausedTunnel {
+	s.unaskedWG.Wait()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := s.unasked
+	s.unasked = nil
+	if len(out) > 0 {
+		s.log.Info("front-door connections that asked for nothing yet handed to the next image", "connections", len(out))
+	}
+	return out
 }
 
 // takeMovable moves every open tunnel that can be paused to pausing, which
@@ -341,15 +421,39 @@ func newResumeToken() (string, error) {
 // the agent's return until the tunnel is where a handover can pause it
 // again, it counts as pending (Server.pending), as an accepted dial does,
 // so that a restart waits for it rather than leaving it to the drain.
+//
+// An Unasked connection is served at once, as a new one.
 func (s *Server) Resume(paused []*PausedTunnel) {
 	s.mu.Lock()
 	for _, p := range paused {
-		s.waiting[p] = struct{}{}
+		if !p.Unasked {
+			s.waiting[p] = struct{}{}
+		}
 	}
 	s.mu.Unlock()
 	for _, p := range paused {
+		if p.Unasked {
+			s.goroutine(func() { s.resumeUnasked(p) })
+			continue
+		}
 		s.goroutine(func() { s.resumeTunnel(p) })
 	}
+}
+
+// resumeUnasked serves a connection the previous image took before its
+// client asked for anything, as a new one that has already sent p.Head.
+func (s *Server) resumeUnasked(p *PausedTunnel) {
+	c, err := net.FileConn(p.File)
+	p.File.Close()
+	if err != nil {
+		s.log.Warn("front-door connection handed over unusable; closed", "err", err)
+		return
+	}
+	t := newHTTPTunnel(c)
+	t.state, t.handed = tunnelReading, p
+	pd := &pendingDial{s: s}
+	defer pd.release()
+	s.serveFrontendConn(t, pd)
 }
 
 func (s *Server) resumeTunnel(p *PausedTunnel) {
@@ -370,9 +474,9 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", resumeWait))
 		return
 	}
-	var once sync.Once
-	release := func() { once.Do(s.answeredOne) }
-	defer release()
+	pd := &pendingDial{s: s}
+	pd.v.Store(dialCounted)
+	defer pd.release()
 	c, err := net.FileConn(p.File)
 	p.File.Close()
 	if err != nil {
@@ -380,14 +484,14 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 		return
 	}
 	if p.GRPC != nil {
-		s.resumeGRPC(c, p, release)
+		s.resumeGRPC(c, p, pd)
 		return
 	}
 	// The tunnel's own path is that of a new one, so that it parks as
 	// shallow (see "Parked stacks" in doc.go).
 	t := newHTTPTunnel(c)
 	t.handed = p
-	s.serveFrontendConn(t, release)
+	s.serveFrontendConn(t, pd)
 }
 
 // takeWaiting takes the resumes still waiting for their agent, for a
@@ -420,9 +524,9 @@ func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
 
 // resumeGRPC rebuilds a gRPC front door connection whose call was paused
 // and serves it: the call goes on as the one paused, and any call the
-// client opens later is served as usual. release ends the resume's count
-// as pending.
-func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, release func()) {
+// client opens later is served as usual. pd is the resume's count as
+// pending.
+func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 	if !s.enterGRPCConn() {
 		conn.Close()
 		return
@@ -433,7 +537,7 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, release func()) {
 		conn.Close()
 		s.leaveGRPCConn()
 	}()
-	c := &grpcConn{s: s, socket: conn, release: release}
+	c := &grpcConn{s: s, socket: conn, pend: pd}
 	resumed := func(w http.ResponseWriter, r *http.Request) {
 		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
@@ -466,13 +570,13 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 	f := t.front.(*grpcFront)
 	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
 	if !s.enter(t) {
-		c.release()
+		c.pend.release()
 		return nil
 	}
 	defer s.leave(t)
 	s.initGRPCUpload(t, nil, p.GRPC.Partial)
 	if err := s.resumeStream(t); err != nil {
-		c.release() // the connection is served on; the tunnel is not
+		c.pend.release() // the connection is served on; the tunnel is not
 		s.sendGRPC(f.g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
 		f.g.finish(grpcOK, "")
 		return nil
