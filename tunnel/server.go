@@ -137,7 +137,8 @@ type Server struct {
 	// accept (or a gRPC call's DIAL_REQ) until the goroutine serving it
 	// returns; guarded by mu, as is each tunnel's state.
 	tunnels   map[*tunnel]struct{}
-	grpcConns int // guarded by mu: open gRPC front door connections (enterGRPCConn)
+	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
+	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
 	// waiting are the paused tunnels a previous image handed over whose
 	// agent is not back yet (Resume); guarded by mu. A handover passes
 	// them on as they are; Close closes them.
@@ -147,7 +148,6 @@ type Server struct {
 	// unaskedWG counts those taken whose goroutine has not put them there.
 	unasked   []*PausedTunnel
 	unaskedWG sync.WaitGroup
-	emptied chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
 	// The server's state; guarded by mu.
 	shutting bool     // no new connections are accepted
 	closed   bool     // everything is being torn down
@@ -187,15 +187,15 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	s := &Server{
 		leaving:     leaving,
 		stopLeaving: stopLeaving,
-		cfg:       cfg,
-		log:       cfg.Logger,
-		agents:    newRegistry(),
-		baseCtx:   ctx,
-		cancelAll: cancel,
-		listeners: make(map[*net.Listener]struct{}),
-		tunnels:   make(map[*tunnel]struct{}),
-		waiting:   make(map[*PausedTunnel]struct{}),
-		nodeRank:  nodeRank,
+		cfg:         cfg,
+		log:         cfg.Logger,
+		agents:      newRegistry(),
+		baseCtx:     ctx,
+		cancelAll:   cancel,
+		listeners:   make(map[*net.Listener]struct{}),
+		tunnels:     make(map[*tunnel]struct{}),
+		waiting:     make(map[*PausedTunnel]struct{}),
+		nodeRank:    nodeRank,
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
