@@ -345,8 +345,15 @@ func (a *Agent) serveConn(l *serverConn) {
 			a.servePause(l, w, r)
 			return
 		}
-		l.streams.Add(1)
+		perConn := l.streams.Add(1)
 		defer l.streams.Add(-1)
+		total := a.tunnels.Add(1)
+		defer a.tunnels.Add(-1)
+		if perConn > int64(a.cfg.MaxStreams) || total > int64(a.cfg.MaxStreamsTotal) {
+			a.metrics.streamsRefused.Inc()
+			http.Error(w, fmt.Sprintf("agent carries its most tunnels (%d from this server, %d in all); try another agent", a.cfg.MaxStreams, a.cfg.MaxStreamsTotal), http.StatusServiceUnavailable)
+			return
+		}
 		a.serveStream(w, r)
 	})
 	// Handlers are counted before their goroutine starts, so Run's wait
@@ -356,7 +363,8 @@ func (a *Agent) serveConn(l *serverConn) {
 		go func() { defer a.streams.Done(); f() }()
 	}
 	lk, err := h2link.NewServer(l.conn, h2link.Config{
-		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: a.cfg.MaxStreams,
+		// Room for each tunnel's pause request, and the control stream.
+		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: 2*a.cfg.MaxStreams + 1,
 		Spawn: spawn, Batch: batcherOf(l.conn),
 	}, handler)
 	if err != nil {
