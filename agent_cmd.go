@@ -34,6 +34,7 @@ type agentOptions struct {
 	drainTimeout           time.Duration
 	syncInterval, syncCap  time.Duration
 	maxStreams             uint
+	maxStreamsTotal        uint
 	expandDNS, syncForever bool
 	readyzAll              bool
 	allowDestinations      string
@@ -105,7 +106,8 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long open tunnels may finish")
 	f.DurationVar(&o.syncInterval, "sync-interval", time.Second, "first reconnect delay")
 	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
-	f.UintVar(&o.maxStreams, "max-streams", 100000, "concurrent tunnels accepted per server connection")
+	f.UintVar(&o.maxStreams, "max-streams", 0, "concurrent tunnels accepted per server connection; 0: derived from the descriptor limit (RLIMIT_NOFILE): half of --max-streams-total, at most 10000")
+	f.UintVar(&o.maxStreamsTotal, "max-streams-total", 0, "concurrent tunnels accepted from all servers together, past which a CONNECT gets 503; 0: derived from the descriptor limit, (limit - 256) / 2 (a tunnel takes a descriptor, and one more while held for a restarting server)")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
 	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")
 	f.StringVar(&o.nodeName, "node-name", os.Getenv("NODE_NAME"), "the agent's node, for the --allow-destinations keyword node (default $NODE_NAME)")
@@ -183,8 +185,8 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if err := lease.CheckName(o.leaseNamespace, ""); err != nil {
 		return fmt.Errorf("--lease-namespace: %w", err)
 	}
-	if o.maxStreams == 0 || o.maxStreams > 1<<31 {
-		return fmt.Errorf("--max-streams=%d: out of range", o.maxStreams)
+	if o.maxStreams > 1<<31 || o.maxStreamsTotal > 1<<31 {
+		return fmt.Errorf("--max-streams=%d, --max-streams-total=%d: out of range", o.maxStreams, o.maxStreamsTotal)
 	}
 	return nil
 }
@@ -235,23 +237,24 @@ func (o *agentOptions) token() (string, error) {
 
 func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	cfg := tunnel.AgentConfig{
-		ServerAddrs:  o.serverAddrs(),
-		ExpandDNS:    o.expandDNS,
-		SyncForever:  o.syncForever,
-		CountSource:  o.leases.countSource,
-		ID:           o.agentID,
-		Identifiers:  o.identifiers,
-		TLS:          o.tlsConfig,
-		ServerDialer: o.serverDialer.DialContext,
-		DialTimeout:  o.dialTimeout,
-		KeepAlive:    o.keepaliveTime,
-		PingTimeout:  o.pingTimeout,
-		DrainTimeout: o.drainTimeout,
-		SyncInterval: o.syncInterval,
-		SyncCap:      o.syncCap,
-		MaxStreams:   uint32(o.maxStreams),
-		Destinations: o.destinations,
-		Logger:       log,
+		ServerAddrs:     o.serverAddrs(),
+		ExpandDNS:       o.expandDNS,
+		SyncForever:     o.syncForever,
+		CountSource:     o.leases.countSource,
+		ID:              o.agentID,
+		Identifiers:     o.identifiers,
+		TLS:             o.tlsConfig,
+		ServerDialer:    o.serverDialer.DialContext,
+		DialTimeout:     o.dialTimeout,
+		KeepAlive:       o.keepaliveTime,
+		PingTimeout:     o.pingTimeout,
+		DrainTimeout:    o.drainTimeout,
+		SyncInterval:    o.syncInterval,
+		SyncCap:         o.syncCap,
+		MaxStreams:      uint32(o.maxStreams),
+		MaxStreamsTotal: uint32(o.maxStreamsTotal),
+		Destinations:    o.destinations,
+		Logger:          log,
 	}
 	if o.tokenPath != "" {
 		cfg.Token = o.token

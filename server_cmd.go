@@ -65,6 +65,7 @@ type serverOptions struct {
 	readyzRequiresAgent   bool
 	tokenReviewTimeout    time.Duration
 	tokenReviewCacheTTL   time.Duration
+	tokenReviewRate       float64
 	bindAgentIdentity     bool
 	agentIDFromCert       bool
 	routeAgents           string
@@ -119,6 +120,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.StringVar(&o.authAudience, "authentication-audience", "", "audience the agents' tokens must carry (enables token auth)")
 	f.DurationVar(&o.tokenReviewTimeout, "token-review-timeout", 5*time.Second, "bound on one TokenReview call")
 	f.DurationVar(&o.tokenReviewCacheTTL, "token-review-cache-ttl", 10*time.Second, "how long a TokenReview result is reused (never past the token's expiry)")
+	f.Float64Var(&o.tokenReviewRate, "max-token-reviews-per-second", 100, "TokenReviews sent to the apiserver per second, with a burst of one second's worth (cached results are not counted); past it a login is answered \"authentication unavailable\" at once; 0: no bound")
 	f.BoolVar(&o.bindAgentIdentity, "bind-agent-identity", true, "a token agent's ID and host=/ipv4=/ipv6= identifiers must name the node its token was issued for (Kubernetes 1.30+ bound tokens); false admits any")
 	f.BoolVar(&o.agentIDFromCert, "agent-id-from-certificate", false, "a certificate agent's ID and host= identifiers must be its certificate's CN or a DNS SAN, its ipv4=/ipv6= an IP SAN")
 	f.StringVar(&o.routeAgents, "route-agents", "", "comma list of agent IDs and serviceaccount:NAMESPACE/NAME allowed to advertise cidr= and default-route identifiers; * allows every agent")
@@ -607,6 +609,9 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 			ServiceAccount: o.agentServiceAccount,
 			Timeout:        o.tokenReviewTimeout,
 			CacheTTL:       o.tokenReviewCacheTTL,
+			Rate:           o.tokenReviewRate,
+			OnRateLimited: metrics.Counter("konnectivity_network_proxy_server_token_reviews_rate_limited_total",
+				"Agent token checks refused at once because --max-token-reviews-per-second was reached (no TokenReview sent).", nil).Inc,
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("token auth: %w", err)

@@ -104,6 +104,14 @@ type ReviewOptions struct {
 	CacheTTL time.Duration
 	// Now is the clock used for the cache; default time.Now.
 	Now func() time.Time
+	// Rate bounds the TokenReview calls sent per second, with a burst of
+	// one second's worth: a token not in the cache past it is answered
+	// 503 at once, so that peers with garbage tokens cannot turn their
+	// handshakes into apiserver load. Cached outcomes and callers joining
+	// a review in flight are not counted. Zero: no bound.
+	Rate float64
+	// OnRateLimited, if set, is called for each review Rate refused.
+	OnRateLimited func()
 }
 
 // TokenReviewer authenticates agent bearer tokens with the kube-apiserver's
@@ -118,10 +126,15 @@ type TokenReviewer struct {
 	now        func() time.Time
 	maxEntries int
 
+	rate      float64 // immutable: TokenReview calls per second, 0 unbounded
+	onLimited func()  // immutable
+
 	mu       sync.Mutex
-	cache    map[[32]byte]*list.Element // of *cacheEntry
-	order    *list.List                 // insertion order, front = oldest
-	inflight map[[32]byte]*flight
+	cache    map[[32]byte]*list.Element // of *cacheEntry; guarded by mu
+	order    *list.List                 // insertion order, front = oldest; guarded by mu
+	inflight map[[32]byte]*flight       // guarded by mu
+	credit   float64                    // guarded by mu: calls the rate allows now (a token bucket)
+	refilled time.Time                  // guarded by mu: when credit was last brought up to date
 }
 
 type cacheEntry struct {
@@ -165,6 +178,9 @@ func NewTokenReviewer(cfg *RESTConfig, opts ReviewOptions) (*TokenReviewer, erro
 		cache:      map[[32]byte]*list.Element{},
 		order:      list.New(),
 		inflight:   map[[32]byte]*flight{},
+		rate:       opts.Rate,
+		onLimited:  opts.OnRateLimited,
+		credit:     opts.Rate,
 	}
 	if r.timeout <= 0 {
 		r.timeout = defaultReviewTimeout
@@ -206,6 +222,13 @@ func (r *TokenReviewer) Review(ctx context.Context, bearerToken string) (Identit
 		return id, err
 	}
 	f, ok := r.inflight[key]
+	if !ok && !r.allowLocked() {
+		r.mu.Unlock()
+		if r.onLimited != nil {
+			r.onLimited()
+		}
+		return Identity{}, unavailable("TokenReview rate bound reached", nil)
+	}
 	if !ok {
 		// The review runs on its own so that a caller giving up does not
 		// fail the others waiting for it; the last one to give up cancels
@@ -249,6 +272,24 @@ func (r *TokenReviewer) run(ctx context.Context, key [32]byte, token string, f *
 	f.id, f.err = id, err
 	r.mu.Unlock()
 	close(f.done)
+}
+
+// allowLocked takes one call from the rate bound, if it allows one now.
+// r.mu is held.
+func (r *TokenReviewer) allowLocked() bool {
+	if r.rate <= 0 {
+		return true
+	}
+	now := r.now()
+	if !r.refilled.IsZero() {
+		r.credit = min(r.rate, r.credit+now.Sub(r.refilled).Seconds()*r.rate)
+	}
+	r.refilled = now
+	if r.credit < 1 {
+		return false
+	}
+	r.credit--
+	return true
 }
 
 // lookup returns a cached outcome; r.mu must be held.

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -461,5 +462,38 @@ func TestTokenExpiry(t *testing.T) {
 		if !got.IsZero() {
 			t.Errorf("%q: got %v, want zero", tok, got)
 		}
+	}
+}
+
+// TestReviewRateBound: past Rate a token not in the cache is refused at
+// once (503, no TokenReview sent, OnRateLimited called), a cached one is
+// still answered, and the bound refills with time (half a second: 1.5 calls).
+func TestReviewRateBound(t *testing.T) {
+	clock := &fakeClock{now: time.Unix(1000, 0)}
+	limited := 0
+	f, r := newReviewSetup(t, ReviewOptions{Rate: 3, Now: clock.Now, OnRateLimited: func() { limited++ }})
+	var n atomic.Int64
+	f.setOverride(func(reviewRequest) (int, any) {
+		n.Add(1)
+		return http.StatusCreated, map[string]any{"status": map[string]any{"authenticated": false}}
+	})
+	ctx := testCtx(t)
+	for i := range 3 {
+		if _, err := r.Review(ctx, fmt.Sprintf("garbage%d", i)); StatusOf(err) != http.StatusUnauthorized {
+			t.Fatalf("review %d within the bound: %v", i, err)
+		}
+	}
+	if _, err := r.Review(ctx, "garbage3"); StatusOf(err) != http.StatusServiceUnavailable || limited != 1 {
+		t.Fatalf("past the bound: %v, %d limited; want 503 and 1", err, limited)
+	}
+	if _, err := r.Review(ctx, "garbage0"); StatusOf(err) != http.StatusUnauthorized {
+		t.Fatalf("a cached outcome past the bound: %v, want 401", err)
+	}
+	clock.Add(time.Second / 2)
+	if _, err := r.Review(ctx, "garbage4"); StatusOf(err) != http.StatusUnauthorized {
+		t.Fatalf("after half a second: %v", err)
+	}
+	if got := n.Load(); got != 4 {
+		t.Errorf("%d TokenReviews sent, want 4", got)
 	}
 }

@@ -277,7 +277,7 @@ func TestDestHostRouting(t *testing.T) {
 	checkReachable(t, d, backendOther, "other", 3)
 
 	frozen := func(t *testing.T, stop *agent, live, dead, liveName string) {
-		stop.proc.signal(t, syscall.SIGSTOP)
+		stop.proc.freeze(t)
 		defer stop.proc.signal(t, syscall.SIGCONT)
 		checkReachable(t, d, live, liveName, 10)
 		el, err := dialErr(t, d, dead, 15*time.Second)

@@ -273,6 +273,37 @@ func (p *proc) signal(t *testing.T, sig syscall.Signal) {
 	}
 }
 
+// freeze sends SIGSTOP and waits until every thread of the process has
+// stopped: kill returns once the signal is queued, and the threads that
+// did not take it run on (and may answer a dial) until the one that did
+// gets a CPU, which on a busy machine can be much later.
+func (p *proc) freeze(t *testing.T) {
+	t.Helper()
+	p.signal(t, syscall.SIGSTOP)
+	pid := p.cmd.Process.Pid
+	waitFor(t, 10*time.Second, p.name+" stopped by SIGSTOP", func() bool { return threadsStopped(pid) })
+}
+
+// threadsStopped reports whether every thread of pid is in the stopped
+// state (T in /proc/PID/task/TID/stat).
+func threadsStopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		if err != nil {
+			return false
+		}
+		i := bytes.LastIndexByte(b, ')') // the command name may hold spaces and parentheses
+		if i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
+}
+
 // waitHTTP polls url until it returns want, failing the test after
 // startTimeout or if the process exits.
 func waitHTTP(t *testing.T, p *proc, url string, want int) {

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -30,6 +31,7 @@ func TestStopDuringRestartDrain(t *testing.T) {
 		}
 	})
 	t.Cleanup(func() { close(held) }) // before the backend's own clean-up, which waits for its handlers
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
 	for i, p := range []*proc{a.proc, s.proc} {
 		if i == 1 {
 			// The first agent is gone; the server's case needs another.
@@ -48,6 +50,12 @@ func TestStopDuringRestartDrain(t *testing.T) {
 		if err := cw.CloseWrite(); err != nil {
 			t.Fatal(err)
 		}
+		// The server must have read the half-close before the restart:
+		// one still unread in its socket goes to the next image with the
+		// tunnel (a pause is byte-exact), and nothing holds the drain.
+		waitFor(t, 5*time.Second, "the server reads the client's half-close", func() bool {
+			return metricValue(t, metricsURL, srvPrefix+"stream_packets_total", "segment", "from_client", "packet_type", "CLOSE_REQ") >= float64(i+1)
+		})
 		p.signal(t, syscall.SIGHUP)
 		waitFor(t, 5*time.Second, p.name+" starts draining for the restart", func() bool {
 			return strings.Contains(p.out.String(), "restarting in place: draining tunnels")

@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 	"github.com/spinifex/konnectivity/tunnel/promtext"
@@ -62,7 +64,15 @@ type AgentConfig struct {
 	DrainTimeout time.Duration // on shutdown, how long open tunnels may finish (default 30s)
 	SyncInterval time.Duration // first reconnect delay (default 1s)
 	SyncCap      time.Duration // reconnect delay cap, and the re-probe/re-resolve period (default 10s)
-	MaxStreams   uint32        // concurrent tunnels accepted per server connection (default 100000)
+	// MaxStreams bounds the tunnels one server connection may open at
+	// once, MaxStreamsTotal those of all server connections together:
+	// past either a CONNECT is answered 503 (the connection's HTTP/2
+	// stream limit leaves room for each tunnel's pause request). Each tunnel takes a descriptor, and one more while it is held
+	// for a restarting server, so the defaults come from the descriptor
+	// limit (streamCaps): a server, however hostile, cannot take the
+	// agent out of descriptors, nor all of its streams.
+	MaxStreams      uint32
+	MaxStreamsTotal uint32
 
 	// ServerDialer connects to a server's address (host:port): directly,
 	// or through an egress proxy. ctx bounds the connection and the
@@ -92,8 +102,14 @@ func (c *AgentConfig) setDefaults() {
 	if c.SyncCap < c.SyncInterval {
 		c.SyncCap = c.SyncInterval
 	}
-	if c.MaxStreams == 0 {
-		c.MaxStreams = 100000
+	if c.MaxStreams == 0 || c.MaxStreamsTotal == 0 {
+		perConn, total := streamCaps(descriptorLimit())
+		if c.MaxStreamsTotal == 0 {
+			c.MaxStreamsTotal = total
+		}
+		if c.MaxStreams == 0 {
+			c.MaxStreams = min(perConn, c.MaxStreamsTotal)
+		}
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -145,6 +161,7 @@ type Agent struct {
 
 	connWG  sync.WaitGroup // goroutines serving connections; Run waits for them
 	streams sync.WaitGroup // handlers in flight; Run waits for them
+	tunnels atomic.Int64   // CONNECT streams being served on every server connection (MaxStreamsTotal)
 	Stats   AgentStats     // atomic counters
 }
 
@@ -152,6 +169,34 @@ type Agent struct {
 type AgentStats struct {
 	DialsOK, DialsFailed, OpenStreams atomic.Int64
 	BytesToDest, BytesFromDest        atomic.Int64
+}
+
+// Descriptors kept aside from tunnels: server connections, listeners,
+// DNS, logs and the rest of the process.
+const reservedDescriptors = 256
+
+// streamCaps derives the default stream bounds from the descriptor limit:
+// two descriptors per tunnel (its destination, and the duplicate held for
+// a restarting server) beside reservedDescriptors; one server connection
+// gets at most half of the total, and no more than a server lets one agent
+// carry by default (--max-streams-per-agent).
+func streamCaps(limit uint64) (perConn, total uint32) {
+	t := uint64(16)
+	if limit > reservedDescriptors+2*t {
+		t = (limit - reservedDescriptors) / 2
+	}
+	t = min(t, 1<<20)
+	return uint32(min(max(t/2, 1), 10000)), uint32(t)
+}
+
+// descriptorLimit is the process's limit on open descriptors (Go raises
+// the soft limit to the hard one at start).
+func descriptorLimit() uint64 {
+	var l unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &l); err != nil {
+		return 1024
+	}
+	return l.Cur
 }
 
 // CountSource is how the agent combines the server count from Leases with

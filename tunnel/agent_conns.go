@@ -355,6 +355,28 @@ func (a *Agent) startConn(l *serverConn) bool {
 	return true
 }
 
+// takeStream counts a tunnel on l within MaxStreams and MaxStreamsTotal,
+// or answers 503 and returns false. Apart from the handler, whose frame
+// stays on parked stacks (see "Parked stacks" in doc.go).
+//
+//go:noinline
+func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
+	perConn, total := l.streams.Add(1), a.tunnels.Add(1)
+	if perConn <= int64(a.cfg.MaxStreams) && total <= int64(a.cfg.MaxStreamsTotal) {
+		return true
+	}
+	a.releaseStream(l)
+	a.metrics.streamsRefused.Inc()
+	http.Error(w, fmt.Sprintf("agent carries its most tunnels (%d from this server, %d in all); try another agent", a.cfg.MaxStreams, a.cfg.MaxStreamsTotal), http.StatusServiceUnavailable)
+	return false
+}
+
+// releaseStream ends a tunnel's count taken by takeStream.
+func (a *Agent) releaseStream(l *serverConn) {
+	l.streams.Add(-1)
+	a.tunnels.Add(-1)
+}
+
 func (a *Agent) serveConn(l *serverConn) {
 	defer close(l.done)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -366,8 +388,10 @@ func (a *Agent) serveConn(l *serverConn) {
 			a.servePause(l, w, r)
 			return
 		}
-		l.streams.Add(1)
-		defer l.streams.Add(-1)
+		if !a.takeStream(l, w) {
+			return
+		}
+		defer a.releaseStream(l)
 		a.serveStream(w, r)
 	})
 	// Handlers are counted before their goroutine starts, so Run's wait
@@ -377,7 +401,8 @@ func (a *Agent) serveConn(l *serverConn) {
 		go func() { defer a.streams.Done(); f() }()
 	}
 	lk, err := h2link.NewServer(l.conn, h2link.Config{
-		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: a.cfg.MaxStreams,
+		// Room for each tunnel's pause request, and the control stream.
+		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: 2*a.cfg.MaxStreams + 1,
 		Spawn: spawn, Batch: batcherOf(l.conn),
 	}, handler)
 	if err != nil {

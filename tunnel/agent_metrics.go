@@ -16,6 +16,9 @@ type agentMetrics struct {
 	dialDenied   *promtext.Counter
 	resets       *promtext.Counter
 	panics       *promtext.Counter
+	// streamsRefused counts CONNECT streams refused at MaxStreams or
+	// MaxStreamsTotal.
+	streamsRefused *promtext.Counter
 	// serverFailures counts upstream's deprecated server_connection_failure_count:
 	// to_server, a connection to a server that could not be made; from_server,
 	// one that broke (a read error other than the server's clean close).
@@ -35,6 +38,7 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 		resets:       m.Counter(agentPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:       m.Counter(agentPrefix+"panics_total", "Panics recovered in per-tunnel goroutines (each ended one tunnel).", nil),
 	}
+	am.streamsRefused = m.Counter(agentPrefix+"streams_refused_total", "Tunnels refused (503) because the agent carried its most at once, from one server (--max-streams) or from all (--max-streams-total).", nil)
 	const serverFailures = agentPrefix + "server_connection_failure_count"
 	const serverFailuresHelp = "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server): a connection that could not be made, or one that broke. DEPRECATED upstream, please use stream_errors_total."
 	am.toServerFailures = m.Counter(serverFailures, serverFailuresHelp, []string{"direction"}, "to_server")

@@ -50,11 +50,23 @@ type headLimiter struct {
 	r         io.Reader
 	remaining int64
 	limited   bool
+	// seen is every byte read while limited, so that a connection whose
+	// head a handover interrupts goes to the next image with what was
+	// read (PausedTunnel.Head); replay is how many of its last bytes are
+	// still to be read again, in the next image.
+	seen   []byte
+	replay int
 }
 
 var errHeadTooLarge = errors.New("request head too large")
 
 func (l *headLimiter) Read(p []byte) (int, error) {
+	if l.replay > 0 {
+		n := copy(p, l.seen[len(l.seen)-l.replay:])
+		l.replay -= n
+		l.remaining -= int64(n)
+		return n, nil
+	}
 	if !l.limited {
 		return l.r.Read(p)
 	}
@@ -66,6 +78,7 @@ func (l *headLimiter) Read(p []byte) (int, error) {
 	}
 	n, err := l.r.Read(p)
 	l.remaining -= int64(n)
+	l.seen = append(l.seen, p[:n]...)
 	return n, err
 }
 

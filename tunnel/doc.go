@@ -24,7 +24,11 @@
 //     side of it is its front;
 //   - handover: a restart's move of open tunnels to the next image of
 //     the server's process, each stopped at a byte-exact point in both
-//     directions and carried on there on a new stream.
+//     directions and carried on there on a new stream;
+//   - asked: a front door connection's dial is asked for once its
+//     CONNECT head is read (or its gRPC DIAL_REQ); only then does a
+//     shutdown wait for it (pendingDial), and an unasked connection moves
+//     to the next image as it is.
 //
 // # Files
 //

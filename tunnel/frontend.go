@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"bufio"
+	"context"
 	"io"
 	"log/slog"
 	"net"
@@ -58,9 +59,10 @@ func (f *httpFront) closeSocket() { f.conn.Close() }
 // serveFrontendConn answers one CONNECT request and, on success, carries
 // the connection's bytes to and from an agent stream until both sides are
 // done or the tunnel moves to the next image; or it carries on a tunnel
-// the previous image handed on (t.handed). release ends the dial's count
-// as pending once the tunnel is open, where a drain or a restart finds it.
-func (s *Server) serveFrontendConn(t *tunnel, release func()) {
+// the previous image handed on (t.handed). pd is the dial's count as
+// pending, from the head's end until the tunnel is open, where a drain or
+// a restart finds it.
+func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 	conn := t.front.(*httpFront).conn
 	if !s.enter(t) {
 		conn.Close()
@@ -77,15 +79,15 @@ func (s *Server) serveFrontendConn(t *tunnel, release func()) {
 		s.leave(t)
 		conn.Close()
 	}()
-	if !s.openFrontendTunnel(t, conn) {
+	if !s.openFrontendTunnel(t, conn, pd) {
 		return
 	}
-	release()
 	t.up.start()
 	if body, ok := t.body.(*h2link.Body); ok && t.up.callerSends {
-		s.carryDirect(t, conn, body)
+		s.carryDirect(t, conn, body, pd)
 		return
 	}
+	pd.release()
 	s.carryCopy(t, conn)
 }
 
@@ -94,16 +96,27 @@ func (s *Server) serveFrontendConn(t *tunnel, release func()) {
 // a tunnel a previous image handed over, it opens the stream that carries
 // it on. On failure it answers the error itself and returns false. It
 // returns before the tunnel parks: see "Parked stacks" in doc.go.
-func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn) bool {
-	if t.handed != nil {
+func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) bool {
+	if t.handed != nil && !t.handed.Unasked {
 		return s.openHanded(t, conn)
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
 	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
+	if t.handed != nil { // a connection the previous image took before its head ended
+		lim.seen, lim.replay = t.handed.Head, len(t.handed.Head)
+		t.handed = nil
+	}
 	br := headReaders.Get().(*bufio.Reader) // back to the pool once drained: see sendBuffered
 	br.Reset(lim)
+	stop := context.AfterFunc(s.leaving, func() { s.interruptUnasked(t, conn) })
 	addr, err := readConnect(br)
+	stop()
+	if !s.asked(t, pd) {
+		s.passUnasked(t, conn, lim.seen)
+		return false
+	}
+	lim.seen = nil
 	if err != nil && StatusCode(err) == http.StatusBadRequest && !time.Now().Before(headDeadline) {
 		// net/http reports a line cut short by the deadline as malformed.
 		err = statusErrorf(http.StatusRequestTimeout, "request head not received in time")
@@ -210,8 +223,10 @@ func (s *Server) watchDeliveries(t *tunnel, body *h2link.Body) {
 // carryDirect carries a tunnel on a link between a plain client socket
 // and the stream with this one goroutine: it sends the upload itself while
 // the link's read loop writes what the agent sends straight to the socket
-// (see sink.go).
-func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body) {
+// (see sink.go). It releases pd once the delivery is set: only then can
+// a handover pause the tunnel (pausable), so only then may a shutdown stop
+// waiting for it.
+func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body, pd *pendingDial) {
 	s.watchDeliveries(t, body)
 	down := body.DeliverTo(conn, func(err error) error {
 		if t.up.stopping.Load() {
@@ -227,6 +242,7 @@ func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body) {
 		return nil
 	})
 	t.down.Store(down)
+	pd.release()
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.

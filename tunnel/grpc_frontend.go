@@ -40,7 +40,11 @@ const (
 // ServeGRPC accepts kube-apiserver's gRPC connections (HTTP/2 with prior
 // knowledge, or TLS with ALPN h2) on ln until Shutdown or Close.
 func (s *Server) ServeGRPC(ln net.Listener) error {
-	return s.serve(ln, true, s.serveGRPCConn)
+	return s.serve(ln, true, func(c net.Conn) {
+		pd := &pendingDial{s: s}
+		defer pd.release()
+		s.serveGRPCConn(c, pd)
+	})
 }
 
 // grpcConn is one kube-apiserver connection to the gRPC front door: the
@@ -50,16 +54,19 @@ type grpcConn struct {
 	s       *Server
 	socket  net.Conn
 	link    *h2link.Conn // set before Serve: handlers run only from then on
-	release func()       // ends the connection's count as pending
+	pend    *pendingDial // its first dial's count as pending (konnectivity-client dials one per connection)
 	refused error        // why the peer was refused, if it was
 
 	calls     atomic.Int32 // calls whose handler runs; a connection with more than one is not handed over
 	goingAway sync.Once
 }
 
-// serveGRPCConn serves one kube-apiserver connection; release is called
-// once its first dial is answered (the client uses a connection per dial).
-func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
+// serveGRPCConn serves one kube-apiserver connection; pd counts its first
+// dial as pending from its DIAL_REQ until it is answered (the client uses
+// a connection per dial). A shutdown ends what has not asked for anything
+// (leaving): a TLS handshake or an HTTP/2 preface in progress is closed, a
+// connection with no call gets GOAWAY.
+func (s *Server) serveGRPCConn(conn net.Conn, pd *pendingDial) {
 	if !s.enterGRPCConn() {
 		conn.Close()
 		return
@@ -71,7 +78,7 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 		s.leaveGRPCConn()
 	}()
 	if tc, ok := conn.(*tls.Conn); ok {
-		ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
+		ctx, cancel := context.WithTimeout(s.leaving, s.cfg.HeaderTimeout)
 		err := tc.HandshakeContext(ctx)
 		cancel()
 		if err != nil {
@@ -79,7 +86,7 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 			return
 		}
 	}
-	c := &grpcConn{s: s, socket: conn, release: release}
+	c := &grpcConn{s: s, socket: conn, pend: pd}
 	// A refused peer is told so on each of its streams (PERMISSION_DENIED)
 	// rather than by a reset connection it could not tell from a crash;
 	// it keeps the connection only for the header timeout, with small
@@ -94,13 +101,15 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 		}
 	}
 	h2conn := grpcLinkConn(conn)
+	noPreface := context.AfterFunc(s.leaving, func() { conn.Close() })
 	l, err := h2link.NewServer(h2conn, s.grpcLinkConfig(conn, h2conn, small), c)
-	if err != nil {
+	if !noPreface() || err != nil {
 		s.log.Debug("gRPC frontend: no HTTP/2 connection", "err", err)
-		release()
 		return
 	}
 	c.link = l
+	idle := context.AfterFunc(s.leaving, c.goAwayIfIdle)
+	defer idle()
 	l.Serve()
 }
 
@@ -109,7 +118,7 @@ func (s *Server) serveGRPCConn(conn net.Conn, release func()) {
 // (konnectivity-client uses one connection per dial and closes it itself
 // on CLOSE_RSP).
 func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	defer c.release()
+	defer c.pend.release()
 	if c.refused != nil {
 		grpcTrailersOnly(w, grpcPermissionDenied, errMsg(c.refused))
 		return
@@ -121,7 +130,22 @@ func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return // the connection goes to the next image as it is
 	}
 	if s.isShutting() {
-		c.goingAway.Do(func() { s.goroutine(func() { c.link.Shutdown(s.baseCtx) }) })
+		c.goAway()
+	}
+}
+
+// goAway lets the connection go: GOAWAY, then close when idle. Once.
+func (c *grpcConn) goAway() {
+	c.goingAway.Do(func() { c.s.goroutine(func() { c.link.Shutdown(c.s.baseCtx) }) })
+}
+
+// goAwayIfIdle lets a connection with no call go when a shutdown begins:
+// its client asked for nothing, so GOAWAY loses nothing, and the client
+// opens its next connection to whoever serves then. A call that begins
+// meanwhile lets it go when it ends (ServeHTTP).
+func (c *grpcConn) goAwayIfIdle() {
+	if c.calls.Load() == 0 {
+		c.goAway()
 	}
 }
 
@@ -294,6 +318,7 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 		return nil
 	}
 	s.metrics.packets.inc(segFromClient, grpcwire.DialReq)
+	c.pend.ask()
 
 	w.Header().Set("Content-Type", "application/grpc")
 	w.WriteHeader(http.StatusOK)
@@ -373,7 +398,7 @@ func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, str
 	t.addr = req.Address
 	s.initGRPCUpload(t, buf, nil)
 	if err := s.open(t); err != nil {
-		f.conn.release()
+		f.conn.pend.release()
 		f.body.Close()
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
@@ -383,7 +408,7 @@ func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, str
 	}
 	s.Stats.DialsOK.Add(1)
 	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: f.connectID}); err != nil {
-		f.conn.release()
+		f.conn.pend.release()
 		t.endStream()
 		f.body.Close()
 		return grpcUnavailable, "write DIAL_RSP", nil
@@ -435,7 +460,7 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	down := h2link.NewDelivery()
 	t.down.Store(down)
 	t.move(tunnelOpen)
-	f.conn.release() // the dial is answered and the tunnel open: see Server.serve
+	f.conn.pend.release() // the dial is answered and the tunnel open: see Server.serve
 	t.up.start()
 
 	// Downstream: the agent's bytes become DATA packets, read straight into

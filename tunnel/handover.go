@@ -68,18 +68,22 @@ const resumeWait = 20 * time.Second
 // pauseTimeout bounds one tunnel's pause.
 const pauseTimeout = 5 * time.Second
 
-// pauseWorkers bounds the pauses in flight at once.
-const pauseWorkers = 32
-
 // PausedTunnel is a frontend tunnel paused for the next image of this
 // process: the client's socket and what resuming it needs.
 // All but File travel to the next image as JSON.
+//
+// An Unasked one is an HTTP CONNECT connection whose client had not asked
+// for a dial yet (its head was not complete): it has no agent, no
+// destination and no token, only the bytes read so far (Head), and the
+// next image serves it as a new connection.
 type PausedTunnel struct {
-	File  *os.File    `json:"-"`              // a duplicate of the client's socket, close-on-exec set
-	Addr  string      `json:"addr"`           // the destination, as the client asked for it
-	Agent string      `json:"agent"`          // the agent holding the destination connection
-	Token string      `json:"token"`          // the resume token the agent holds it under
-	GRPC  *PausedGRPC `json:"grpc,omitempty"` // set for a gRPC front door call
+	File    *os.File    `json:"-"`                 // a duplicate of the client's socket, close-on-exec set
+	Addr    string      `json:"addr"`              // the destination, as the client asked for it
+	Agent   string      `json:"agent"`             // the agent holding the destination connection
+	Token   string      `json:"token"`             // the resume token the agent holds it under
+	GRPC    *PausedGRPC `json:"grpc,omitempty"`    // set for a gRPC front door call
+	Unasked bool        `json:"unasked,omitempty"` // a connection whose client asked for nothing yet
+	Head    []byte      `json:"head,omitempty"`    // Unasked: the bytes read from it so far
 }
 
 // PausedGRPC is what resuming a gRPC front door call needs besides the
@@ -101,9 +105,84 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 	var paused []*PausedTunnel
 	err := s.shutdown(ctx, func() func(context.Context) {
 		todo := s.takeMovable()
-		return func(ctx context.Context) { paused = s.handOverAll(ctx, todo) }
+		paused = s.takeWaiting() // still paused: passed on as they are
+		s.metrics.restarts.paused[resultOK].Add(uint64(len(paused)))
+		unasked := s.collectUnasked()
+		return func(ctx context.Context) {
+			paused = append(paused, unasked...)
+			paused = append(paused, s.handOverAll(ctx, todo)...)
+		}
 	})
 	return paused, err
+}
+
+// takeUnaskedLocked takes every front-door connection still reading its
+// client's head to paused: its goroutine, woken by leaving
+// (interruptUnasked), passes it on as it is (passUnasked). Called in the
+// same critical section that sets shutting, so each connection either
+// asked before (pending, waited for) or is taken here. Server.mu is held.
+func (s *Server) takeUnaskedLocked() {
+	for t := range s.tunnels {
+		if t.state == tunnelReading && t.moveLocked(tunnelPaused) {
+			s.unaskedWG.Add(1)
+		}
+	}
+}
+
+// interruptUnasked ends the head read of t once a handover took it.
+func (s *Server) interruptUnasked(t *tunnel, conn net.Conn) {
+	s.mu.Lock()
+	taken := t.state == tunnelPaused
+	s.mu.Unlock()
+	if taken {
+		conn.SetReadDeadline(time.Unix(1, 0))
+	}
+}
+
+// asked moves t, whose head has been read (or failed), to dialing and
+// counts its dial as pending; false when a handover took it first.
+func (s *Server) asked(t *tunnel, pd *pendingDial) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if t.state != tunnelReading {
+		return false
+	}
+	t.moveLocked(tunnelDialing)
+	pd.ask()
+	return true
+}
+
+// passUnasked passes t, taken by a handover before its client asked for
+// anything, on to the next image with the bytes read from it: a plain
+// socket is duplicated; a TLS one is closed (its handshake cannot move),
+// which loses nothing its client asked for.
+func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
+	defer s.unaskedWG.Done()
+	file, err := dupSocketFile(conn)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err != nil || s.closed {
+		if file != nil {
+			file.Close()
+		}
+		s.log.Debug("front-door connection that asked for nothing closed by the restart", "err", err)
+		return
+	}
+	s.unasked = append(s.unasked, &PausedTunnel{File: file, Unasked: true, Head: seen})
+}
+
+// collectUnasked waits until every connection takeUnaskedLocked took is
+// passed on, and returns them.
+func (s *Server) collectUnasked() []*PausedTunnel {
+	s.unaskedWG.Wait()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := s.unasked
+	s.unasked = nil
+	if len(out) > 0 {
+		s.log.Info("front-door connections that asked for nothing yet handed to the next image", "connections", len(out))
+	}
+	return out
 }
 
 // takeMovable moves every open tunnel that can be paused to pausing, which
@@ -128,8 +207,12 @@ func (s *Server) takeMovable() []*tunnel {
 	return todo
 }
 
-// handOverAll pauses the tunnels takeMovable took; the ones that fail are
-// closed.
+// handOverAll pauses the tunnels takeMovable took, all at once, each on
+// its own goroutine under its own pauseTimeout: a tunnel's chance does not
+// depend on its place in a queue, so a tunnel whose client does not read,
+// or whose agent never answers, costs no other tunnel its time; the ones
+// that fail are closed, alone. What bounds the requests in flight on one
+// agent's connection is its own stream limit, as for dials.
 func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunnel {
 	if len(todo) == 0 {
 		return nil
@@ -138,31 +221,24 @@ func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunne
 		mu     sync.Mutex
 		paused []*PausedTunnel
 		wg     sync.WaitGroup
-		next   = make(chan *tunnel)
 	)
-	for range min(pauseWorkers, len(todo)) {
+	for _, t := range todo {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for t := range next {
-				pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
-				p, err := t.front.pause(pctx, t)
-				cancel()
-				s.metrics.restarts.paused[pauseResult(err)].Inc()
-				if err != nil {
-					s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.addr, "agent", t.agent.id, "err", err)
-					continue
-				}
-				mu.Lock()
-				paused = append(paused, p)
-				mu.Unlock()
+			pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
+			p, err := t.front.pause(pctx, t)
+			cancel()
+			s.metrics.restarts.paused[pauseResult(err)].Inc()
+			if err != nil {
+				s.log.Warn("tunnel could not be paused for the restart; closed", "addr", t.addr, "agent", t.agent.id, "err", err)
+				return
 			}
+			mu.Lock()
+			paused = append(paused, p)
+			mu.Unlock()
 		}()
 	}
-	for _, t := range todo {
-		next <- t
-	}
-	close(next)
 	wg.Wait()
 	s.log.Info("tunnels paused for the next image", "paused", len(paused), "failed", len(todo)-len(paused))
 	return paused
@@ -339,13 +415,68 @@ func newResumeToken() (string, error) {
 // waits for its agent to log in again (up to resumeWait) and continues on
 // a new stream. Call it once the agent listener serves. A tunnel that
 // cannot resume is closed, and logged.
+//
+// A tunnel waiting for its agent is still paused: a restart that comes
+// meanwhile passes it on to the next image as it is (Server.waiting). From
+// the agent's return until the tunnel is where a handover can pause it
+// again, it counts as pending (Server.pending), as an accepted dial does,
+// so that a restart waits for it rather than leaving it to the drain.
+//
+// An Unasked connection is served at once, as a new one.
 func (s *Server) Resume(paused []*PausedTunnel) {
+	s.mu.Lock()
 	for _, p := range paused {
+		if !p.Unasked {
+			s.waiting[p] = struct{}{}
+		}
+	}
+	s.mu.Unlock()
+	for _, p := range paused {
+		if p.Unasked {
+			s.goroutine(func() { s.resumeUnasked(p) })
+			continue
+		}
 		s.goroutine(func() { s.resumeTunnel(p) })
 	}
 }
 
+// resumeUnasked serves a connection the previous image took before its
+// client asked for anything, as a new one that has already sent p.Head.
+func (s *Server) resumeUnasked(p *PausedTunnel) {
+	c, err := net.FileConn(p.File)
+	p.File.Close()
+	if err != nil {
+		s.log.Warn("front-door connection handed over unusable; closed", "err", err)
+		return
+	}
+	t := newHTTPTunnel(c)
+	t.state, t.handed = tunnelReading, p
+	pd := &pendingDial{s: s}
+	defer pd.release()
+	s.serveFrontendConn(t, pd)
+}
+
 func (s *Server) resumeTunnel(p *PausedTunnel) {
+	a := s.waitAgentID(p.Agent, resumeWait)
+	s.mu.Lock()
+	if _, ok := s.waiting[p]; !ok || s.shutting {
+		// A handover passes it on, or Close closes it.
+		s.mu.Unlock()
+		return
+	}
+	delete(s.waiting, p)
+	if a != nil {
+		s.pending.Add(1) // under mu: a shutdown either waits for it or saw it waiting
+	}
+	s.mu.Unlock()
+	if a == nil {
+		p.File.Close()
+		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", resumeWait))
+		return
+	}
+	pd := &pendingDial{s: s}
+	pd.v.Store(dialCounted)
+	defer pd.release()
 	c, err := net.FileConn(p.File)
 	p.File.Close()
 	if err != nil {
@@ -353,14 +484,37 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 		return
 	}
 	if p.GRPC != nil {
-		s.resumeGRPC(c, p)
+		s.resumeGRPC(c, p, pd)
 		return
 	}
 	// The tunnel's own path is that of a new one, so that it parks as
 	// shallow (see "Parked stacks" in doc.go).
 	t := newHTTPTunnel(c)
 	t.handed = p
-	s.serveFrontendConn(t, func() {})
+	s.serveFrontendConn(t, pd)
+}
+
+// takeWaiting takes the resumes still waiting for their agent, for a
+// handover to pass on as they are.
+func (s *Server) takeWaiting() []*PausedTunnel {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*PausedTunnel, 0, len(s.waiting))
+	for p := range s.waiting {
+		out = append(out, p)
+		delete(s.waiting, p)
+	}
+	return out
+}
+
+// dropWaitingLocked closes the resumes still waiting for their agent: the
+// server closes without a next image. Server.mu is held.
+func (s *Server) dropWaitingLocked() {
+	for p := range s.waiting {
+		p.File.Close()
+		delete(s.waiting, p)
+		s.resumeFailed(p, resultFailed, errors.New("server closed before the agent was back"))
+	}
 }
 
 func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
@@ -370,8 +524,9 @@ func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {
 
 // resumeGRPC rebuilds a gRPC front door connection whose call was paused
 // and serves it: the call goes on as the one paused, and any call the
-// client opens later is served as usual.
-func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel) {
+// client opens later is served as usual. pd is the resume's count as
+// pending.
+func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 	if !s.enterGRPCConn() {
 		conn.Close()
 		return
@@ -382,7 +537,7 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel) {
 		conn.Close()
 		s.leaveGRPCConn()
 	}()
-	c := &grpcConn{s: s, socket: conn, release: func() {}}
+	c := &grpcConn{s: s, socket: conn, pend: pd}
 	resumed := func(w http.ResponseWriter, r *http.Request) {
 		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
@@ -415,11 +570,13 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 	f := t.front.(*grpcFront)
 	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
 	if !s.enter(t) {
+		c.pend.release()
 		return nil
 	}
 	defer s.leave(t)
 	s.initGRPCUpload(t, nil, p.GRPC.Partial)
 	if err := s.resumeStream(t); err != nil {
+		c.pend.release() // the connection is served on; the tunnel is not
 		s.sendGRPC(f.g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID, Error: "tunnel lost in a server restart: " + errMsg(err)})
 		f.g.finish(grpcOK, "")
 		return nil
@@ -443,14 +600,15 @@ func (s *Server) openHanded(t *tunnel, conn net.Conn) bool {
 	return s.resumeStream(t) == nil && t.move(tunnelOpen)
 }
 
-// resumeStream waits for the agent of t.handed and opens the stream that
-// carries t on; a failure is logged and counted, and the upload released.
+// resumeStream opens the stream that carries t.handed on through its
+// agent, which resumeTunnel saw back; a failure is logged and counted, and
+// the upload released.
 func (s *Server) resumeStream(t *tunnel) error {
 	p := t.handed
-	a := s.waitAgentID(p.Agent, resumeWait)
-	err, result := fmt.Errorf("agent not back within %s", resumeWait), resultTimeout
+	a := s.agents.byID(p.Agent)
+	err, result := errors.New("agent gone again before the tunnel resumed"), resultFailed
 	if a != nil {
-		err, result = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token), resultFailed
+		err = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token)
 	}
 	if err != nil {
 		t.up.unblock()
@@ -531,7 +689,8 @@ func counts(cs map[string]*promtext.Counter) map[string]uint64 {
 }
 
 // waitAgentID returns the connected agent with id once it is there, or nil
-// after wait.
+// after wait or once the server shuts down: a shutdown waits for resumes
+// (Server.pending), and must not wait for an agent that is not back.
 func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
@@ -541,6 +700,9 @@ func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 			if a.id == id && a.canPause {
 				return a
 			}
+		}
+		if s.isShutting() {
+			return nil
 		}
 		select {
 		case <-changed:

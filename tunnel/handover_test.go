@@ -480,3 +480,48 @@ func TestHandOverWhileAgentStops(t *testing.T) {
 		t.Fatal("the agent did not stop once its last tunnel ended")
 	}
 }
+
+// TestHandOverWhileResuming: a restart that comes once the agent is back
+// but before the tunnels the previous one paused have resumed pauses them
+// again (a shutdown waits for resumes under way, as for accepted dials)
+// instead of leaving them to the drain, which closes a keep-alive
+// connection: each tunnel keeps its one destination connection.
+func TestHandOverWhileResuming(t *testing.T) {
+	checkNoLeaks(t)
+	dest, accepted := countingEcho(t)
+	e := newEnv(t, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	const tunnels = 8
+	var idle []net.Conn
+	for range tunnels {
+		c := e.echoOne(dest)
+		defer c.Close()
+		idle = append(idle, c)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != tunnels {
+		t.Fatalf("HandOver: %d paused, %v; want %d", len(paused), err, tunnels)
+	}
+	e.stop()
+	next := newEnvOn(t, e.pki, e.agentAddr, nil)
+	next.waitAgents(1)
+	next.srv.Resume(paused)
+	last, _ := handOverTo(t, next, tunnels) // at once: the resumes are under way
+	defer last.stop()
+	b := make([]byte, 1)
+	for i, c := range idle {
+		if _, err := c.Write([]byte{'a' + byte(i)}); err != nil {
+			t.Fatalf("tunnel %d after the handovers: %v", i, err)
+		}
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.ReadFull(c, b); err != nil || b[0] != 'a'+byte(i) {
+			t.Fatalf("tunnel %d after the handovers: %q %v", i, b, err)
+		}
+	}
+	if n := accepted.Load(); n != tunnels {
+		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels)
+	}
+}

@@ -18,7 +18,11 @@ import (
 // client then sees its idle keep-alive connection closed by the server,
 // drops it, and dials again, which reaches the server's next life. A
 // tunnel that never goes quiet (a log follow, an exec) is still cut at the
-// deadline.
+// deadline. So is a tunnel whose client has finished sending (half-closed
+// its upload): no HTTP client half-closes a keep-alive connection, so it
+// is waiting for the rest of an answer, and a pause in that answer (an
+// agent or destination descheduled on a busy machine) is not the end of a
+// call.
 //
 // drainQuiet is longer than the gaps inside one response (its writes
 // follow each other within milliseconds: TLS records, chunks an agent
@@ -93,7 +97,7 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 				seen[t] = sample{v, now}
 				continue
 			}
-			if v&1 == 1 && now.Sub(prev.since) >= t.front.quiet() {
+			if v&1 == 1 && now.Sub(prev.since) >= t.front.quiet() && !t.up.isDone() {
 				if t.front.unread() || t.act.v.Load() != v {
 					// A request has come, or is being read.
 					seen[t] = sample{t.act.v.Load(), now}

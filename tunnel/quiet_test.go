@@ -469,3 +469,58 @@ func TestShutdownCutsStreamingTunnelAtDeadline(t *testing.T) {
 		t.Errorf("%d tunnels closed at a quiet moment, want the idle one", n)
 	}
 }
+
+// TestDrainWaitsForHalfClosedTunnel: a tunnel whose client finished
+// sending is waiting for the rest of an answer, however long the answer
+// pauses: a drain does not close it at a quiet moment (it closes an idle
+// keep-alive tunnel in the same sweep), and the answer arrives whole.
+func TestDrainWaitsForHalfClosedTunnel(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	more := make(chan struct{})
+	dest := serveTCP(t, func(c net.Conn) {
+		defer c.Close()
+		io.Copy(io.Discard, c) // to the client's half-close
+		c.Write([]byte("a"))
+		<-more // the answer pauses
+		c.Write([]byte("b"))
+	})
+	halfClosed, br, resp := e.connect(dest)
+	defer halfClosed.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("CONNECT: %s", resp.Status)
+	}
+	if _, err := halfClosed.Write([]byte("request")); err != nil {
+		t.Fatal(err)
+	}
+	halfClosed.(*net.UnixConn).CloseWrite()
+	if b, err := br.ReadByte(); err != nil || b != 'a' {
+		t.Fatalf("first part of the answer: %q %v", b, err)
+	}
+	echo, _ := countingEcho(t)
+	idle := e.echoOne(echo) // quiet since after the other tunnel's last byte
+	defer idle.Close()
+
+	shut := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		shut <- e.srv.Shutdown(ctx)
+	}()
+	if _, err := idle.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("idle keep-alive tunnel during the drain: %v, want EOF (closed at a quiet moment)", err)
+	}
+	if n := e.srv.Stats.ClosedQuiet.Load(); n != 1 {
+		t.Errorf("%d tunnels closed at a quiet moment, want 1 (the idle one)", n)
+	}
+	close(more)
+	rest, err := io.ReadAll(br)
+	if err != nil || string(rest) != "b" {
+		t.Fatalf("rest of the answer: %q %v, want \"b\"", rest, err)
+	}
+	if err := <-shut; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+}

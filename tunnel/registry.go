@@ -114,7 +114,7 @@ func (a *agentConn) usable(maxStreams int64) bool {
 // rotating cursor and stopping at the first live usable one, so a dial
 // costs the same whatever the number of agents while most can take a
 // tunnel. Waiters block on changed, which is closed and replaced whenever
-// an agent joins. Every method that reads agents is here. Its lock comes
+// an agent joins, or by wake. Every method that reads agents is here. Its lock comes
 // after Server.mu and before an agent's link (tunnel/doc.go, "Locks").
 type registry struct {
 	mu      sync.RWMutex
@@ -143,6 +143,14 @@ func (r *registry) add(a *agentConn) (replaced *agentConn) {
 	return replaced
 }
 
+// wake makes every waiter look again (the server began shutting down).
+func (r *registry) wake() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	close(r.changed)
+	r.changed = make(chan struct{})
+}
+
 func (r *registry) remove(a *agentConn) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -160,6 +168,17 @@ func (r *registry) snapshot() []*agentConn {
 		out = append(out, a)
 	}
 	return out
+}
+
+// byID returns the connected agent with id that can resume paused
+// tunnels, or nil.
+func (r *registry) byID(id string) *agentConn {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if a := r.agents[id]; a != nil && a.canPause {
+		return a
+	}
+	return nil
 }
 
 func (r *registry) len() int {

@@ -124,6 +124,11 @@ type Server struct {
 	// baseCtx is cancelled by Close, ending every tunnel and handshake.
 	baseCtx   context.Context
 	cancelAll context.CancelFunc
+	// leaving is cancelled when a shutdown begins: what a peer has not
+	// asked for yet stops waiting for it (a CONNECT head a handover
+	// takes, a gRPC connection with no call).
+	leaving     context.Context
+	stopLeaving context.CancelFunc
 
 	mu sync.Mutex
 	// listeners are the open listeners; guarded by mu.
@@ -134,6 +139,15 @@ type Server struct {
 	tunnels   map[*tunnel]struct{}
 	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
+	// waiting are the paused tunnels a previous image handed over whose
+	// agent is not back yet (Resume); guarded by mu. A handover passes
+	// them on as they are; Close closes them.
+	waiting map[*PausedTunnel]struct{}
+	// unasked are the front-door connections a handover took before their
+	// client asked for anything, passed on as they are; guarded by mu.
+	// unaskedWG counts those taken whose goroutine has not put them there.
+	unasked   []*PausedTunnel
+	unaskedWG sync.WaitGroup
 	// The server's state; guarded by mu.
 	shutting bool     // no new connections are accepted
 	closed   bool     // everything is being torn down
@@ -141,7 +155,7 @@ type Server struct {
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
-	pending     atomic.Int64  // accepted frontend connections whose dial is not yet answered
+	pending     atomic.Int64  // dials asked for whose tunnel cannot be paused yet, and resumes under way until theirs can
 	answered    chan struct{} // guarded by mu: closed when pending drops to 0 (waitPending)
 
 	Stats         ServerStats
@@ -169,15 +183,19 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cfg.AgentTLS = withH2(cfg.AgentTLS)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	leaving, stopLeaving := context.WithCancel(ctx)
 	s := &Server{
-		cfg:       cfg,
-		log:       cfg.Logger,
-		agents:    newRegistry(),
-		baseCtx:   ctx,
-		cancelAll: cancel,
-		listeners: make(map[*net.Listener]struct{}),
-		tunnels:   make(map[*tunnel]struct{}),
-		nodeRank:  nodeRank,
+		leaving:     leaving,
+		stopLeaving: stopLeaving,
+		cfg:         cfg,
+		log:         cfg.Logger,
+		agents:      newRegistry(),
+		baseCtx:     ctx,
+		cancelAll:   cancel,
+		listeners:   make(map[*net.Listener]struct{}),
+		tunnels:     make(map[*tunnel]struct{}),
+		waiting:     make(map[*PausedTunnel]struct{}),
+		nodeRank:    nodeRank,
 	}
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
@@ -240,12 +258,11 @@ func (s *Server) goroutine(f func()) {
 	}()
 }
 
-// serve runs an accept loop until ln is closed by Shutdown or Close. With
-// countPending, each accepted connection counts as pending until its
-// handler calls release (once its dial is answered): Shutdown waits for
-// those before it sends GOAWAY, so a connection accepted just before a
-// restart is still served, not dropped.
-func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Conn, release func())) error {
+// serve runs an accept loop until ln is closed by Shutdown or Close. A
+// front door's connection counts as pending only once its client asked for
+// a dial (pendingDial): a shutdown waits for those, and for nothing a peer
+// has not asked for yet.
+func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn)) error {
 	if !s.track(&ln, true) {
 		ln.Close()
 		return ErrServerClosed
@@ -260,7 +277,7 @@ func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Con
 			if s.isShutting() {
 				return ErrServerClosed
 			}
-			if countPending && (errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)) && s.refuseWithSpare(ln) {
+			if frontDoor && (errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)) && s.refuseWithSpare(ln) {
 				continue // one waiting client got its 503; the rest wait or come back
 			}
 			var ne net.Error
@@ -278,21 +295,42 @@ func (s *Server) serve(ln net.Listener, countPending bool, handle func(c net.Con
 			return fmt.Errorf("accept on %s: %w", ln.Addr(), err)
 		}
 		tempDelay = 0
-		release := func() {}
-		if countPending {
-			s.pending.Add(1)
-			var once sync.Once
-			release = func() { once.Do(s.answeredOne) }
-		}
-		s.goroutine(func() {
-			defer release()
-			handle(c, release)
-		})
+		s.goroutine(func() { handle(c) })
 	}
 }
 
-// answeredOne ends one accepted connection's count as pending, and wakes
-// waitPending when it was the last.
+// pendingDial is a dial from the moment its client asked for it (a
+// CONNECT head read, a DIAL_REQ) until its tunnel is where a handover can
+// pause it, or the dial failed: counted in Server.pending meanwhile.
+type pendingDial struct {
+	s *Server // immutable
+	v atomic.Uint32
+}
+
+// The values of pendingDial.v.
+const (
+	dialNotAsked uint32 = iota
+	dialCounted
+	dialAnswered
+)
+
+// ask counts the dial as pending, once.
+func (p *pendingDial) ask() {
+	if p.v.CompareAndSwap(dialNotAsked, dialCounted) {
+		p.s.pending.Add(1)
+	}
+}
+
+// release ends the dial's count as pending; safe to repeat, and before
+// ask (then ask counts nothing).
+func (p *pendingDial) release() {
+	if p.v.Swap(dialAnswered) == dialCounted {
+		p.s.answeredOne()
+	}
+}
+
+// answeredOne ends one dial's count as pending, and wakes waitPending when
+// it was the last.
 func (s *Server) answeredOne() {
 	if s.pending.Add(-1) != 0 {
 		return
@@ -364,12 +402,18 @@ func (s *Server) isShutting() bool {
 // ServeFrontend accepts HTTP CONNECT connections (kube-apiserver's
 // HTTPConnect egress protocol) on ln until Shutdown or Close.
 func (s *Server) ServeFrontend(ln net.Listener) error {
-	return s.serve(ln, true, func(c net.Conn, release func()) { s.serveFrontendConn(newHTTPTunnel(c), release) })
+	return s.serve(ln, true, func(c net.Conn) {
+		t := newHTTPTunnel(c)
+		t.state = tunnelReading
+		pd := &pendingDial{s: s}
+		defer pd.release()
+		s.serveFrontendConn(t, pd)
+	})
 }
 
 // ServeAgents accepts agent connections on ln until Shutdown or Close.
 func (s *Server) ServeAgents(ln net.Listener) error {
-	return s.serve(ln, false, func(c net.Conn, _ func()) { s.serveAgentConn(c) })
+	return s.serve(ln, false, s.serveAgentConn)
 }
 
 // AgentCount is the number of connected agents.
@@ -400,7 +444,15 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 	for ln := range s.listeners {
 		(*ln).Close()
 	}
+	if move != nil {
+		// Connections whose client has not asked for anything yet go to
+		// the next image as they are, in the same instant as shutting:
+		// each has asked before (pending, waited for) or is taken here.
+		s.takeUnaskedLocked()
+	}
 	s.mu.Unlock()
+	s.stopLeaving() // unasked reads and idle gRPC connections let go (leaving)
+	s.agents.wake() // a resume waiting for its agent passes it on (waitAgentID)
 	s.acceptLoops.Wait()
 	// Agents still take new streams here, so accepted dials complete.
 	s.waitPending(ctx)
@@ -460,6 +512,11 @@ func (s *Server) Close() error {
 	for t := range s.tunnels {
 		t.front.closeSocket()
 	}
+	s.dropWaitingLocked()
+	for _, p := range s.unasked {
+		p.File.Close()
+	}
+	s.unasked = nil
 	s.mu.Unlock()
 	s.cancelAll()
 	for _, a := range s.agents.snapshot() {

@@ -44,7 +44,7 @@ func (s *Server) Status() ServerStatus {
 		st.Tunnels[state.String()] = 0
 	}
 	for t := range s.tunnels {
-		if t.state != tunnelDialing {
+		if t.state != tunnelDialing && t.state != tunnelReading {
 			st.Tunnels[t.state.String()]++
 		}
 	}

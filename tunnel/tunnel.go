@@ -71,17 +71,20 @@ const (
 	tunnelPausing                     // a handover is stopping it
 	tunnelPaused                      // handed to the next image; its stream here ends
 	tunnelClosed                      // out of the table
+	tunnelReading                     // an HTTP CONNECT connection whose client has not asked for a dial yet: its head is being read
 	numTunnelStates
 )
 
-var tunnelStateNames = [numTunnelStates]string{"dialing", "open", "draining", "pausing", "paused", "closed"}
+var tunnelStateNames = [numTunnelStates]string{"dialing", "open", "draining", "pausing", "paused", "closed", "reading"}
 
 func (st tunnelState) String() string { return tunnelStateNames[st] }
 
 // tunnelMoves is the one table of a tunnel's states: the states each may
 // move to. Closed is where every tunnel ends, when the goroutine serving it
 // returns (Server.leave); a drain and a handover take only open tunnels,
-// so the two never meet on one.
+// so the two never meet on one. A handover also passes on, as they are,
+// connections still reading their head (reading to paused at once):
+// nothing was asked for, so there is nothing to stop.
 var tunnelMoves = [numTunnelStates][]tunnelState{
 	tunnelDialing:  {tunnelOpen, tunnelClosed},
 	tunnelOpen:     {tunnelDraining, tunnelPausing, tunnelClosed},
@@ -89,6 +92,7 @@ var tunnelMoves = [numTunnelStates][]tunnelState{
 	tunnelPausing:  {tunnelPaused, tunnelClosed},
 	tunnelPaused:   {tunnelClosed},
 	tunnelClosed:   nil,
+	tunnelReading:  {tunnelDialing, tunnelPaused, tunnelClosed},
 }
 
 // moveLocked moves t to next if tunnelMoves allows it, and reports whether
@@ -113,8 +117,8 @@ func (t *tunnel) move(next tunnelState) bool {
 	return t.moveLocked(next)
 }
 
-// enter puts a new tunnel in the table, dialing; false once the server
-// closed.
+// enter puts a new tunnel in the table, dialing (or reading, when the
+// caller set that state first); false once the server closed.
 func (s *Server) enter(t *tunnel) bool {
 	t.s = s
 	s.mu.Lock()

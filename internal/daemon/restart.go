@@ -243,6 +243,12 @@ func execSelf(exe string, handOver []string, log *slog.Logger) error {
 		}
 	}
 	log.Info("re-executing in place", "exe", exe, "pid", os.Getpid())
+	// A handled signal is reset to its default across exec, and SIGHUP's
+	// default ends the process: one that comes before the next image
+	// subscribes (restartRequests) would kill it and every tunnel it
+	// inherits. An ignored signal stays ignored until the next image
+	// subscribes; the restart it would ask for is under way.
+	signal.Ignore(unix.SIGHUP)
 	err := unix.Exec(exe, os.Args, env)
 	return fmt.Errorf("exec %s: %w", exe, err)
 }
