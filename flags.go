@@ -41,15 +41,8 @@ type commandFlags struct {
 	// runDaemon logs them once it does.
 	warnings []startWarning
 
-	verbosity int
-	logFormat string
-	// klog's output flags, with klog's meaning (see logOutput).
-	logFile, logDir           string
-	logToStderr, alsoToStderr bool
-	legacyThreshold           bool
-	stderrThreshold           klogSeverity
-	alsoThreshold             klogSeverity
-	logFileMaxSize            uint64
+	// log holds the logging flags, klog's with klog's meaning.
+	log daemon.LogSettings
 }
 
 // startWarning is one line logged at start: a flag or value this binary
@@ -67,18 +60,18 @@ func (cf *commandFlags) warn(msg string, args ...any) {
 func newCommandFlags(name string, stderr io.Writer) *commandFlags {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	cf := &commandFlags{FlagSet: fs, stderrThreshold: severityError}
-	fs.IntVar(&cf.verbosity, "v", 0, "log verbosity: 0 logs events that matter, 4 and up add per-dial debug lines (upstream's default is 4)")
-	fs.StringVar(&cf.logFormat, "log-format", "text", "log format: text or json")
+	cf := &commandFlags{FlagSet: fs, log: daemon.LogSettings{StderrThreshold: daemon.SeverityError}}
+	fs.IntVar(&cf.log.Verbosity, "v", 0, "log verbosity: 0 logs events that matter, 4 and up add per-dial debug lines (upstream's default is 4)")
+	fs.StringVar(&cf.log.Format, "log-format", "text", "log format: text or json")
 	// klog's flags, with klog's defaults and precedence.
-	fs.BoolVar(&cf.logToStderr, "logtostderr", true, "log to stderr only; --log-file and --log-dir are ignored while this is true (as klog does)")
-	fs.BoolVar(&cf.alsoToStderr, "alsologtostderr", false, "with --logtostderr=false, log to stderr as well as to --log-file")
-	fs.StringVar(&cf.logFile, "log-file", "", "with --logtostderr=false, append logs to this file")
-	fs.StringVar(&cf.logDir, "log-dir", "", "with --logtostderr=false and no --log-file, klog writes files here; not honoured: logs go to stderr")
-	fs.Var(&cf.stderrThreshold, "stderrthreshold", "with --logtostderr=false, lines at or above this severity (INFO, WARNING, ERROR, FATAL) also go to stderr")
-	fs.Var(&cf.alsoThreshold, "alsologtostderrthreshold", "with --alsologtostderr, lines at or above this severity go to stderr")
-	fs.BoolVar(&cf.legacyThreshold, "legacy-stderr-threshold-behavior", true, "false makes --stderrthreshold filter stderr even with --logtostderr=true")
-	fs.Uint64Var(&cf.logFileMaxSize, "log-file-max-size", 1800, "klog's size limit of --log-file in MB; not honoured (0, no limit, is what this binary does): rotate with logrotate copytruncate")
+	fs.BoolVar(&cf.log.ToStderr, "logtostderr", true, "log to stderr only; --log-file and --log-dir are ignored while this is true (as klog does)")
+	fs.BoolVar(&cf.log.AlsoToStderr, "alsologtostderr", false, "with --logtostderr=false, log to stderr as well as to --log-file")
+	fs.StringVar(&cf.log.File, "log-file", "", "with --logtostderr=false, append logs to this file")
+	fs.StringVar(&cf.log.Dir, "log-dir", "", "with --logtostderr=false and no --log-file, klog writes files here; not honoured: logs go to stderr")
+	fs.Var(&cf.log.StderrThreshold, "stderrthreshold", "with --logtostderr=false, lines at or above this severity (INFO, WARNING, ERROR, FATAL) also go to stderr")
+	fs.Var(&cf.log.AlsoThreshold, "alsologtostderrthreshold", "with --alsologtostderr, lines at or above this severity go to stderr")
+	fs.BoolVar(&cf.log.LegacyThreshold, "legacy-stderr-threshold-behavior", true, "false makes --stderrthreshold filter stderr even with --logtostderr=true")
+	fs.Uint64Var(&cf.log.FileMaxSize, "log-file-max-size", 1800, "klog's size limit of --log-file in MB; not honoured (0, no limit, is what this binary does): rotate with logrotate copytruncate")
 	// klog header and flush settings: the slog format has no such headers
 	// and is not buffered, so they change nothing a reader would miss.
 	for _, name := range []string{"add-dir-header", "skip-headers", "skip-log-headers", "one-output"} {
@@ -180,25 +173,11 @@ func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, er
 	if err != nil {
 		return nil, err
 	}
-	out, err := cf.logOutput(stderr)
+	cf.log.FileMaxSizeSet = cf.wasSet("log-file-max-size")
+	log, err := daemon.NewLogger(cf.log, stderr, cf.warn)
 	if err != nil {
 		return nil, err
 	}
-	level := slog.LevelInfo
-	if cf.verbosity >= 4 {
-		level = slog.LevelDebug
-	}
-	opts := &slog.HandlerOptions{Level: level}
-	var h slog.Handler
-	switch cf.logFormat {
-	case "text":
-		h = slog.NewTextHandler(out, opts)
-	case "json":
-		h = slog.NewJSONHandler(out, opts)
-	default:
-		return nil, fmt.Errorf("--log-format=%q: want text or json", cf.logFormat)
-	}
-	log := slog.New(h)
 	if len(stray) > 0 {
 		log.Warn("positional arguments ignored, as upstream ignores them", "args", strings.Join(stray, " "))
 	}
@@ -218,96 +197,6 @@ func (cf *commandFlags) flushWarnings(log *slog.Logger) {
 		log.Warn(w.msg, w.args...)
 	}
 	cf.warnings = nil
-}
-
-// logOutput decides where log lines go, with klog's precedence: with
-// --logtostderr (the default) only stderr, and --log-file is ignored (a
-// warning says so); otherwise --log-file, plus stderr for the lines
-// --alsologtostderr or --stderrthreshold pick. Lines never vanish: with
-// neither a file nor stderr they go to stderr.
-func (cf *commandFlags) logOutput(stderr io.Writer) (io.Writer, error) {
-	if cf.logToStderr {
-		if cf.logFile != "" || cf.logDir != "" {
-			cf.warn("--log-file and --log-dir are ignored while --logtostderr=true (the default), as klog does; logging to stderr",
-				"log_file", cf.logFile, "log_dir", cf.logDir)
-		}
-		if !cf.legacyThreshold {
-			return &severityWriter{w: stderr, min: cf.stderrThreshold}, nil
-		}
-		return stderr, nil
-	}
-	if cf.logFile == "" {
-		if cf.logDir != "" {
-			cf.warn("--log-dir is not honoured (klog's per-severity files); logging to stderr", "log_dir", cf.logDir)
-		} else {
-			cf.warn("--logtostderr=false without --log-file: klog would write files under " + os.TempDir() + "; logging to stderr")
-		}
-		return stderr, nil
-	}
-	f, err := os.OpenFile(cf.logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o640)
-	if err != nil {
-		// Said on stderr by runDaemon: the file is not there to say it.
-		return nil, fmt.Errorf("--log-file: %w", err)
-	}
-	if cf.logFileMaxSize != 0 && cf.wasSet("log-file-max-size") {
-		cf.warn("--log-file-max-size is not honoured: the log file grows without limit; rotate it (logrotate copytruncate)", "log_file_max_size_mb", cf.logFileMaxSize)
-	}
-	// f lives as long as the process.
-	threshold := cf.stderrThreshold
-	if cf.alsoToStderr {
-		threshold = cf.alsoThreshold
-	}
-	return io.MultiWriter(f, &severityWriter{w: stderr, min: threshold}), nil
-}
-
-// klogSeverity is a klog severity flag value: INFO, WARNING, ERROR, FATAL
-// or 0..3.
-type klogSeverity int
-
-const (
-	severityInfo klogSeverity = iota
-	severityWarning
-	severityError
-	severityFatal
-)
-
-var severityNames = []string{"INFO", "WARNING", "ERROR", "FATAL"}
-
-func (s *klogSeverity) String() string { return severityNames[*s] }
-func (s *klogSeverity) Set(v string) error {
-	for i, n := range severityNames {
-		if strings.EqualFold(v, n) || v == strconv.Itoa(i) {
-			*s = klogSeverity(i)
-			return nil
-		}
-	}
-	return fmt.Errorf("want INFO, WARNING, ERROR or FATAL")
-}
-
-// severityWriter passes on the log lines at or above min. One Write is one
-// line from a slog handler; its level is read from the line's level field
-// (level=WARN in text, "level":"WARN" in JSON).
-type severityWriter struct {
-	w   io.Writer
-	min klogSeverity
-}
-
-func (sw *severityWriter) Write(p []byte) (int, error) {
-	if sw.min == severityInfo || lineSeverity(p) >= sw.min {
-		return sw.w.Write(p)
-	}
-	return len(p), nil
-}
-
-func lineSeverity(p []byte) klogSeverity {
-	line := string(p)
-	switch {
-	case strings.Contains(line, "level=ERROR") || strings.Contains(line, `"level":"ERROR"`):
-		return severityError
-	case strings.Contains(line, "level=WARN") || strings.Contains(line, `"level":"WARN"`):
-		return severityWarning
-	}
-	return severityInfo
 }
 
 // wasSet reports whether the flag was given on the command line.
@@ -349,7 +238,7 @@ func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, c
 		return 2
 	}
 	if err := complete(); err != nil {
-		if cf.logToStderr {
+		if cf.log.ToStderr {
 			fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
 		} else {
 			// Into --log-file and, as an error, onto stderr too.

@@ -18,6 +18,9 @@
 //     default Prometheus client (process_metrics.go);
 //   - memory upkeep: the executable's start-up pages released, freed heap
 //     returned to the OS after a burst (memory.go).
+//   - where log lines go: klog's output settings read with klog's
+//     precedence, so an upstream manifest's logs land in the same places
+//     (logging.go, NewLogger).
 //
 // It leaves to its callers what they serve and how they stop: the command
 // opens its listeners through Listen, says in Work how to shut down, drain
