@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/internal/proxydial"
@@ -196,7 +197,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 func (o *agentOptions) tlsConfig(serverName string) (*tls.Config, error) {
 	cfg := &tls.Config{ServerName: serverName, MinVersion: o.minTLS(), CipherSuites: o.cipherSuiteIDs, NextProtos: o.alpnProtos}
 	if o.caCert != "" {
-		pool, err := loadCAPool(o.caCert)
+		pool, err := certs.LoadCAPool(o.caCert)
 		if err != nil {
 			return nil, fmt.Errorf("--ca-cert: %w", err)
 		}

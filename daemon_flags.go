@@ -6,6 +6,7 @@ import (
 	"net"
 	"time"
 
+	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
 )
 
@@ -64,40 +65,12 @@ func (o *daemonOptions) complete(cf *commandFlags) error {
 	if err := checkTLSVersion(cf, o.tlsMinVersion); err != nil {
 		return err
 	}
+	// Go's names of the suites (tls.CipherSuites); none is Go's defaults.
 	var err error
-	o.cipherSuiteIDs, err = parseCipherSuites(o.cipherSuites)
-	return err
-}
-
-// parseCipherSuites reads --cipher-suites: Go's names of the suites it
-// offers (tls.CipherSuites); an empty list is Go's defaults. A name from
-// tls.InsecureCipherSuites, or one Go does not know, is refused, naming
-// it. TLS 1.3 names are accepted and have no effect, as Go fixes TLS 1.3's
-// suites.
-func parseCipherSuites(list string) ([]uint16, error) {
-	var ids []uint16
-	for _, name := range splitList(list) {
-		id, err := cipherSuite(name)
-		if err != nil {
-			return nil, fmt.Errorf("--cipher-suites: %w", err)
-		}
-		ids = append(ids, id)
+	if o.cipherSuiteIDs, err = certs.CipherSuiteIDs(splitList(o.cipherSuites)); err != nil {
+		return fmt.Errorf("--cipher-suites: %w", err)
 	}
-	return ids, nil
-}
-
-func cipherSuite(name string) (uint16, error) {
-	for _, cs := range tls.CipherSuites() {
-		if cs.Name == name {
-			return cs.ID, nil
-		}
-	}
-	for _, cs := range tls.InsecureCipherSuites() {
-		if cs.Name == name {
-			return 0, fmt.Errorf("%s is insecure and not offered", name)
-		}
-	}
-	return 0, fmt.Errorf("%s is not a cipher suite Go knows (see crypto/tls CipherSuites)", name)
+	return nil
 }
 
 // services fills in s where the health and admin services listen.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -509,7 +508,7 @@ func (o *serverOptions) removeSocket(log *slog.Logger) func() {
 // --cluster-ca-cert, verifies the client certificates agents present
 // (token agents present none).
 func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	cfg, cert, err := reloadingTLS("agents", o.clusterCert, o.clusterKey, o.clusterCACert, "--cluster-cert/--cluster-key", "--cluster-ca-cert", minTLS, log)
+	cfg, cert, err := certs.ReloadingServerConfig(certs.ServerFiles{Listener: "agents", CertFile: o.clusterCert, KeyFile: o.clusterKey, CAFile: o.clusterCACert, PairFlags: "--cluster-cert/--cluster-key", CAFlag: "--cluster-ca-cert"}, minTLS, log)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -526,7 +525,7 @@ func (o *serverOptions) agentTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Co
 
 // frontendTLSConfig is the TCP frontend's mTLS.
 func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	cfg, cert, err := reloadingTLS("frontend", o.serverCert, o.serverKey, o.serverCACert, "--server-cert/--server-key", "--server-ca-cert", minTLS, log)
+	cfg, cert, err := certs.ReloadingServerConfig(certs.ServerFiles{Listener: "frontend", CertFile: o.serverCert, KeyFile: o.serverKey, CAFile: o.serverCACert, PairFlags: "--server-cert/--server-key", CAFlag: "--server-ca-cert"}, minTLS, log)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -535,30 +534,6 @@ func (o *serverOptions) frontendTLSConfig(minTLS uint16, log *slog.Logger) (*tls
 		cfg.NextProtos = []string{"h2"}
 	}
 	cfg.CipherSuites = o.cipherSuiteIDs
-	return cfg, cert, nil
-}
-
-// reloadingTLS serves certFile/keyFile and, with caFile, verifies client
-// certificates signed by it. All three files are watched: new handshakes
-// use what is on disk now, open tunnels are untouched. Errors name the
-// flags that gave the files.
-func reloadingTLS(listener, certFile, keyFile, caFile, pairFlags, caFlag string, minTLS uint16, log *slog.Logger) (*tls.Config, *certs.Reloader, error) {
-	log = log.With("listener", listener)
-	cert, err := certs.NewReloader(certFile, keyFile, log)
-	if err != nil {
-		return nil, nil, fmt.Errorf("%s: %w", pairFlags, err)
-	}
-	var pool *certs.CAPoolReloader
-	if caFile != "" {
-		if pool, err = certs.NewCAPoolReloader(caFile, log); err != nil {
-			return nil, nil, fmt.Errorf("%s: %w", caFlag, err)
-		}
-	}
-	cfg, err := certs.ServerConfig(cert, pool)
-	if err != nil {
-		return nil, nil, err
-	}
-	cfg.MinVersion = minTLS
 	return cfg, cert, nil
 }
 
@@ -765,16 +740,4 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 			log.Info("server lease deleted", "lease", o.leaseNamespace+"/"+ctl.Name())
 		})
 	}
-}
-
-func loadCAPool(path string) (*x509.CertPool, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(data) {
-		return nil, fmt.Errorf("%s: no PEM certificate found", path)
-	}
-	return pool, nil
 }

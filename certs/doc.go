@@ -13,6 +13,9 @@
 //   - [Reloader] and [CAPoolReloader]: hot reload of a cert/key pair and a CA
 //     bundle on the TLS handshake path, so rotated files are picked up by new
 //     connections without a restart while existing connections keep working.
+//   - [ReloadingServerConfig], [LoadCAPool] and [CipherSuiteIDs]: the TLS
+//     configurations the commands build from their flags, so that every
+//     listener reloads the same way and refuses the same suites.
 //
 // File replacement order: [Ensure] writes the new key first and the new
 // certificate second, each with [WriteFileAtomic]; [Reloader] reads the
