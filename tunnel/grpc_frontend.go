@@ -134,9 +134,11 @@ func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// goAway lets the connection go: GOAWAY, then close when idle. Once.
+// goAway lets the connection go: GOAWAY, then close when idle. Once. It
+// runs from goAwayIfIdle's AfterFunc too, so its goroutine starts only
+// while the server is open (Close ends the connection itself).
 func (c *grpcConn) goAway() {
-	c.goingAway.Do(func() { c.s.goroutine(func() { c.link.Shutdown(c.s.baseCtx) }) })
+	c.goingAway.Do(func() { c.s.goroutineIfOpen(func() { c.link.Shutdown(c.s.baseCtx) }) })
 }
 
 // goAwayIfIdle lets a connection with no call go when a shutdown begins:

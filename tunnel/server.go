@@ -247,8 +247,24 @@ func (s *Server) track(ln *net.Listener, add bool) bool {
 	return true
 }
 
+// goroutineIfOpen is goroutine for a caller the server does not own (a
+// context.AfterFunc): it starts f only while the server is not closed,
+// deciding under mu, so its WaitGroup.Add comes before Close's Wait, which
+// sets closed under mu first. It reports whether f was started.
+func (s *Server) goroutineIfOpen(f func()) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.goroutine(f)
+	return true
+}
+
 // goroutine starts f as a goroutine the server owns and waits for on Close.
-// A panic in f is recovered and logged: it ends f's connection only.
+// A panic in f is recovered and logged: it ends f's connection only. The
+// caller is one of the server's own goroutines (or holds mu and checked
+// closed): see goroutineIfOpen.
 func (s *Server) goroutine(f func()) {
 	s.wg.Add(1)
 	go func() {
