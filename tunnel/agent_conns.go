@@ -401,7 +401,7 @@ func (a *Agent) serveConn(l *serverConn) {
 		go func() { defer a.streams.Done(); f() }()
 	}
 	lk, err := h2link.NewServer(l.conn, h2link.Config{
-		// Room for each tunnel's pause request, and the control stream.
+		// Room for each tunnel's own control request beside it, and the control stream.
 		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: 2*a.cfg.MaxStreams + 1,
 		Spawn: spawn, Batch: batcherOf(l.conn),
 	}, handler)

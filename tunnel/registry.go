@@ -56,7 +56,7 @@ type agentConn struct {
 	principal   Principal          // what the agent's credential proves; fixed at login
 	cred        *connCredential    // the credential the connection stands on; its own lock
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
-	canPause    bool               // it hands tunnels over (handover.go); fixed at login
+	canPause    bool               // it can hold its tunnels across a server restart; fixed at login
 	node        string             // the node its credential binds it to (boundNode); "" for none
 
 	// Atomic: any goroutine.
@@ -170,8 +170,8 @@ func (r *registry) snapshot() []*agentConn {
 	return out
 }
 
-// byID returns the connected agent with id that can resume paused
-// tunnels, or nil.
+// byID returns the connected agent with id that can take back the
+// tunnels a previous image held for it, or nil.
 func (r *registry) byID(id string) *agentConn {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
