@@ -492,3 +492,27 @@ func TestShutdownLetsTransfersFinish(t *testing.T) {
 type countWriter struct{ n *atomic.Int64 }
 
 func (w countWriter) Write(p []byte) (int, error) { w.n.Add(int64(len(p))); return len(p), nil }
+
+// TestHungUpClientEndsTunnel: a client that closes its Unix socket
+// completely, through a tunnel whose destination neither writes nor
+// closes, cannot end the tunnel by itself (its close reaches the
+// destination as a half-close); the hang-up sweep ends it at the server
+// and the agent.
+func TestHungUpClientEndsTunnel(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	a := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	release := make(chan struct{})
+	defer close(release)
+	dest := serveTCP(t, func(c net.Conn) {
+		io.Copy(io.Discard, c) // the client's half-close, then silence
+		<-release
+	})
+	conn, _, resp := e.connect(dest)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	conn.Close()
+	waitUntil(t, func() bool { return e.srv.Stats.FrontendOpen.Load() == 0 && a.Stats.OpenStreams.Load() == 0 }, "the hung-up client's tunnel ended")
+}
