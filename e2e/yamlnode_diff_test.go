@@ -314,3 +314,24 @@ func diffNodes(got *yamlnode.Node, want *yaml.Node, path string, depth int) stri
 	}
 	return ""
 }
+
+// FuzzYAMLNodeMatchesYAMLv3 looks for documents both readers accept but
+// read differently: go test -fuzz FuzzYAMLNodeMatchesYAMLv3 -run XXX .
+func FuzzYAMLNodeMatchesYAMLv3(f *testing.F) {
+	for _, doc := range kubeconfigCorpus {
+		f.Add([]byte(doc))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var want yaml.Node
+		if yaml.Unmarshal(data, &want) != nil {
+			return
+		}
+		got, err := yamlnode.Parse(data)
+		if err != nil {
+			return
+		}
+		if d := diffNodes(got, docRoot(&want), "$", 0); d != "" {
+			t.Errorf("%q: %s", data, d)
+		}
+	})
+}

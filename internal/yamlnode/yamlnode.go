@@ -65,6 +65,7 @@ func (e *Error) Error() string {
 func Parse(data []byte) (*Node, error) {
 	data = bytes.TrimPrefix(data, []byte("\xef\xbb\xbf"))
 	data = bytes.ReplaceAll(data, []byte("\r\n"), []byte("\n"))
+	data = bytes.ReplaceAll(data, []byte("\r"), []byte("\n")) // a lone CR ends a line too
 	p := &parser{src: data, line: 1, maxNodes: 2*len(data) + 16, anchors: map[string]*Node{}}
 	return p.document()
 }
@@ -207,12 +208,18 @@ func (p *parser) document() (*Node, error) {
 		return nil, p.err("directives are not supported")
 	}
 	var root *Node
+	inline := false // the node started on the "---" line
 	if p.marker() == "---" {
+		// An explicit document is never empty: with no content it is null.
+		if root, err = p.newNode(Scalar, p.line, p.col()); err != nil {
+			return nil, err
+		}
+		root.Plain = true
 		p.pos += 3
 		if !p.atLineEnd() {
 			// "--- value" or "--- {..}": the node starts on the marker line.
-			root, err = p.inlineNode(-1, p.col())
-			if err != nil {
+			inline = true
+			if root, err = p.inlineNode(-1, p.col()); err != nil {
 				return nil, err
 			}
 		}
@@ -220,7 +227,7 @@ func (p *parser) document() (*Node, error) {
 			return nil, err
 		}
 	}
-	if root == nil && ind >= 0 && p.marker() == "" {
+	if !inline && ind >= 0 && p.marker() == "" {
 		if root, err = p.node(ind, -1); err != nil {
 			return nil, err
 		}
@@ -252,7 +259,7 @@ func (p *parser) properties() (anchor, tag string, err error) {
 				return "", "", p.err("two anchors on one node")
 			}
 			if anchor = p.name(); anchor == "" {
-				return "", "", p.err("empty anchor name")
+				return "", "", p.err("an anchor name must be letters, digits, '-' or '_'")
 			}
 		case '!':
 			if tag != "" {
@@ -287,8 +294,15 @@ func (p *parser) properties() (anchor, tag string, err error) {
 func (p *parser) name() string {
 	p.pos++
 	start := p.pos
-	for !p.blankAt(0) && !p.eof() && !strings.ContainsRune(",[]{}", rune(p.src[p.pos])) {
+	for !p.eof() {
+		c := p.src[p.pos]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			break
+		}
 		p.pos++
+	}
+	if !p.eof() && !p.blankAt(0) && strings.IndexByte(",]}", p.src[p.pos]) < 0 {
+		return "" // the callers refuse an empty name
 	}
 	return string(p.src[start:p.pos])
 }
@@ -297,7 +311,7 @@ func (p *parser) alias() (*Node, error) {
 	line, col := p.line, p.col()
 	name := p.name()
 	n, ok := p.anchors[name]
-	if !ok {
+	if !ok || name == "" {
 		return nil, p.errAt(line, col, "unknown anchor")
 	}
 	return n, nil
@@ -353,8 +367,6 @@ func (p *parser) node(ind, parent int) (*Node, error) {
 			switch {
 			case next > parent && p.marker() == "":
 				n, err = p.node(next, parent)
-			case next == parent && parent >= 0 && p.src[p.pos] == '-' && p.blankAt(1):
-				n, err = p.sequence(next)
 			default:
 				p.rewindLine()
 				n, err = p.newNode(Scalar, line, col)
@@ -390,6 +402,13 @@ func (p *parser) node(ind, parent int) (*Node, error) {
 // rewindLine leaves the position at the end of the previous content line so
 // that the caller's nextContent sees the line again.
 func (p *parser) rewindLine() {
+	if p.eof() {
+		return // nextContent finds the end again
+	}
+	if p.lineStart == 0 {
+		p.pos = 0 // nextContent measures the first line from its start
+		return
+	}
 	p.pos = p.lineStart - 1
 	p.line--
 	p.lineStart = bytes.LastIndexByte(p.src[:p.pos], '\n') + 1
@@ -850,7 +869,7 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 			continue
 		}
 		if indent < 0 {
-			if lead <= parent || (lead == 0 && parent < 0 && p.marker() != "") {
+			if lead <= base {
 				p.pos, p.line, p.lineStart = save, saveLine, saveStart
 				break
 			}
@@ -1080,8 +1099,12 @@ func (p *parser) flowPlain() (*Node, error) {
 		if c == '\n' || strings.IndexByte(",[]{}", c) >= 0 {
 			break
 		}
-		if c == ':' && (p.blankAt(1) || strings.IndexByte(",[]{}", p.peek(1)) >= 0) {
+		if c == ':' && p.blankAt(1) {
 			break
+		}
+		if c == ':' && strings.IndexByte(",[]{}", p.peek(1)) >= 0 {
+			// YAML implementations disagree on whether this ends the scalar.
+			return nil, p.err("':' right before a flow indicator is ambiguous")
 		}
 		if c == '#' && (p.src[p.pos-1] == ' ' || p.src[p.pos-1] == '\t') {
 			break
