@@ -950,7 +950,10 @@ func (p *parser) skipFlowSpace() error {
 				return p.err("document marker inside a flow collection")
 			}
 		case '#':
-			p.skipInline()
+			start := p.pos
+			if p.skipInline(); p.pos == start {
+				return nil // not a comment: the caller refuses the '#'
+			}
 		default:
 			return nil
 		}
