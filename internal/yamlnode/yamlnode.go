@@ -67,6 +67,18 @@ func Parse(data []byte) (*Node, error) {
 	data = bytes.ReplaceAll(data, []byte("\r\n"), []byte("\n"))
 	data = bytes.ReplaceAll(data, []byte("\r"), []byte("\n")) // a lone CR ends a line too
 	p := &parser{src: data, line: 1, maxNodes: 2*len(data) + 16, anchors: map[string]*Node{}}
+	for !p.eof() { // UTF-16 and stray bytes are refused, not guessed at
+		r, size := utf8.DecodeRune(p.src[p.pos:])
+		if r == utf8.RuneError && size == 1 {
+			return nil, p.err("not valid UTF-8")
+		}
+		if r == '\n' {
+			p.advance()
+		} else {
+			p.pos += size
+		}
+	}
+	p.pos, p.line, p.lineStart = 0, 1, 0
 	return p.document()
 }
 
@@ -219,6 +231,9 @@ func (p *parser) document() (*Node, error) {
 		if !p.atLineEnd() {
 			// "--- value" or "--- {..}": the node starts on the marker line.
 			inline = true
+			if c := p.src[p.pos]; c == '&' || c == '!' {
+				return nil, p.err("properties on the document marker line are not supported")
+			}
 			if root, err = p.inlineNode(-1, p.col()); err != nil {
 				return nil, err
 			}
@@ -362,6 +377,9 @@ func (p *parser) node(ind, parent int) (*Node, error) {
 			next, err := p.nextContent()
 			if err != nil {
 				return nil, err
+			}
+			if next >= 0 && (p.src[p.pos] == '&' || p.src[p.pos] == '!') {
+				return nil, p.err("properties on a line of their own before more properties are not supported")
 			}
 			var n *Node
 			switch {
@@ -554,7 +572,7 @@ func (p *parser) value(ind int, inMapping bool) (*Node, error) {
 			}
 			if anchor != "" || tag != "" {
 				if p.atLineEnd() {
-					n, err := p.valueBelow(ind, inMapping, line, col)
+					n, err := p.valueBelow(ind, inMapping, line, col, true)
 					if err != nil {
 						return nil, err
 					}
@@ -570,14 +588,18 @@ func (p *parser) value(ind int, inMapping bool) (*Node, error) {
 		}
 		return p.node(p.col(), ind)
 	}
-	return p.valueBelow(ind, inMapping, line, col)
+	return p.valueBelow(ind, inMapping, line, col, false)
 }
 
-// valueBelow reads a value that starts on a later line, or is empty.
-func (p *parser) valueBelow(ind int, inMapping bool, line, col int) (*Node, error) {
+// valueBelow reads a value that starts on a later line, or is empty; props
+// says the value's properties were on the indicator's line.
+func (p *parser) valueBelow(ind int, inMapping bool, line, col int, props bool) (*Node, error) {
 	next, err := p.nextContent()
 	if err != nil {
 		return nil, err
+	}
+	if props && next > ind && (p.src[p.pos] == '&' || p.src[p.pos] == '!') {
+		return nil, p.err("properties on a line of their own before more properties are not supported")
 	}
 	switch {
 	case next > ind && p.marker() == "":
@@ -858,6 +880,10 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 		}
 		text := string(p.src[p.pos:rest])
 		empty := strings.Trim(text, " ") == "" && (indent < 0 || lead < indent)
+		if rest == len(p.src) && strings.Trim(text, " ") == "" {
+			p.pos = rest
+			break // a blank last line without a line break adds nothing
+		}
 		if empty && !strings.Contains(text, "\t") {
 			if indent >= 0 && lead >= indent {
 				lines = append(lines, text)

@@ -70,6 +70,9 @@ func TestParse(t *testing.T) {
 		{"tags", "a: !!str null\nb: !!null ''\n", "{'a':'null','b':~}"},
 		{"duplicate keys kept", "a: 1\na: 2\n", "{'a':'1','a':'2'}"},
 		{"tab after value", "a:\tb\n", "{'a':'b'}"},
+		{"lone CR", "a: b\rc: d\r", "{'a':'b','c':'d'}"},
+		{"marker only", "---\n", "~"},
+		{"keep without final break", "a: |+\n  x\n  ", "{'a':'x\n'}"},
 		{"empty", "", "<nil>"},
 		{"comments only", "# x\n\n", "<nil>"},
 	} {
@@ -124,6 +127,13 @@ func TestRefusals(t *testing.T) {
 		{"too deep flow", "a: " + strings.Repeat("[", MaxDepth+1) + strings.Repeat("]", MaxDepth+1), "nested deeper than 64"},
 		{"too deep block", deepBlock(MaxDepth + 1), "nested deeper than 64"},
 		{"missing key", "a: b\n- " + secret + "\n", "a sequence entry is not allowed here"},
+		{"not UTF-8", "a: " + secret + "\n\xff\xfe", "line 2: not valid UTF-8 at column 1"},
+		{"UTF-16", "\xff\xfea\x00", "line 1: not valid UTF-8 at column 1"},
+		{"ambiguous colon", "{" + secret + ":}", "':' right before a flow indicator is ambiguous"},
+		{"bad anchor name", "a: &" + secret + ":x y\n", "an anchor name must be"},
+		{"properties on marker line", "--- &a " + secret + "\n", "properties on the document marker line"},
+		{"properties twice", "a: &a\n  &b " + secret + "\n", "before more properties"},
+		{"hash in flow", "[#" + secret + "]", "found character that cannot start any token"},
 		{"block indicator junk", "a: |x " + secret + "\n", "expected the end of the line after a block scalar indicator"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
