@@ -438,7 +438,7 @@ func (p *parser) isKey() bool {
 	defer func() { p.pos, p.line, p.lineStart = save, saveLine, saveStart }()
 	switch c := p.src[p.pos]; c {
 	case '"', '\'':
-		if _, err := p.quoted(-1); err != nil || p.line != saveLine {
+		if _, err := p.quoted(); err != nil || p.line != saveLine {
 			return false
 		}
 		for !p.eof() && (p.src[p.pos] == ' ' || p.src[p.pos] == '\t') {
@@ -542,7 +542,7 @@ func (p *parser) mapping(ind int) (*Node, error) {
 
 func (p *parser) keyScalar() (*Node, error) {
 	if c := p.src[p.pos]; c == '"' || c == '\'' {
-		return p.quoted(-1)
+		return p.quoted()
 	}
 	n, err := p.newNode(Scalar, p.line, p.col())
 	if err != nil {
@@ -635,7 +635,7 @@ func (p *parser) inlineNode(parent, col int) (*Node, error) {
 	case '|', '>':
 		return p.blockScalar(parent)
 	case '"', '\'':
-		if n, err = p.quoted(parent); err != nil {
+		if n, err = p.quoted(); err != nil {
 			return nil, err
 		}
 	default:
@@ -730,7 +730,7 @@ func (p *parser) plain(parent int) (*Node, error) {
 }
 
 // quoted reads a single- or double-quoted scalar.
-func (p *parser) quoted(parent int) (*Node, error) {
+func (p *parser) quoted() (*Node, error) {
 	n, err := p.newNode(Scalar, p.line, p.col())
 	if err != nil {
 		return nil, err
@@ -880,7 +880,7 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 		}
 		text := string(p.src[p.pos:rest])
 		empty := strings.Trim(text, " ") == "" && (indent < 0 || lead < indent)
-		if rest == len(p.src) && strings.Trim(text, " ") == "" {
+		if rest == len(p.src) && text == "" {
 			p.pos = rest
 			break // a blank last line without a line break adds nothing
 		}
@@ -1091,7 +1091,7 @@ func (p *parser) flowNode() (*Node, error) {
 	case '*':
 		n, err = p.alias()
 	case '"', '\'':
-		n, err = p.quoted(-1)
+		n, err = p.quoted()
 	case ',', ']', '}', ':', 0:
 		if anchor == "" && tag == "" && c != ':' {
 			return nil, p.err("expected a value")
