@@ -350,6 +350,11 @@ func (p *parser) finish(n *Node, anchor, tag string, line, col int) (*Node, erro
 		n.Line, n.Column = line, col+1
 	}
 	if anchor != "" {
+		if _, dup := p.anchors[anchor]; dup {
+			// YAML lets a later anchor shadow an earlier one; readers differ
+			// on what an alias inside the new node then means.
+			return nil, p.errAt(line, col, "anchor defined twice")
+		}
 		p.anchors[anchor] = n
 	}
 	return n, nil
@@ -562,6 +567,7 @@ func (p *parser) keyScalar() (*Node, error) {
 func (p *parser) value(ind int, inMapping bool) (*Node, error) {
 	line, col := p.line, p.col()
 	if !p.atLineEnd() {
+		col = p.col()
 		if p.src[p.pos] == '-' && p.blankAt(1) && inMapping {
 			return nil, p.err("block sequence entries are not allowed in this context")
 		}

@@ -133,6 +133,7 @@ func TestRefusals(t *testing.T) {
 		{"bad anchor name", "a: &" + secret + ":x y\n", "an anchor name must be"},
 		{"properties on marker line", "--- &a " + secret + "\n", "properties on the document marker line"},
 		{"properties twice", "a: &a\n  &b " + secret + "\n", "before more properties"},
+		{"anchor twice", "a: &x b\nc: &x {d: *x}\n", "line 2: anchor defined twice at column 4"},
 		{"hash in flow", "[#" + secret + "]", "found character that cannot start any token"},
 		{"block indicator junk", "a: |x " + secret + "\n", "expected the end of the line after a block scalar indicator"},
 	} {
