@@ -15,8 +15,9 @@
 // What it refuses, with an error naming line and column and never a value:
 // several documents, directives, tags other than the standard ones, complex
 // ("?") and collection keys, tabs as indentation, properties on implicit
-// keys, a ':' right before a flow indicator (YAML implementations disagree
-// on what it means), and anything else it does not understand. Refusing is always safe:
+// keys, input that is not UTF-8, an anchor defined twice and a ':' right
+// before a flow indicator (YAML implementations disagree on what these
+// mean), and anything else it does not understand. Refusing is always safe:
 // a kubeconfig the reader cannot read is reported, never half-read.
 //
 // Duplicate keys are kept, in order, as yaml.v3's node API keeps them: the
