@@ -15,7 +15,7 @@ import (
 	"strings"
 	"time"
 
-	"gopkg.in/yaml.v3"
+	"github.com/spinifex/konnectivity/internal/yamlnode"
 )
 
 const (
@@ -239,14 +239,16 @@ func certPool(pemData []byte) (*x509.CertPool, error) {
 // into structs so that every error can name the offending field, and so that
 // no error ever echoes a value (which might be a token or key).
 func parseKubeconfig(data []byte, dir, context string, readFile func(string, int64) ([]byte, error)) (*RESTConfig, error) {
-	var doc yaml.Node
-	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return nil, fmt.Errorf("not valid YAML: %s", yamlSyntaxError(err))
+	doc, err := yamlnode.Parse(data)
+	if err != nil {
+		// yamlnode's errors name a position, never a scalar's text, so they
+		// cannot leak a secret.
+		return nil, fmt.Errorf("not valid YAML: %w", err)
 	}
-	if doc.Kind == 0 || len(doc.Content) == 0 {
+	if doc == nil {
 		return nil, errors.New("empty")
 	}
-	top, err := mapping(doc.Content[0], "top level")
+	top, err := mapping(doc, "top level")
 	if err != nil {
 		return nil, err
 	}
@@ -314,7 +316,7 @@ func parseKubeconfig(data []byte, dir, context string, readFile func(string, int
 	return cfg, nil
 }
 
-func parseCluster(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
+func parseCluster(cfg *RESTConfig, n *yamlnode.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
 	m, err := mapping(n, "cluster")
 	if err != nil {
 		return err
@@ -386,7 +388,7 @@ func serverURL(s string) (string, error) {
 	return u.String(), nil
 }
 
-func parseUser(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
+func parseUser(cfg *RESTConfig, n *yamlnode.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
 	m, err := mapping(n, "user")
 	if err != nil {
 		return err
@@ -449,7 +451,7 @@ func parseUser(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, 
 
 // dataOrFile returns the PEM from "<key>-data" (base64) or, if that is
 // unset, from the file named by "<key>", and which of the two it used.
-func dataOrFile(m map[string]*yaml.Node, key, dir string, readFile func(string, int64) ([]byte, error)) ([]byte, string, error) {
+func dataOrFile(m map[string]*yamlnode.Node, key, dir string, readFile func(string, int64) ([]byte, error)) ([]byte, string, error) {
 	dataKey := key + "-data"
 	b64, err := str(m, dataKey)
 	if err != nil {
@@ -489,39 +491,20 @@ func resolvePath(dir, p string) string {
 	return filepath.Join(dir, p)
 }
 
-// yamlSyntaxError trims yaml.v3's prefix. Syntax errors name a position,
-// never a scalar's text, so they cannot leak a secret; type errors (which
-// would quote values) cannot happen because we decode into yaml.Node.
-func yamlSyntaxError(err error) string {
-	return strings.TrimPrefix(err.Error(), "yaml: ")
-}
-
-func resolve(n *yaml.Node) *yaml.Node {
-	// yaml.v3 rejects self-referencing anchors; the bound is belt and braces.
-	for i := 0; n != nil && n.Kind == yaml.AliasNode && i < 16; i++ {
-		n = n.Alias
-	}
-	return n
-}
-
-func isNull(n *yaml.Node) bool {
-	n = resolve(n)
-	return n == nil || (n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null")
-}
+func isNull(n *yamlnode.Node) bool { return n.IsNull() }
 
 // mapping returns a YAML mapping's values by key; null counts as empty.
-func mapping(n *yaml.Node, what string) (map[string]*yaml.Node, error) {
-	n = resolve(n)
-	m := map[string]*yaml.Node{}
+func mapping(n *yamlnode.Node, what string) (map[string]*yamlnode.Node, error) {
+	m := map[string]*yamlnode.Node{}
 	if isNull(n) {
 		return m, nil
 	}
-	if n.Kind != yaml.MappingNode {
+	if n.Kind != yamlnode.Mapping {
 		return nil, fmt.Errorf("%s: line %d: expected a mapping", what, n.Line)
 	}
 	for i := 0; i+1 < len(n.Content); i += 2 {
-		k := resolve(n.Content[i])
-		if k == nil || k.Kind != yaml.ScalarNode {
+		k := n.Content[i]
+		if k.Kind != yamlnode.Scalar {
 			continue // no kubeconfig field has a non-scalar key
 		}
 		if _, dup := m[k.Value]; dup {
@@ -533,41 +516,52 @@ func mapping(n *yaml.Node, what string) (map[string]*yaml.Node, error) {
 }
 
 // str returns a scalar field as a string ("" if absent or null).
-func str(m map[string]*yaml.Node, key string) (string, error) {
+func str(m map[string]*yamlnode.Node, key string) (string, error) {
 	n, ok := m[key]
 	if !ok || isNull(n) {
 		return "", nil
 	}
-	n = resolve(n)
-	if n.Kind != yaml.ScalarNode {
+	if n.Kind != yamlnode.Scalar {
 		return "", fmt.Errorf("%s: line %d: expected a string", key, n.Line)
 	}
 	return n.Value, nil
 }
 
-func boolean(m map[string]*yaml.Node, key string) (bool, error) {
+func boolean(m map[string]*yamlnode.Node, key string) (bool, error) {
 	n, ok := m[key]
 	if !ok || isNull(n) {
 		return false, nil
 	}
-	n = resolve(n)
-	var b bool
-	if n.Kind != yaml.ScalarNode || n.Decode(&b) != nil {
-		return false, fmt.Errorf("%s: line %d: expected true or false", key, n.Line)
+	if n.Kind == yamlnode.Scalar && (n.Tag == "" || n.Tag == "!!bool" || n.Tag == "!!str") {
+		// YAML's booleans when plain; like yaml.v3 decoding into a bool,
+		// YAML 1.1's yes/no/on/off also when quoted.
+		if n.Plain && n.Tag != "!!str" || n.Tag == "!!bool" {
+			switch n.Value {
+			case "true", "True", "TRUE":
+				return true, nil
+			case "false", "False", "FALSE":
+				return false, nil
+			}
+		}
+		switch n.Value {
+		case "y", "Y", "yes", "Yes", "YES", "on", "On", "ON":
+			return true, nil
+		case "n", "N", "no", "No", "NO", "off", "Off", "OFF":
+			return false, nil
+		}
 	}
-	return b, nil
+	return false, fmt.Errorf("%s: line %d: expected true or false", key, n.Line)
 }
 
 // named indexes a kubeconfig list such as clusters ([{name, cluster}]) by
 // name, returning each entry's inner field (here "cluster").
-func named(top map[string]*yaml.Node, list, inner string) (map[string]*yaml.Node, error) {
-	out := map[string]*yaml.Node{}
+func named(top map[string]*yamlnode.Node, list, inner string) (map[string]*yamlnode.Node, error) {
+	out := map[string]*yamlnode.Node{}
 	n, ok := top[list]
 	if !ok || isNull(n) {
 		return out, nil
 	}
-	n = resolve(n)
-	if n.Kind != yaml.SequenceNode {
+	if n.Kind != yamlnode.Sequence {
 		return nil, fmt.Errorf("%s: line %d: expected a list", list, n.Line)
 	}
 	for i, item := range n.Content {
@@ -588,7 +582,7 @@ func named(top map[string]*yaml.Node, list, inner string) (map[string]*yaml.Node
 		}
 		v, ok := m[inner]
 		if !ok {
-			v = &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!null"}
+			v = &yamlnode.Node{Kind: yamlnode.Scalar, Tag: "!!null"}
 		}
 		out[name] = v
 	}
