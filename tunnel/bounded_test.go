@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/binary"
 	"io"
+	"math"
 	"net"
 	"runtime"
 	"strings"
@@ -294,23 +295,37 @@ func TestAgentBoundsHandshakeAnswerHead(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var before, after runtime.MemStats
-			runtime.ReadMemStats(&before)
-			start := time.Now()
-			l, err := a.dial(context.Background(), target{addr: addr, serverName: "127.0.0.1"})
-			took := time.Since(start)
-			runtime.ReadMemStats(&after)
+			// TotalAlloc counts every goroutine of the test process (the
+			// test's server, tests winding down): other work only adds to
+			// it, so the least of three dials is the agent's own.
+			var (
+				l     *serverConn
+				took  time.Duration
+				alloc uint64 = math.MaxUint64
+			)
+			for range 3 {
+				var before, after runtime.MemStats
+				runtime.ReadMemStats(&before)
+				start := time.Now()
+				l, err = a.dial(context.Background(), target{addr: addr, serverName: "127.0.0.1"})
+				took = time.Since(start)
+				runtime.ReadMemStats(&after)
+				alloc = min(alloc, after.TotalAlloc-before.TotalAlloc)
+				if err == nil {
+					break
+				}
+			}
 			if err == nil {
 				l.conn.Close()
 				t.Fatal("an endless answer head was accepted")
 			}
 			t.Logf("%s: %v after %s; the server wrote %d bytes before the agent hung up; the agent allocated %d KiB",
-				tc.name, err, took.Round(time.Millisecond), sent.Load(), (after.TotalAlloc-before.TotalAlloc)>>10)
+				tc.name, err, took.Round(time.Millisecond), sent.Load(), alloc>>10)
 			if !strings.Contains(err.Error(), "larger than") {
 				t.Fatalf("dial: %v, want the head bound", err)
 			}
-			if got := after.TotalAlloc - before.TotalAlloc; got > 4*maxHandshakeHead+64<<10 {
-				t.Errorf("the agent allocated %d KiB reading a head bounded at %d KiB", got>>10, maxHandshakeHead>>10)
+			if alloc > 4*maxHandshakeHead+64<<10 {
+				t.Errorf("the agent allocated %d KiB reading a head bounded at %d KiB", alloc>>10, maxHandshakeHead>>10)
 			}
 		})
 	}
