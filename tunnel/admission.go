@@ -413,8 +413,8 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 		switch line {
 		case controlDrain:
 			s.metrics.packets.inc(segFromAgent, grpcwire.Drain)
-			a.draining.Store(true)
-			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
+			s.log.Info("agent draining: new dials prefer other agents; its idle tunnels close at quiet moments", "agent", a.id, "remote", a.remote)
+			s.agentDraining(a)
 		}
 	}
 }
