@@ -24,40 +24,38 @@ import (
 // The rule (docs/restart.md, "The quiet close"): a tunnel is closed once
 // it has been quiet for quietNeeded, measured from the last write toward
 // the client (so a tunnel idle since before the drain began closes on the
-// drain's first look), where quietNeeded is a quarter of the time left
-// before the drain's deadline, at most drainQuietLong and at least the
-// front door's short figure (drainQuiet, drainQuietGRPC). Early in a drain
-// only a tunnel idle for half a second is taken for an idle keep-alive
-// connection: a busy machine pauses a stream's writes for tens of
-// milliseconds (a destination, an agent or this process descheduled), and
-// a stream closed in such a pause loses the rest of a response the client
-// thinks complete. Near the deadline the figure shrinks: a tunnel that is
-// cut at the deadline anyway is better closed in a pause just before it.
+// drain's first look): a quarter of the time left before the drain's
+// deadline, at most drainQuietLong. Early in a drain only a tunnel idle
+// for half a second is taken for an idle keep-alive connection: a busy
+// machine pauses a stream's writes for tens of milliseconds (a
+// destination, an agent or this process descheduled), and a stream closed
+// in such a pause loses the rest of a response the client thinks
+// complete; kube-apiserver, which keeps a connection it is not using idle
+// for far longer, loses nothing by the wait. Near the deadline the figure
+// shrinks to a poll: a tunnel that is cut at the deadline anyway (failing
+// the call on it, if any) is better closed in a pause between calls just
+// before it.
 //
-// The short figures are longer than the gaps inside one response on an
-// idle machine (its writes follow each other within milliseconds: TLS
-// records, chunks an agent passes on) and than the time this process
-// takes to read a request the client has already sent. On HTTP CONNECT a
-// call that races the close finds the socket closed before it sent
-// anything (EPIPE), and Go's HTTP client retries it. On the gRPC front
-// door it does not: konnectivity-client accepts a write until it has
-// processed the CLOSE_RSP, a few milliseconds on a loaded machine, and
-// kube-apiserver then loses the call. There the quiet is never below
-// drainQuietGRPC, long enough that kube-apiserver is not using the
-// connection (measured against a real kube-apiserver: closes after 5 ms
-// gaps lost 8 calls in 21, closes after 50 ms gaps some, after 250 ms
-// none).
+// On HTTP CONNECT a call that races the close finds the socket closed
+// before it sent anything (EPIPE), and Go's HTTP client retries it. On
+// the gRPC front door it does not: konnectivity-client accepts a write
+// until it has processed the CLOSE_RSP, a few milliseconds on a loaded
+// machine, and kube-apiserver then loses the call (measured against a
+// real kube-apiserver: closes after 5 ms gaps lost 8 calls in 21, after
+// 50 ms gaps some, after 250 ms none). There a quiet close loses a call
+// only in the drain's last second, where the cut it replaces would lose
+// the call on the connection for certain.
 //
 // An agent's drain (it announced one on its control stream, or sent
 // upstream's DRAIN packet) closes that agent's tunnels by the same rule,
-// against a deadline of agentDrainAssumed: the agent's own --drain-timeout
-// is not on the wire, and the default is assumed. A busy tunnel is left to
-// the agent, which cuts it at its --drain-timeout.
+// against the time the agent said it cuts what is left (its
+// --drain-timeout, on the control stream before the drain), less a tenth
+// for the line's way here; an agent that does not say (upstream's, an
+// older one) is taken to cut after agentDrainAssumed, the default. A busy
+// tunnel is left to the agent, which cuts it at its --drain-timeout.
 const (
-	drainQuiet        = 50 * time.Millisecond
-	drainQuietGRPC    = 250 * time.Millisecond
 	drainQuietLong    = 500 * time.Millisecond
-	drainQuietShare   = 4 // quietNeeded is left/drainQuietShare
+	drainQuietShare   = 4 // quietNeeded is the time left/drainQuietShare
 	agentDrainAssumed = 30 * time.Second
 	drainPoll         = 2 * time.Millisecond
 	// drainStall is a poll so late that the quiet seen across it is not
@@ -67,14 +65,12 @@ const (
 )
 
 // quietNeeded is how long a tunnel must have been quiet for a drain to
-// close it, left before the drain's deadline (negative: none is known),
-// on a front door whose short figure is floor.
-func quietNeeded(floor, left time.Duration) time.Duration {
-	q := drainQuietLong
-	if left >= 0 {
-		q = min(q, left/drainQuietShare)
+// close it, left before the drain's deadline (negative: none is known).
+func quietNeeded(left time.Duration) time.Duration {
+	if left < 0 {
+		return drainQuietLong
 	}
-	return max(q, floor)
+	return max(min(drainQuietLong, left/drainQuietShare), drainPoll)
 }
 
 // unread reports whether a socket holds bytes not read yet.
@@ -140,7 +136,7 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}, of
 				continue // quiet only once seen unchanged across a poll
 			}
 			quiet := time.Duration(clock() - t.act.at.Load())
-			needed := quietNeeded(t.front.quiet(), left)
+			needed := quietNeeded(left)
 			if quiet < needed {
 				continue
 			}
@@ -170,11 +166,12 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}, of
 }
 
 // agentDraining closes the tunnels of an agent that announced its drain
-// at quiet moments (the rule above), once per agent connection.
-func (s *Server) agentDraining(a *agentConn) {
+// at quiet moments (the rule above), once per agent connection; the agent
+// cuts what is left after cutIn.
+func (s *Server) agentDraining(a *agentConn, cutIn time.Duration) {
 	if a.draining.Swap(true) {
 		return
 	}
-	deadline := time.Now().Add(agentDrainAssumed)
+	deadline := time.Now().Add(cutIn - cutIn/10)
 	s.goroutineUnlessClosed(func() { s.closeQuietTunnels(s.baseCtx, nil, a, deadline) })
 }

@@ -226,11 +226,8 @@ func TestShutdownClosesIdleKeepAlivesQuietly(t *testing.T) {
 func testQuietRestart(t *testing.T, grpc bool) {
 	checkNoLeaks(t)
 	const grace = 20 * time.Second
-	short := drainQuiet
-	if grpc {
-		short = drainQuietGRPC
-	}
-	quiet := quietNeeded(short, grace) // the quiet the drain needs at its start
+	const short = 50 * time.Millisecond // gaps between one worker's calls, mostly
+	quiet := quietNeeded(grace)         // the quiet the drain needs at its start
 	p := newPKI(t)
 	agentLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -451,25 +448,20 @@ func (q *quietCloses) all() []quietClose {
 }
 
 // TestQuietNeeded is the rule: a quarter of the time left, at most
-// drainQuietLong, never below the front door's short figure; without a
-// deadline, drainQuietLong.
+// drainQuietLong, at least a poll; without a deadline, drainQuietLong.
 func TestQuietNeeded(t *testing.T) {
-	for _, c := range []struct {
-		floor, left, want time.Duration
-	}{
-		{drainQuiet, -1, drainQuietLong},
-		{drainQuiet, 30 * time.Second, drainQuietLong},
-		{drainQuiet, 2 * time.Second, drainQuietLong},
-		{drainQuiet, time.Second, 250 * time.Millisecond},
-		{drainQuiet, 400 * time.Millisecond, 100 * time.Millisecond},
-		{drainQuiet, 100 * time.Millisecond, drainQuiet},
-		{drainQuiet, 0, drainQuiet},
-		{drainQuietGRPC, -1, drainQuietLong},
-		{drainQuietGRPC, 400 * time.Millisecond, drainQuietGRPC},
-		{drainQuietGRPC, 0, drainQuietGRPC},
+	for _, c := range []struct{ left, want time.Duration }{
+		{-1, drainQuietLong},
+		{30 * time.Second, drainQuietLong},
+		{2 * time.Second, drainQuietLong},
+		{time.Second, 250 * time.Millisecond},
+		{400 * time.Millisecond, 100 * time.Millisecond},
+		{100 * time.Millisecond, 25 * time.Millisecond},
+		{4 * time.Millisecond, drainPoll},
+		{0, drainPoll},
 	} {
-		if got := quietNeeded(c.floor, c.left); got != c.want {
-			t.Errorf("quietNeeded(%v, %v) = %v, want %v", c.floor, c.left, got, c.want)
+		if got := quietNeeded(c.left); got != c.want {
+			t.Errorf("quietNeeded(%v) = %v, want %v", c.left, got, c.want)
 		}
 	}
 }
@@ -542,8 +534,8 @@ func TestShutdownCutsStreamingTunnelAtDeadline(t *testing.T) {
 	}
 	var idleClosed, streamClosed bool
 	for _, c := range closes.all() {
-		if c.quiet < c.needed || c.needed != quietNeeded(drainQuiet, c.left) {
-			t.Errorf("tunnel to %s closed after %v quiet with %v left: the rule needs %v", c.addr, c.quiet, c.left, quietNeeded(drainQuiet, c.left))
+		if c.quiet < c.needed || c.needed != quietNeeded(c.left) {
+			t.Errorf("tunnel to %s closed after %v quiet with %v left: the rule needs %v", c.addr, c.quiet, c.left, quietNeeded(c.left))
 		}
 		switch c.addr {
 		case idleAddr:

@@ -273,7 +273,7 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 		case grpcwire.Drain:
 			// Preferred last, its idle tunnels closed, as for our own agents.
 			ua.s.log.Info("agent draining: new dials prefer other agents; its idle tunnels close at quiet moments", "agent", ua.agent.id, "protocol", "grpc")
-			ua.s.agentDraining(ua.agent)
+			ua.s.agentDraining(ua.agent, agentDrainAssumed)
 		}
 	}
 }
