@@ -749,11 +749,15 @@ func (e *kubeEnv) webhookLoopAcrossAgentRollouts(t *testing.T) {
 	stop := e.webhookLoop("roll")
 	agents := []*agent{e.agent, other}
 	ids := []string{kubeNode, podID}
+	var cuts []string // the agents' "drain timeout" lines: tunnels they cut
 	for i := range agents {
 		time.Sleep(time.Second)
 		t0 := time.Now()
 		agents[i].proc.stop(t)
 		drained := time.Since(t0)
+		if line := lineWith(agents[i].proc.out.String(), "drain timeout: closing open tunnels"); line != "" {
+			cuts = append(cuts, ids[i]+": "+strings.TrimSpace(line))
+		}
 		agents[i] = startAgentArgs(t, ids[i], e.agentArgs...)
 		waitHTTP(t, agents[i].proc, agents[i].healthURL("/readyz"), http.StatusOK)
 		e.s.waitAgents(t, 2, startTimeout)
@@ -766,12 +770,15 @@ func (e *kubeEnv) webhookLoopAcrossAgentRollouts(t *testing.T) {
 	e.s.waitAgents(t, 1, startTimeout)
 	t.Logf("%s: %d webhook-checked creates across %d agent rollouts, %d lost, webhook answered %d",
 		e.mode, ok, len(agents), failed, e.reviews.Load()-reviews0)
+	for _, c := range cuts {
+		t.Logf("%s: a draining agent cut tunnels at its --drain-timeout: %s", e.mode, c)
+	}
 	if ok < 10 {
 		t.Fatalf("webhook loop across agent rollouts: only %d creates passed, %d failed: %s", ok, failed, strings.Join(errs, "\n"))
 	}
 	switch {
 	case failed > 0 && e.mode == "grpc":
-		t.Logf("%s: creates lost across agent rollouts (a call racing a quiet close): %s", e.mode, strings.Join(errs, "\n"))
+		t.Logf("%s: creates lost across agent rollouts (a call racing a quiet close, or on a tunnel the agent cut): %s", e.mode, strings.Join(errs, "\n"))
 	case failed > 0:
 		t.Errorf("webhook loop across agent rollouts: %d ok, %d lost: %s", ok, failed, strings.Join(errs, "\n"))
 	}
