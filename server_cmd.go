@@ -62,6 +62,7 @@ type serverOptions struct {
 	maxStreamsPerAgent    int
 	maxUnadmitted         int
 	maxAgentReviews       int
+	stalledBudgetMiB      int64
 	readyzRequiresAgent   bool
 	tokenReviewTimeout    time.Duration
 	tokenReviewCacheTTL   time.Duration
@@ -134,6 +135,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
 	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
 	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
+	f.Int64Var(&o.stalledBudgetMiB, "stalled-tunnel-memory-budget", 1024, "MiB the server may hold, in all, of what agents sent for clients that do not read it yet (each tunnel up to its 1 MiB window); past it new dials get 503")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
 	f.IntVar(&o.maxStreamsPerAgent, "max-streams-per-agent", 10000, "open tunnels per agent before dials go elsewhere")
 	f.StringVar(&o.mintCACert, "mint-ca-cert", "", "CA certificate to mint --cluster-cert from (with --mint-ca-key): minted at start when missing or wrong, renewed before expiry")
@@ -212,6 +214,9 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 		if err := lease.CheckName(o.leaseNamespace, lease.NamePrefix+o.serverID); err != nil {
 			return fmt.Errorf("--enable-lease-controller: %w (set --lease-namespace, or a --server-id of lower-case letters, digits and '-')", err)
 		}
+	}
+	if o.stalledBudgetMiB < 1 || o.stalledBudgetMiB > 1<<30 {
+		return fmt.Errorf("--stalled-tunnel-memory-budget=%d: want 1 to %d MiB", o.stalledBudgetMiB, 1<<30)
 	}
 	if o.maxUnadmitted < 1 || o.maxAgentReviews < 1 {
 		return fmt.Errorf("--max-unadmitted-agent-connections=%d, --max-concurrent-agent-reviews=%d: want at least 1 each", o.maxUnadmitted, o.maxAgentReviews)
@@ -406,6 +411,7 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 		MaxStreamsPerAgent: o.maxStreamsPerAgent,
 		MaxUnadmitted:      o.maxUnadmitted,
 		MaxReviews:         o.maxAgentReviews,
+		StalledBudget:      o.stalledBudgetMiB << 20,
 		Metrics:            metrics,
 		Logger:             log,
 	}

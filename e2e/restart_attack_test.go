@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -379,4 +380,72 @@ func TestRestartNotHeldByIdlePeers(t *testing.T) {
 			t.Fatalf("tunnel asked for across the restart: %v", err)
 		}
 	})
+}
+
+// TestStalledTunnelMemoryBudget: what tunnels whose client does not read
+// make the server hold, in all, is bounded by
+// --stalled-tunnel-memory-budget: past it a new dial gets 503 saying so,
+// counted in dial_failure_count{reason="stalled_budget"}; once the
+// stalled clients leave, dials are served again and nothing stays held.
+func TestStalledTunnelMemoryBudget(t *testing.T) {
+	s := startServer(t, "--stalled-tunnel-memory-budget=4")
+	s.startAgent(t, "a1", "")
+	var written atomic.Int64
+	hose := startTCPBackend(t, "127.0.0.1", firehoseHandler(&written))
+	echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+	metricsURL := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.adminPort)
+	held := func() float64 {
+		fams, _, err := scrapeRaw(metricsURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fams.value("konnectivity_network_proxy_server_stalled_tunnel_bytes")
+	}
+	// Stalled tunnels, each filling its 1 MiB window, until a dial is
+	// refused: not before 4 are open (4 MiB at most), and soon after.
+	var stalled []net.Conn
+	defer func() {
+		for _, c := range stalled {
+			c.Close()
+		}
+	}()
+	refusedAt := 0
+	for i := range 20 {
+		c, _, code, msg, err := faultConnect(s.sock, hose.addr(), 10*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code != http.StatusOK {
+			if code != http.StatusServiceUnavailable || !strings.Contains(msg, "stalled tunnels") {
+				t.Fatalf("dial %d: %d %q, want 503 naming the budget", i, code, msg)
+			}
+			refusedAt = i
+			break
+		}
+		if _, err := c.Write([]byte{'g'}); err != nil { // go: the client then never reads
+			t.Fatal(err)
+		}
+		stalled = append(stalled, c)
+		before := held()
+		waitFor(t, 30*time.Second, "the new tunnel holds bytes", func() bool { return held() > before })
+		t.Logf("%d stalled: %.2f MiB held", len(stalled), held()/(1<<20))
+	}
+	h := held()
+	t.Logf("dial %d refused: %.2f MiB held for %d stalled clients, budget 4 MiB", refusedAt+1, h/(1<<20), len(stalled))
+	if refusedAt < 4 || h > 6<<20 {
+		t.Errorf("refused at dial %d with %.2f MiB held; want no refusal while at most 4 MiB are held, and at most 6 MiB", refusedAt+1, h/(1<<20))
+	}
+	fams, _, err := scrapeRaw(metricsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := fams.value("konnectivity_network_proxy_server_dial_failure_count", "reason", "stalled_budget"); n < 1 {
+		t.Errorf("dial_failure_count{reason=stalled_budget} = %v, want at least 1", n)
+	}
+	for _, c := range stalled {
+		c.Close()
+	}
+	stalled = nil
+	waitFor(t, 30*time.Second, "nothing held once the stalled clients left", func() bool { return held() == 0 })
+	openEcho(t, s, echo)
 }

@@ -328,7 +328,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello agentHell
 		h2conn = &bufferedConn{Conn: conn, r: br}
 	}
 	wc := newWatchedConn(h2conn)
-	link, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc)})
+	link, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: batcherOf(wc), Queued: &s.queued})
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
 		wc.Close()

@@ -26,6 +26,7 @@ const (
 	reasonBackendClosed  = "backend_close"
 	reasonShutdown       = "shutdown"
 	reasonNoFD           = "too_many_open_files"
+	reasonStalledBudget  = "stalled_budget"
 )
 
 // failureReason names why a dial failed, for the dial_failure_count metric.
@@ -54,6 +55,9 @@ func failureReason(err error) string {
 // answered is retried on another agent: nothing was sent, so nothing is
 // lost.
 func (s *Server) open(t *tunnel) error {
+	if q := s.queued.Load(); q > s.cfg.StalledBudget {
+		return statusErrorf(http.StatusServiceUnavailable, "server memory budget for stalled tunnels used up (%d MiB held for clients that do not read)", q>>20).withReason(reasonStalledBudget)
+	}
 	start := time.Now()
 	s.metrics.pending.Add(1)
 	defer s.metrics.pending.Add(-1)

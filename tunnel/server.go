@@ -69,6 +69,11 @@ type ServerConfig struct {
 	// flight (default 32). See admission.go.
 	MaxUnadmitted int
 	MaxReviews    int
+	// StalledBudget bounds the bytes the agents' streams hold queued for
+	// clients that do not read, across all of them (each tunnel up to its
+	// 1 MiB window); past it a new dial gets 503, so that stalled readers
+	// cannot grow the process without end (default 1 GiB).
+	StalledBudget int64
 
 	// Metrics receives the server's metrics; nil makes a private registry.
 	Metrics *promtext.Registry
@@ -93,6 +98,9 @@ func (c *ServerConfig) setDefaults() {
 	}
 	if c.MaxReviews <= 0 {
 		c.MaxReviews = defaultMaxReviews
+	}
+	if c.StalledBudget <= 0 {
+		c.StalledBudget = 1 << 30
 	}
 	if len(c.Strategies) == 0 {
 		c.Strategies = []Strategy{StrategyDefault}
@@ -155,6 +163,7 @@ type Server struct {
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
+	queued      atomic.Int64  // bytes queued on our agents' links for clients (h2link.Config.Queued): see StalledBudget
 	pending     atomic.Int64  // dials asked for whose tunnel cannot be paused yet, and resumes under way until theirs can
 	answered    chan struct{} // guarded by mu: closed when pending drops to 0 (waitPending)
 

@@ -58,6 +58,7 @@ func (b *Body) Read(p []byte) (int, error) {
 	if len(st.queue) == 0 {
 		st.queue = nil // let the slice's array go while idle
 	}
+	st.queuedRLocked(-int64(n))
 	st.unacked += int64(n)
 	st.refillRLocked()
 	return n, nil
@@ -95,6 +96,7 @@ func (b *Body) WriteTo(w io.Writer) (int64, error) {
 			st.onWrite(int(n))
 		}
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
+		st.queuedRLocked(-int64(taken))
 		st.refillRLocked()
 		st.rmu.Unlock()
 		if err != nil {
@@ -112,10 +114,7 @@ func (b *Body) Close() error {
 		return nil
 	}
 	st.readerGone = true
-	for _, c := range st.queue {
-		putChunk(c)
-	}
-	st.queue, st.head = nil, 0
+	st.dropQueueRLocked()
 	complete := st.eof
 	st.recvCond.Broadcast()
 	next := st.sinkStepRLocked()

@@ -2,6 +2,7 @@ package h2link
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 )
 
@@ -61,6 +62,12 @@ type Config struct {
 	// them to StreamWindow and ConnWindow.
 	PreAdmitStreamWindow int32
 	PreAdmitConnWindow   int32
+
+	// Queued, when set, counts the received bytes queued in this link's
+	// streams and not yet read or written on (a reader that does not
+	// keep up holds up to its stream's window here); links may share one,
+	// for a bound across them.
+	Queued *atomic.Int64
 
 	// MaxQueuedControl bounds the control frames (SETTINGS and PING
 	// acknowledgements, WINDOW_UPDATE, RST_STREAM) waiting for a peer that

@@ -294,6 +294,7 @@ func (st *stream) drainSink() {
 			st.onWrite(int(n))
 		}
 		st.unacked += int64(taken) // off the queue, written or not: credit it all
+		st.queuedRLocked(-int64(taken))
 		st.refillRLocked()
 		if err != nil {
 			st.rmu.Unlock()
@@ -335,10 +336,7 @@ func (st *stream) sinkFailed(err error) {
 	already := s.ended
 	s.ended = true
 	st.readerGone = true
-	for _, c := range st.queue {
-		putChunk(c)
-	}
-	st.queue, st.head = nil, 0
+	st.dropQueueRLocked()
 	st.recvCond.Broadcast()
 	st.rmu.Unlock()
 	if already {

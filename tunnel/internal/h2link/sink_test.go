@@ -364,3 +364,69 @@ func TestDeliveryWaitWritten(t *testing.T) {
 		t.Errorf("delivery ended short: %v", err)
 	}
 }
+
+// Config.Queued counts what waits in a stream's queue for a socket that
+// does not keep up, or for a reader, and nothing once it was written, read
+// or dropped.
+func TestQueuedCounted(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	var queued atomic.Int64
+	l.cfg.Queued = &queued
+	// A socket that stalls, then reads everything.
+	h, resp := openAnswered(t, l, a)
+	near, far := unixPair(t)
+	near.SetWriteBuffer(4 << 10)
+	d := resp.Body.(*Body).DeliverTo(near, func(err error) error { return err })
+	payload := make([]byte, 512<<10)
+	for p := payload; len(p) > 0; p = p[16<<10:] {
+		if err := a.fr.WriteData(h.StreamID, len(p) == 16<<10, p[:16<<10]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for queued.Load() < 256<<10 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if q := queued.Load(); q < 256<<10 || q > int64(len(payload)) {
+		t.Fatalf("%d bytes counted queued behind a full socket, want most of %d", q, len(payload))
+	}
+	far.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if got, err := io.ReadAll(io.LimitReader(far, int64(len(payload)))); err != nil || len(got) != len(payload) {
+		t.Fatalf("far side read %d bytes, %v", len(got), err)
+	}
+	if _, err := waitDelivery(t, d); err != nil {
+		t.Fatal(err)
+	}
+	if q := queued.Load(); q != 0 {
+		t.Fatalf("%d bytes counted queued once all was written", q)
+	}
+}
+
+// Config.Queued counts what a reader has not read yet, and nothing once
+// the body is closed with bytes still queued.
+func TestQueuedCountedForReader(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPair(t, 0, 0)
+	var queued atomic.Int64
+	l.cfg.Queued = &queued
+	h2, resp2 := openAnswered(t, l, a)
+	if err := a.fr.WriteData(h2.StreamID, false, make([]byte, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for queued.Load() < 1000 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	buf := make([]byte, 300)
+	if _, err := io.ReadFull(resp2.Body, buf); err != nil {
+		t.Fatal(err)
+	}
+	if q := queued.Load(); q != 700 {
+		t.Fatalf("%d bytes counted queued after reading 300 of 1000, want 700", q)
+	}
+	resp2.Body.Close()
+	if q := queued.Load(); q != 0 {
+		t.Fatalf("%d bytes counted queued after the body was closed", q)
+	}
+}

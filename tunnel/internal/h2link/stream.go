@@ -67,6 +67,7 @@ type stream struct {
 	respErr    error          // the client end: why no answer comes
 	queue      []*[]byte      // received payloads, oldest first
 	head       int            // bytes of queue[0] already read
+	queued     int64          // bytes received and not yet off the queue (written or read), counted in Config.Queued
 	recvErr    error          // the stream was reset or the connection failed
 	recvWindow window         // what the peer may still send
 	unacked    int64          // consumed but not yet returned to the peer
@@ -388,6 +389,7 @@ func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err erro
 	}
 	// Small payloads share the last chunk while it has room, so a window
 	// full of tiny frames costs its bytes, not a chunk each.
+	st.queuedRLocked(int64(len(data)))
 	if n := len(st.queue); n > 0 {
 		if tail := st.queue[n-1]; cap(*tail)-len(*tail) >= len(data) {
 			*tail = append(*tail, data...)
@@ -400,6 +402,26 @@ func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err erro
 	st.queue = append(st.queue, b)
 	st.recvCond.Broadcast()
 	return st.sinkStepRLocked(), nil
+}
+
+// queuedRLocked counts n bytes more (fewer, when negative) queued in the
+// stream, and in Config.Queued. rmu is held.
+func (st *stream) queuedRLocked(n int64) {
+	st.queued += n
+	if q := st.l.cfg.Queued; q != nil {
+		q.Add(n)
+	}
+}
+
+// dropQueueRLocked lets go of what is queued, unread. rmu is held.
+func (st *stream) dropQueueRLocked() {
+	dropped := -st.head
+	for _, c := range st.queue {
+		dropped += len(*c)
+		putChunk(c)
+	}
+	st.queue, st.head = nil, 0
+	st.queuedRLocked(-int64(dropped))
 }
 
 // refillRLocked returns consumed credit to the peer in batches; the caller
