@@ -441,8 +441,9 @@ func (a *Agent) heldServers() []string {
 }
 
 // serveControl answers the server's control stream: one line per event the
-// server must know about: "drain-in <duration>" and "drain", and "token <token>" when the token file
-// holds a new token (the server reviews it and keeps the link on it).
+// server must know about: a drain ("drain-in <duration>", when the agent
+// cuts what is left, then "drain"), and "token <token>" when the token
+// file holds a new token (the server reviews it and keeps the link on it).
 func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	flush := flusherOf(w)
