@@ -188,3 +188,23 @@ func (a *activity) down() {
 		}
 	}
 }
+
+// quietFor is how long ago the last write toward the client was, if it
+// was the tunnel's last traffic; 0 if not (or if nothing went to it).
+func (a *activity) quietFor() time.Duration {
+	v, at := a.v.Load(), a.at.Load()
+	if v&1 == 0 || a.v.Load() != v {
+		return 0
+	}
+	return max(time.Duration(clock()-at), 1)
+}
+
+// resumeQuiet carries on the quiet a previous image saw when it paused the
+// tunnel (PausedTunnel.Quiet): the tunnel counts as quiet for d already.
+// Called before the tunnel carries bytes.
+func (a *activity) resumeQuiet(d time.Duration) {
+	if d > 0 {
+		a.at.Store(clock() - int64(d))
+		a.v.Store(1)
+	}
+}
