@@ -46,6 +46,33 @@ func TestActivityOrder(t *testing.T) {
 	}
 }
 
+// TestActivityQuietAcrossHandover: the quiet a paused tunnel had is
+// carried to its resumed self, and a tunnel whose client spoke last
+// carries none.
+func TestActivityQuietAcrossHandover(t *testing.T) {
+	var a activity
+	a.down()
+	a.at.Add(-int64(time.Second)) // the last write went a second ago
+	q := a.quietFor()
+	if q < time.Second {
+		t.Fatalf("quiet for %v, want at least 1s", q)
+	}
+	var b activity
+	b.resumeQuiet(q)
+	if got := b.quietFor(); got < q || b.v.Load()&1 != 1 {
+		t.Fatalf("resumed: quiet for %v (v %b), want at least %v and last toward the client", got, b.v.Load(), q)
+	}
+	a.up()
+	if q := a.quietFor(); q != 0 {
+		t.Fatalf("after a read from the client: quiet for %v, want 0", q)
+	}
+	var c activity
+	c.resumeQuiet(0)
+	if c.v.Load() != 0 || c.quietFor() != 0 {
+		t.Fatal("a tunnel paused while not quiet resumed as quiet")
+	}
+}
+
 // handoverListener lets a listener outlive the Server that serves it, as
 // a self-restart hands its listeners to the next image: Close stops
 // Accept but keeps the socket listening, so clients queue in the backlog
