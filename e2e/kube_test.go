@@ -311,6 +311,10 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 	// --- SIGHUP restarts of the server in the middle of webhook calls.
 	t.Run("sighup-webhook-loop", e.webhookLoopAcrossRestarts)
 
+	// --- Agent rollouts (SIGTERM, then a new agent) in the middle of
+	// webhook calls.
+	t.Run("agent-rollout-webhook-loop", e.webhookLoopAcrossAgentRollouts)
+
 	// --- Orderly stop: kube-apiserver holds idle keep-alive connections
 	// through the tunnel; SIGTERM must still end agent and server within
 	// their grace periods.
@@ -678,6 +682,105 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 		if line := lineWith(out, bad); line != "" {
 			t.Errorf("a tunnel %s across SIGHUP: %s", bad, line)
 		}
+	}
+}
+
+// webhookLoop sends webhook-checked creates from two goroutines until
+// the returned stop is called, which reports the creates that passed and
+// failed, and the first failures.
+func (e *kubeEnv) webhookLoop(prefix string) (stop func() (ok, failed int64, errs []string)) {
+	var (
+		okN, failedN atomic.Int64
+		mu           sync.Mutex
+		first        []string
+		done         = make(chan struct{})
+		wg           sync.WaitGroup
+	)
+	for w := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				name := fmt.Sprintf("%s-%s-%d-%d", prefix, strings.ReplaceAll(e.mode, "-", ""), w, i)
+				code, body, err := e.c.do(http.MethodPost, "/api/v1/namespaces/"+kubeNS+"/configmaps", obj("ConfigMap", "v1", name, kubeNS))
+				if err == nil && code == http.StatusCreated {
+					okN.Add(1)
+					continue
+				}
+				failedN.Add(1)
+				mu.Lock()
+				if len(first) < 5 {
+					first = append(first, fmt.Sprintf("%s: %d %v %s", name, code, err, tail(string(body), 300)))
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	return func() (int64, int64, []string) {
+		close(done)
+		wg.Wait()
+		return okN.Load(), failedN.Load(), first
+	}
+}
+
+// webhookLoopAcrossAgentRollouts rolls agents under a loop of webhook
+// creates, as a DaemonSet rollout does: with two agents up (IDs the node
+// and the agent's pod, both allowed by its token), each in turn gets
+// SIGTERM and, once it exited, a new agent with its ID starts and joins.
+// A draining agent tells the server, which steers new dials to the other
+// agent and closes the draining agent's idle keep-alive tunnels at a quiet
+// moment, so kube-apiserver dials again instead of finding its connection
+// cut at the agent's --drain-timeout. On HTTP CONNECT a call that races
+// a quiet close is retried by kube-apiserver's HTTP client (the socket is
+// closed before it wrote), so none may be lost; on gRPC such a race loses
+// the call (konnectivity-client accepts the write until it has read the
+// CLOSE_RSP), so the count is reported, not asserted.
+func (e *kubeEnv) webhookLoopAcrossAgentRollouts(t *testing.T) {
+	podID := "konnectivity-agent-" + kubeNode
+	other := startAgentArgs(t, podID, e.agentArgs...)
+	waitHTTP(t, other.proc, other.healthURL("/readyz"), http.StatusOK)
+	e.s.waitAgents(t, 2, startTimeout)
+	reviews0 := e.reviews.Load()
+	stop := e.webhookLoop("roll")
+	agents := []*agent{e.agent, other}
+	ids := []string{kubeNode, podID}
+	var cuts []string // the agents' "drain timeout" lines: tunnels they cut
+	for i := range agents {
+		time.Sleep(time.Second)
+		t0 := time.Now()
+		agents[i].proc.stop(t)
+		drained := time.Since(t0)
+		if line := lineWith(agents[i].proc.out.String(), "drain timeout: closing open tunnels"); line != "" {
+			cuts = append(cuts, ids[i]+": "+strings.TrimSpace(line))
+		}
+		agents[i] = startAgentArgs(t, ids[i], e.agentArgs...)
+		waitHTTP(t, agents[i].proc, agents[i].healthURL("/readyz"), http.StatusOK)
+		e.s.waitAgents(t, 2, startTimeout)
+		t.Logf("%s: agent %s drained and exited in %v, its successor joined", e.mode, ids[i], drained.Round(10*time.Millisecond))
+	}
+	time.Sleep(time.Second)
+	ok, failed, errs := stop()
+	e.agent = agents[0]
+	agents[1].proc.stop(t) // one agent again, as the steps after this expect
+	e.s.waitAgents(t, 1, startTimeout)
+	t.Logf("%s: %d webhook-checked creates across %d agent rollouts, %d lost, webhook answered %d",
+		e.mode, ok, len(agents), failed, e.reviews.Load()-reviews0)
+	for _, c := range cuts {
+		t.Logf("%s: a draining agent cut tunnels at its --drain-timeout: %s", e.mode, c)
+	}
+	if ok < 10 {
+		t.Fatalf("webhook loop across agent rollouts: only %d creates passed, %d failed: %s", ok, failed, strings.Join(errs, "\n"))
+	}
+	switch {
+	case failed > 0 && e.mode == "grpc":
+		t.Logf("%s: creates lost across agent rollouts (a call racing a quiet close, or on a tunnel the agent cut): %s", e.mode, strings.Join(errs, "\n"))
+	case failed > 0:
+		t.Errorf("webhook loop across agent rollouts: %d ok, %d lost: %s", ok, failed, strings.Join(errs, "\n"))
 	}
 }
 

@@ -469,6 +469,7 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 	defer resp.Body.Close()
 	// A small reader: this sits idle on every agent connection.
 	lines := bufio.NewReaderSize(resp.Body, 64)
+	cutIn := agentDrainAssumed // until the agent says
 	for {
 		line, err := readControlLine(lines)
 		if err != nil {
@@ -479,11 +480,17 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 			s.newToken(a, strings.TrimSpace(token))
 			continue
 		}
+		if v, ok := strings.CutPrefix(line, controlDrainIn+" "); ok {
+			if d, err := time.ParseDuration(v); err == nil && d >= 0 && d <= maxDrainIn {
+				cutIn = d
+			}
+			continue
+		}
 		switch line {
 		case controlDrain:
 			s.metrics.packets.inc(segFromAgent, grpcwire.Drain)
-			a.draining.Store(true)
-			s.log.Info("agent draining: new dials prefer other agents", "agent", a.id, "remote", a.remote)
+			s.log.Info("agent draining: new dials prefer other agents; its idle tunnels close at quiet moments", "agent", a.id, "remote", a.remote)
+			s.agentDraining(a, cutIn)
 		}
 	}
 }

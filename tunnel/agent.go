@@ -152,6 +152,7 @@ type Agent struct {
 	maxCount int                      // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
 	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
 	draining bool                     // guarded by mu
+	drainEnd time.Time                // guarded by mu: set with draining, when the drain cuts what is left
 	// Guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
@@ -292,13 +293,12 @@ func (a *Agent) Run(ctx context.Context) error {
 	managers := a.startManagers(connectCtx)
 	<-ctx.Done()
 
-	a.beginDrain()
+	deadline := a.beginDrain()
 	drained := make(chan struct{})
 	go func() {
 		// A destination held for a restarting server is still a tunnel:
 		// the server's next image carries it on through the connection
 		// the agent keeps redialling meanwhile.
-		deadline := time.Now().Add(a.cfg.DrainTimeout)
 		for (a.Stats.OpenStreams.Load() > 0 || a.heldCount() > 0) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
@@ -319,9 +319,13 @@ func (a *Agent) Run(ctx context.Context) error {
 	return nil
 }
 
-func (a *Agent) beginDrain() {
+// beginDrain tells every server the agent drains, and returns when it
+// cuts what is left.
+func (a *Agent) beginDrain() time.Time {
 	a.mu.Lock()
 	a.draining = true
+	a.drainEnd = time.Now().Add(a.cfg.DrainTimeout)
+	end := a.drainEnd
 	conns := make([]*serverConn, 0, len(a.conns))
 	for l := range a.conns {
 		conns = append(conns, l)
@@ -331,6 +335,7 @@ func (a *Agent) beginDrain() {
 		l.sendDrain()
 	}
 	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.OpenStreams.Load())
+	return end
 }
 
 func (a *Agent) goAwayLinks() {

@@ -462,8 +462,9 @@ func (a *Agent) heldServers() []string {
 }
 
 // serveControl answers the server's control stream: one line per event the
-// server must know about: "drain", and "token <token>" when the token file
-// holds a new token (the server reviews it and keeps the link on it).
+// server must know about: a drain ("drain-in <duration>", when the agent
+// cuts what is left, then "drain"), and "token <token>" when the token
+// file holds a new token (the server reviews it and keeps the link on it).
 func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	flush := flusherOf(w)
@@ -479,7 +480,10 @@ func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Reque
 		select {
 		case <-l.drain:
 			a.metrics.packets.inc(segFromAgent, grpcwire.Drain)
-			io.WriteString(w, controlDrain+"\n")
+			a.mu.Lock()
+			left := max(time.Until(a.drainEnd), 0).Round(time.Millisecond)
+			a.mu.Unlock()
+			io.WriteString(w, controlDrainIn+" "+left.String()+"\n"+controlDrain+"\n")
 			flush()
 			<-r.Context().Done()
 			return

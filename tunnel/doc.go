@@ -25,6 +25,10 @@
 //   - handover: a restart's move of open tunnels to the next image of
 //     the server's process, each stopped at a byte-exact point in both
 //     directions and carried on there on a new stream;
+//   - quiet close: a drain's close of a tunnel its client is not using
+//     (quiet.go), which the client takes for a server closing an idle
+//     keep-alive connection and dials again; a cut is a tunnel's end at a
+//     drain's deadline, whatever it carries then;
 //   - asked: a front door connection's dial is asked for once its
 //     CONNECT head is read (or its gRPC DIAL_REQ); only then does a
 //     shutdown wait for it (pendingDial), and an unasked connection moves
@@ -40,8 +44,9 @@
 // agents of both kinds in the registry), dial.go (picking an agent and
 // opening a tunnel through it), upstream_agent.go (upstream's gRPC
 // agents), registry.go and registry_index.go (the agents by what a
-// strategy asks for), identity.go, quiet.go (a drain's close at a quiet
-// moment), hangup.go (clients that left), handover.go (the server's half
+// strategy asks for), identity.go, quiet.go (the quiet close, for a
+// server's drain or one agent's), hangup.go (clients that left),
+// handover.go (the server's half
 // of a restart's move), server_metrics.go, status.go.
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
 // (a connection per server), agent_metrics.go (its metrics and status),

@@ -36,8 +36,6 @@ func newHTTPTunnel(conn net.Conn) *tunnel {
 	return &ht.tunnel
 }
 
-func (f *httpFront) quiet() time.Duration { return drainQuiet }
-
 // closeQuiet closes the client's socket: an idle keep-alive connection
 // closed by the server, which the client dials again.
 func (f *httpFront) closeQuiet(t *tunnel) {

@@ -370,8 +370,6 @@ func newGRPCTunnel(c *grpcConn, w http.ResponseWriter, r *http.Request) *tunnel 
 	return &gt.tunnel
 }
 
-func (f *grpcFront) quiet() time.Duration { return drainQuietGRPC }
-
 // closeQuiet has carryGRPC end the call with CLOSE_RSP.
 func (f *grpcFront) closeQuiet(*tunnel) { close(f.quietCh) }
 

@@ -84,6 +84,10 @@ type PausedTunnel struct {
 	GRPC    *PausedGRPC `json:"grpc,omitempty"`    // set for a gRPC front door call
 	Unasked bool        `json:"unasked,omitempty"` // a connection whose client asked for nothing yet
 	Head    []byte      `json:"head,omitempty"`    // Unasked: the bytes read from it so far
+	// Quiet is how long the tunnel had been quiet (quiet.go) when it was
+	// paused, so that a drain of the next image finds an idle keep-alive
+	// connection idle; 0: the last bytes came from the client.
+	Quiet time.Duration `json:"quiet,omitempty"`
 }
 
 // PausedGRPC is what resuming a gRPC front door call needs besides the
@@ -298,7 +302,7 @@ func (f *httpFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 	}
 	t.move(tunnelPaused)
 	t.endStream()
-	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token}, nil
+	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.quietFor()}, nil
 }
 
 // pausable: a call on a plain socket, alone on its connection
@@ -356,7 +360,7 @@ func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 		return nil, err
 	}
 	partial := append([]byte(nil), f.in.mr.Partial()...)
-	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token,
+	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.quietFor(),
 		GRPC: &PausedGRPC{ConnectID: f.connectID, Partial: partial, Link: frozen}}, nil
 }
 
@@ -569,6 +573,7 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 	t := newGRPCTunnel(c, w, r)
 	f := t.front.(*grpcFront)
 	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
+	t.act.resumeQuiet(p.Quiet)
 	if !s.enter(t) {
 		c.pend.release()
 		return nil
@@ -597,6 +602,7 @@ func (s *Server) openHanded(t *tunnel, conn net.Conn) bool {
 	br.Reset(conn)
 	s.initFrontendUpload(t, conn, br)
 	t.addr = t.handed.Addr
+	t.act.resumeQuiet(t.handed.Quiet)
 	return s.resumeStream(t) == nil && t.move(tunnelOpen)
 }
 

@@ -186,10 +186,15 @@ func readReply(br *bufio.Reader) (serverReply, error) {
 }
 
 // The control stream: the server opens it right after the handshake and
-// the agent writes one line per event on it.
+// the agent writes one line per event on it. A drain is two lines:
+// "drain-in <duration>" (when the agent cuts what is left; a server that
+// does not know the line ignores it) and then "drain".
 const (
-	controlPath  = "/konnectivity/v1/control"
-	controlDrain = "drain"
+	controlPath    = "/konnectivity/v1/control"
+	controlDrain   = "drain"
+	controlDrainIn = "drain-in"
+	// maxDrainIn bounds the time a drain-in line may announce.
+	maxDrainIn = time.Hour
 )
 
 // ourHello is this agent's hello: it names every feature this package has.

@@ -6,6 +6,7 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
@@ -151,10 +152,20 @@ func streamErrorCode(err error) string {
 
 // activity is a tunnel's traffic as a draining server sees it: a count of
 // socket reads and writes, and which way the last went, in one word
-// (count<<1 | 1 when the last went toward the client). One atomic
-// operation per system call, no allocation, ordered: a read from the
-// client after the last write always shows.
-type activity struct{ v atomic.Uint64 }
+// (count<<1 | 1 when the last went toward the client), and when the last
+// write toward the client began. One atomic operation per read, two per
+// write, no allocation, ordered: a read from the client after the last
+// write always shows, and at is never older than the write v counts last.
+type activity struct {
+	v  atomic.Uint64
+	at atomic.Int64 // monotonic nanoseconds (clock) of the last down
+}
+
+// clock is a monotonic reading in nanoseconds, comparable across
+// goroutines of this process. clockBase is set once, before any tunnel.
+func clock() int64 { return int64(time.Since(clockBase)) }
+
+var clockBase = time.Now()
 
 // up records a read from the client (bytes toward the agent).
 func (a *activity) up() {
@@ -166,12 +177,34 @@ func (a *activity) up() {
 	}
 }
 
-// down records a write toward the client.
+// down records a write toward the client. The time is stored first, so a
+// drain that reads v and then at sees a time no older than that write.
 func (a *activity) down() {
+	a.at.Store(clock())
 	for {
 		o := a.v.Load()
 		if a.v.CompareAndSwap(o, (o+2)|1) {
 			return
 		}
+	}
+}
+
+// quietFor is how long ago the last write toward the client was, if it
+// was the tunnel's last traffic; 0 if not (or if nothing went to it).
+func (a *activity) quietFor() time.Duration {
+	v, at := a.v.Load(), a.at.Load()
+	if v&1 == 0 || a.v.Load() != v {
+		return 0
+	}
+	return max(time.Duration(clock()-at), 1)
+}
+
+// resumeQuiet carries on the quiet a previous image saw when it paused the
+// tunnel (PausedTunnel.Quiet): the tunnel counts as quiet for d already.
+// Called before the tunnel carries bytes.
+func (a *activity) resumeQuiet(d time.Duration) {
+	if d > 0 {
+		a.at.Store(clock() - int64(d))
+		a.v.Store(1)
 	}
 }

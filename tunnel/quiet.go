@@ -14,40 +14,64 @@ import (
 // end by themselves, and a cut at the deadline fails whatever call is on
 // such a connection then (it does not retry a POST). A tunnel is quiet
 // once the last bytes it carried went toward the client (a response was
-// delivered) and nothing came from the client since, for drainQuiet: the
-// client then sees its idle keep-alive connection closed by the server,
-// drops it, and dials again, which reaches the server's next life. A
-// tunnel that never goes quiet (a log follow, an exec) is still cut at the
-// deadline. So is a tunnel whose client has finished sending (half-closed
-// its upload): no HTTP client half-closes a keep-alive connection, so it
-// is waiting for the rest of an answer, and a pause in that answer (an
-// agent or destination descheduled on a busy machine) is not the end of a
-// call.
+// delivered) and nothing came from the client since: the client then sees
+// its idle keep-alive connection closed by the server, drops it, and
+// dials again, which reaches the server's next life (or another agent).
+// A tunnel whose client has finished sending (half-closed its upload) is
+// never closed this way: no HTTP client half-closes a keep-alive
+// connection, so it is waiting for the rest of an answer.
 //
-// drainQuiet is longer than the gaps inside one response (its writes
-// follow each other within milliseconds: TLS records, chunks an agent
-// passes on) and than the time this process takes to read a request the
-// client has already sent, so that neither is mistaken for the end of a
-// call; and short enough that the connections kube-apiserver keeps but
-// is not using close within the first moments of a drain. On HTTP CONNECT
-// a call that races the close finds the socket closed before it sent
-// anything (EPIPE), and Go's HTTP client retries it. On the gRPC front
-// door it does not: konnectivity-client accepts a write until it has
-// processed the CLOSE_RSP, a few milliseconds on a loaded machine, and
-// kube-apiserver then loses the call. There only a connection quiet for
-// drainQuietGRPC is closed, long enough that kube-apiserver is not using
-// it (measured against a real kube-apiserver: closes after 5 ms gaps
-// lost 8 calls in 21, closes after 50 ms gaps some, after 250 ms none).
-// The quiet is never shortened as the deadline nears, for the same reason.
+// The rule (docs/restart.md, "The quiet close"): a tunnel is closed once
+// it has been quiet for quietNeeded, measured from the last write toward
+// the client (so a tunnel idle since before the drain began closes on the
+// drain's first look): a quarter of the time left before the drain's
+// deadline, at most drainQuietLong. Early in a drain only a tunnel idle
+// for half a second is taken for an idle keep-alive connection: a busy
+// machine pauses a stream's writes for tens of milliseconds (a
+// destination, an agent or this process descheduled), and a stream closed
+// in such a pause loses the rest of a response the client thinks
+// complete; kube-apiserver, which keeps a connection it is not using idle
+// for far longer, loses nothing by the wait. Near the deadline the figure
+// shrinks to a poll: a tunnel that is cut at the deadline anyway (failing
+// the call on it, if any) is better closed in a pause between calls just
+// before it.
+//
+// On HTTP CONNECT a call that races the close finds the socket closed
+// before it sent anything (EPIPE), and Go's HTTP client retries it. On
+// the gRPC front door it does not: konnectivity-client accepts a write
+// until it has processed the CLOSE_RSP, a few milliseconds on a loaded
+// machine, and kube-apiserver then loses the call (measured against a
+// real kube-apiserver: closes after 5 ms gaps lost 8 calls in 21, after
+// 50 ms gaps some, after 250 ms none). There a quiet close loses a call
+// only in the drain's last second, where the cut it replaces would lose
+// the call on the connection for certain.
+//
+// An agent's drain (it announced one on its control stream, or sent
+// upstream's DRAIN packet) closes that agent's tunnels by the same rule,
+// against the time the agent said it cuts what is left (its
+// --drain-timeout, on the control stream before the drain), less a tenth
+// for the line's way here; an agent that does not say (upstream's, an
+// older one) is taken to cut after agentDrainAssumed, the default. A busy
+// tunnel is left to the agent, which cuts it at its --drain-timeout.
 const (
-	drainQuiet     = 50 * time.Millisecond
-	drainQuietGRPC = 250 * time.Millisecond
-	drainPoll      = 2 * time.Millisecond
+	drainQuietLong    = 500 * time.Millisecond
+	drainQuietShare   = 4 // quietNeeded is the time left/drainQuietShare
+	agentDrainAssumed = 30 * time.Second
+	drainPoll         = 2 * time.Millisecond
 	// drainStall is a poll so late that the quiet seen across it is not
 	// trusted: the process (or the machine) stalled, and the client's
 	// next request may be just behind the stall.
 	drainStall = 10 * time.Millisecond
 )
+
+// quietNeeded is how long a tunnel must have been quiet for a drain to
+// close it, left before the drain's deadline (negative: none is known).
+func quietNeeded(left time.Duration) time.Duration {
+	if left < 0 {
+		return drainQuietLong
+	}
+	return max(min(drainQuietLong, left/drainQuietShare), drainPoll)
+}
 
 // unread reports whether a socket holds bytes not read yet.
 func unread(raw syscall.RawConn) bool {
@@ -56,17 +80,19 @@ func unread(raw syscall.RawConn) bool {
 	return n > 0
 }
 
-// closeQuietTunnels closes each open tunnel once it is quiet, until stop
-// is closed. One goroutine per draining server polls them all: nothing
+// closeQuietTunnels closes each open tunnel once it is quiet (the rule
+// above), until stop is closed or ctx ends; with of set, only that
+// agent's tunnels, and it returns once none is left. deadline is the
+// drain's (zero: none). One goroutine per drain polls them all: nothing
 // runs per tunnel. A tunnel it closes moves to draining, which a
-// restart's move never takes.
-func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
-	type sample struct {
-		v     uint64
-		since time.Time
+// restart's move never takes, nor another drain.
+func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}, of *agentConn, deadline time.Time) {
+	seen := map[*tunnel]uint64{} // the activity each tunnel showed on the last trusted poll
+	type closing struct {
+		t             *tunnel
+		quiet, needed time.Duration
 	}
-	seen := map[*tunnel]sample{}
-	var due []*tunnel
+	var due []closing
 	tick := time.NewTicker(drainPoll)
 	lastTick := time.Now()
 	defer tick.Stop()
@@ -85,28 +111,41 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 			clear(seen)
 		}
 		lastTick = now
+		left := time.Duration(-1)
+		if !deadline.IsZero() {
+			left = max(deadline.Sub(now), 0)
+		}
 		due = due[:0]
+		mine := 0
 		s.mu.Lock()
 		for t := range s.tunnels {
+			if t.state == tunnelReading || t.state == tunnelDialing {
+				continue // t.agent is not set yet (and not to be read)
+			}
+			if of != nil && t.agent != of {
+				continue
+			}
+			mine++
 			if t.state != tunnelOpen {
 				continue
 			}
 			v := t.act.v.Load()
 			prev, ok := seen[t]
-			if !ok || prev.v != v {
-				seen[t] = sample{v, now}
+			seen[t] = v
+			if !ok || prev != v || v&1 == 0 || t.up.isDone() {
+				continue // quiet only once seen unchanged across a poll
+			}
+			quiet := time.Duration(clock() - t.act.at.Load())
+			needed := quietNeeded(left)
+			if quiet < needed {
 				continue
 			}
-			if v&1 == 1 && now.Sub(prev.since) >= t.front.quiet() && !t.up.isDone() {
-				if t.front.unread() || t.act.v.Load() != v {
-					// A request has come, or is being read.
-					seen[t] = sample{t.act.v.Load(), now}
-					continue
-				}
-				t.moveLocked(tunnelDraining)
-				delete(seen, t)
-				due = append(due, t)
+			if t.front.unread() || t.act.v.Load() != v {
+				continue // a request has come, or is being read
 			}
+			t.moveLocked(tunnelDraining)
+			delete(seen, t)
+			due = append(due, closing{t, quiet, needed})
 		}
 		for t := range seen {
 			if t.state != tunnelOpen {
@@ -114,9 +153,25 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}) {
 			}
 		}
 		s.mu.Unlock()
-		for _, t := range due {
+		for _, c := range due {
 			s.Stats.ClosedQuiet.Add(1)
-			t.front.closeQuiet(t)
+			s.log.Debug("drain: tunnel closed at a quiet moment", "addr", c.t.addr, "agent", c.t.agent.id,
+				"quiet", c.quiet, "needed", c.needed, "left", left)
+			c.t.front.closeQuiet(c.t)
+		}
+		if of != nil && mine == 0 {
+			return
 		}
 	}
+}
+
+// agentDraining closes the tunnels of an agent that announced its drain
+// at quiet moments (the rule above), once per agent connection; the agent
+// cuts what is left after cutIn.
+func (s *Server) agentDraining(a *agentConn, cutIn time.Duration) {
+	if a.draining.Swap(true) {
+		return
+	}
+	deadline := time.Now().Add(cutIn - cutIn/10)
+	s.goroutineUnlessClosed(func() { s.closeQuietTunnels(s.baseCtx, nil, a, deadline) })
 }

@@ -488,7 +488,8 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 	// Tunnels that would never end (keep-alive connections) close at a
 	// quiet moment, so their clients dial again and nothing is cut.
 	stopQuiet := make(chan struct{})
-	s.goroutine(func() { s.closeQuietTunnels(ctx, stopQuiet) })
+	deadline, _ := ctx.Deadline()
+	s.goroutine(func() { s.closeQuietTunnels(ctx, stopQuiet, nil, deadline) })
 	defer func() {
 		if n := s.Stats.ClosedQuiet.Load(); n > 0 {
 			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)

@@ -42,8 +42,6 @@ type tunnel struct {
 // front is the client's side of a tunnel: what differs between the HTTP
 // CONNECT front door (frontend.go) and the gRPC one (grpc_frontend.go).
 type front interface {
-	// quiet is how long the tunnel must be quiet before a drain closes it.
-	quiet() time.Duration
 	// closeQuiet ends the tunnel the way a client sees a server close an
 	// idle connection. Called once, outside every lock.
 	closeQuiet(t *tunnel)

@@ -271,8 +271,9 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 				ch <- grpcwire.Packet{Type: grpcwire.DialRsp, Random: p.Random, Error: "the agent closed the dial"}
 			}
 		case grpcwire.Drain:
-			ua.agent.draining.Store(true) // preferred last, as for our own agents
-			ua.s.log.Info("agent draining: new dials prefer other agents", "agent", ua.agent.id, "protocol", "grpc")
+			// Preferred last, its idle tunnels closed, as for our own agents.
+			ua.s.log.Info("agent draining: new dials prefer other agents; its idle tunnels close at quiet moments", "agent", ua.agent.id, "protocol", "grpc")
+			ua.s.agentDraining(ua.agent, agentDrainAssumed)
 		}
 	}
 }

@@ -294,3 +294,32 @@ func TestAgentPortExtraALPN(t *testing.T) {
 		t.Fatalf("routing: upstream %d, ours %d, want 1/1", up.dialCount(), ours.Stats.DialsOK.Load())
 	}
 }
+
+// An upstream agent's DRAIN packet is its drain: the server closes the
+// agent's idle keep-alive tunnel at a quiet moment, at once.
+func TestUpstreamAgentDrainClosesIdleTunnels(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	up := startFakeUpstreamAgent(t, e, "upstream-1", "")
+	e.waitAgents(1)
+	idle := e.echoOne(echoServer(t))
+	defer idle.Close()
+	idle.SetDeadline(time.Time{})
+	ended := make(chan time.Time, 1)
+	go func() { io.Copy(io.Discard, idle); ended <- time.Now() }()
+	time.Sleep(drainQuietLong) // idle since before the drain
+	began := time.Now()
+	up.write(grpcwire.Packet{Type: grpcwire.Drain})
+	select {
+	case at := <-ended:
+		t.Logf("idle tunnel closed %v after the DRAIN packet", at.Sub(began))
+	case <-time.After(10 * time.Second):
+		t.Fatal("idle tunnel through a draining upstream agent never closed")
+	}
+	if e.srv.Stats.ClosedQuiet.Load() != 1 {
+		t.Errorf("%d tunnels closed at a quiet moment, want the idle one", e.srv.Stats.ClosedQuiet.Load())
+	}
+	if !e.srv.agents.draining("upstream-1") {
+		t.Error("the server does not take the upstream agent for draining")
+	}
+}
