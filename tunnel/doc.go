@@ -46,8 +46,8 @@
 // agents), registry.go and registry_index.go (the agents by what a
 // strategy asks for), identity.go, quiet.go (the quiet close, for a
 // server's drain or one agent's), hangup.go (clients that left),
-// handover.go (the server's half
-// of a restart's move), server_metrics.go, status.go.
+// handover.go (the server's half of a restart's move), server_metrics.go,
+// status.go.
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
 // (a connection per server), agent_metrics.go (its metrics and status),
 // and the agent's half of that move in the last agent_*.go.
