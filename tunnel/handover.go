@@ -573,7 +573,7 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 	t := newGRPCTunnel(c, w, r)
 	f := t.front.(*grpcFront)
 	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
-	t.act.resumeQuiet(p.Quiet)
+	t.act.carryQuiet(p.Quiet)
 	if !s.enter(t) {
 		c.pend.release()
 		return nil
@@ -602,7 +602,7 @@ func (s *Server) openHanded(t *tunnel, conn net.Conn) bool {
 	br.Reset(conn)
 	s.initFrontendUpload(t, conn, br)
 	t.addr = t.handed.Addr
-	t.act.resumeQuiet(t.handed.Quiet)
+	t.act.carryQuiet(t.handed.Quiet)
 	return s.resumeStream(t) == nil && t.move(tunnelOpen)
 }
 

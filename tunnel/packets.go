@@ -199,10 +199,10 @@ func (a *activity) quietFor() time.Duration {
 	return max(time.Duration(clock()-at), 1)
 }
 
-// resumeQuiet carries on the quiet a previous image saw when it paused the
-// tunnel (PausedTunnel.Quiet): the tunnel counts as quiet for d already.
+// carryQuiet counts the quiet a previous image of the process saw on the
+// tunnel (PausedTunnel.Quiet) as already passed: the tunnel is quiet for d.
 // Called before the tunnel carries bytes.
-func (a *activity) resumeQuiet(d time.Duration) {
+func (a *activity) carryQuiet(d time.Duration) {
 	if d > 0 {
 		a.at.Store(clock() - int64(d))
 		a.v.Store(1)

@@ -27,13 +27,13 @@ import (
 // drain's first look): a quarter of the time left before the drain's
 // deadline, at most drainQuietLong. Early in a drain only a tunnel idle
 // for half a second is taken for an idle keep-alive connection: a busy
-// machine pauses a stream's writes for tens of milliseconds (a
+// machine stalls a stream's writes for tens of milliseconds (a
 // destination, an agent or this process descheduled), and a stream closed
-// in such a pause loses the rest of a response the client thinks
+// in such a stall loses the rest of a response the client thinks
 // complete; kube-apiserver, which keeps a connection it is not using idle
 // for far longer, loses nothing by the wait. Near the deadline the figure
 // shrinks to a poll: a tunnel that is cut at the deadline anyway (failing
-// the call on it, if any) is better closed in a pause between calls just
+// the call on it, if any) is better closed in a gap between calls just
 // before it.
 //
 // On HTTP CONNECT a call that races the close finds the socket closed

@@ -58,7 +58,7 @@ func TestActivityQuietAcrossHandover(t *testing.T) {
 		t.Fatalf("quiet for %v, want at least 1s", q)
 	}
 	var b activity
-	b.resumeQuiet(q)
+	b.carryQuiet(q)
 	if got := b.quietFor(); got < q || b.v.Load()&1 != 1 {
 		t.Fatalf("resumed: quiet for %v (v %b), want at least %v and last toward the client", got, b.v.Load(), q)
 	}
@@ -67,7 +67,7 @@ func TestActivityQuietAcrossHandover(t *testing.T) {
 		t.Fatalf("after a read from the client: quiet for %v, want 0", q)
 	}
 	var c activity
-	c.resumeQuiet(0)
+	c.carryQuiet(0)
 	if c.v.Load() != 0 || c.quietFor() != 0 {
 		t.Fatal("a tunnel paused while not quiet resumed as quiet")
 	}
