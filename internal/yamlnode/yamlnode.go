@@ -838,19 +838,7 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 	}
 	folded := p.src[p.pos] == '>'
 	p.pos++
-	chomp, explicit := byte(0), 0
-	for i := 0; i < 2 && !p.eof(); i++ {
-		switch c := p.src[p.pos]; {
-		case (c == '+' || c == '-') && chomp == 0:
-			chomp = c
-		case c >= '1' && c <= '9' && explicit == 0:
-			explicit = int(c - '0')
-		default:
-			i = 2
-			continue
-		}
-		p.pos++
-	}
+	chomp, explicit := p.blockIndicators()
 	if !p.blankAt(0) || !p.atLineEnd() {
 		return nil, p.err("expected the end of the line after a block scalar indicator")
 	}
@@ -865,8 +853,33 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 			indent = explicit
 		}
 	}
-	var lines []string // content lines with indentation removed; "" for empty
-	var endsWithBreak bool
+	lines, indent, endsWithBreak := p.blockLines(base, indent)
+	n.Value = joinBlock(lines, indent, folded, chomp, endsWithBreak)
+	return n, nil
+}
+
+// blockIndicators reads a block scalar's chomping ('+', '-' or 0) and
+// explicit indentation (0 for none) after its '|' or '>'.
+func (p *parser) blockIndicators() (chomp byte, explicit int) {
+	for i := 0; i < 2 && !p.eof(); i++ {
+		switch c := p.src[p.pos]; {
+		case (c == '+' || c == '-') && chomp == 0:
+			chomp = c
+		case c >= '1' && c <= '9' && explicit == 0:
+			explicit = int(c - '0')
+		default:
+			return chomp, explicit
+		}
+		p.pos++
+	}
+	return chomp, explicit
+}
+
+// blockLines reads a block scalar's lines, indented deeper than base (by
+// indent when it is known, else by the first content line's), with the
+// indentation removed ("" for an empty line). It returns the indentation
+// found, and whether the last line read ended with a line break.
+func (p *parser) blockLines(base, indent int) (lines []string, _ int, endsWithBreak bool) {
 	for !p.eof() {
 		// p.pos is at a '\n' ending the previous line; one that ends the
 		// input starts no line.
@@ -915,6 +928,12 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 		p.pos = rest
 		endsWithBreak = rest < len(p.src)
 	}
+	return lines, indent, endsWithBreak
+}
+
+// joinBlock makes a block scalar's value of its lines: literal or folded,
+// with its chomping of the trailing line breaks.
+func joinBlock(lines []string, indent int, folded bool, chomp byte, endsWithBreak bool) string {
 	// Trailing empty lines are chomping's business.
 	trailing := 0
 	for len(lines) > 0 && strings.TrimLeft(lines[len(lines)-1], " ") == "" && !(indent >= 0 && len(lines[len(lines)-1]) > 0) {
@@ -958,8 +977,7 @@ func (p *parser) blockScalar(parent int) (*Node, error) {
 			b.WriteByte('\n')
 		}
 	}
-	n.Value = b.String()
-	return n, nil
+	return b.String()
 }
 
 func boolInt(b bool) int {
