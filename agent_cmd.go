@@ -16,11 +16,11 @@ import (
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/lease"
 	"github.com/spinifex/konnectivity/internal/nodemap"
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/internal/proxydial"
 	"github.com/spinifex/konnectivity/tunnel"
-	"github.com/spinifex/konnectivity/tunnel/lease"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 type agentOptions struct {

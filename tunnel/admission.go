@@ -16,9 +16,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Admission bounds what a peer on the agent port can make the server do

@@ -20,7 +20,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 )

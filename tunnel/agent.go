@@ -18,9 +18,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // AgentConfig configures an Agent. Zero durations take the defaults below.

@@ -4,7 +4,7 @@ import (
 	"sort"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 const agentPrefix = "konnectivity_network_proxy_agent_"

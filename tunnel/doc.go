@@ -91,7 +91,7 @@
 // table of a tunnel's states among it), apart from sync.Pools of buffers.
 // The package imports tunnel/internal/h2link (the link),
 // tunnel/internal/grpcwire (upstream's Packet wire format) and
-// tunnel/promtext (metrics); it never imports package main, auth or certs:
+// internal/promtext (metrics); it never imports package main, auth or certs:
 // authentication reaches it as functions in ServerConfig.
 //
 // # Parked stacks

@@ -15,9 +15,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // A handover moves open frontend tunnels from this server to the next

@@ -14,7 +14,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 // Principal is what an agent's credential proves about it. The zero value

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 func TestServerMetricsMoveWithDials(t *testing.T) {

@@ -8,9 +8,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Upstream counts every gRPC Packet a process sends or receives, by the

@@ -5,8 +5,8 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Packet and error counts are exposed with upstream's label names and

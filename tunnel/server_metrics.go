@@ -1,8 +1,8 @@
 package tunnel
 
 import (
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // Server metrics use upstream's names and labels where the concept exists,

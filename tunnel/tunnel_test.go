@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 func TestConnectEchoSequentialAndConcurrent(t *testing.T) {

@@ -7,8 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
 )
 
 // failureSeries is the agent's own count of failed connections to a

@@ -6,7 +6,7 @@ import (
 	"runtime"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 // metricsHandler serves the registry in the Prometheus text format.

@@ -8,7 +8,7 @@ import (
 	"os/signal"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"golang.org/x/sys/unix"
 )
 

@@ -10,7 +10,7 @@ import (
 	"os/signal"
 	"testing"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"golang.org/x/sys/unix"
 )
 

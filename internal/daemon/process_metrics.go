@@ -12,7 +12,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"golang.org/x/sys/unix"
 )
 

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 // Every runtime/metrics name the go_* families read exists in this Go

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 const testNS = "kube-system"

@@ -4,7 +4,7 @@
 // Prometheus and the upstream dashboards read.
 //
 // It sits under tunnel/ because tunnel is its first user, but it knows
-// nothing of tunnel: tunnel, tunnel/lease, auth, certs and package main
+// nothing of tunnel: tunnel, internal/lease, auth, certs and package main
 // all register into one Registry, which the health and admin ports serve.
 //
 // Rules: updates are atomic adds with no lock on the per-dial path; a

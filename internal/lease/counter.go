@@ -10,7 +10,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 // maxLeases bounds the Leases a Counter tracks: a selector that matches

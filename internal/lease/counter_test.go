@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 type runningCounter struct {

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 // Upstream's timing (cmd/server/app/server.go): a Lease is valid for 30s,

@@ -4,7 +4,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel/promtext"
+	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
 // Upstream's lease metric families. The histograms without explicit buckets
