@@ -405,10 +405,10 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello agentHell
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
 	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID)}
-	if !s.register(a, hello.Token, tlsState) {
+	if err := s.register(a, hello.Token, tlsState); err != nil {
 		stopControl()
 		a.endCredential()
-		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote)
+		s.log.Info("agent refused: "+err.Error(), "agent", a.id, "remote", remote)
 		link.Close()
 		return
 	}
@@ -499,14 +499,32 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 // it watches the credential the agent logged in with and claims the agent's
 // ID. An agent that reconnected replaces its old connection, which may be
 // half-dead: the old one is drained (its tunnels may finish, new dials go
-// to the new one) within the keepalive and PING timeouts. It returns false,
-// registering nothing, when another credential took the ID during the
-// login; the caller then ends the credential watch and the connection.
-func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionState) bool {
+// to the new one) within the keepalive and PING timeouts. It returns an
+// error, registering nothing, when another credential took the ID during
+// the login (errIDTaken) or the server began shutting down meanwhile
+// (errAgentLate); the caller then ends the credential watch and the
+// connection.
+//
+// The shutting check and the claim are one step under Server.mu: Shutdown
+// and Close set shutting under it and then find the agents to close in
+// the registry, so an agent claimed after that would be closed by no one,
+// and its link would hold Close (and a restart) until the agent left.
+var (
+	errIDTaken   = errors.New("its ID was taken by another credential during the login")
+	errAgentLate = errors.New("the server began shutting down during the login")
+)
+
+func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionState) error {
 	s.watchCredential(a, token, tlsState)
+	s.mu.Lock()
+	if s.shutting {
+		s.mu.Unlock()
+		return errAgentLate
+	}
 	old, ok := s.agents.claim(a)
+	s.mu.Unlock()
 	if !ok {
-		return false
+		return errIDTaken
 	}
 	if old != nil {
 		old.draining.Store(true)
@@ -516,7 +534,7 @@ func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionSta
 			old.shutdown(ctx)
 		})
 	}
-	return true
+	return nil
 }
 
 // speaksGRPC tells upstream's gRPC agents from ours on the agent port.

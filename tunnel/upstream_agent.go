@@ -153,9 +153,13 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID)}
 	ua.agent = a
 	defer a.endCredential()
-	if !s.register(a, hello.Token, tlsState) {
-		s.log.Info("agent refused: its ID was taken by another credential during the login", "agent", a.id, "remote", remote, "protocol", "grpc")
-		g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
+	if err := s.register(a, hello.Token, tlsState); err != nil {
+		s.log.Info("agent refused: "+err.Error(), "agent", a.id, "remote", remote, "protocol", "grpc")
+		if errors.Is(err, errAgentLate) {
+			g.finish(grpcUnavailable, "server is shutting down")
+		} else {
+			g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
+		}
 		return false
 	}
 	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
