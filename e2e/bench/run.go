@@ -6,6 +6,7 @@ import (
 	"debug/elf"
 	"errors"
 	"fmt"
+	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
 	"io"
 	"net/http"
 	"os"
@@ -239,7 +240,7 @@ func (b *bench) raiseNofile(want uint64) {
 }
 
 func (b *bench) start(ctx context.Context) error {
-	p, err := mintPKI(b.dir)
+	p, err := benchpki.Mint(b.dir, "bench")
 	if err != nil {
 		return err
 	}
@@ -257,9 +258,9 @@ func (b *bench) start(ctx context.Context) error {
 		"--server-port=0",
 		"--agent-bind-address=127.0.0.1",
 		"--agent-port=" + strconv.Itoa(agentPort),
-		"--cluster-cert=" + p.serverCert,
-		"--cluster-key=" + p.serverKey,
-		"--cluster-ca-cert=" + p.caCert,
+		"--cluster-cert=" + p.ServerCert,
+		"--cluster-key=" + p.ServerKey,
+		"--cluster-ca-cert=" + p.CACert,
 		"--health-bind-address=127.0.0.1",
 		"--health-port=" + strconv.Itoa(serverHealth),
 	}
@@ -269,9 +270,9 @@ func (b *bench) start(ctx context.Context) error {
 	agentArgs := []string{
 		"--proxy-server-host=127.0.0.1",
 		"--proxy-server-port=" + strconv.Itoa(agentPort),
-		"--ca-cert=" + p.caCert,
-		"--agent-cert=" + p.agentCert,
-		"--agent-key=" + p.agentKey,
+		"--ca-cert=" + p.CACert,
+		"--agent-cert=" + p.AgentCert,
+		"--agent-key=" + p.AgentKey,
 		"--agent-id=bench",
 		"--health-server-host=127.0.0.1",
 		"--health-server-port=" + strconv.Itoa(agentHealth),

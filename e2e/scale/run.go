@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
 	"io"
 	"os"
 	"path/filepath"
@@ -32,7 +33,7 @@ type scale struct {
 	cfg      config
 	progress io.Writer
 	dir      string
-	pki      *pki
+	pki      *benchpki.PKI
 	res      result
 	failures []string
 	notes    []string // what went wrong in the other implementation's runs
@@ -85,7 +86,7 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 	nofile := raiseNofile()
 	fmt.Fprintf(out, "machine: %d CPUs, load average %s, RLIMIT_NOFILE %d; %s\n", runtime.NumCPU(), loadAvg(), nofile, runtime.Version())
 	fmt.Fprintf(out, "sizes: %d agents, %d tunnels requested, %d dials per latency figure\n", cfg.agents, cfg.tunnels, cfg.dials)
-	if s.pki, err = mintPKI(s.dir); err != nil {
+	if s.pki, err = benchpki.Mint(s.dir, "scale"); err != nil {
 		return s.res, err
 	}
 	var plan []*doorRun
@@ -329,9 +330,9 @@ func (d *doorRun) startServer(ctx context.Context) error {
 		"--server-port=0",
 		"--agent-bind-address=127.0.0.1",
 		"--agent-port=" + strconv.Itoa(agentPort),
-		"--cluster-cert=" + s.pki.serverCert,
-		"--cluster-key=" + s.pki.serverKey,
-		"--cluster-ca-cert=" + s.pki.caCert,
+		"--cluster-cert=" + s.pki.ServerCert,
+		"--cluster-key=" + s.pki.ServerKey,
+		"--cluster-ca-cert=" + s.pki.CACert,
 		"--health-bind-address=127.0.0.1",
 		"--health-port=" + strconv.Itoa(health),
 		"--admin-bind-address=127.0.0.1",
@@ -391,7 +392,7 @@ func (d *doorRun) startHelpers(ctx context.Context) error {
 		d.echoes = append(d.echoes, h)
 		d.echoAddrs = append(d.echoAddrs, addr)
 	}
-	args := simArgs{Server: d.agentsAddr, CACert: s.pki.caCert, AgentCert: s.pki.agentCert, AgentKey: s.pki.agentKey}
+	args := simArgs{Server: d.agentsAddr, CACert: s.pki.CACert, AgentCert: s.pki.AgentCert, AgentKey: s.pki.AgentKey}
 	for i := range nSim {
 		h, _, err := startHelper(ctx, fmt.Sprintf("simulator %d", i), d.simRole, args, filepath.Join(s.dir, fmt.Sprintf("%s-sim%d.log", d.tag(), i)))
 		if err != nil {

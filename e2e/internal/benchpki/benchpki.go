@@ -1,4 +1,7 @@
-package main
+// Package benchpki mints the throwaway CA, server certificate and agent
+// client certificate that the benchmark programs (bench, scale) run with.
+// Only the e2e module's programs and tests import it.
+package benchpki
 
 import (
 	"crypto/ecdsa"
@@ -15,17 +18,19 @@ import (
 	"time"
 )
 
-// pki holds the file paths of a throwaway CA, a server certificate for
-// 127.0.0.1 and one agent client certificate, minted for one run. Every
-// simulated agent presents the same client certificate: the server's
+// PKI holds the file paths of a throwaway CA, a server certificate for
+// 127.0.0.1 and one agent client certificate, minted for one run. Where
+// many agents run, they all present that one certificate: the server's
 // cost per agent (a full handshake and a chain verification, no session
 // resumption) does not depend on which certificate it is, and the
 // agents' IDs are their own.
-type pki struct {
-	caCert, serverCert, serverKey, agentCert, agentKey string
+type PKI struct {
+	CACert, ServerCert, ServerKey, AgentCert, AgentKey string
 }
 
-func mintPKI(dir string) (*pki, error) {
+// Mint writes a new PKI into dir; name tells the runs' CAs and agent
+// certificates apart ("bench", "scale").
+func Mint(dir, name string) (*PKI, error) {
 	now := time.Now()
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -33,7 +38,7 @@ func mintPKI(dir string) (*pki, error) {
 	}
 	caTmpl := &x509.Certificate{
 		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "konnectivity-scale-ca"},
+		Subject:               pkix.Name{CommonName: "konnectivity-" + name + "-ca"},
 		NotBefore:             now.Add(-time.Hour),
 		NotAfter:              now.Add(24 * time.Hour),
 		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
@@ -48,14 +53,14 @@ func mintPKI(dir string) (*pki, error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse CA cert: %w", err)
 	}
-	p := &pki{
-		caCert:     filepath.Join(dir, "ca.crt"),
-		serverCert: filepath.Join(dir, "server.crt"),
-		serverKey:  filepath.Join(dir, "server.key"),
-		agentCert:  filepath.Join(dir, "agent.crt"),
-		agentKey:   filepath.Join(dir, "agent.key"),
+	p := &PKI{
+		CACert:     filepath.Join(dir, "ca.crt"),
+		ServerCert: filepath.Join(dir, "server.crt"),
+		ServerKey:  filepath.Join(dir, "server.key"),
+		AgentCert:  filepath.Join(dir, "agent.crt"),
+		AgentKey:   filepath.Join(dir, "agent.key"),
 	}
-	if err := writePEM(p.caCert, "CERTIFICATE", caDER); err != nil {
+	if err := writePEM(p.CACert, "CERTIFICATE", caDER); err != nil {
 		return nil, err
 	}
 	issue := func(serial int64, cn string, usage x509.ExtKeyUsage, ips []net.IP, certPath, keyPath string) error {
@@ -86,10 +91,10 @@ func mintPKI(dir string) (*pki, error) {
 		return writePEM(keyPath, "PRIVATE KEY", keyDER)
 	}
 	if err := issue(2, "konnectivity-server", x509.ExtKeyUsageServerAuth,
-		[]net.IP{net.IPv4(127, 0, 0, 1)}, p.serverCert, p.serverKey); err != nil {
+		[]net.IP{net.IPv4(127, 0, 0, 1)}, p.ServerCert, p.ServerKey); err != nil {
 		return nil, err
 	}
-	if err := issue(3, "scale-agent", x509.ExtKeyUsageClientAuth, nil, p.agentCert, p.agentKey); err != nil {
+	if err := issue(3, name+"-agent", x509.ExtKeyUsageClientAuth, nil, p.AgentCert, p.AgentKey); err != nil {
 		return nil, err
 	}
 	return p, nil
