@@ -411,6 +411,9 @@ func TestStalledTunnelMemoryBudget(t *testing.T) {
 	}()
 	refusedAt := 0
 	for i := range 20 {
+		// Read before the dial: the new tunnel may fill its window
+		// before a later reading, which would then never see it grow.
+		before := held()
 		c, _, code, msg, err := faultConnect(s.sock, hose.addr(), 10*time.Second)
 		if err != nil {
 			t.Fatal(err)
@@ -426,7 +429,6 @@ func TestStalledTunnelMemoryBudget(t *testing.T) {
 			t.Fatal(err)
 		}
 		stalled = append(stalled, c)
-		before := held()
 		waitFor(t, 30*time.Second, "the new tunnel holds bytes", func() bool { return held() > before })
 		t.Logf("%d stalled: %.2f MiB held", len(stalled), held()/(1<<20))
 	}
