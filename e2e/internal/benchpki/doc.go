@@ -1,0 +1,4 @@
+// Package benchpki mints the throwaway CA, server certificate and agent
+// client certificate that the benchmark programs (bench, scale) run with.
+// Only the e2e module's programs and tests import it.
+package benchpki
