@@ -89,6 +89,7 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 	maxStreams := int64(s.cfg.MaxStreamsPerAgent)
 	d := dest{host: host}
 	var timer *time.Timer
+	leaving, last := s.leaving.Done(), false
 	for {
 		changed := s.agents.waitChan()
 		if s.nodeRank >= 0 {
@@ -101,11 +102,18 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 			s.countNodeRoute(used, a)
 			return a, nil
 		}
+		if last {
+			// A leaving server admits no agent: none will come for this
+			// dial here (a handover passes it on: passDialing).
+			return nil, statusErrorf(http.StatusServiceUnavailable, "server shutting down: no agent available for %s", host).withReason(reasonShutdown)
+		}
 		if timer == nil {
 			timer = time.NewTimer(s.cfg.AgentWait)
 			defer timer.Stop()
 		}
 		select {
+		case <-leaving:
+			last = true // one more look: the agents it has still take dials
 		case <-changed:
 		case <-timer.C:
 			s.countNodeRoute("", nil)

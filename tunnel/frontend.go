@@ -114,7 +114,12 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 		s.passUnasked(t, conn, lim.seen)
 		return false
 	}
-	lim.seen = nil
+	// The head's own bytes, kept while the dial may still move to the next
+	// image (passDialing); bytes read past it are in br.
+	head := lim.seen[:max(0, len(lim.seen)-br.Buffered())]
+	if lim.replay == 0 {
+		lim.seen = nil
+	}
 	if err != nil && StatusCode(err) == http.StatusBadRequest && !time.Now().Before(headDeadline) {
 		// net/http reports a line cut short by the deadline as malformed.
 		err = statusErrorf(http.StatusRequestTimeout, "request head not received in time")
@@ -146,6 +151,9 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	t.addr = addr
 	s.initFrontendUpload(t, conn, br)
 	if err := s.open(t); err != nil {
+		if failureReason(err) == reasonShutdown && s.passDialing(t, conn, head, br) {
+			return false
+		}
 		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -175,9 +176,37 @@ func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
 	s.unasked = append(s.unasked, &PausedTunnel{File: file, Unasked: true, Head: seen})
 }
 
+// passDialing passes t on to the next image as a connection that asked
+// for nothing yet, when a handover began while its dial waited for an
+// agent: no agent was asked, and none can log in to a server that is
+// leaving, so the next image, whose agents log in again, dials it. What
+// its client sent goes with it: the head (head) and whatever came after
+// it (br's buffer, once the upload's first read is stopped). False when
+// the shutdown is not a handover, or the handover is past taking it.
+func (s *Server) passDialing(t *tunnel, conn net.Conn, head []byte, br *bufio.Reader) bool {
+	s.mu.Lock()
+	ok := s.handingOver && !s.collected && !s.closed && t.moveLocked(tunnelPaused)
+	if ok {
+		s.unaskedWG.Add(1)
+	}
+	s.mu.Unlock()
+	if !ok {
+		return false
+	}
+	t.up.unblock()
+	<-t.up.peeked
+	rest, _ := br.Peek(br.Buffered())
+	s.log.Debug("dial waiting for an agent handed to the next image", "addr", t.addr)
+	s.passUnasked(t, conn, append(slices.Clip(head), rest...))
+	return true
+}
+
 // collectUnasked waits until every connection takeUnaskedLocked took is
 // passed on, and returns them.
 func (s *Server) collectUnasked() []*PausedTunnel {
+	s.mu.Lock()
+	s.collected = true
+	s.mu.Unlock()
 	s.unaskedWG.Wait()
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -525,3 +525,54 @@ func TestHandOverWhileResuming(t *testing.T) {
 		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels)
 	}
 }
+
+// TestHandOverPassesDialWaitingForAgent: a dial still waiting for an agent
+// when a handover begins (its agent is reconnecting) goes to the next
+// image with what its client sent, head and early bytes, instead of
+// holding the handover until its grace ends and being cut; the next
+// image, whose agent is back, dials it.
+func TestHandOverPassesDialWaitingForAgent(t *testing.T) {
+	checkNoLeaks(t)
+	dest, accepted := countingEcho(t)
+	e := newEnv(t, func(c *ServerConfig) { c.AgentWait = time.Minute })
+	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(30 * time.Second))
+	const early = "sent before the answer"
+	fmt.Fprintf(conn, "CONNECT %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n%s", dest, early)
+	waitUntil(t, func() bool { return e.srv.pending.Load() == 1 }, "the dial waiting for an agent")
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	paused, err := e.srv.HandOver(ctx)
+	if err != nil {
+		t.Fatalf("HandOver: %v", err)
+	}
+	if len(paused) != 1 || !paused[0].Unasked {
+		t.Fatalf("handed over %d connections (%+v), want the waiting dial's", len(paused), paused)
+	}
+	if h := string(paused[0].Head); !strings.HasPrefix(h, "CONNECT "+dest) || !strings.HasSuffix(h, early) {
+		t.Fatalf("handed over with %q, want its head and the bytes after it", h)
+	}
+	e.stop()
+
+	next := newEnvOn(t, e.pki, e.agentAddr, nil)
+	next.startAgent("a1", "", nil)
+	next.waitAgents(1)
+	next.srv.Resume(paused)
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("CONNECT answer from the next image: %v %v", resp, err)
+	}
+	got := make([]byte, len(early))
+	if _, err := io.ReadFull(br, got); err != nil || string(got) != early {
+		t.Fatalf("echo of the early bytes: %q %v", got, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}

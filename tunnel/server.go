@@ -157,9 +157,11 @@ type Server struct {
 	unasked   []*PausedTunnel
 	unaskedWG sync.WaitGroup
 	// The server's state; guarded by mu.
-	shutting bool     // no new connections are accepted
-	closed   bool     // everything is being torn down
-	spareFD  *os.File // guarded by mu: released to answer 503 when out of file descriptors
+	shutting    bool     // no new connections are accepted
+	handingOver bool     // the shutdown is a handover: a dial no agent took yet moves too (passDialing)
+	collected   bool     // the handover took the unasked list: nothing more joins it (collectUnasked)
+	closed      bool     // everything is being torn down
+	spareFD     *os.File // guarded by mu: released to answer 503 when out of file descriptors
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
@@ -466,6 +468,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)) error {
 	s.mu.Lock()
 	s.shutting = true
+	s.handingOver = move != nil
 	for ln := range s.listeners {
 		(*ln).Close()
 	}

@@ -82,9 +82,10 @@ func (st tunnelState) String() string { return tunnelStateNames[st] }
 // returns (Server.leave); a drain and a handover take only open tunnels,
 // so the two never meet on one. A handover also passes on, as they are,
 // connections still reading their head (reading to paused at once):
-// nothing was asked for, so there is nothing to stop.
+// nothing was asked for, so there is nothing to stop; and dials still
+// waiting for an agent (dialing to paused): no agent was asked.
 var tunnelMoves = [numTunnelStates][]tunnelState{
-	tunnelDialing:  {tunnelOpen, tunnelClosed},
+	tunnelDialing:  {tunnelOpen, tunnelPaused, tunnelClosed},
 	tunnelOpen:     {tunnelDraining, tunnelPausing, tunnelClosed},
 	tunnelDraining: {tunnelClosed},
 	tunnelPausing:  {tunnelPaused, tunnelClosed},
