@@ -730,11 +730,9 @@ func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
 	for {
-		changed := s.agents.waitChan()
-		for _, a := range s.agents.snapshot() {
-			if a.id == id && a.canPause {
-				return a
-			}
+		a, changed := s.agents.arrival(id)
+		if a != nil {
+			return a
 		}
 		if s.isShutting() {
 			return nil

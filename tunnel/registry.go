@@ -113,19 +113,24 @@ func (a *agentConn) usable(maxStreams int64) bool {
 // node. Choosing visits only the agents a strategy names, starting at a
 // rotating cursor and stopping at the first live usable one, so a dial
 // costs the same whatever the number of agents while most can take a
-// tunnel. Waiters block on changed, which is closed and replaced whenever
-// an agent joins, or by wake. Every method that reads agents is here. Its lock comes
-// after Server.mu and before an agent's link (tunnel/doc.go, "Locks").
+// tunnel. Waiters for any agent block on changed, which is closed and
+// replaced whenever an agent joins, or by wake; waiters for one agent ID
+// (a resume) block on its channel in arrivals, closed when that agent
+// joins, or by wake, so that a fleet logging in after a restart wakes
+// each resume once, not once per agent. Every method that reads agents is
+// here. Its lock comes after Server.mu and before an agent's link
+// (tunnel/doc.go, "Locks").
 type registry struct {
-	mu      sync.RWMutex
-	agents  map[string]*agentConn // guarded by mu
-	idx     agentIndex            // guarded by mu: the agents in agents, indexed
-	changed chan struct{}         // guarded by mu
-	next    atomic.Uint64         // rotation among equal agents
+	mu       sync.RWMutex
+	agents   map[string]*agentConn    // guarded by mu
+	idx      agentIndex               // guarded by mu: the agents in agents, indexed
+	changed  chan struct{}            // guarded by mu
+	arrivals map[string]chan struct{} // guarded by mu: by agent ID, while someone waits for it
+	next     atomic.Uint64            // rotation among equal agents
 }
 
 func newRegistry() *registry {
-	return &registry{agents: make(map[string]*agentConn), idx: newAgentIndex(), changed: make(chan struct{})}
+	return &registry{agents: make(map[string]*agentConn), idx: newAgentIndex(), changed: make(chan struct{}), arrivals: make(map[string]chan struct{})}
 }
 
 // add registers a, returning the connection it replaces (same agent ID), if any.
@@ -140,6 +145,10 @@ func (r *registry) add(a *agentConn) (replaced *agentConn) {
 	r.idx.add(a)
 	close(r.changed)
 	r.changed = make(chan struct{})
+	if ch := r.arrivals[a.id]; ch != nil {
+		close(ch)
+		delete(r.arrivals, a.id)
+	}
 	return replaced
 }
 
@@ -149,6 +158,27 @@ func (r *registry) wake() {
 	defer r.mu.Unlock()
 	close(r.changed)
 	r.changed = make(chan struct{})
+	for id, ch := range r.arrivals {
+		close(ch)
+		delete(r.arrivals, id)
+	}
+}
+
+// arrival returns the agent with id when it is connected and can take
+// back a paused tunnel; otherwise a channel closed when an agent with id
+// joins, or by wake.
+func (r *registry) arrival(id string) (*agentConn, <-chan struct{}) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if a := r.agents[id]; a != nil && a.canPause {
+		return a, nil
+	}
+	ch := r.arrivals[id]
+	if ch == nil {
+		ch = make(chan struct{})
+		r.arrivals[id] = ch
+	}
+	return nil, ch
 }
 
 func (r *registry) remove(a *agentConn) {

@@ -238,3 +238,59 @@ func BenchmarkPick(b *testing.B) {
 		}
 	}
 }
+
+// TestArrivalWakesOnlyItsWaiters: a resume waiting for one agent is woken
+// when that agent joins, or by wake, and not by any other agent joining:
+// a fleet logging in after a restart wakes each resume once.
+func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
+	r := newRegistry()
+	closed := func(ch <-chan struct{}) bool {
+		select {
+		case <-ch:
+			return true
+		default:
+			return false
+		}
+	}
+	a, ch := r.arrival("a")
+	if a != nil || ch == nil {
+		t.Fatalf("arrival before the agent joined: %v %v", a, ch)
+	}
+	if _, ch2 := r.arrival("a"); ch2 != ch {
+		t.Fatal("two waiters for one agent got different channels")
+	}
+	for i := range 100 {
+		b := indexedAgent(fmt.Sprintf("b%d", i), "", "")
+		b.canPause = true
+		r.add(b)
+	}
+	if closed(ch) {
+		t.Fatal("other agents joining woke the waiter for a")
+	}
+	ag := indexedAgent("a", "", "")
+	r.add(ag) // cannot take a tunnel back: its waiter looks, and waits on
+	if !closed(ch) {
+		t.Fatal("agent a joining did not wake its waiter")
+	}
+	got, ch3 := r.arrival("a")
+	if got != nil || ch3 == nil || closed(ch3) {
+		t.Fatalf("an agent that cannot take a tunnel back was returned: %v", got)
+	}
+	ag2 := indexedAgent("a", "", "")
+	ag2.canPause = true
+	r.add(ag2)
+	if !closed(ch3) {
+		t.Fatal("agent a joining again did not wake its waiter")
+	}
+	if got, _ := r.arrival("a"); got != ag2 {
+		t.Fatalf("arrival = %v, want the agent that joined", got)
+	}
+	_, ch4 := r.arrival("c")
+	r.wake()
+	if !closed(ch4) {
+		t.Fatal("wake did not wake a waiter")
+	}
+	if len(r.arrivals) != 0 {
+		t.Fatalf("%d channels left after every waiter was woken", len(r.arrivals))
+	}
+}
