@@ -60,7 +60,14 @@ func newNetns(t *testing.T, addrs []string, hosts string) *netns {
 	})
 	run("-n", ns.name, "link", "set", "lo", "up")
 	for _, a := range addrs {
-		run("-n", ns.name, "addr", "add", a, "dev", "lo")
+		args := []string{"-n", ns.name, "addr", "add", a, "dev", "lo"}
+		if strings.Contains(a, ":") {
+			// Usable at once: otherwise an IPv6 address is tentative until
+			// the kernel's DAD work runs, which a busy machine delays, and
+			// a bind to it fails with "cannot assign requested address".
+			args = append(args, "nodad")
+		}
+		run(args...)
 	}
 	if hosts != "" {
 		dir := "/etc/netns/" + ns.name
