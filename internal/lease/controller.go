@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -123,7 +124,7 @@ func (c *Controller) Release(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	err := c.cfg.Client.Delete(ctx, c.name, "")
-	if err != nil && !isCode(err, http.StatusNotFound) {
+	if err != nil && !kubeapi.IsCode(err, http.StatusNotFound) {
 		return fmt.Errorf("delete server lease %s: %w", c.name, err)
 	}
 	c.latest = nil
@@ -166,14 +167,14 @@ func (c *Controller) renew(ctx context.Context) error {
 			c.latest = l
 			return nil
 		}
-		if !isCode(err, http.StatusConflict) && !isCode(err, http.StatusNotFound) {
+		if !kubeapi.IsCode(err, http.StatusConflict) && !kubeapi.IsCode(err, http.StatusNotFound) {
 			return err
 		}
 		c.latest = nil // changed or deleted by someone else: start over
 	}
 	l, err := c.cfg.Client.Get(ctx, c.name)
 	switch {
-	case isCode(err, http.StatusNotFound):
+	case kubeapi.IsCode(err, http.StatusNotFound):
 		l, err = c.cfg.Client.Create(ctx, c.next(nil))
 		if err != nil {
 			return err
@@ -251,7 +252,7 @@ func (c *Controller) gc(ctx context.Context) error {
 			c.metrics.culled.Inc()
 			exp, _ := l.Expiry()
 			c.log.Info("culled expired server lease", "culled", l.Name, "holder", l.Holder, "expired", exp.UTC().Format(time.RFC3339))
-		case isCode(err, http.StatusNotFound), isCode(err, http.StatusConflict):
+		case kubeapi.IsCode(err, http.StatusNotFound), kubeapi.IsCode(err, http.StatusConflict):
 			// Deleted by another server, or renewed since the list.
 		default:
 			failed = fmt.Errorf("delete %s: %w", l.Name, err)

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -195,10 +196,10 @@ func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
 	events, werr, err := c.cfg.Client.Watch(wctx, c.cfg.Selector.String(), rv, timeout)
 	c.metrics.observeWatch(err)
 	if err != nil {
-		if ctx.Err() == nil && !isCode(err, http.StatusGone) {
+		if ctx.Err() == nil && !kubeapi.IsCode(err, http.StatusGone) {
 			c.watchLog.failed(err)
 		}
-		if isCode(err, http.StatusGone) {
+		if kubeapi.IsCode(err, http.StatusGone) {
 			return rv, listNow
 		}
 		return rv, listLater
@@ -225,7 +226,7 @@ func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
 				switch {
 				case err == nil:
 					return rv, watchAgain
-				case isCode(err, http.StatusGone):
+				case kubeapi.IsCode(err, http.StatusGone):
 					return rv, listNow
 				default:
 					c.watchLog.failed(err)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 // Config says what a Watcher follows.
@@ -160,7 +161,7 @@ func (f *follower) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		if isCode(err, http.StatusGone) {
+		if kubeapi.IsCode(err, http.StatusGone) {
 			continue // too old to continue from: list again at once
 		}
 		f.failed(err)
@@ -321,7 +322,7 @@ func (f *follower) ok() {
 
 // classify names the state an error puts the follower in and what it means.
 func classify(err error, k kindID) (state, hint string) {
-	var ae *APIError
+	var ae *kubeapi.Error
 	var ne net.Error
 	switch {
 	case errors.As(err, &ae) && ae.Code == http.StatusForbidden:
