@@ -218,14 +218,11 @@ func TestGRPCNodeImageCommandLine(t *testing.T) {
 		"--uds-name=" + s.sock, "--delete-existing-uds-file=true", "--server-port=0",
 		"--agent-port=" + strconv.Itoa(s.agentPort),
 		"--cluster-cert=" + p.serverCert, "--cluster-key=" + p.serverKey,
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
 		"--proxy-strategies=destHost,default",
 		"--server-count=1",
 		"--health-port=" + strconv.Itoa(s.healthPort), "--admin-port=" + strconv.Itoa(s.adminPort),
 	}
+	s.args = append(s.args, tokenAuthFlags(kc)...)
 	// A stale socket from a previous run must be replaced.
 	if l, err := net.Listen("unix", s.sock); err == nil {
 		l.(*net.UnixListener).SetUnlinkOnClose(false)

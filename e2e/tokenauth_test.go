@@ -146,6 +146,41 @@ func writeFileAtomic(t *testing.T, path string, data []byte) {
 	}
 }
 
+// startTokenServer starts a server that checks agents' ServiceAccount
+// tokens with TokenReviews at api (its kubeconfig written in dir), with
+// extra flags.
+func startTokenServer(t *testing.T, p *pki, api *fakeAPIServer, dir string, extra ...string) *server {
+	t.Helper()
+	kc := filepath.Join(dir, "kubeconfig")
+	api.writeKubeconfig(t, p, kc)
+	return startServerOpts(t, serverOpts{pki: p, extra: append(tokenAuthFlags(kc), extra...)})
+}
+
+// tokenAuthFlags are the server flags that check agents' tokens with
+// TokenReviews at the apiserver kubeconfig names: the konnectivity-agent
+// ServiceAccount of kube-system, for agentAudience.
+func tokenAuthFlags(kubeconfig string) []string {
+	return []string{
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-audience=" + agentAudience,
+		"--agent-namespace=kube-system",
+		"--agent-service-account=konnectivity-agent",
+	}
+}
+
+// startTokenAgent starts an agent of s that logs in with the token in
+// tokenFile, retrying fast, with extra flags.
+func startTokenAgent(t *testing.T, s *server, p *pki, id, tokenFile string, extra ...string) *agent {
+	t.Helper()
+	return startAgentArgs(t, id, append([]string{
+		"--proxy-server-host=127.0.0.1",
+		"--proxy-server-port=" + fmt.Sprint(s.agentPort),
+		"--ca-cert=" + p.caCert,
+		"--service-account-token-path=" + tokenFile,
+		"--sync-interval=100ms", "--sync-interval-cap=500ms",
+	}, extra...)...)
+}
+
 // TestTokenAuth: agents authenticate with a ServiceAccount token that the
 // server checks with a TokenReview against kube-apiserver; no client
 // certificates and no --cluster-ca-cert.
@@ -153,24 +188,9 @@ func TestTokenAuth(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	api := startFakeAPIServer(t, p)
 	dir := t.TempDir()
-	kc := filepath.Join(dir, "kubeconfig")
-	api.writeKubeconfig(t, p, kc)
-	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
-		"--agent-wait=1s",
-	}})
+	s := startTokenServer(t, p, api, dir, "--agent-wait=1s")
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
-	tokenAgent := func(id, tokenFile string) *agent {
-		return startAgentArgs(t, id,
-			"--proxy-server-host=127.0.0.1",
-			"--proxy-server-port="+fmt.Sprint(s.agentPort),
-			"--ca-cert="+p.caCert,
-			"--service-account-token-path="+tokenFile,
-			"--sync-interval=100ms", "--sync-interval-cap=500ms")
-	}
+	tokenAgent := func(id, tokenFile string) *agent { return startTokenAgent(t, s, p, id, tokenFile) }
 
 	// One agent starts with a bad token: refused, and the server stays
 	// unready.
@@ -232,15 +252,7 @@ func TestTokenReviewRateBound(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	api := startFakeAPIServer(t, p)
 	dir := t.TempDir()
-	kc := filepath.Join(dir, "kubeconfig")
-	api.writeKubeconfig(t, p, kc)
-	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
-		fmt.Sprintf("--max-token-reviews-per-second=%d", rate),
-	}})
+	s := startTokenServer(t, p, api, dir, fmt.Sprintf("--max-token-reviews-per-second=%d", rate))
 	caPEM, err := os.ReadFile(p.caCert)
 	if err != nil {
 		t.Fatal(err)
@@ -310,12 +322,7 @@ func TestTokenReviewRateBound(t *testing.T) {
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
 	good := filepath.Join(dir, "token-good")
 	writeFileAtomic(t, good, []byte(goodToken))
-	startAgentArgs(t, "good",
-		"--proxy-server-host=127.0.0.1",
-		"--proxy-server-port="+fmt.Sprint(s.agentPort),
-		"--ca-cert="+p.caCert,
-		"--service-account-token-path="+good,
-		"--sync-interval=100ms", "--sync-interval-cap=500ms")
+	startTokenAgent(t, s, p, "good", good)
 	s.waitAgents(t, 1, startTimeout)
 	checkReachable(t, s.egressDialer(t), backend, "b1", 3)
 	if n := api.reviews.Load(); n <= reviews {

@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -694,14 +693,7 @@ func TestUpstreamAgent(t *testing.T) {
 func TestUpstreamAgentTokenAuth(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	api := startFakeAPIServer(t, p)
-	kc := filepath.Join(t.TempDir(), "kubeconfig")
-	api.writeKubeconfig(t, p, kc)
-	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
-	}})
+	s := startTokenServer(t, p, api, t.TempDir())
 	noCert := upstreamTLS(t, p, false)
 
 	_, err := connectUpstreamAgent(t, s.agentPort, noCert, "bad-token", "", "bad-token")
