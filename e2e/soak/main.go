@@ -33,7 +33,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/spinifex/konnectivity/e2e/internal/testnet"
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 type config struct {
