@@ -2,7 +2,9 @@
 // API (internal/lease, internal/nodemap) share about the API's answers:
 // how a request is sent (JSON, the konnectivity User-Agent), how an answer
 // other than success becomes an *Error carrying the Status code, reason
-// and message, and how one object read from an answer is bounded in size.
+// and message, how one object read from an answer is bounded in size, and
+// how calls are spaced (Pace, Sleep, Jitter) so that a fleet of clients
+// never calls the apiserver in a tight loop or in step.
 //
 // Rules: a client never trusts the size of an answer, so an error body is
 // read up to MaxErrorBody and an object through a BoundedReader; an *Error

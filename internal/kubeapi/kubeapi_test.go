@@ -1,12 +1,14 @@
 package kubeapi
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // An answer's Status gives the reason and message; any other body gives
@@ -61,5 +63,29 @@ func TestBoundedReader(t *testing.T) {
 	}
 	if got := (&TooLargeError{Limit: 2 << 20}).Error(); got != "object larger than 2 MiB" {
 		t.Errorf("message: %q", got)
+	}
+}
+
+// Pace spaces calls by gap and gives up when ctx ends; Jitter stays
+// within its factor.
+func TestPace(t *testing.T) {
+	var last time.Time
+	ctx := context.Background()
+	if !Pace(ctx, &last, time.Hour) || time.Since(last) > time.Minute {
+		t.Fatalf("first call waited or was not recorded: %v", last)
+	}
+	start := time.Now()
+	if !Pace(ctx, &last, 20*time.Millisecond) || time.Since(start) < 10*time.Millisecond {
+		t.Fatalf("second call %v after the first, want about 20ms", time.Since(start))
+	}
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if Pace(cancelled, &last, time.Hour) {
+		t.Fatal("Pace went on after ctx ended")
+	}
+	for range 100 {
+		if d := Jitter(time.Second, 0.1); d < time.Second || d > 1100*time.Millisecond {
+			t.Fatalf("Jitter(1s, 0.1) = %v", d)
+		}
 	}
 }

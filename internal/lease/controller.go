@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"net/http"
 	"sync"
 	"time"
@@ -138,7 +137,7 @@ func (c *Controller) renewLoop(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		wait := jitter(c.cfg.RenewInterval, 0.04)
+		wait := kubeapi.Jitter(c.cfg.RenewInterval, 0.04)
 		if err != nil {
 			c.metrics.renewErr.Inc()
 			c.renewLog.failed(err)
@@ -151,7 +150,7 @@ func (c *Controller) renewLoop(ctx context.Context) {
 			c.renewLog.ok("holder", c.cfg.ServerID)
 			backoff = 100 * time.Millisecond
 		}
-		if !sleep(ctx, wait) {
+		if !kubeapi.Sleep(ctx, wait) {
 			return
 		}
 	}
@@ -215,7 +214,7 @@ func (c *Controller) gcLoop(ctx context.Context) {
 		} else {
 			c.gcLog.ok()
 		}
-		if !sleep(ctx, c.cfg.GCInterval) {
+		if !kubeapi.Sleep(ctx, c.cfg.GCInterval) {
 			return
 		}
 	}
@@ -281,21 +280,4 @@ func (s *stateLog) ok(args ...any) {
 		s.lastErr = ""
 		s.log.Info(s.what+": working again", args...)
 	}
-}
-
-// sleep waits d or until ctx ends; false means ctx ended.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
-// jitter returns d plus up to factor*d, so a fleet does not act in step.
-func jitter(d time.Duration, factor float64) time.Duration {
-	return d + time.Duration(rand.Float64()*factor*float64(d))
 }

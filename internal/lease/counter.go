@@ -114,7 +114,7 @@ func (c *Counter) Run(ctx context.Context) {
 			if c.reported != 0 {
 				c.recount()
 			}
-			if !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
+			if !kubeapi.Sleep(ctx, kubeapi.Jitter(c.cfg.PollInterval, 0.1)) {
 				return
 			}
 			continue
@@ -126,7 +126,7 @@ func (c *Counter) Run(ctx context.Context) {
 		for next == watchAgain && ctx.Err() == nil {
 			rv, next = c.watch(ctx, rv)
 		}
-		if next == listLater && !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
+		if next == listLater && !kubeapi.Sleep(ctx, kubeapi.Jitter(c.cfg.PollInterval, 0.1)) {
 			return
 		}
 	}
@@ -144,18 +144,8 @@ const (
 // 410, is not called in a tight loop.
 const minCallGap = time.Second
 
-// pace waits until last is minCallGap ago and records the new call; false
-// means ctx ended.
-func pace(ctx context.Context, last *time.Time) bool {
-	if wait := minCallGap - time.Since(*last); wait > 0 && !sleep(ctx, wait) {
-		return false
-	}
-	*last = time.Now()
-	return true
-}
-
 func (c *Counter) list(ctx context.Context) (string, error) {
-	if !pace(ctx, &c.lastList) {
+	if !kubeapi.Pace(ctx, &c.lastList, minCallGap) {
 		return "", ctx.Err()
 	}
 	lctx, cancel := context.WithTimeout(ctx, callTimeout)
@@ -187,7 +177,7 @@ func (c *Counter) list(ctx context.Context) (string, error) {
 // that stopped renewing from a watch that silently stopped delivering
 // renewals (without a list, the count drops then anyway).
 func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
-	if !pace(ctx, &c.lastWatch) {
+	if !kubeapi.Pace(ctx, &c.lastWatch, minCallGap) {
 		return rv, listLater
 	}
 	wctx, cancel := context.WithCancel(ctx)
