@@ -366,28 +366,7 @@ func (c *kubeCluster) create(t *testing.T, path string, obj any) []byte {
 // client certificate identity.
 func (c *kubeCluster) writeKubeconfig(t *testing.T, path, certFile, keyFile string) {
 	t.Helper()
-	kc := fmt.Sprintf(`apiVersion: v1
-kind: Config
-clusters:
-- name: e2e
-  cluster:
-    server: %s
-    certificate-authority: %s
-users:
-- name: user
-  user:
-    client-certificate: %s
-    client-key: %s
-contexts:
-- name: e2e
-  context:
-    cluster: e2e
-    user: user
-current-context: e2e
-`, c.url, c.pki.caFile, certFile, keyFile)
-	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	writeKubeconfigFile(t, path, c.url, c.pki.caFile, fmt.Sprintf("{client-certificate: %q, client-key: %q}", certFile, keyFile))
 }
 
 // egressConfigFor copies the shipped egress selector file with only the

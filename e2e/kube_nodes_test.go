@@ -120,7 +120,7 @@ func kubeNodeRouting(t *testing.T, apiserverBin, etcdBin string) {
 			n.apiFwd = forwardFromNetns(t, strings.TrimPrefix(c.url, "https://"))
 		})
 		n.apiKubeconfig = filepath.Join(dir, n.name+"-kubeconfig")
-		writeTokenKubeconfig(t, n.apiKubeconfig, "https://127.0.0.1:"+strconv.Itoa(n.apiFwd.port), c.pki.caFile, apiToken)
+		writeKubeconfigFile(t, n.apiKubeconfig, "https://127.0.0.1:"+strconv.Itoa(n.apiFwd.port), c.pki.caFile, fmt.Sprintf("{token: %q}", apiToken))
 	}
 
 	// --- The webhook: a Service whose one endpoint is a pod on node B,
@@ -488,14 +488,6 @@ func writeToken(t *testing.T, c *kubeCluster, dir, pod, audience string) string 
 		t.Fatalf("TokenRequest for %s: no token (%v): %s", pod, err, tail(string(tr), 500))
 	}
 	return resp.Status.Token
-}
-
-func writeTokenKubeconfig(t *testing.T, path, server, caFile, token string) {
-	t.Helper()
-	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster: {server: %q, certificate-authority: %q}\nusers:\n- name: agent\n  user: {token: %q}\ncontexts:\n- name: e2e\n  context: {cluster: e2e, user: agent}\ncurrent-context: e2e\n", server, caFile, token)
-	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // makeNetns creates a network namespace whose loopback interface holds

@@ -109,25 +109,27 @@ func (f *fakeAPIServer) writeKubeconfig(t *testing.T, p *pki, path string) {
 	if err := os.WriteFile(caPath, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: f.srv.Certificate().Raw}), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	writeKubeconfigFile(t, path, f.srv.URL, caPath, fmt.Sprintf("{client-certificate: %q, client-key: %q}", p.agentCert, p.agentKey))
+}
+
+// writeKubeconfigFile writes a kubeconfig at path for the apiserver at
+// server, trusted through caFile, as the user whose credential user
+// gives: a YAML flow mapping such as {token: "x"}.
+func writeKubeconfigFile(t *testing.T, path, server, caFile, user string) {
+	t.Helper()
 	kc := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
-- name: fake
-  cluster:
-    server: %s
-    certificate-authority: %s
+- name: e2e
+  cluster: {server: %q, certificate-authority: %q}
 users:
-- name: konnectivity-server
-  user:
-    client-certificate: %s
-    client-key: %s
+- name: u
+  user: %s
 contexts:
-- name: fake
-  context:
-    cluster: fake
-    user: konnectivity-server
-current-context: fake
-`, f.srv.URL, caPath, p.agentCert, p.agentKey)
+- name: e2e
+  context: {cluster: e2e, user: u}
+current-context: e2e
+`, server, caFile, user)
 	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
 		t.Fatal(err)
 	}
