@@ -8,7 +8,6 @@ package e2e
 
 import (
 	"bufio"
-	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -131,24 +130,7 @@ func kubeNodeRouting(t *testing.T, apiserverBin, etcdBin string) {
 		whSrv = startKubeBackend(t, nodeWebhookIP, c.pki.serving(t, "webhook", []string{"webhook." + kubeNS + ".svc"}, nil), webhookHandler(&reviews))
 	})
 	serviceOnNode(t, c, "webhook", nodeWebhookIP, b.name, whSrv.port)
-	vwc := obj("ValidatingWebhookConfiguration", "admissionregistration.k8s.io/v1", "konnectivity-e2e-nodes", "")
-	vwc["webhooks"] = []any{map[string]any{
-		"name":                    "configmaps.e2e.konnectivity.test",
-		"admissionReviewVersions": []string{"v1"},
-		"sideEffects":             "None",
-		"failurePolicy":           "Fail",
-		"timeoutSeconds":          10,
-		"clientConfig": map[string]any{
-			"service":  map[string]any{"namespace": kubeNS, "name": "webhook", "path": "/validate", "port": 443},
-			"caBundle": base64.StdEncoding.EncodeToString(c.pki.caPEM(t)),
-		},
-		"rules": []any{map[string]any{
-			"apiGroups": []string{""}, "apiVersions": []string{"v1"},
-			"operations": []string{"CREATE"}, "resources": []string{"configmaps"},
-		}},
-		"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": kubeNS}},
-	}}
-	c.create(t, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", vwc)
+	createConfigMapWebhook(t, c, "konnectivity-e2e-nodes")
 
 	// --- The server, node first.
 	kubeconfig := filepath.Join(dir, "kubeconfig")
