@@ -167,15 +167,34 @@ func startProcBin(t *testing.T, bin, name string, args ...string) *proc {
 // startProcEnv is startProcBin with env added to the inherited environment.
 func startProcEnv(t *testing.T, bin, name string, env []string, args ...string) *proc {
 	t.Helper()
-	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
+	p := newProc(bin, name, args...)
 	if len(env) > 0 {
 		p.cmd.Env = append(os.Environ(), env...)
 	}
+	p.start(t, func() {
+		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
+			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, bin,
+				strings.Join(args, " "), p.out.String(), name, p.waitErr)
+		}
+	})
+	return p
+}
+
+// newProc is a process not started yet, its output collected in out.
+func newProc(bin, name string, args ...string) *proc {
+	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout = p.out
 	p.cmd.Stderr = p.out
+	return p
+}
+
+// start starts p and the goroutine that reaps it; t.Cleanup stops it and
+// then calls report, which may log its output.
+func (p *proc) start(t *testing.T, report func()) {
+	t.Helper()
 	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
+		t.Fatalf("start %s: %v", p.name, err)
 	}
 	go func() {
 		p.waitErr = p.cmd.Wait()
@@ -183,12 +202,8 @@ func startProcEnv(t *testing.T, bin, name string, env []string, args ...string) 
 	}()
 	t.Cleanup(func() {
 		p.stop(t)
-		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
-			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, bin,
-				strings.Join(args, " "), p.out.String(), name, p.waitErr)
-		}
+		report()
 	})
-	return p
 }
 
 func (p *proc) exited() bool {

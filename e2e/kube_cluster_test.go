@@ -285,20 +285,9 @@ func startKubeCluster(t *testing.T, apiserverBin, etcdBin, egressConfig string, 
 // behind.
 func startKubeProc(t *testing.T, bin, name string, args ...string) *proc {
 	t.Helper()
-	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
-	p.cmd.Stdout = p.out
-	p.cmd.Stderr = p.out
+	p := newProc(bin, name, args...)
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() {
-		p.waitErr = p.cmd.Wait()
-		close(p.done)
-	}()
-	t.Cleanup(func() {
-		p.stop(t)
+	p.start(t, func() {
 		if t.Failed() {
 			t.Logf("--- %s (last lines)\n%s--- end %s (%v)", name, tail(p.out.String(), 12000), name, p.waitErr)
 		}
