@@ -257,16 +257,7 @@ func TestControllerCullSparesRenewedLease(t *testing.T) {
 func TestControllerLogsFailuresOnce(t *testing.T) {
 	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
-	var mu sync.Mutex
-	failing := true
-	f.setFail(func(*http.Request) (int, string) {
-		mu.Lock()
-		defer mu.Unlock()
-		if failing {
-			return http.StatusServiceUnavailable, "ServiceUnavailable"
-		}
-		return 0, ""
-	})
+	f.setFail(func(*http.Request) (int, string) { return http.StatusServiceUnavailable, "ServiceUnavailable" })
 	rc := startController(t, client, "server-a", nil)
 	waitFake(t, f, "several failed attempts", func() bool { return f.requests(http.MethodGet) >= 4 && f.requests("LIST") >= 4 })
 	if n := rc.logs.count("renew server lease failed"); n != 1 {
@@ -278,9 +269,7 @@ func TestControllerLogsFailuresOnce(t *testing.T) {
 	if !strings.Contains(metricsText(rc.m), `lease_list_total{http_status_code="503",reason="ServiceUnavailable"}`) {
 		t.Fatalf("failed lists not counted:\n%s", metricsText(rc.m))
 	}
-	mu.Lock()
-	failing = false
-	mu.Unlock()
+	f.setFail(nil)
 	waitFake(t, f, "the lease after recovery", func() bool { _, ok := f.get(testNS, NamePrefix+"server-a"); return ok })
 	waitFake(t, f, "the recovery line", func() bool { return rc.logs.count("renew server lease: working again") == 1 })
 }
