@@ -455,7 +455,14 @@ func waitPlateau(t *testing.T, counter *atomic.Int64, what string) int64 {
 // request/response round trips on it, all within 10 s.
 func echoMany(t *testing.T, d dialFunc, addr string, n int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	echoWithin(t, d, addr, n, 10*time.Second, true)
+}
+
+// echoWithin is echoMany within bound; without deadlines (a conn that has
+// none) a timer closes the conn at bound instead.
+func echoWithin(t *testing.T, d dialFunc, addr string, n int, bound time.Duration, deadlines bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	start := time.Now()
 	conn, err := d(ctx, "tcp", addr)
@@ -463,8 +470,13 @@ func echoMany(t *testing.T, d dialFunc, addr string, n int) {
 		t.Fatalf("dial echo beside a stalled tunnel: %v", err)
 	}
 	defer conn.Close()
-	if err := conn.SetDeadline(start.Add(10 * time.Second)); err != nil {
-		t.Fatal(err)
+	if deadlines {
+		if err := conn.SetDeadline(start.Add(bound)); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		watchdog := time.AfterFunc(bound, func() { conn.Close() })
+		defer watchdog.Stop()
 	}
 	br := bufio.NewReader(conn)
 	for i := range n {

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -255,21 +254,5 @@ func TestGRPCNodeImageCommandLine(t *testing.T) {
 // the conn if the round trips take longer than 8 s.
 func echoNoDeadline(t *testing.T, d dialFunc, addr string, n int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Second)
-	defer cancel()
-	start := time.Now()
-	conn, err := d(ctx, "tcp", addr)
-	if err != nil {
-		t.Fatalf("dial echo beside a stalled tunnel: %v", err)
-	}
-	defer conn.Close()
-	watchdog := time.AfterFunc(8*time.Second, func() { conn.Close() })
-	defer watchdog.Stop()
-	br := bufio.NewReader(conn)
-	for i := range n {
-		if err := echoOnce(conn, br, fmt.Sprintf("ping %d\n", i)); err != nil {
-			t.Fatalf("echo %d of %d beside a stalled tunnel, after %v: %v", i, n, time.Since(start), err)
-		}
-	}
-	t.Logf("dial + %d echoes beside a stalled tunnel in %v", n, time.Since(start).Round(time.Millisecond))
+	echoWithin(t, d, addr, n, 8*time.Second, false)
 }
