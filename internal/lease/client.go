@@ -82,25 +82,23 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 
 // Create creates l and returns the stored Lease.
 func (c *Client) Create(ctx context.Context, l *Lease) (*Lease, error) {
-	body, err := l.encode()
-	if err != nil {
-		return nil, err
-	}
-	data, err := c.do(ctx, http.MethodPost, c.base, body, maxObjectSize)
-	if err != nil {
-		return nil, err
-	}
-	return decodeLease(data)
+	return c.write(ctx, http.MethodPost, c.base, l)
 }
 
 // Update replaces l; it fails with 409 Conflict when the stored Lease is no
 // longer at l.ResourceVersion.
 func (c *Client) Update(ctx context.Context, l *Lease) (*Lease, error) {
+	return c.write(ctx, http.MethodPut, c.objectURL(l.Name), l)
+}
+
+// write sends l with method to u and returns the Lease the apiserver
+// stored.
+func (c *Client) write(ctx context.Context, method, u string, l *Lease) (*Lease, error) {
 	body, err := l.encode()
 	if err != nil {
 		return nil, err
 	}
-	data, err := c.do(ctx, http.MethodPut, c.objectURL(l.Name), body, maxObjectSize)
+	data, err := c.do(ctx, method, u, body, maxObjectSize)
 	if err != nil {
 		return nil, err
 	}
