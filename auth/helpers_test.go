@@ -367,6 +367,14 @@ func b64(b []byte) string { return base64.StdEncoding.EncodeToString(b) }
 
 // kubeconfigInline is a kubeconfig for f with everything inline.
 func (f *fakeAPIServer) kubeconfigInline() string {
+	return kubeconfigFor(f.url(), b64(f.caPEM), fmt.Sprintf("    client-certificate-data: %s\n    client-key-data: %s\n", b64(f.certPEM), b64(f.keyPEM)))
+}
+
+// kubeconfigFor is a kubeconfig whose current context "main" names the
+// cluster "fake" at server, trusting caB64, and the user "server", whose
+// fields userYAML gives (indented four spaces). The users come last, so a
+// test may append one.
+func kubeconfigFor(server, caB64, userYAML string) string {
 	return fmt.Sprintf(`apiVersion: v1
 kind: Config
 current-context: main
@@ -381,9 +389,7 @@ contexts:
 users:
 - name: server
   user:
-    client-certificate-data: %s
-    client-key-data: %s
-`, f.url(), b64(f.caPEM), b64(f.certPEM), b64(f.keyPEM))
+%s`, server, caB64, userYAML)
 }
 
 func writeFile(t testing.TB, path string, data []byte) {

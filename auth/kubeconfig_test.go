@@ -109,26 +109,10 @@ users:
 	})
 }
 
-func tokenKubeconfig(server, caB64, userYAML string) string {
-	return fmt.Sprintf(`current-context: c
-clusters:
-- name: k
-  cluster:
-    server: %s
-    certificate-authority-data: %s
-contexts:
-- name: c
-  context: {cluster: k, user: u}
-users:
-- name: u
-  user:
-%s`, server, caB64, userYAML)
-}
-
 func TestKubeconfigToken(t *testing.T) {
 	f := newFakeAPIServer(t, fakeOpts{})
 	f.wantBearer = "server-token-1"
-	cfg := load(t, t.TempDir(), tokenKubeconfig(f.url(), b64(f.caPEM), "    token: server-token-1\n"), "")
+	cfg := load(t, t.TempDir(), kubeconfigFor(f.url(), b64(f.caPEM), "    token: server-token-1\n"), "")
 	if err := probe(t, f, cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -147,7 +131,7 @@ func TestKubeconfigTokenFileReread(t *testing.T) {
 	f := newFakeAPIServer(t, fakeOpts{})
 	dir := t.TempDir()
 	writeFile(t, filepath.Join(dir, "secrets", "token"), []byte("rotating-1\n"))
-	y := tokenKubeconfig(f.url(), b64(f.caPEM), "    token: stale-inline\n    tokenFile: secrets/token\n")
+	y := kubeconfigFor(f.url(), b64(f.caPEM), "    token: stale-inline\n    tokenFile: secrets/token\n")
 	cfg := load(t, dir, y, "")
 	f.wantBearer = "rotating-1"
 	if err := probe(t, f, cfg); err != nil {

@@ -87,13 +87,7 @@ func attackServer(t *testing.T, p *pki, m *reviewMeter, extra ...string) *server
 	dir := t.TempDir()
 	kc := filepath.Join(dir, "kubeconfig")
 	(&fakeAPIServer{srv: m.srv}).writeKubeconfig(t, p, kc)
-	return startServerOpts(t, serverOpts{pki: p, clusterCA: p.caCert, extra: append([]string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
-		"--enable-profiling",
-	}, extra...)})
+	return startServerOpts(t, serverOpts{pki: p, clusterCA: p.caCert, extra: append(append(tokenAuthFlags(kc), "--enable-profiling"), extra...)})
 }
 
 // h2Attacker is a raw TLS connection with ALPN h2 to the agent port.

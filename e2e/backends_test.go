@@ -12,7 +12,7 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/spinifex/konnectivity/e2e/internal/testnet"
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 // Backends the tests reach through the tunnel. All listen on loopback and

@@ -37,6 +37,20 @@ func get(ctx context.Context, client *http.Client, url string) (string, error) {
 	return string(body), nil
 }
 
+// getHello GETs /hello?i=i through client from the HTTP backend at addr
+// that names itself name; an error if the request fails or another
+// backend answered.
+func getHello(ctx context.Context, client *http.Client, addr, name string, i int) error {
+	body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", addr, i))
+	if err != nil {
+		return err
+	}
+	if want := fmt.Sprintf("hello %s %d", name, i); body != want {
+		return fmt.Errorf("body %q, want %q", body, want)
+	}
+	return nil
+}
+
 // TestEgressRequests sends HTTP requests through kube-apiserver's own
 // HTTPConnect egress dialer → server UDS → agent → loopback backend.
 func TestEgressRequests(t *testing.T) {
@@ -53,12 +67,8 @@ func TestEgressRequests(t *testing.T) {
 		const n = 200
 		start := time.Now()
 		for i := range n {
-			body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
-			if err != nil {
+			if err := getHello(ctx, client, backend, "b1", i); err != nil {
 				t.Fatalf("request %d: %v", i, err)
-			}
-			if want := fmt.Sprintf("hello b1 %d", i); body != want {
-				t.Fatalf("request %d: body %q, want %q", i, body, want)
 			}
 		}
 		if got := dials.get(); got != n {
@@ -82,13 +92,8 @@ func TestEgressRequests(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				defer func() { <-sem }()
-				body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
-				if err != nil {
+				if err := getHello(ctx, client, backend, "b1", i); err != nil {
 					errs <- fmt.Errorf("request %d: %w", i, err)
-					return
-				}
-				if want := fmt.Sprintf("hello b1 %d", i); body != want {
-					errs <- fmt.Errorf("request %d: body %q, want %q", i, body, want)
 				}
 			}()
 		}
@@ -115,12 +120,8 @@ func TestEgressRequests(t *testing.T) {
 		defer client.CloseIdleConnections()
 		const n = 200
 		for i := range n {
-			body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
-			if err != nil {
+			if err := getHello(ctx, client, backend, "b1", i); err != nil {
 				t.Fatalf("request %d: %v", i, err)
-			}
-			if want := fmt.Sprintf("hello b1 %d", i); body != want {
-				t.Fatalf("request %d: body %q, want %q", i, body, want)
 			}
 		}
 		if got := dials.get(); got != 1 {
@@ -316,12 +317,8 @@ func reach(d dialFunc, backend, name string, n int) error {
 	defer cancel()
 	client := d.httpClient(false, nil)
 	for i := range n {
-		body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
-		if err != nil {
+		if err := getHello(ctx, client, backend, name, i); err != nil {
 			return fmt.Errorf("request %d to %s: %w", i, backend, err)
-		}
-		if want := fmt.Sprintf("hello %s %d", name, i); body != want {
-			return fmt.Errorf("request %d to %s: body %q, want %q", i, backend, body, want)
 		}
 	}
 	return nil
@@ -455,7 +452,14 @@ func waitPlateau(t *testing.T, counter *atomic.Int64, what string) int64 {
 // request/response round trips on it, all within 10 s.
 func echoMany(t *testing.T, d dialFunc, addr string, n int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	echoWithin(t, d, addr, n, 10*time.Second, true)
+}
+
+// echoWithin is echoMany within bound; without deadlines (a conn that has
+// none) a timer closes the conn at bound instead.
+func echoWithin(t *testing.T, d dialFunc, addr string, n int, bound time.Duration, deadlines bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	start := time.Now()
 	conn, err := d(ctx, "tcp", addr)
@@ -463,8 +467,13 @@ func echoMany(t *testing.T, d dialFunc, addr string, n int) {
 		t.Fatalf("dial echo beside a stalled tunnel: %v", err)
 	}
 	defer conn.Close()
-	if err := conn.SetDeadline(start.Add(10 * time.Second)); err != nil {
-		t.Fatal(err)
+	if deadlines {
+		if err := conn.SetDeadline(start.Add(bound)); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		watchdog := time.AfterFunc(bound, func() { conn.Close() })
+		defer watchdog.Stop()
 	}
 	br := bufio.NewReader(conn)
 	for i := range n {

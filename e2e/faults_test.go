@@ -20,7 +20,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/e2e/internal/testnet"
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 // Faults with real processes: kill -9, a throttled link, file-descriptor

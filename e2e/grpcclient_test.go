@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -83,11 +82,7 @@ func TestGRPCClient(t *testing.T) {
 		start := time.Now()
 		for i := range 100 {
 			wg.Go(func() {
-				body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", backend, i))
-				if err == nil && body != fmt.Sprintf("hello b1 %d", i) {
-					err = fmt.Errorf("body %q", body)
-				}
-				if err != nil && failed.Add(1) <= 5 {
+				if err := getHello(ctx, client, backend, "b1", i); err != nil && failed.Add(1) <= 5 {
 					t.Errorf("request %d: %v", i, err)
 				}
 			})
@@ -218,14 +213,11 @@ func TestGRPCNodeImageCommandLine(t *testing.T) {
 		"--uds-name=" + s.sock, "--delete-existing-uds-file=true", "--server-port=0",
 		"--agent-port=" + strconv.Itoa(s.agentPort),
 		"--cluster-cert=" + p.serverCert, "--cluster-key=" + p.serverKey,
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
 		"--proxy-strategies=destHost,default",
 		"--server-count=1",
 		"--health-port=" + strconv.Itoa(s.healthPort), "--admin-port=" + strconv.Itoa(s.adminPort),
 	}
+	s.args = append(s.args, tokenAuthFlags(kc)...)
 	// A stale socket from a previous run must be replaced.
 	if l, err := net.Listen("unix", s.sock); err == nil {
 		l.(*net.UnixListener).SetUnlinkOnClose(false)
@@ -258,21 +250,5 @@ func TestGRPCNodeImageCommandLine(t *testing.T) {
 // the conn if the round trips take longer than 8 s.
 func echoNoDeadline(t *testing.T, d dialFunc, addr string, n int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Second)
-	defer cancel()
-	start := time.Now()
-	conn, err := d(ctx, "tcp", addr)
-	if err != nil {
-		t.Fatalf("dial echo beside a stalled tunnel: %v", err)
-	}
-	defer conn.Close()
-	watchdog := time.AfterFunc(8*time.Second, func() { conn.Close() })
-	defer watchdog.Stop()
-	br := bufio.NewReader(conn)
-	for i := range n {
-		if err := echoOnce(conn, br, fmt.Sprintf("ping %d\n", i)); err != nil {
-			t.Fatalf("echo %d of %d beside a stalled tunnel, after %v: %v", i, n, time.Since(start), err)
-		}
-	}
-	t.Logf("dial + %d echoes beside a stalled tunnel in %v", n, time.Since(start).Round(time.Millisecond))
+	echoWithin(t, d, addr, n, 8*time.Second, false)
 }

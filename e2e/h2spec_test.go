@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/e2e/internal/testnet"
+	"github.com/spinifex/konnectivity/internal/testnet"
 	"github.com/summerwind/h2spec/config"
 	"github.com/summerwind/h2spec/generic"
 	"github.com/summerwind/h2spec/hpack"

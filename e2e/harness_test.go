@@ -6,12 +6,9 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
 	"io"
-	"math/big"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -27,6 +24,8 @@ import (
 
 	apiserverapi "k8s.io/apiserver/pkg/apis/apiserver"
 	"k8s.io/apiserver/pkg/server/egressselector"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
 )
 
 // Bounds used by the harness. They are upper limits for things that normally
@@ -94,62 +93,16 @@ type pki struct {
 // and extraIPs, and an agent client certificate into dir.
 func newPKI(t *testing.T, dir string, extraIPs ...net.IP) *pki {
 	t.Helper()
-	now := time.Now()
-	caKey := newKey(t)
-	caTmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "konnectivity-e2e-ca"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	bp, err := benchpki.MintSpec(dir, benchpki.Spec{
+		CAName:    "konnectivity-e2e-ca",
+		AgentName: "konnectivity-agent",
+		DNSNames:  serverDNSNames(),
+		IPs:       append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, extraIPs...),
+	})
 	if err != nil {
-		t.Fatalf("create CA cert: %v", err)
+		t.Fatalf("mint PKI: %v", err)
 	}
-	ca, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		t.Fatalf("parse CA cert: %v", err)
-	}
-	p := &pki{
-		caCert:     filepath.Join(dir, "ca.crt"),
-		serverCert: filepath.Join(dir, "server.crt"),
-		serverKey:  filepath.Join(dir, "server.key"),
-		agentCert:  filepath.Join(dir, "agent.crt"),
-		agentKey:   filepath.Join(dir, "agent.key"),
-	}
-	writePEM(t, p.caCert, "CERTIFICATE", caDER)
-
-	issue := func(serial int64, cn string, usage x509.ExtKeyUsage, dns []string, ips []net.IP, certPath, keyPath string) {
-		key := newKey(t)
-		tmpl := &x509.Certificate{
-			SerialNumber: big.NewInt(serial),
-			Subject:      pkix.Name{CommonName: cn},
-			NotBefore:    now.Add(-time.Hour),
-			NotAfter:     now.Add(24 * time.Hour),
-			KeyUsage:     x509.KeyUsageDigitalSignature,
-			ExtKeyUsage:  []x509.ExtKeyUsage{usage},
-			DNSNames:     dns,
-			IPAddresses:  ips,
-		}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-		if err != nil {
-			t.Fatalf("create %s cert: %v", cn, err)
-		}
-		writePEM(t, certPath, "CERTIFICATE", der)
-		keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-		if err != nil {
-			t.Fatalf("marshal %s key: %v", cn, err)
-		}
-		writePEM(t, keyPath, "PRIVATE KEY", keyDER)
-	}
-	issue(2, "konnectivity-server", x509.ExtKeyUsageServerAuth,
-		serverDNSNames(), append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, extraIPs...),
-		p.serverCert, p.serverKey)
-	issue(3, "konnectivity-agent", x509.ExtKeyUsageClientAuth, nil, nil, p.agentCert, p.agentKey)
-	return p
+	return &pki{caCert: bp.CACert, serverCert: bp.ServerCert, serverKey: bp.ServerKey, agentCert: bp.AgentCert, agentKey: bp.AgentKey}
 }
 
 func newKey(t *testing.T) *ecdsa.PrivateKey {
@@ -214,15 +167,34 @@ func startProcBin(t *testing.T, bin, name string, args ...string) *proc {
 // startProcEnv is startProcBin with env added to the inherited environment.
 func startProcEnv(t *testing.T, bin, name string, env []string, args ...string) *proc {
 	t.Helper()
-	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
+	p := newProc(bin, name, args...)
 	if len(env) > 0 {
 		p.cmd.Env = append(os.Environ(), env...)
 	}
+	p.start(t, func() {
+		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
+			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, bin,
+				strings.Join(args, " "), p.out.String(), name, p.waitErr)
+		}
+	})
+	return p
+}
+
+// newProc is a process not started yet, its output collected in out.
+func newProc(bin, name string, args ...string) *proc {
+	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout = p.out
 	p.cmd.Stderr = p.out
+	return p
+}
+
+// start starts p and the goroutine that reaps it; t.Cleanup stops it and
+// then calls report, which may log its output.
+func (p *proc) start(t *testing.T, report func()) {
+	t.Helper()
 	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
+		t.Fatalf("start %s: %v", p.name, err)
 	}
 	go func() {
 		p.waitErr = p.cmd.Wait()
@@ -230,12 +202,8 @@ func startProcEnv(t *testing.T, bin, name string, env []string, args ...string) 
 	}()
 	t.Cleanup(func() {
 		p.stop(t)
-		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
-			t.Logf("--- %s: %s %s\n%s--- end %s (%v)", name, bin,
-				strings.Join(args, " "), p.out.String(), name, p.waitErr)
-		}
+		report()
 	})
-	return p
 }
 
 func (p *proc) exited() bool {

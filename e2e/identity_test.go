@@ -146,26 +146,15 @@ func TestIdentityBinding(t *testing.T) {
 	kc := filepath.Join(dir, "kubeconfig")
 	api.writeKubeconfig(t, p, kc)
 	const recheck = time.Second
-	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
+	s := startServerOpts(t, serverOpts{pki: p, extra: append(tokenAuthFlags(kc),
 		"--proxy-strategies=destHost,default",
-		"--token-recheck-interval=" + recheck.String(),
+		"--token-recheck-interval="+recheck.String(),
 		"--token-review-cache-ttl=500ms",
 		"--agent-wait=1s",
-	}})
+	)})
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
 	tokenAgent := func(id, identifiers, tokenFile string) *agent {
-		return startAgentArgs(t, id,
-			"--proxy-server-host=127.0.0.1",
-			"--proxy-server-port="+fmt.Sprint(s.agentPort),
-			"--ca-cert="+p.caCert,
-			"--service-account-token-path="+tokenFile,
-			"--agent-identifiers="+identifiers,
-			"--token-refresh-interval=100ms",
-			"--sync-interval=100ms", "--sync-interval-cap=500ms")
+		return startTokenAgent(t, s, p, id, tokenFile, "--agent-identifiers="+identifiers, "--token-refresh-interval=100ms")
 	}
 	tokenA := filepath.Join(dir, "token-a")
 	writeFileAtomic(t, tokenA, []byte("tok-a1\n"))

@@ -21,8 +21,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/util/httpstream"
-	"k8s.io/apimachinery/pkg/util/httpstream/spdy"
+	"k8s.io/streaming/pkg/httpstream"
+	"k8s.io/streaming/pkg/httpstream/spdy"
 )
 
 // kubeBackend is one TLS HTTP server on addr.
@@ -280,20 +280,29 @@ func (e *upgradeRefused) Error() string {
 	return "upgrade refused: status " + strconv.Itoa(e.code) + ": " + e.body
 }
 
+// upgradeSPDY answers r as a kubelet answers an exec or port-forward:
+// the protocol handshake, then the upgrade to SPDY; the streams the client
+// opens arrive on streams. conn is nil when either step failed (the client
+// has its answer then).
+func upgradeSPDY(w http.ResponseWriter, r *http.Request, protocol string) (conn httpstream.Connection, streams <-chan httpstream.Stream) {
+	if _, err := httpstream.Handshake(r, w, []string{protocol}); err != nil {
+		return nil, nil
+	}
+	ch := make(chan httpstream.Stream, 8)
+	conn = spdy.NewResponseUpgrader().UpgradeResponse(w, r, func(s httpstream.Stream, _ <-chan struct{}) error {
+		ch <- s
+		return nil
+	})
+	return conn, ch
+}
+
 // kubeExecContainer is the container whose exec the stand-in serves as a
 // kubelet does: SPDY streams of the channel.k8s.io protocols, here a `cat`
 // (stdin copied to stdout, then a success status on the error stream).
 const kubeExecContainer = "shell"
 
 func serveSPDYExec(w http.ResponseWriter, r *http.Request) {
-	if _, err := httpstream.Handshake(r, w, []string{"v4.channel.k8s.io"}); err != nil {
-		return // Handshake answered the client
-	}
-	streams := make(chan httpstream.Stream, 8)
-	conn := spdy.NewResponseUpgrader().UpgradeResponse(w, r, func(s httpstream.Stream, _ <-chan struct{}) error {
-		streams <- s
-		return nil
-	})
+	conn, streams := upgradeSPDY(w, r, "v4.channel.k8s.io")
 	if conn == nil {
 		return
 	}
@@ -322,14 +331,7 @@ func serveSPDYExec(w http.ResponseWriter, r *http.Request) {
 const kubeForwardPod = "fwd"
 
 func serveSPDYPortForward(w http.ResponseWriter, r *http.Request) {
-	if _, err := httpstream.Handshake(r, w, []string{"portforward.k8s.io"}); err != nil {
-		return
-	}
-	streams := make(chan httpstream.Stream, 8)
-	conn := spdy.NewResponseUpgrader().UpgradeResponse(w, r, func(s httpstream.Stream, _ <-chan struct{}) error {
-		streams <- s
-		return nil
-	})
+	conn, streams := upgradeSPDY(w, r, "portforward.k8s.io")
 	if conn == nil {
 		return
 	}

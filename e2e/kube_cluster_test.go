@@ -285,20 +285,9 @@ func startKubeCluster(t *testing.T, apiserverBin, etcdBin, egressConfig string, 
 // behind.
 func startKubeProc(t *testing.T, bin, name string, args ...string) *proc {
 	t.Helper()
-	p := &proc{name: name, args: args, out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
-	p.cmd.Stdout = p.out
-	p.cmd.Stderr = p.out
+	p := newProc(bin, name, args...)
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() {
-		p.waitErr = p.cmd.Wait()
-		close(p.done)
-	}()
-	t.Cleanup(func() {
-		p.stop(t)
+	p.start(t, func() {
 		if t.Failed() {
 			t.Logf("--- %s (last lines)\n%s--- end %s (%v)", name, tail(p.out.String(), 12000), name, p.waitErr)
 		}
@@ -366,28 +355,7 @@ func (c *kubeCluster) create(t *testing.T, path string, obj any) []byte {
 // client certificate identity.
 func (c *kubeCluster) writeKubeconfig(t *testing.T, path, certFile, keyFile string) {
 	t.Helper()
-	kc := fmt.Sprintf(`apiVersion: v1
-kind: Config
-clusters:
-- name: e2e
-  cluster:
-    server: %s
-    certificate-authority: %s
-users:
-- name: user
-  user:
-    client-certificate: %s
-    client-key: %s
-contexts:
-- name: e2e
-  context:
-    cluster: e2e
-    user: user
-current-context: e2e
-`, c.url, c.pki.caFile, certFile, keyFile)
-	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	writeKubeconfigFile(t, path, c.url, c.pki.caFile, fmt.Sprintf("{client-certificate: %q, client-key: %q}", certFile, keyFile))
 }
 
 // egressConfigFor copies the shipped egress selector file with only the

@@ -8,7 +8,6 @@ package e2e
 
 import (
 	"bufio"
-	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -120,7 +119,7 @@ func kubeNodeRouting(t *testing.T, apiserverBin, etcdBin string) {
 			n.apiFwd = forwardFromNetns(t, strings.TrimPrefix(c.url, "https://"))
 		})
 		n.apiKubeconfig = filepath.Join(dir, n.name+"-kubeconfig")
-		writeTokenKubeconfig(t, n.apiKubeconfig, "https://127.0.0.1:"+strconv.Itoa(n.apiFwd.port), c.pki.caFile, apiToken)
+		writeKubeconfigFile(t, n.apiKubeconfig, "https://127.0.0.1:"+strconv.Itoa(n.apiFwd.port), c.pki.caFile, fmt.Sprintf("{token: %q}", apiToken))
 	}
 
 	// --- The webhook: a Service whose one endpoint is a pod on node B,
@@ -131,24 +130,7 @@ func kubeNodeRouting(t *testing.T, apiserverBin, etcdBin string) {
 		whSrv = startKubeBackend(t, nodeWebhookIP, c.pki.serving(t, "webhook", []string{"webhook." + kubeNS + ".svc"}, nil), webhookHandler(&reviews))
 	})
 	serviceOnNode(t, c, "webhook", nodeWebhookIP, b.name, whSrv.port)
-	vwc := obj("ValidatingWebhookConfiguration", "admissionregistration.k8s.io/v1", "konnectivity-e2e-nodes", "")
-	vwc["webhooks"] = []any{map[string]any{
-		"name":                    "configmaps.e2e.konnectivity.test",
-		"admissionReviewVersions": []string{"v1"},
-		"sideEffects":             "None",
-		"failurePolicy":           "Fail",
-		"timeoutSeconds":          10,
-		"clientConfig": map[string]any{
-			"service":  map[string]any{"namespace": kubeNS, "name": "webhook", "path": "/validate", "port": 443},
-			"caBundle": base64.StdEncoding.EncodeToString(c.pki.caPEM(t)),
-		},
-		"rules": []any{map[string]any{
-			"apiGroups": []string{""}, "apiVersions": []string{"v1"},
-			"operations": []string{"CREATE"}, "resources": []string{"configmaps"},
-		}},
-		"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": kubeNS}},
-	}}
-	c.create(t, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", vwc)
+	createConfigMapWebhook(t, c, "konnectivity-e2e-nodes")
 
 	// --- The server, node first.
 	kubeconfig := filepath.Join(dir, "kubeconfig")
@@ -488,14 +470,6 @@ func writeToken(t *testing.T, c *kubeCluster, dir, pod, audience string) string 
 		t.Fatalf("TokenRequest for %s: no token (%v): %s", pod, err, tail(string(tr), 500))
 	}
 	return resp.Status.Token
-}
-
-func writeTokenKubeconfig(t *testing.T, path, server, caFile, token string) {
-	t.Helper()
-	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster: {server: %q, certificate-authority: %q}\nusers:\n- name: agent\n  user: {token: %q}\ncontexts:\n- name: e2e\n  context: {cluster: e2e, user: agent}\ncurrent-context: e2e\n", server, caFile, token)
-	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // makeNetns creates a network namespace whose loopback interface holds

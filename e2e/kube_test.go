@@ -252,24 +252,7 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 	// --- A Service-referenced validating webhook, failurePolicy Fail.
 	whSrv := startKubeBackend(t, kubeNodeIP, c.pki.serving(t, "webhook", []string{"webhook." + kubeNS + ".svc"}, nil), webhookHandler(&e.reviews))
 	e.service(t, "webhook", whSrv.port)
-	vwc := obj("ValidatingWebhookConfiguration", "admissionregistration.k8s.io/v1", "konnectivity-e2e", "")
-	vwc["webhooks"] = []any{map[string]any{
-		"name":                    "configmaps.e2e.konnectivity.test",
-		"admissionReviewVersions": []string{"v1"},
-		"sideEffects":             "None",
-		"failurePolicy":           "Fail",
-		"timeoutSeconds":          10,
-		"clientConfig": map[string]any{
-			"service":  map[string]any{"namespace": kubeNS, "name": "webhook", "path": "/validate", "port": 443},
-			"caBundle": base64.StdEncoding.EncodeToString(c.pki.caPEM(t)),
-		},
-		"rules": []any{map[string]any{
-			"apiGroups": []string{""}, "apiVersions": []string{"v1"},
-			"operations": []string{"CREATE"}, "resources": []string{"configmaps"},
-		}},
-		"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": kubeNS}},
-	}}
-	c.create(t, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", vwc)
+	createConfigMapWebhook(t, c, "konnectivity-e2e")
 
 	// --- An aggregated API behind a Service.
 	aggSrv := startKubeBackend(t, kubeNodeIP, c.pki.serving(t, "aggregated", []string{"api." + kubeNS + ".svc"}, nil), aggregatedHandler())
@@ -603,39 +586,8 @@ const kubeRestarts = 2
 func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	t.Helper()
 	out0 := len(e.s.proc.out.String()) // the server's output before this subtest
-	var (
-		ok, failed atomic.Int64
-		mu         sync.Mutex
-		errs       []string
-		stop       = make(chan struct{})
-		wg         sync.WaitGroup
-	)
 	reviews0 := e.reviews.Load()
-	for w := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				name := fmt.Sprintf("loop-%s-%d-%d", strings.ReplaceAll(e.mode, "-", ""), w, i)
-				code, body, err := e.c.do(http.MethodPost, "/api/v1/namespaces/"+kubeNS+"/configmaps", obj("ConfigMap", "v1", name, kubeNS))
-				if err == nil && code == http.StatusCreated {
-					ok.Add(1)
-					continue
-				}
-				failed.Add(1)
-				mu.Lock()
-				if len(errs) < 5 {
-					errs = append(errs, fmt.Sprintf("%s: %d %v %s", name, code, err, tail(string(body), 300)))
-				}
-				mu.Unlock()
-			}
-		}()
-	}
+	stop := e.webhookLoop("loop")
 	pid := e.s.proc.cmd.Process.Pid
 	for i := range kubeRestarts {
 		time.Sleep(time.Second)
@@ -652,13 +604,12 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 		})
 	}
 	time.Sleep(time.Second)
-	close(stop)
-	wg.Wait()
+	ok, failed, errs := stop()
 	if e.s.proc.exited() || e.s.proc.cmd.Process.Pid != pid {
 		t.Fatalf("server process changed across SIGHUP")
 	}
 	t.Logf("%s: %d webhook-checked creates across %d SIGHUP restarts, %d failed, webhook answered %d",
-		e.mode, ok.Load(), kubeRestarts, failed.Load(), e.reviews.Load()-reviews0)
+		e.mode, ok, kubeRestarts, failed, e.reviews.Load()-reviews0)
 	// A restart pauses each kube-apiserver tunnel at a byte-exact point
 	// with the agent and hands the client's socket (with gRPC, its frozen
 	// HTTP/2 connection too) to the next image, which resumes it on a new
@@ -666,8 +617,8 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 	// lost, each restart must say it handed tunnels over (kube-apiserver
 	// keeps at least one keep-alive connection to the webhook open under
 	// this load), and none may fail to pause or resume.
-	if failed.Load() > 0 || ok.Load() < 10 {
-		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed: %s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
+	if failed > 0 || ok < 10 {
+		t.Fatalf("webhook loop across SIGHUP: %d ok, %d failed: %s", ok, failed, strings.Join(errs, "\n"))
 	}
 	out := e.s.proc.out.String()[out0:]
 	for line := range strings.Lines(out) {
@@ -879,4 +830,29 @@ func (e *kubeEnv) checkPortForwardWebSocket(int) error {
 		return fmt.Errorf("websocket port-forward: echo differs")
 	}
 	return nil
+}
+
+// createConfigMapWebhook registers the Service "webhook" in kubeNS as a
+// validating webhook, failurePolicy Fail, for every ConfigMap created in
+// kubeNS: kube-apiserver reaches it only through konnectivity.
+func createConfigMapWebhook(t *testing.T, c *kubeCluster, name string) {
+	t.Helper()
+	vwc := obj("ValidatingWebhookConfiguration", "admissionregistration.k8s.io/v1", name, "")
+	vwc["webhooks"] = []any{map[string]any{
+		"name":                    "configmaps.e2e.konnectivity.test",
+		"admissionReviewVersions": []string{"v1"},
+		"sideEffects":             "None",
+		"failurePolicy":           "Fail",
+		"timeoutSeconds":          10,
+		"clientConfig": map[string]any{
+			"service":  map[string]any{"namespace": kubeNS, "name": "webhook", "path": "/validate", "port": 443},
+			"caBundle": base64.StdEncoding.EncodeToString(c.pki.caPEM(t)),
+		},
+		"rules": []any{map[string]any{
+			"apiGroups": []string{""}, "apiVersions": []string{"v1"},
+			"operations": []string{"CREATE"}, "resources": []string{"configmaps"},
+		}},
+		"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": kubeNS}},
+	}}
+	c.create(t, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", vwc)
 }

@@ -72,22 +72,7 @@ func (f *fakeLeaseAPI) writeKubeconfig(t *testing.T, dir string) string {
 		t.Fatal(err)
 	}
 	path := filepath.Join(dir, "lease-kubeconfig")
-	kc := fmt.Sprintf(`apiVersion: v1
-kind: Config
-clusters:
-- name: fake
-  cluster: {server: %q, certificate-authority: %q}
-users:
-- name: u
-  user: {token: %q}
-contexts:
-- name: fake
-  context: {cluster: fake, user: u}
-current-context: fake
-`, f.srv.URL, ca, leaseToken)
-	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	writeKubeconfigFile(t, path, f.srv.URL, ca, fmt.Sprintf("{token: %q}", leaseToken))
 	return path
 }
 

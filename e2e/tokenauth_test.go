@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -108,25 +109,27 @@ func (f *fakeAPIServer) writeKubeconfig(t *testing.T, p *pki, path string) {
 	if err := os.WriteFile(caPath, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: f.srv.Certificate().Raw}), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	writeKubeconfigFile(t, path, f.srv.URL, caPath, fmt.Sprintf("{client-certificate: %q, client-key: %q}", p.agentCert, p.agentKey))
+}
+
+// writeKubeconfigFile writes a kubeconfig at path for the apiserver at
+// server, trusted through caFile, as the user whose credential user
+// gives: a YAML flow mapping such as {token: "x"}.
+func writeKubeconfigFile(t *testing.T, path, server, caFile, user string) {
+	t.Helper()
 	kc := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
-- name: fake
-  cluster:
-    server: %s
-    certificate-authority: %s
+- name: e2e
+  cluster: {server: %q, certificate-authority: %q}
 users:
-- name: konnectivity-server
-  user:
-    client-certificate: %s
-    client-key: %s
+- name: u
+  user: %s
 contexts:
-- name: fake
-  context:
-    cluster: fake
-    user: konnectivity-server
-current-context: fake
-`, f.srv.URL, caPath, p.agentCert, p.agentKey)
+- name: e2e
+  context: {cluster: e2e, user: u}
+current-context: e2e
+`, server, caFile, user)
 	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -145,6 +148,41 @@ func writeFileAtomic(t *testing.T, path string, data []byte) {
 	}
 }
 
+// startTokenServer starts a server that checks agents' ServiceAccount
+// tokens with TokenReviews at api (its kubeconfig written in dir), with
+// extra flags.
+func startTokenServer(t *testing.T, p *pki, api *fakeAPIServer, dir string, extra ...string) *server {
+	t.Helper()
+	kc := filepath.Join(dir, "kubeconfig")
+	api.writeKubeconfig(t, p, kc)
+	return startServerOpts(t, serverOpts{pki: p, extra: append(tokenAuthFlags(kc), extra...)})
+}
+
+// tokenAuthFlags are the server flags that check agents' tokens with
+// TokenReviews at the apiserver kubeconfig names: the konnectivity-agent
+// ServiceAccount of kube-system, for agentAudience.
+func tokenAuthFlags(kubeconfig string) []string {
+	return []string{
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-audience=" + agentAudience,
+		"--agent-namespace=kube-system",
+		"--agent-service-account=konnectivity-agent",
+	}
+}
+
+// startTokenAgent starts an agent of s that logs in with the token in
+// tokenFile, retrying fast, with extra flags.
+func startTokenAgent(t *testing.T, s *server, p *pki, id, tokenFile string, extra ...string) *agent {
+	t.Helper()
+	return startAgentArgs(t, id, append([]string{
+		"--proxy-server-host=127.0.0.1",
+		"--proxy-server-port=" + fmt.Sprint(s.agentPort),
+		"--ca-cert=" + p.caCert,
+		"--service-account-token-path=" + tokenFile,
+		"--sync-interval=100ms", "--sync-interval-cap=500ms",
+	}, extra...)...)
+}
+
 // TestTokenAuth: agents authenticate with a ServiceAccount token that the
 // server checks with a TokenReview against kube-apiserver; no client
 // certificates and no --cluster-ca-cert.
@@ -152,24 +190,9 @@ func TestTokenAuth(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	api := startFakeAPIServer(t, p)
 	dir := t.TempDir()
-	kc := filepath.Join(dir, "kubeconfig")
-	api.writeKubeconfig(t, p, kc)
-	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
-		"--agent-wait=1s",
-	}})
+	s := startTokenServer(t, p, api, dir, "--agent-wait=1s")
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")
-	tokenAgent := func(id, tokenFile string) *agent {
-		return startAgentArgs(t, id,
-			"--proxy-server-host=127.0.0.1",
-			"--proxy-server-port="+fmt.Sprint(s.agentPort),
-			"--ca-cert="+p.caCert,
-			"--service-account-token-path="+tokenFile,
-			"--sync-interval=100ms", "--sync-interval-cap=500ms")
-	}
+	tokenAgent := func(id, tokenFile string) *agent { return startTokenAgent(t, s, p, id, tokenFile) }
 
 	// One agent starts with a bad token: refused, and the server stays
 	// unready.
@@ -214,6 +237,119 @@ func TestTokenAuth(t *testing.T) {
 	if n := api.noCert.Load(); n > 0 {
 		t.Errorf("%d TokenReview requests came without the kubeconfig's client certificate", n)
 	}
+}
+
+// TestTokenReviewRateBound: peers log in on the agent port with a new bad
+// token each, far faster than --max-token-reviews-per-second. The fake
+// apiserver must see at most the rate's worth of TokenReviews over the
+// attack plus the one-second burst; every other login is answered 503 at
+// once and counted in …_token_reviews_rate_limited_total; and a good agent
+// still gets in afterwards, its review sent as the bound refills.
+func TestTokenReviewRateBound(t *testing.T) {
+	const (
+		rate    = 10 // TokenReviews per second the server may send
+		attack  = 3 * time.Second
+		workers = 8 // well under --max-unadmitted-agent-connections (64)
+	)
+	p := newPKI(t, t.TempDir())
+	api := startFakeAPIServer(t, p)
+	dir := t.TempDir()
+	s := startTokenServer(t, p, api, dir, fmt.Sprintf("--max-token-reviews-per-second=%d", rate))
+	caPEM, err := os.ReadFile(p.caCert)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(caPEM)
+	conf := &tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}
+	addr := net.JoinHostPort("127.0.0.1", fmt.Sprint(s.agentPort))
+
+	// The attack: each worker logs in over and over, a new agent ID and a
+	// new bad token each time, so no answer comes from the cache.
+	var unauthorized, unavailable, other atomic.Int64
+	var otherWhy atomic.Value
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := 0; time.Since(start) < attack; i++ {
+				code, err := rawTokenLogin(addr, conf, fmt.Sprintf("attacker-%d-%d", w, i), fmt.Sprintf("bad-token-%d-%d", w, i))
+				switch {
+				case err != nil:
+					other.Add(1)
+					otherWhy.Store(err.Error())
+				case code == http.StatusUnauthorized:
+					unauthorized.Add(1)
+				case code == http.StatusServiceUnavailable:
+					unavailable.Add(1)
+				default:
+					other.Add(1)
+					otherWhy.Store(fmt.Sprintf("status %d", code))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	window := time.Since(start)
+	reviews := api.reviews.Load()
+	logins := unauthorized.Load() + unavailable.Load() + other.Load()
+	// The bucket is full (one second's worth) when the attack starts and
+	// refills at rate; one more for the refill the clock rounds into.
+	bound := int64(rate*(1+window.Seconds())) + 1
+	limitedMetric := metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_token_reviews_rate_limited_total")
+	t.Logf("%d logins with bad tokens in %s (%.0f/s, %d workers): %d answered 401, %d answered 503, %d otherwise (last: %v); %d TokenReviews at the apiserver (bound %d at %d/s); rate_limited_total=%v",
+		logins, window.Round(time.Millisecond), float64(logins)/window.Seconds(), workers, unauthorized.Load(), unavailable.Load(), other.Load(), otherWhy.Load(),
+		reviews, bound, rate, limitedMetric)
+	if logins < 3*bound {
+		t.Fatalf("the attack made %d logins, under 3 times the bound of %d: too slow to test it", logins, bound)
+	}
+	if reviews > bound {
+		t.Errorf("%d TokenReviews reached the apiserver in %s, want at most %d (%d/s and a one-second burst)", reviews, window.Round(time.Millisecond), bound, rate)
+	}
+	if reviews < rate {
+		t.Errorf("%d TokenReviews reached the apiserver, want at least the burst of %d", reviews, rate)
+	}
+	if got := unauthorized.Load(); got != reviews {
+		t.Errorf("%d logins answered 401, want one per TokenReview (%d)", got, reviews)
+	}
+	if other.Load() != 0 {
+		t.Errorf("%d logins neither 401 nor 503, last: %v", other.Load(), otherWhy.Load())
+	}
+	if limitedMetric != float64(unavailable.Load()) {
+		t.Errorf("token_reviews_rate_limited_total = %v, want the %d logins answered 503", limitedMetric, unavailable.Load())
+	}
+
+	// A good agent right after: the bound refills, its token is reviewed
+	// and it serves requests.
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	good := filepath.Join(dir, "token-good")
+	writeFileAtomic(t, good, []byte(goodToken))
+	startTokenAgent(t, s, p, "good", good)
+	s.waitAgents(t, 1, startTimeout)
+	checkReachable(t, s.egressDialer(t), backend, "b1", 3)
+	if n := api.reviews.Load(); n <= reviews {
+		t.Errorf("the good agent got in with no TokenReview (%d before, %d after)", reviews, n)
+	}
+}
+
+// rawTokenLogin logs in on a server's agent port as an agent named id with
+// token and returns the status of the server's answer.
+func rawTokenLogin(addr string, conf *tls.Config, id, token string) (int, error) {
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 5 * time.Second}, "tcp", addr, conf)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(15 * time.Second))
+	if _, err := fmt.Fprintf(conn, "GET /konnectivity/v1/tunnel HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: konnectivity-h2\r\nKonnectivity-Agent-Id: %s\r\nAuthorization: Bearer %s\r\n\r\n", id, token); err != nil {
+		return 0, err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		return 0, err
+	}
+	resp.Body.Close()
+	return resp.StatusCode, nil
 }
 
 func lineWith(out, substr string) string {

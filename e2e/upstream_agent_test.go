@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -445,12 +444,8 @@ func TestUpstreamAgent(t *testing.T) {
 		const n = 50
 		for i := range n {
 			for _, b := range []struct{ addr, name string }{{bUp, "up"}, {bOurs, "ours"}} {
-				body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", b.addr, i))
-				if err != nil {
+				if err := getHello(ctx, client, b.addr, b.name, i); err != nil {
 					t.Fatalf("request %d to %s: %v", i, b.name, err)
-				}
-				if want := fmt.Sprintf("hello %s %d", b.name, i); body != want {
-					t.Fatalf("request %d to %s: body %q, want %q", i, b.name, body, want)
 				}
 			}
 		}
@@ -473,11 +468,7 @@ func TestUpstreamAgent(t *testing.T) {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", b.addr, i))
-					if err == nil && body != fmt.Sprintf("hello %s %d", b.name, i) {
-						err = fmt.Errorf("body %q", body)
-					}
-					if err != nil {
+					if err := getHello(ctx, client, b.addr, b.name, i); err != nil {
 						errs <- fmt.Errorf("request %d to %s: %w", i, b.name, err)
 					}
 				}()
@@ -505,9 +496,8 @@ func TestUpstreamAgent(t *testing.T) {
 		client := d.httpClient(true, &tunnels)
 		defer client.CloseIdleConnections()
 		for i := range 20 {
-			body, err := get(ctx, client, fmt.Sprintf("http://%s/hello?i=%d", bUp, i))
-			if err != nil || body != fmt.Sprintf("hello up %d", i) {
-				t.Fatalf("keep-alive request %d: body %q, err %v", i, body, err)
+			if err := getHello(ctx, client, bUp, "up", i); err != nil {
+				t.Fatalf("keep-alive request %d: %v", i, err)
 			}
 		}
 		// Many DATA packets each way on the same tunnel.
@@ -694,14 +684,7 @@ func TestUpstreamAgent(t *testing.T) {
 func TestUpstreamAgentTokenAuth(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	api := startFakeAPIServer(t, p)
-	kc := filepath.Join(t.TempDir(), "kubeconfig")
-	api.writeKubeconfig(t, p, kc)
-	s := startServerOpts(t, serverOpts{pki: p, extra: []string{
-		"--kubeconfig=" + kc,
-		"--authentication-audience=" + agentAudience,
-		"--agent-namespace=kube-system",
-		"--agent-service-account=konnectivity-agent",
-	}})
+	s := startTokenServer(t, p, api, t.TempDir())
 	noCert := upstreamTLS(t, p, false)
 
 	_, err := connectUpstreamAgent(t, s.agentPort, noCert, "bad-token", "", "bad-token")

@@ -6,19 +6,13 @@ import (
 	"context"
 	"crypto/aes"
 	"crypto/cipher"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/sha256"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/binary"
-	"encoding/pem"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -33,7 +27,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/spinifex/konnectivity/e2e/internal/testnet"
+	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
+	"github.com/spinifex/konnectivity/internal/testnet"
 )
 
 type config struct {
@@ -194,63 +189,6 @@ func goroutines(adminPort int) int {
 		return -1
 	}
 	return n
-}
-
-// ---------------------------------------------------------------------------
-// PKI
-
-type pki struct{ caCert, serverCert, serverKey, agentCert, agentKey string }
-
-func mintPKI(dir string) (*pki, error) {
-	now := time.Now()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, err
-	}
-	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "soak-ca"},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(48 * time.Hour),
-		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature, BasicConstraintsValid: true, IsCA: true}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		return nil, err
-	}
-	ca, _ := x509.ParseCertificate(caDER)
-	p := &pki{filepath.Join(dir, "ca.crt"), filepath.Join(dir, "server.crt"), filepath.Join(dir, "server.key"),
-		filepath.Join(dir, "agent.crt"), filepath.Join(dir, "agent.key")}
-	write := func(path, typ string, der []byte) error {
-		return os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600)
-	}
-	if err := write(p.caCert, "CERTIFICATE", caDER); err != nil {
-		return nil, err
-	}
-	issue := func(serial int64, cn string, usage x509.ExtKeyUsage, ips []net.IP, certPath, keyPath string) error {
-		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		if err != nil {
-			return err
-		}
-		tmpl := &x509.Certificate{SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: cn},
-			NotBefore: now.Add(-time.Hour), NotAfter: now.Add(48 * time.Hour),
-			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage}, IPAddresses: ips}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-		if err != nil {
-			return err
-		}
-		keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-		if err != nil {
-			return err
-		}
-		if err := write(certPath, "CERTIFICATE", der); err != nil {
-			return err
-		}
-		return write(keyPath, "PRIVATE KEY", keyDER)
-	}
-	if err := issue(2, "konnectivity-server", x509.ExtKeyUsageServerAuth, []net.IP{net.IPv4(127, 0, 0, 1)}, p.serverCert, p.serverKey); err != nil {
-		return nil, err
-	}
-	if err := issue(3, "soak-agent", x509.ExtKeyUsageClientAuth, nil, p.agentCert, p.agentKey); err != nil {
-		return nil, err
-	}
-	return p, nil
 }
 
 // ---------------------------------------------------------------------------
@@ -584,7 +522,7 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 
 type cluster struct {
 	bin, dir  string
-	pki       *pki
+	pki       *benchpki.PKI
 	sock      string
 	agentPort int
 	server    *proc
@@ -606,7 +544,7 @@ func (c *cluster) startServer() error {
 	c.server, err = startProc(c.bin, "server", filepath.Join(c.dir, "server.log"),
 		"server", "--mode=http-connect", "--uds-name="+c.sock, "--server-port=0",
 		"--agent-bind-address=127.0.0.1", "--agent-port="+strconv.Itoa(c.agentPort),
-		"--cluster-cert="+c.pki.serverCert, "--cluster-key="+c.pki.serverKey, "--cluster-ca-cert="+c.pki.caCert,
+		"--cluster-cert="+c.pki.ServerCert, "--cluster-key="+c.pki.ServerKey, "--cluster-ca-cert="+c.pki.CACert,
 		"--health-bind-address=127.0.0.1", "--health-port="+strconv.Itoa(c.srvHealth),
 		"--admin-bind-address=127.0.0.1", "--admin-port="+strconv.Itoa(c.srvAdmin), "--enable-profiling",
 		"--agent-wait=10s", "--backend-dial-timeout=10s", "--restart-grace=10s",
@@ -628,7 +566,7 @@ func (c *cluster) startAgent(i int) error {
 	id := []string{"stable", "churn"}[i]
 	c.agents[i], err = startProc(c.bin, "agent-"+id, filepath.Join(c.dir, "agent-"+id+".log"),
 		"agent", "--proxy-server-host=127.0.0.1", "--proxy-server-port="+strconv.Itoa(c.agentPort),
-		"--ca-cert="+c.pki.caCert, "--agent-cert="+c.pki.agentCert, "--agent-key="+c.pki.agentKey,
+		"--ca-cert="+c.pki.CACert, "--agent-cert="+c.pki.AgentCert, "--agent-key="+c.pki.AgentKey,
 		"--agent-id="+id, "--health-server-host=127.0.0.1", "--health-server-port="+strconv.Itoa(c.agHealth[i]),
 		"--admin-bind-address=127.0.0.1", "--admin-server-port="+strconv.Itoa(c.agAdmin[i]), "--enable-profiling",
 		"--keepalive-time=5s", "--ping-timeout=5s", "--drain-timeout=10s", "--sync-interval=200ms", "--sync-interval-cap=2s")
@@ -663,7 +601,8 @@ func run(ctx context.Context, cfg config, out io.Writer) error {
 	} else {
 		defer os.RemoveAll(dir)
 	}
-	p, err := mintPKI(dir)
+	// Valid for two days from now: a soak may run that long.
+	p, err := benchpki.MintSpec(dir, benchpki.Spec{CAName: "soak-ca", AgentName: "soak-agent", IPs: []net.IP{net.IPv4(127, 0, 0, 1)}, Lifetime: 49 * time.Hour})
 	if err != nil {
 		return fmt.Errorf("PKI: %w", err)
 	}

@@ -1,7 +1,6 @@
 package lease
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 // Bounds on what the apiserver may send: a Lease is a few hundred bytes, so
@@ -22,98 +22,7 @@ import (
 const (
 	maxObjectSize = 1 << 20  // one Lease, one Status, one watch event
 	maxListSize   = 16 << 20 // one LeaseList
-	maxErrorBody  = 64 << 10
 )
-
-// APIError is an answer from the apiserver other than success: its HTTP
-// status code and the Status reason (e.g. "NotFound", "Conflict"), which
-// is what the lease metrics are labelled with.
-type APIError struct {
-	Code    int
-	Reason  string
-	Message string
-}
-
-func (e *APIError) Error() string {
-	if e.Message != "" {
-		return fmt.Sprintf("apiserver: %d %s: %s", e.Code, e.Reason, e.Message)
-	}
-	return fmt.Sprintf("apiserver: %d %s", e.Code, e.Reason)
-}
-
-// apiStatus returns the code and reason of an API error; ok is false for
-// errors that never reached the apiserver (network, TLS, decoding).
-func apiStatus(err error) (code int, reason string, ok bool) {
-	var ae *APIError
-	if errors.As(err, &ae) {
-		return ae.Code, ae.Reason, true
-	}
-	return 0, "", false
-}
-
-func isCode(err error, code int) bool {
-	c, _, ok := apiStatus(err)
-	return ok && c == code
-}
-
-// reasonFor is the Status reason client-go assumes when the body of an
-// error answer is not a Status.
-func reasonFor(code int) string {
-	switch code {
-	case http.StatusBadRequest:
-		return "BadRequest"
-	case http.StatusUnauthorized:
-		return "Unauthorized"
-	case http.StatusForbidden:
-		return "Forbidden"
-	case http.StatusNotFound:
-		return "NotFound"
-	case http.StatusMethodNotAllowed:
-		return "MethodNotAllowed"
-	case http.StatusConflict:
-		return "Conflict"
-	case http.StatusGone:
-		return "Expired"
-	case http.StatusUnprocessableEntity:
-		return "Invalid"
-	case http.StatusTooManyRequests:
-		return "TooManyRequests"
-	case http.StatusGatewayTimeout:
-		return "Timeout"
-	case http.StatusServiceUnavailable:
-		return "ServiceUnavailable"
-	}
-	if code >= 500 {
-		return "InternalError"
-	}
-	return "Unknown"
-}
-
-// statusJSON is a metav1.Status.
-type statusJSON struct {
-	Kind    string `json:"kind"`
-	Message string `json:"message"`
-	Reason  string `json:"reason"`
-	Code    int    `json:"code"`
-}
-
-func decodeStatus(code int, body []byte) *APIError {
-	e := &APIError{Code: code}
-	var st statusJSON
-	if json.Unmarshal(body, &st) == nil && st.Kind == "Status" {
-		e.Reason, e.Message = st.Reason, st.Message
-		if st.Code != 0 {
-			e.Code = st.Code
-		}
-	}
-	if e.Reason == "" {
-		e.Reason = reasonFor(e.Code)
-	}
-	if len(e.Message) > 256 {
-		e.Message = e.Message[:256] + "..."
-	}
-	return e
-}
 
 // Client reads and writes Leases in one namespace.
 type Client struct {
@@ -143,30 +52,13 @@ func NewClient(cfg *auth.RESTConfig, namespace string) (*Client, error) {
 func (c *Client) Namespace() string { return c.namespace }
 
 // do sends one request and returns the body of a 2xx answer, read up to
-// limit bytes; any other answer is an *APIError.
+// limit bytes; any other answer is a *kubeapi.Error.
 func (c *Client) do(ctx context.Context, method, u string, body []byte, limit int64) ([]byte, error) {
-	var rd io.Reader
-	if body != nil {
-		rd = bytes.NewReader(body)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, u, rd)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Accept", "application/json")
-	req.Header.Set("User-Agent", "konnectivity")
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := c.http.Do(req)
+	resp, err := kubeapi.Do(ctx, c.http, method, u, body)
 	if err != nil {
 		return nil, fmt.Errorf("%s leases: %w", method, err)
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-		return nil, decodeStatus(resp.StatusCode, data)
-	}
 	data, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
 	if err != nil {
 		return nil, fmt.Errorf("%s leases: read answer: %w", method, err)
@@ -190,25 +82,23 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 
 // Create creates l and returns the stored Lease.
 func (c *Client) Create(ctx context.Context, l *Lease) (*Lease, error) {
-	body, err := l.encode()
-	if err != nil {
-		return nil, err
-	}
-	data, err := c.do(ctx, http.MethodPost, c.base, body, maxObjectSize)
-	if err != nil {
-		return nil, err
-	}
-	return decodeLease(data)
+	return c.write(ctx, http.MethodPost, c.base, l)
 }
 
 // Update replaces l; it fails with 409 Conflict when the stored Lease is no
 // longer at l.ResourceVersion.
 func (c *Client) Update(ctx context.Context, l *Lease) (*Lease, error) {
+	return c.write(ctx, http.MethodPut, c.objectURL(l.Name), l)
+}
+
+// write sends l with method to u and returns the Lease the apiserver
+// stored.
+func (c *Client) write(ctx context.Context, method, u string, l *Lease) (*Lease, error) {
 	body, err := l.encode()
 	if err != nil {
 		return nil, err
 	}
-	data, err := c.do(ctx, http.MethodPut, c.objectURL(l.Name), body, maxObjectSize)
+	data, err := c.do(ctx, method, u, body, maxObjectSize)
 	if err != nil {
 		return nil, err
 	}
@@ -278,7 +168,7 @@ type Event struct {
 // resourceVersion, for at most timeout (the apiserver ends the watch then).
 // Events arrive on the returned channel, which is closed when the watch ends;
 // after that, the error function says why (nil for a normal end, an
-// *APIError with code 410 when resourceVersion is too old and the caller
+// *kubeapi.Error with code 410 when resourceVersion is too old and the caller
 // must list again). Cancelling ctx ends the watch.
 func (c *Client) Watch(ctx context.Context, selector, resourceVersion string, timeout time.Duration) (<-chan Event, func() error, error) {
 	q := url.Values{}
@@ -294,23 +184,10 @@ func (c *Client) Watch(ctx context.Context, selector, resourceVersion string, ti
 	// The apiserver ends the watch at timeout; the client deadline is a
 	// backstop against one that never does.
 	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
-	req, err := http.NewRequestWithContext(wctx, http.MethodGet, c.base+"?"+q.Encode(), nil)
-	if err != nil {
-		cancel()
-		return nil, nil, err
-	}
-	req.Header.Set("Accept", "application/json")
-	req.Header.Set("User-Agent", "konnectivity")
-	resp, err := c.http.Do(req)
+	resp, err := kubeapi.Do(wctx, c.http, http.MethodGet, c.base+"?"+q.Encode(), nil)
 	if err != nil {
 		cancel()
 		return nil, nil, fmt.Errorf("watch leases: %w", err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-		resp.Body.Close()
-		cancel()
-		return nil, nil, decodeStatus(resp.StatusCode, data)
 	}
 	events := make(chan Event)
 	var werr error // written by the reader goroutine before it closes events
@@ -326,10 +203,10 @@ func (c *Client) Watch(ctx context.Context, selector, resourceVersion string, ti
 // readEvents decodes watch events from body until it ends. Each event may
 // take at most maxObjectSize bytes.
 func readEvents(ctx context.Context, body io.Reader, out chan<- Event) error {
-	lr := &budgetReader{r: body}
-	dec := json.NewDecoder(lr)
+	br := kubeapi.NewBoundedReader(body, maxObjectSize)
+	dec := json.NewDecoder(br)
 	for {
-		lr.budget = maxObjectSize
+		br.Renew()
 		var ev struct {
 			Type   string          `json:"type"`
 			Object json.RawMessage `json:"object"`
@@ -359,9 +236,7 @@ func readEvents(ctx context.Context, body io.Reader, out chan<- Event) error {
 			}
 			e = Event{Type: ev.Type, ResourceVersion: b.Metadata.ResourceVersion}
 		case "ERROR":
-			var st statusJSON
-			_ = json.Unmarshal(ev.Object, &st)
-			return decodeStatus(cmpOr(st.Code, http.StatusInternalServerError), ev.Object)
+			return kubeapi.EventError(ev.Object)
 		default:
 			return fmt.Errorf("watch leases: unknown event type %q", truncate(ev.Type, 32))
 		}
@@ -373,39 +248,11 @@ func readEvents(ctx context.Context, body io.Reader, out chan<- Event) error {
 	}
 }
 
-func cmpOr(a, b int) int {
-	if a != 0 {
-		return a
-	}
-	return b
-}
-
 func truncate(s string, n int) string {
 	if len(s) > n {
 		return s[:n] + "..."
 	}
 	return s
-}
-
-// budgetReader fails once more than budget bytes were read since the
-// budget was last set, bounding one watch event.
-type budgetReader struct {
-	r      io.Reader
-	budget int64
-}
-
-var errEventTooLarge = errors.New("watch event larger than 1 MiB")
-
-func (b *budgetReader) Read(p []byte) (int, error) {
-	if b.budget <= 0 {
-		return 0, errEventTooLarge
-	}
-	if int64(len(p)) > b.budget {
-		p = p[:b.budget]
-	}
-	n, err := b.r.Read(p)
-	b.budget -= int64(n)
-	return n, err
 }
 
 // CheckName checks that namespace (and name, unless empty) are what the

@@ -5,11 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"net/http"
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -123,7 +123,7 @@ func (c *Controller) Release(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	err := c.cfg.Client.Delete(ctx, c.name, "")
-	if err != nil && !isCode(err, http.StatusNotFound) {
+	if err != nil && !kubeapi.IsCode(err, http.StatusNotFound) {
 		return fmt.Errorf("delete server lease %s: %w", c.name, err)
 	}
 	c.latest = nil
@@ -137,7 +137,7 @@ func (c *Controller) renewLoop(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		wait := jitter(c.cfg.RenewInterval, 0.04)
+		wait := kubeapi.Jitter(c.cfg.RenewInterval, 0.04)
 		if err != nil {
 			c.metrics.renewErr.Inc()
 			c.renewLog.failed(err)
@@ -150,7 +150,7 @@ func (c *Controller) renewLoop(ctx context.Context) {
 			c.renewLog.ok("holder", c.cfg.ServerID)
 			backoff = 100 * time.Millisecond
 		}
-		if !sleep(ctx, wait) {
+		if !kubeapi.Sleep(ctx, wait) {
 			return
 		}
 	}
@@ -166,14 +166,14 @@ func (c *Controller) renew(ctx context.Context) error {
 			c.latest = l
 			return nil
 		}
-		if !isCode(err, http.StatusConflict) && !isCode(err, http.StatusNotFound) {
+		if !kubeapi.IsCode(err, http.StatusConflict) && !kubeapi.IsCode(err, http.StatusNotFound) {
 			return err
 		}
 		c.latest = nil // changed or deleted by someone else: start over
 	}
 	l, err := c.cfg.Client.Get(ctx, c.name)
 	switch {
-	case isCode(err, http.StatusNotFound):
+	case kubeapi.IsCode(err, http.StatusNotFound):
 		l, err = c.cfg.Client.Create(ctx, c.next(nil))
 		if err != nil {
 			return err
@@ -214,7 +214,7 @@ func (c *Controller) gcLoop(ctx context.Context) {
 		} else {
 			c.gcLog.ok()
 		}
-		if !sleep(ctx, c.cfg.GCInterval) {
+		if !kubeapi.Sleep(ctx, c.cfg.GCInterval) {
 			return
 		}
 	}
@@ -251,7 +251,7 @@ func (c *Controller) gc(ctx context.Context) error {
 			c.metrics.culled.Inc()
 			exp, _ := l.Expiry()
 			c.log.Info("culled expired server lease", "culled", l.Name, "holder", l.Holder, "expired", exp.UTC().Format(time.RFC3339))
-		case isCode(err, http.StatusNotFound), isCode(err, http.StatusConflict):
+		case kubeapi.IsCode(err, http.StatusNotFound), kubeapi.IsCode(err, http.StatusConflict):
 			// Deleted by another server, or renewed since the list.
 		default:
 			failed = fmt.Errorf("delete %s: %w", l.Name, err)
@@ -280,21 +280,4 @@ func (s *stateLog) ok(args ...any) {
 		s.lastErr = ""
 		s.log.Info(s.what+": working again", args...)
 	}
-}
-
-// sleep waits d or until ctx ends; false means ctx ended.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
-// jitter returns d plus up to factor*d, so a fleet does not act in step.
-func jitter(d time.Duration, factor float64) time.Duration {
-	return d + time.Duration(rand.Float64()*factor*float64(d))
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -256,16 +257,7 @@ func TestControllerCullSparesRenewedLease(t *testing.T) {
 func TestControllerLogsFailuresOnce(t *testing.T) {
 	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
-	var mu sync.Mutex
-	failing := true
-	f.setFail(func(*http.Request) (int, string) {
-		mu.Lock()
-		defer mu.Unlock()
-		if failing {
-			return http.StatusServiceUnavailable, "ServiceUnavailable"
-		}
-		return 0, ""
-	})
+	f.setFail(func(*http.Request) (int, string) { return http.StatusServiceUnavailable, "ServiceUnavailable" })
 	rc := startController(t, client, "server-a", nil)
 	waitFake(t, f, "several failed attempts", func() bool { return f.requests(http.MethodGet) >= 4 && f.requests("LIST") >= 4 })
 	if n := rc.logs.count("renew server lease failed"); n != 1 {
@@ -277,9 +269,7 @@ func TestControllerLogsFailuresOnce(t *testing.T) {
 	if !strings.Contains(metricsText(rc.m), `lease_list_total{http_status_code="503",reason="ServiceUnavailable"}`) {
 		t.Fatalf("failed lists not counted:\n%s", metricsText(rc.m))
 	}
-	mu.Lock()
-	failing = false
-	mu.Unlock()
+	f.setFail(nil)
 	waitFake(t, f, "the lease after recovery", func() bool { _, ok := f.get(testNS, NamePrefix+"server-a"); return ok })
 	waitFake(t, f, "the recovery line", func() bool { return rc.logs.count("renew server lease: working again") == 1 })
 }
@@ -295,7 +285,7 @@ func TestClientRereadsRotatedToken(t *testing.T) {
 	f.mu.Lock()
 	f.token = "token-2"
 	f.mu.Unlock()
-	if _, _, err := client.List(ctx, ""); !isCode(err, http.StatusUnauthorized) {
+	if _, _, err := client.List(ctx, ""); !kubeapi.IsCode(err, http.StatusUnauthorized) {
 		t.Fatalf("old token: err %v, want 401", err)
 	}
 	writeToken(t, tokenFile, "token-2")
@@ -308,26 +298,26 @@ func TestClientErrors(t *testing.T) {
 	f, client, _ := newTestClient(t)
 	ctx := context.Background()
 	_, err := client.Get(ctx, "missing")
-	if code, reason, ok := apiStatus(err); !ok || code != 404 || reason != "NotFound" {
+	if code, reason, ok := kubeapi.Status(err); !ok || code != 404 || reason != "NotFound" {
 		t.Fatalf("get missing: %v", err)
 	}
-	if err := client.Delete(ctx, "missing", ""); !isCode(err, 404) {
+	if err := client.Delete(ctx, "missing", ""); !kubeapi.IsCode(err, 404) {
 		t.Fatalf("delete missing: %v", err)
 	}
 	l := &Lease{Name: "x", Namespace: testNS, Holder: "h", Duration: time.Second, RenewTime: time.Now()}
 	if _, err := client.Create(ctx, l); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.Create(ctx, l); !isCode(err, http.StatusConflict) {
+	if _, err := client.Create(ctx, l); !kubeapi.IsCode(err, http.StatusConflict) {
 		t.Fatalf("second create: %v", err)
 	}
 	stale := &Lease{Name: "x", ResourceVersion: "999", Holder: "h", Duration: time.Second, RenewTime: time.Now()}
-	if _, err := client.Update(ctx, stale); !isCode(err, http.StatusConflict) {
+	if _, err := client.Update(ctx, stale); !kubeapi.IsCode(err, http.StatusConflict) {
 		t.Fatalf("stale update: %v", err)
 	}
 	// A body that is not a Status still yields client-go's reason.
 	f.setFail(func(*http.Request) (int, string) { return 0, "" })
-	if e := decodeStatus(http.StatusForbidden, []byte("<html>nope</html>")); e.Reason != "Forbidden" || e.Code != 403 {
+	if e := kubeapi.DecodeStatus(http.StatusForbidden, []byte("<html>nope</html>")); e.Reason != "Forbidden" || e.Code != 403 {
 		t.Fatalf("non-Status body: %+v", e)
 	}
 	if _, err := NewClient(client0(t, f), "Bad_NS"); err == nil {

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -113,7 +114,7 @@ func (c *Counter) Run(ctx context.Context) {
 			if c.reported != 0 {
 				c.recount()
 			}
-			if !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
+			if !kubeapi.Sleep(ctx, kubeapi.Jitter(c.cfg.PollInterval, 0.1)) {
 				return
 			}
 			continue
@@ -125,7 +126,7 @@ func (c *Counter) Run(ctx context.Context) {
 		for next == watchAgain && ctx.Err() == nil {
 			rv, next = c.watch(ctx, rv)
 		}
-		if next == listLater && !sleep(ctx, jitter(c.cfg.PollInterval, 0.1)) {
+		if next == listLater && !kubeapi.Sleep(ctx, kubeapi.Jitter(c.cfg.PollInterval, 0.1)) {
 			return
 		}
 	}
@@ -143,18 +144,8 @@ const (
 // 410, is not called in a tight loop.
 const minCallGap = time.Second
 
-// pace waits until last is minCallGap ago and records the new call; false
-// means ctx ended.
-func pace(ctx context.Context, last *time.Time) bool {
-	if wait := minCallGap - time.Since(*last); wait > 0 && !sleep(ctx, wait) {
-		return false
-	}
-	*last = time.Now()
-	return true
-}
-
 func (c *Counter) list(ctx context.Context) (string, error) {
-	if !pace(ctx, &c.lastList) {
+	if !kubeapi.Pace(ctx, &c.lastList, minCallGap) {
 		return "", ctx.Err()
 	}
 	lctx, cancel := context.WithTimeout(ctx, callTimeout)
@@ -186,7 +177,7 @@ func (c *Counter) list(ctx context.Context) (string, error) {
 // that stopped renewing from a watch that silently stopped delivering
 // renewals (without a list, the count drops then anyway).
 func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
-	if !pace(ctx, &c.lastWatch) {
+	if !kubeapi.Pace(ctx, &c.lastWatch, minCallGap) {
 		return rv, listLater
 	}
 	wctx, cancel := context.WithCancel(ctx)
@@ -195,10 +186,10 @@ func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
 	events, werr, err := c.cfg.Client.Watch(wctx, c.cfg.Selector.String(), rv, timeout)
 	c.metrics.observeWatch(err)
 	if err != nil {
-		if ctx.Err() == nil && !isCode(err, http.StatusGone) {
+		if ctx.Err() == nil && !kubeapi.IsCode(err, http.StatusGone) {
 			c.watchLog.failed(err)
 		}
-		if isCode(err, http.StatusGone) {
+		if kubeapi.IsCode(err, http.StatusGone) {
 			return rv, listNow
 		}
 		return rv, listLater
@@ -225,7 +216,7 @@ func (c *Counter) watch(ctx context.Context, rv string) (string, int) {
 				switch {
 				case err == nil:
 					return rv, watchAgain
-				case isCode(err, http.StatusGone):
+				case kubeapi.IsCode(err, http.StatusGone):
 					return rv, listNow
 				default:
 					c.watchLog.failed(err)

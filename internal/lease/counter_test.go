@@ -193,16 +193,7 @@ func TestCounterKeepsCountThroughFailures(t *testing.T) {
 	f, client, _ := newTestClient(t)
 	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, time.Now(), 30))
 	f.put(testNS, leaseObject(NamePrefix+"b", "b", testLabels, time.Now(), 30))
-	var mu sync.Mutex
-	failing := true
-	f.setFail(func(*http.Request) (int, string) {
-		mu.Lock()
-		defer mu.Unlock()
-		if failing {
-			return http.StatusInternalServerError, "InternalError"
-		}
-		return 0, ""
-	})
+	f.setFail(func(*http.Request) (int, string) { return http.StatusInternalServerError, "InternalError" })
 	rc := startCounter(t, client, "k8s-app=konnectivity-server", nil)
 	waitFake(t, f, "failed lists", func() bool { return f.requests("LIST") >= 3 })
 	if rc.c.Count() != 0 {
@@ -211,9 +202,7 @@ func TestCounterKeepsCountThroughFailures(t *testing.T) {
 	if n := rc.logs.count("count server leases failed"); n != 1 {
 		t.Fatalf("%d failure lines, want 1:\n%s", n, rc.logs)
 	}
-	mu.Lock()
-	failing = false
-	mu.Unlock()
+	f.setFail(nil)
 	rc.next(t, 2, 5*time.Second)
 	if !strings.Contains(metricsText(rc.m), `lease_lists_total{http_response_code="500",reason="InternalError"}`) {
 		t.Fatalf("failed lists not counted:\n%s", metricsText(rc.m))

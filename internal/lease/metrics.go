@@ -4,6 +4,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -113,7 +114,7 @@ func outcome(err error) (code, reason string, ok bool) {
 	if err == nil {
 		return "200", "", true
 	}
-	c, r, ok := apiStatus(err)
+	c, r, ok := kubeapi.Status(err)
 	if !ok {
 		return "", "", false
 	}

@@ -10,50 +10,9 @@ import (
 	"net/url"
 	"strconv"
 	"time"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
-
-// APIError is an answer from the apiserver other than success.
-type APIError struct {
-	Code    int
-	Reason  string
-	Message string
-}
-
-func (e *APIError) Error() string {
-	if e.Message != "" {
-		return fmt.Sprintf("apiserver: %d %s: %s", e.Code, e.Reason, e.Message)
-	}
-	return fmt.Sprintf("apiserver: %d %s", e.Code, e.Reason)
-}
-
-func isCode(err error, code int) bool {
-	var ae *APIError
-	return errors.As(err, &ae) && ae.Code == code
-}
-
-// statusJSON is a metav1.Status.
-type statusJSON struct {
-	Kind    string `json:"kind"`
-	Message string `json:"message"`
-	Reason  string `json:"reason"`
-	Code    int    `json:"code"`
-}
-
-func decodeStatus(code int, body []byte) *APIError {
-	e := &APIError{Code: code}
-	var st statusJSON
-	if json.Unmarshal(body, &st) == nil && st.Kind == "Status" {
-		e.Reason, e.Message = st.Reason, st.Message
-		if st.Code != 0 {
-			e.Code = st.Code
-		}
-	}
-	if e.Reason == "" {
-		e.Reason = http.StatusText(e.Code)
-	}
-	e.Message = truncate(e.Message, 256)
-	return e
-}
 
 // client lists and watches one kind of object.
 type client struct {
@@ -72,22 +31,7 @@ func (c *client) url(q url.Values) string {
 }
 
 func (c *client) get(ctx context.Context, u string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Accept", "application/json")
-	req.Header.Set("User-Agent", "konnectivity")
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-		resp.Body.Close()
-		return nil, decodeStatus(resp.StatusCode, data)
-	}
-	return resp, nil
+	return kubeapi.Do(ctx, c.http, http.MethodGet, u, nil)
 }
 
 // listPage reads one page of the collection, handing each item to each,
@@ -122,14 +66,14 @@ func (c *client) watch(ctx context.Context, rv string, timeout time.Duration) (*
 	if err != nil {
 		return nil, fmt.Errorf("watch %s: %w", c.kind, err)
 	}
-	br := &budgetReader{r: resp.Body}
+	br := kubeapi.NewBoundedReader(resp.Body, maxObjectSize)
 	return &watchStream{body: resp.Body, br: br, dec: json.NewDecoder(br), kind: c.kind}, nil
 }
 
 // watchStream is one open watch; its reader is the goroutine that opened it.
 type watchStream struct {
 	body io.ReadCloser
-	br   *budgetReader
+	br   *kubeapi.BoundedReader
 	dec  *json.Decoder
 	kind kindID
 }

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/netip"
 	"strings"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 // Bounds on what the apiserver may send. etcd refuses objects over 1.5 MiB,
@@ -14,7 +16,6 @@ import (
 // broken or hostile answer, never a real one.
 const (
 	maxObjectSize = 2 << 20
-	maxErrorBody  = 64 << 10
 	maxListItems  = 1000 // per page: the client asks for pages of listPage
 	listPage      = 500
 )
@@ -250,7 +251,7 @@ type listHead struct {
 // with a budget of maxObjectSize bytes (beyond what the decoder had read
 // ahead), and a page may hold at most maxListItems items.
 func decodeList(body io.Reader, each func(item []byte) error) (listHead, error) {
-	br := &budgetReader{r: body, budget: maxObjectSize}
+	br := kubeapi.NewBoundedReader(body, maxObjectSize)
 	dec := json.NewDecoder(br)
 	var head listHead
 	if err := expectDelim(dec, '{'); err != nil {
@@ -258,7 +259,7 @@ func decodeList(body io.Reader, each func(item []byte) error) (listHead, error) 
 	}
 	items := 0
 	for dec.More() {
-		br.budget = maxObjectSize
+		br.Renew()
 		tok, err := dec.Token()
 		if err != nil {
 			return head, err
@@ -277,7 +278,7 @@ func decodeList(body io.Reader, each func(item []byte) error) (listHead, error) 
 				if items++; items > maxListItems {
 					return head, fmt.Errorf("list page with more than %d items", maxListItems)
 				}
-				br.budget = maxObjectSize
+				br.Renew()
 				var item json.RawMessage
 				if err := dec.Decode(&item); err != nil {
 					return head, fmt.Errorf("list item: %w", err)
@@ -317,9 +318,9 @@ type watchEvent struct {
 }
 
 // nextEvent reads one watch event of kind k from dec. An ERROR event is
-// returned as its *APIError.
-func nextEvent(dec *json.Decoder, br *budgetReader, k kindID) (watchEvent, error) {
-	br.budget = maxObjectSize
+// returned as its *kubeapi.Error.
+func nextEvent(dec *json.Decoder, br *kubeapi.BoundedReader, k kindID) (watchEvent, error) {
+	br.Renew()
 	var ev struct {
 		Type   string          `json:"type"`
 		Object json.RawMessage `json:"object"`
@@ -340,13 +341,7 @@ func nextEvent(dec *json.Decoder, br *budgetReader, k kindID) (watchEvent, error
 		}
 		return watchEvent{typ: ev.Type, rec: record{rv: b.Metadata.ResourceVersion}}, nil
 	case "ERROR":
-		var st statusJSON
-		_ = json.Unmarshal(ev.Object, &st)
-		code := st.Code
-		if code == 0 {
-			code = 500
-		}
-		return watchEvent{}, decodeStatus(code, ev.Object)
+		return watchEvent{}, kubeapi.EventError(ev.Object)
 	}
 	return watchEvent{}, fmt.Errorf("unknown watch event type %q", truncate(ev.Type, 32))
 }
@@ -356,25 +351,4 @@ func truncate(s string, n int) string {
 		return s[:n] + "..."
 	}
 	return s
-}
-
-// budgetReader fails once more than budget bytes were read since the
-// budget was last set, bounding one object.
-type budgetReader struct {
-	r      io.Reader
-	budget int64
-}
-
-var errTooLarge = fmt.Errorf("object larger than %d bytes", maxObjectSize)
-
-func (b *budgetReader) Read(p []byte) (int, error) {
-	if b.budget <= 0 {
-		return 0, errTooLarge
-	}
-	if int64(len(p)) > b.budget {
-		p = p[:b.budget]
-	}
-	n, err := b.r.Read(p)
-	b.budget -= int64(n)
-	return n, err
 }

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"io"
 	"testing"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 // FuzzDecode feeds arbitrary bytes to the list and watch decoders of every
@@ -57,11 +59,11 @@ func FuzzDecode(f *testing.F) {
 				}
 				return err
 			})
-			br := &budgetReader{r: bytes.NewReader(in)}
+			br := kubeapi.NewBoundedReader(bytes.NewReader(in), maxObjectSize)
 			dec := json.NewDecoder(br)
 			for range 100 {
 				ev, err := nextEvent(dec, br, k)
-				var ae *APIError
+				var ae *kubeapi.Error
 				if errors.Is(err, io.EOF) || errors.As(err, &ae) || err != nil {
 					break
 				}

@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 func node(name string, addrs []string, cidrs ...string) *Node {
@@ -200,11 +202,11 @@ func TestDecodeBounds(t *testing.T) {
 		_, err := decodeList(strings.NewReader(`{"items":[`+big+`]}`), func([]byte) error { return nil })
 		return err
 	}()
-	if !errors.Is(err, errTooLarge) {
+	if !errors.As(err, new(*kubeapi.TooLargeError)) {
 		t.Errorf("list with a %d-byte item: %v", len(big), err)
 	}
-	br := &budgetReader{r: strings.NewReader(`{"type":"ADDED","object":` + big + `}`)}
-	if _, err := nextEvent(json.NewDecoder(br), br, kindNodes); !errors.Is(err, errTooLarge) {
+	br := kubeapi.NewBoundedReader(strings.NewReader(`{"type":"ADDED","object":`+big+`}`), maxObjectSize)
+	if _, err := nextEvent(json.NewDecoder(br), br, kindNodes); !errors.As(err, new(*kubeapi.TooLargeError)) {
 		t.Errorf("watch event over the bound: %v", err)
 	}
 	items := strings.Repeat(`{"metadata":{"name":"n"}},`, maxListItems)
@@ -216,7 +218,7 @@ func TestDecodeBounds(t *testing.T) {
 	for range 5 {
 		ok.WriteString(`{"type":"ADDED","object":{"metadata":{"name":"n"},"pad":"` + strings.Repeat("x", maxObjectSize/2) + `"}}` + "\n")
 	}
-	br = &budgetReader{r: strings.NewReader(ok.String())}
+	br = kubeapi.NewBoundedReader(strings.NewReader(ok.String()), maxObjectSize)
 	dec := json.NewDecoder(br)
 	for i := range 5 {
 		if _, err := nextEvent(dec, br, kindNodes); err != nil {

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 // Config says what a Watcher follows.
@@ -160,32 +161,21 @@ func (f *follower) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		if isCode(err, http.StatusGone) {
+		if kubeapi.IsCode(err, http.StatusGone) {
 			continue // too old to continue from: list again at once
 		}
 		f.failed(err)
-		if !sleep(ctx, jitter(backoff)) {
+		if !kubeapi.Sleep(ctx, kubeapi.Jitter(backoff, 0.1)) {
 			return
 		}
 		backoff = min(2*backoff, f.w.cfg.MaxBackoff)
 	}
 }
 
-// pace keeps two lists, or two watches, minGap apart, so an apiserver
-// that ends every watch at once, or answers every watch with 410, is not
-// called in a tight loop. A watch right after its list does not wait.
-func (f *follower) pace(ctx context.Context, last *time.Time) bool {
-	if wait := f.minGap - time.Since(*last); wait > 0 && !sleep(ctx, wait) {
-		return false
-	}
-	*last = time.Now()
-	return true
-}
-
 // list reads the whole collection page by page into the table, then drops
 // the objects the table holds that the list no longer has.
 func (f *follower) list(ctx context.Context) (string, error) {
-	if !f.pace(ctx, &f.lastList) {
+	if !kubeapi.Pace(ctx, &f.lastList, f.minGap) {
 		return "", ctx.Err()
 	}
 	seen := map[string]struct{}{}
@@ -227,7 +217,7 @@ func (f *follower) list(ctx context.Context) (string, error) {
 // ends on time is renewed from the last resourceVersion seen.
 func (f *follower) watchFrom(ctx context.Context, rv string) error {
 	for {
-		if !f.pace(ctx, &f.lastWatch) {
+		if !kubeapi.Pace(ctx, &f.lastWatch, f.minGap) {
 			return ctx.Err()
 		}
 		timeout := f.w.cfg.WatchTimeout + time.Duration(rand.Int64N(int64(f.w.cfg.WatchTimeout)))
@@ -321,7 +311,7 @@ func (f *follower) ok() {
 
 // classify names the state an error puts the follower in and what it means.
 func classify(err error, k kindID) (state, hint string) {
-	var ae *APIError
+	var ae *kubeapi.Error
 	var ne net.Error
 	switch {
 	case errors.As(err, &ae) && ae.Code == http.StatusForbidden:
@@ -334,21 +324,4 @@ func classify(err error, k kindID) (state, hint string) {
 		return "unreachable", "apiserver unreachable"
 	}
 	return "broken", fmt.Sprintf("cannot read %s", k)
-}
-
-// sleep waits d or until ctx ends; false means ctx ended.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
-// jitter returns d plus up to a tenth of d, so a fleet does not retry in step.
-func jitter(d time.Duration) time.Duration {
-	return d + time.Duration(rand.Float64()*0.1*float64(d))
 }
