@@ -81,6 +81,7 @@ func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Co
 // pausedDest is a destination connection held for a resume.
 type pausedDest struct {
 	conn  net.Conn    // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
+	until time.Time   // set by holdPaused: when the hold ends
 	timer *time.Timer // set under Agent.mu before the entry can be taken; ends the hold
 }
 
@@ -143,7 +144,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		fail(http.StatusConflict, errors.New("the destination ended the tunnel"))
 		return
 	}
-	a.holdPaused(token, &pausedDest{conn: dup})
+	a.holdPaused(token, &pausedDest{conn: dup}, resumeWindow)
 	t.paused = true
 	close(t.settled)
 	w.Header().Set(hdrPauseSent, strconv.FormatInt(t.downSent, 10))
@@ -239,10 +240,11 @@ func (a *Agent) heldEnd(r *http.Request, up *h2link.Delivery) {
 	panic(http.ErrAbortHandler)
 }
 
-// holdPaused keeps p under token until a resume takes it or resumeWindow
-// passes; then it is closed with a reset, so the destination sees a broken
+// holdPaused keeps p under token until a resume takes it or wait passes;
+// then it is closed with a reset, so the destination sees a broken
 // connection rather than a clean end.
-func (a *Agent) holdPaused(token string, p *pausedDest) {
+func (a *Agent) holdPaused(token string, p *pausedDest, wait time.Duration) {
+	p.until = time.Now().Add(wait)
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.held.byToken == nil {
@@ -254,9 +256,9 @@ func (a *Agent) holdPaused(token string, p *pausedDest) {
 		a.held.count--
 	}
 	a.held.byToken[token] = p
-	p.timer = time.AfterFunc(resumeWindow, func() {
+	p.timer = time.AfterFunc(wait, func() {
 		if a.takePausedIf(token, p) {
-			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", resumeWindow.String())
+			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", wait.String())
 			abortConn(p.conn)
 		}
 	})

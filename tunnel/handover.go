@@ -108,13 +108,13 @@ var errNotPausable = errors.New("tunnel cannot be paused")
 func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 	var paused []*PausedTunnel
 	err := s.shutdown(ctx, func() func(context.Context) {
-		todo := s.takeMovable()
+		todo := s.takeMovable(nil)
 		paused = s.takeWaiting() // still paused: passed on as they are
 		s.metrics.restarts.paused[resultOK].Add(uint64(len(paused)))
 		unasked := s.collectUnasked()
 		return func(ctx context.Context) {
 			paused = append(paused, unasked...)
-			paused = append(paused, s.handOverAll(ctx, todo)...)
+			paused = append(paused, s.pauseAll(ctx, todo, "tunnels paused for the next image")...)
 		}
 	})
 	return paused, err
@@ -189,15 +189,15 @@ func (s *Server) collectUnasked() []*PausedTunnel {
 	return out
 }
 
-// takeMovable moves every open tunnel that can be paused to pausing, which
-// takes it off the quiet drain, before the drain closes any; the others
-// are counted as not pausable.
-func (s *Server) takeMovable() []*tunnel {
+// takeMovable moves every open tunnel (through agent of, or any when nil)
+// that can be paused to pausing, which takes it off the quiet drain,
+// before the drain closes any; the others are counted as not pausable.
+func (s *Server) takeMovable(of *agentConn) []*tunnel {
 	var todo []*tunnel
 	refused := 0
 	s.mu.Lock()
 	for t := range s.tunnels {
-		if t.state != tunnelOpen {
+		if t.state != tunnelOpen || of != nil && t.agent != of {
 			continue
 		}
 		if t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing) {
@@ -211,13 +211,14 @@ func (s *Server) takeMovable() []*tunnel {
 	return todo
 }
 
-// handOverAll pauses the tunnels takeMovable took, all at once, each on
+// pauseAll pauses the tunnels takeMovable took, all at once, each on
 // its own goroutine under its own pauseTimeout: a tunnel's chance does not
 // depend on its place in a queue, so a tunnel whose client does not read,
 // or whose agent never answers, costs no other tunnel its time; the ones
 // that fail are closed, alone. What bounds the requests in flight on one
-// agent's connection is its own stream limit, as for dials.
-func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunnel {
+// agent's connection is its own stream limit, as for dials. event is the
+// summary's log message.
+func (s *Server) pauseAll(ctx context.Context, todo []*tunnel, event string) []*PausedTunnel {
 	if len(todo) == 0 {
 		return nil
 	}
@@ -244,7 +245,7 @@ func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunne
 		}()
 	}
 	wg.Wait()
-	s.log.Info("tunnels paused for the next image", "paused", len(paused), "failed", len(todo)-len(paused))
+	s.log.Info(event, "paused", len(paused), "failed", len(todo)-len(paused))
 	return paused
 }
 
@@ -703,7 +704,7 @@ func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
 	for {
 		changed := s.agents.waitChan()
 		for _, a := range s.agents.snapshot() {
-			if a.id == id && a.canPause {
+			if a.id == id && a.canPause && !a.restarting.Load() {
 				return a
 			}
 		}

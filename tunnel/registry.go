@@ -62,6 +62,7 @@ type agentConn struct {
 	// Atomic: any goroutine.
 	streams            atomic.Int64 // open tunnels
 	draining           atomic.Bool  // the agent announced a drain
+	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
 	bytesTo, bytesFrom atomic.Int64
 }
 
@@ -175,7 +176,7 @@ func (r *registry) snapshot() []*agentConn {
 func (r *registry) byID(id string) *agentConn {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	if a := r.agents[id]; a != nil && a.canPause {
+	if a := r.agents[id]; a != nil && a.canPause && !a.restarting.Load() {
 		return a
 	}
 	return nil
