@@ -1,9 +1,16 @@
 package tunnel
 
 import (
+	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -144,7 +151,9 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 	const tunnels = 5
 
 	for round := range 2 {
-		waitUntil(t, func() bool { return clients[0].recv.Load() > int64(round+1)<<20 && calls[0].recv.Load() > int64(round+1)<<19 }, "bytes flowing")
+		waitUntil(t, func() bool {
+			return clients[0].recv.Load() > int64(round+1)<<20 && calls[0].recv.Load() > int64(round+1)<<19
+		}, "bytes flowing")
 		agent = restartAgentInPlace(t, e, agent, "a1", tunnels)
 	}
 	for _, c := range clients {
@@ -168,4 +177,196 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 	if n := accepted.Load(); n != tunnels {
 		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels)
 	}
+}
+
+// stopForRestart runs the restarting half of an agent's restart in place
+// and returns what it hands to the next image.
+func stopForRestart(t *testing.T, a *testAgent) []*HeldDest {
+	t.Helper()
+	a.Restarting()
+	a.cancel()
+	select {
+	case <-a.done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the restarting agent's drain did not end")
+	}
+	return a.HeldForNextImage()
+}
+
+// TestAgentRestartHeldPassedOn: destinations the agent's next image
+// adopted but could not hand back yet (it has not reached the server)
+// pass on again at a second restart, and the image after it resumes them.
+func TestAgentRestartHeldPassedOn(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	echo := echoServer(t)
+	var conns []net.Conn
+	for range 3 {
+		c := e.echoOne(echo)
+		defer c.Close()
+		conns = append(conns, c)
+	}
+	held := stopForRestart(t, agent)
+	if len(held) != 3 {
+		t.Fatalf("%d destinations held, want 3", len(held))
+	}
+	// The next image cannot reach the server (a dead address): it holds
+	// what it adopted until it restarts again.
+	dead := serveTCP(t, func(c net.Conn) { c.Close() })
+	lost := startAgentWith(t, e.pki, []string{dead}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	if n := lost.heldCount(); n != 3 {
+		t.Fatalf("the next image holds %d destinations, want 3", n)
+	}
+	held = stopForRestart(t, lost)
+	if len(held) != 3 {
+		t.Fatalf("%d destinations passed on again, want 3", len(held))
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 3 }, "tunnels resumed")
+	b := make([]byte, 1)
+	for i, c := range conns {
+		if _, err := c.Write([]byte{'a' + byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.ReadFull(c, b); err != nil || b[0] != 'a'+byte(i) {
+			t.Fatalf("tunnel %d after two restarts: %q %v", i, b, err)
+		}
+	}
+}
+
+// TestAgentRestartTokenUnknown: a next image that holds nothing (what it
+// was handed was lost) refuses the resumes; each tunnel is closed, logged
+// and counted failed, and the server carries on.
+func TestAgentRestartTokenUnknown(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	echo := echoServer(t)
+	c := e.echoOne(echo)
+	defer c.Close()
+	held := stopForRestart(t, agent)
+	for _, h := range held {
+		h.File.Close()
+	}
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	e.startAgent("a1", "", nil)
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultFailed) == 1 }, "the resume refused")
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("the client's connection is still open (read %d bytes)", n)
+	}
+	if c2 := e.echoOne(echo); c2 != nil {
+		c2.Close()
+	}
+}
+
+// TestAgentRestartSeveralServers: an agent holding a connection to each of
+// two servers restarts in place; each server pauses and resumes its own
+// tunnels.
+func TestAgentRestartSeveralServers(t *testing.T) {
+	checkNoLeaks(t)
+	dest, accepted := countingEcho(t)
+	p := newPKI(t)
+	e1 := newEnvOn(t, p, "127.0.0.1:0", nil)
+	e2 := newEnvOn(t, p, "127.0.0.1:0", func(c *ServerConfig) { c.ID = "s2" })
+	addrs := []string{e1.agentAddr, e2.agentAddr}
+	agent := startAgentTo(t, p, addrs, "a1", "", nil)
+	e1.waitAgents(1)
+	e2.waitAgents(1)
+	var clients []*streamingClient
+	for i, e := range []*env{e1, e2, e1} {
+		clients = append(clients, startStreamingClient(t, e, dest, byte(i+21)))
+	}
+	waitUntil(t, func() bool { return clients[2].recv.Load() > 256<<10 }, "bytes flowing")
+	held := stopForRestart(t, agent)
+	if len(held) != 3 {
+		t.Fatalf("%d destinations held, want 3", len(held))
+	}
+	startAgentWith(t, p, addrs, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool {
+		return handedOver(e1.srv, "resumed", resultOK) == 2 && handedOver(e2.srv, "resumed", resultOK) == 1
+	}, "each server resumed its tunnels")
+	for _, c := range clients {
+		before := c.recv.Load()
+		waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the restart")
+		c.finish(t)
+	}
+	if n := accepted.Load(); n != 3 {
+		t.Errorf("destination accepted %d connections, want 3", n)
+	}
+}
+
+// TestAgentRestartOnlyToServersThatSaySo: the server's answer names
+// agent-restart, and an answer without it (an older server) gets no
+// restart-in line: the agent only drains there.
+func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
+	var b strings.Builder
+	if err := writeSwitching(&b, "s1", 2); err != nil {
+		t.Fatal(err)
+	}
+	r, err := readReply(bufio.NewReader(strings.NewReader(b.String())))
+	if err != nil || !r.AgentRestart || r.ServerID != "s1" || r.Count != 2 {
+		t.Fatalf("our server's answer read as %+v, %v; want agent-restart", r, err)
+	}
+	old := "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + upgradeToken + "\r\n" + hdrServerID + ": s1\r\n" + hdrServerCount + ": 1\r\n\r\n"
+	r, err = readReply(bufio.NewReader(strings.NewReader(old)))
+	if err != nil || r.AgentRestart {
+		t.Fatalf("an older server's answer read as %+v, %v; want no agent-restart", r, err)
+	}
+	// The control stream's drain for a restart, to each kind of server.
+	for _, tc := range []struct {
+		agentRestart bool
+		want         string
+	}{{true, controlRestartIn + " "}, {false, controlDrainIn + " "}} {
+		a, err := NewAgent(AgentConfig{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.Restarting()
+		a.beginDrain()
+		l := &serverConn{drain: make(chan struct{}), agentRestart: tc.agentRestart}
+		l.sendDrain()
+		ctx, cancel := context.WithCancel(context.Background())
+		w := &controlRecorder{h: http.Header{}}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			a.serveControl(l, w, (&http.Request{Method: http.MethodGet, URL: &url.URL{Path: controlPath}}).WithContext(ctx))
+		}()
+		waitUntil(t, func() bool { return strings.Contains(w.String(), controlDrain+"\n") }, "the drain lines")
+		cancel()
+		<-done
+		if got := w.String(); !strings.HasPrefix(got, tc.want) || !strings.HasSuffix(got, controlDrain+"\n") {
+			t.Errorf("agent-restart %v: control stream %q, want it to begin with %q", tc.agentRestart, got, tc.want)
+		}
+	}
+}
+
+// controlRecorder is an http.ResponseWriter whose body a test reads while
+// the handler writes.
+type controlRecorder struct {
+	h  http.Header
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (r *controlRecorder) Header() http.Header { return r.h }
+func (r *controlRecorder) WriteHeader(int)     {}
+func (r *controlRecorder) Flush()              {}
+func (r *controlRecorder) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.b.Write(p)
+}
+
+func (r *controlRecorder) String() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.b.String()
 }
