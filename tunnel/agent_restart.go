@@ -51,27 +51,18 @@ func (a *Agent) HeldForNextImage() []*HeldDest {
 		p.timer.Stop()
 		f, err := dupSocketFile(p.conn)
 		dest := p.conn.RemoteAddr().String()
-		abortConnIf(p.conn, err != nil)
 		if err != nil {
+			abortConn(p.conn)
 			a.log.Warn("held destination cannot go to the next image; closed", "dest", dest, "err", err)
 			continue
 		}
+		p.conn.Close() // the duplicate goes on
 		out = append(out, &HeldDest{File: f, Token: token, Dest: dest, Until: p.until})
 	}
 	if len(out) > 0 {
 		a.log.Info("destinations of paused tunnels handed to the next image", "held", len(out))
 	}
 	return out
-}
-
-// abortConnIf closes c, with a reset when abort is set (abortConn); a
-// plain close otherwise, which leaves a duplicate of the socket as it is.
-func abortConnIf(c net.Conn, abort bool) {
-	if abort {
-		abortConn(c)
-		return
-	}
-	c.Close()
 }
 
 // AdoptHeld holds the destinations a previous image of the process held
