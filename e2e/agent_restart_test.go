@@ -29,12 +29,17 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 	t.Run("grpc", func(t *testing.T) { agentRestartKeepsTunnels(t, apiserverapi.ProtocolGRPC) })
 }
 
-// lineSource is a destination that writes "%08d\n" lines, numbered from 0,
-// every 2 ms until its client goes; it counts its connections.
+// lineSource is a destination that, once its client sent a byte (its
+// request: a destination that spoke first would answer before the
+// CONNECT's 200 is read), writes "%08d\n" lines, numbered from 0, every
+// 2 ms until its client goes; it counts its connections.
 func lineSource(t *testing.T) (*tcpBackend, *atomic.Int64) {
 	accepted := new(atomic.Int64)
 	b := startTCPBackend(t, "127.0.0.1", func(c net.Conn) {
 		accepted.Add(1)
+		if _, err := c.Read(make([]byte, 1)); err != nil {
+			return
+		}
 		go io.Copy(io.Discard, c) // ends with the connection
 		for i := 0; ; i++ {
 			if _, err := fmt.Fprintf(c, "%08d\n", i); err != nil {
@@ -100,6 +105,9 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
 		t.Fatalf("dial the line source through the tunnel: %v", err)
 	}
 	defer stream.Close()
+	if _, err := stream.Write([]byte("g")); err != nil {
+		t.Fatal(err)
+	}
 	lines := readLines(stream)
 
 	const workers, hups = 3, 3
@@ -141,7 +149,19 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
 			}
 		})
 	}
-	waitFor(t, 10*time.Second, "lines and POSTs flowing", func() bool { return lines.lines.Load() > 100 && ok.Load() > 20 })
+	waitFor(t, 10*time.Second, "lines and POSTs flowing", func() bool {
+		select {
+		case err := <-lines.err:
+			t.Fatalf("download before any SIGHUP: %v", err)
+		default:
+		}
+		if failed.Load() > 0 {
+			mu.Lock()
+			defer mu.Unlock()
+			t.Fatalf("POSTs failed before any SIGHUP: %s", strings.Join(errs, "\n"))
+		}
+		return lines.lines.Load() > 100 && ok.Load() > 20
+	})
 	for i := range hups {
 		before := startTime(metricsURL)
 		linesBefore := lines.lines.Load()
