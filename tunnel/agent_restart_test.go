@@ -370,3 +370,60 @@ func (r *controlRecorder) String() string {
 	defer r.mu.Unlock()
 	return r.b.String()
 }
+
+// TestAgentRestartDrainsWhatCannotMove: a tunnel whose destination already
+// ended its side cannot be paused; on the agent's restart it is counted not
+// pausable and closed at a quiet moment, while the open tunnel beside it
+// moves, and the agent's drain ends well before its timeout.
+func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 10 * time.Second })
+	e.waitAgents(1)
+	echo := echoServer(t)
+	open := e.echoOne(echo)
+	defer open.Close()
+	// A destination that answers once, ends its side, and reads until the
+	// tunnel closes.
+	ended := make(chan struct{})
+	quiet := serveTCP(t, func(c net.Conn) {
+		defer close(ended)
+		c.Write([]byte("x"))
+		c.(*net.TCPConn).CloseWrite()
+		io.Copy(io.Discard, c)
+	})
+	half, br, resp := e.connect(quiet)
+	defer half.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("CONNECT: %s", resp.Status)
+	}
+	if b, err := io.ReadAll(br); err != nil || string(b) != "x" {
+		t.Fatalf("the destination's answer: %q %v", b, err)
+	}
+	start := time.Now()
+	held := stopForRestart(t, agent)
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the agent's restart drain took %v", took)
+	}
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	if n := handedOver(e.srv, "paused", resultNotPausable); n != 1 {
+		t.Errorf("%d tunnels counted not pausable, want 1", n)
+	}
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Error("the tunnel that could not move was not closed")
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the open tunnel resumed")
+	if _, err := open.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	open.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(open, b); err != nil || b[0] != 'z' {
+		t.Fatalf("the open tunnel after the restart: %q %v", b, err)
+	}
+}
