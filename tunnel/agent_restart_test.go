@@ -427,3 +427,46 @@ func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
 		t.Fatalf("the open tunnel after the restart: %q %v", b, err)
 	}
 }
+
+// TestAgentRestartThenServerRestart: tunnels paused for a restarting
+// agent that the server restarts before the agent is back go to the
+// server's next image as they are, and resume there on the agent's next
+// image.
+func TestAgentRestartThenServerRestart(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	c := e.echoOne(dest)
+	defer c.Close()
+	held := stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != 1 {
+		t.Fatalf("HandOver: %d paused, %v; want the one waiting for its agent", len(paused), err)
+	}
+	e.stop()
+	next := newEnvOn(t, e.pki, e.agentAddr, nil)
+	next.srv.Resume(paused)
+	startAgentWith(t, e.pki, []string{next.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return resumedOrNot(next.srv) == 1 }, "the tunnel resumed")
+	if handedOver(next.srv, "resumed", resultOK) != 1 {
+		t.Fatal("the tunnel was not resumed on the server's next image")
+	}
+	if _, err := c.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
+		t.Fatalf("the tunnel after both restarts: %q %v", b, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}
