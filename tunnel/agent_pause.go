@@ -67,6 +67,13 @@ func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Co
 	if token == "" {
 		return nil, false
 	}
+	if a.isRestarting() {
+		// The destination goes to the next image, which the server waits for.
+		w.Header().Set(hdrAgentRestarting, "1")
+		http.Error(w, "agent restarting in place: the tunnel resumes on its next image", http.StatusServiceUnavailable)
+		a.log.Debug("resume refused: restarting in place", "addr", r.Host)
+		return nil, true
+	}
 	dest, err := a.takePaused(token)
 	if err != nil {
 		a.log.Info("tunnel not resumed", "addr", r.Host, "err", err)

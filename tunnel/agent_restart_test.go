@@ -470,3 +470,50 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 		t.Errorf("destination accepted %d connections, want 1", n)
 	}
 }
+
+// TestAgentRestartDuringResume: an agent image that restarts in place
+// after it logged in but before the server resumed its tunnels refuses
+// the resume and keeps the destination; the server waits for the image
+// after it, and the tunnel resumes there.
+func TestAgentRestartDuringResume(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	c := e.echoOne(dest)
+	defer c.Close()
+	held := stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	// The next image is already restarting when the resume reaches it.
+	next := startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) {
+		a.AdoptHeld(held)
+		a.Restarting()
+	})
+	waitUntil(t, func() bool { return next.metrics.packets.n[segToAgent][grpcwire.DialReq].Load() == 1 }, "the resume refused")
+	held = stopForRestart(t, next)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations passed on, want 1", len(held))
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return resumedOrNot(e.srv) == 1 }, "the tunnel resumed")
+	if handedOver(e.srv, "resumed", resultOK) != 1 {
+		t.Fatal("the tunnel was not resumed on the agent's third image")
+	}
+	if n := handedOver(e.srv, "paused", resultOK); n != 1 {
+		t.Errorf("the tunnel was paused %d times, want once: it was resumed on the restarting image", n)
+	}
+	if _, err := c.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
+		t.Fatalf("the tunnel after the restarts: %q %v", b, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}

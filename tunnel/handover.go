@@ -462,7 +462,7 @@ func (s *Server) resumeUnasked(p *PausedTunnel) {
 }
 
 func (s *Server) resumeTunnel(p *PausedTunnel) {
-	a := s.waitAgentID(p.Agent, resumeWait)
+	a := s.waitAgentID(p.Agent, nil, resumeWait)
 	s.mu.Lock()
 	if _, ok := s.waiting[p]; !ok || s.shutting {
 		// A handover passes it on, or Close closes it.
@@ -614,8 +614,14 @@ func (s *Server) resumeStream(t *tunnel) error {
 	p := t.handed
 	a := s.agents.byID(p.Agent)
 	err, result := errors.New("agent gone again before the tunnel resumed"), resultFailed
-	if a != nil {
+	for tries := 0; a != nil; tries++ {
 		err = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token)
+		if !errors.Is(err, errAgentRestarting) || tries == maxAgentRestarts {
+			break
+		}
+		if a = s.waitAgentID(p.Agent, a, resumeWait); a == nil {
+			err, result = fmt.Errorf("agent restarted and not back within %s", resumeWait), resultTimeout
+		}
 	}
 	if err != nil {
 		t.up.unblock()
@@ -697,14 +703,16 @@ func counts(cs map[string]*promtext.Counter) map[string]uint64 {
 
 // waitAgentID returns the connected agent with id once it is there, or nil
 // after wait or once the server shuts down: a shutdown waits for resumes
-// (Server.pending), and must not wait for an agent that is not back.
-func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
+// (Server.pending), and must not wait for an agent that is not back. An
+// agent restarting in place, or the connection not, is not the one
+// waited for.
+func (s *Server) waitAgentID(id string, not *agentConn, wait time.Duration) *agentConn {
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
 	for {
 		changed := s.agents.waitChan()
 		for _, a := range s.agents.snapshot() {
-			if a.id == id && a.canPause && !a.restarting.Load() {
+			if a.id == id && a.canPause && !a.restarting.Load() && a != not {
 				return a
 			}
 		}

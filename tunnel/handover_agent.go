@@ -2,6 +2,13 @@ package tunnel
 
 import "errors"
 
+// errAgentRestarting is an agent's refusal of a resume while it restarts
+// in place (hdrAgentRestarting): the resume waits for the agent's next
+// image, at most maxAgentRestarts times in a row.
+var errAgentRestarting = errors.New("agent restarting in place")
+
+const maxAgentRestarts = 5
+
 // An agent's restart in place (SIGHUP) hands its tunnels to its next image
 // with the handover's protocol (handover.go), the roles of who restarts
 // swapped:

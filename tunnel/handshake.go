@@ -62,7 +62,10 @@ const (
 	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
 	hdrPauseSent   = "Konnectivity-Pause-Sent"   // bytes the sender sent on the tunnel
 	hdrResumeToken = "Konnectivity-Resume-Token" // names a paused tunnel
-	maxResumeToken = 64
+	// hdrAgentRestarting marks an agent's refusal of a resume while it
+	// restarts in place: it keeps the destination for its next image.
+	hdrAgentRestarting = "Konnectivity-Agent-Restarting"
+	maxResumeToken     = 64
 )
 
 // The control line an agent sends a rotated token on: "token <jwt>".
