@@ -25,8 +25,13 @@ import (
 // connection. Both front doors, through kube-apiserver's own dialer, with
 // the only agent restarting.
 func TestAgentRestartKeepsTunnels(t *testing.T) {
-	t.Run("http-connect", func(t *testing.T) { agentRestartKeepsTunnels(t, apiserverapi.ProtocolHTTPConnect) })
-	t.Run("grpc", func(t *testing.T) { agentRestartKeepsTunnels(t, apiserverapi.ProtocolGRPC) })
+	t.Run("http-connect", func(t *testing.T) { agentRestartKeepsTunnels(t, apiserverapi.ProtocolHTTPConnect, 0) })
+	t.Run("grpc", func(t *testing.T) { agentRestartKeepsTunnels(t, apiserverapi.ProtocolGRPC, 0) })
+	// SIGHUPs faster than a restart completes: each lands in a drain, an
+	// exec, or a new image before or after it logged in and resumed.
+	t.Run("http-connect-10-sighups-50ms-apart", func(t *testing.T) {
+		agentRestartKeepsTunnels(t, apiserverapi.ProtocolHTTPConnect, 50*time.Millisecond)
+	})
 }
 
 // lineSource is a destination that, once its client sent a byte (its
@@ -74,7 +79,9 @@ func readLines(c net.Conn) *lineReader {
 	return r
 }
 
-func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
+// agentRestartKeepsTunnels sends the agent hups SIGHUPs, each once the
+// last one's new image serves, or, with apart set, ten that far apart.
+func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType, apart time.Duration) {
 	mode := "--mode=http-connect"
 	if proto == apiserverapi.ProtocolGRPC {
 		mode = "--mode=grpc"
@@ -163,6 +170,9 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
 		return lines.lines.Load() > 100 && ok.Load() > 20
 	})
 	for i := range hups {
+		if apart > 0 {
+			break
+		}
 		before := startTime(metricsURL)
 		linesBefore := lines.lines.Load()
 		at := time.Now()
@@ -174,6 +184,19 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
 		waitFor(t, 10*time.Second, "lines flowing after the agent's restart", func() bool { return lines.lines.Load() > linesBefore+100 })
 		t.Logf("agent SIGHUP #%d: new image after %v, lines flowing again after %v", i+1, el.Round(time.Millisecond), time.Since(at).Round(time.Millisecond))
 	}
+	if apart > 0 {
+		before := lines.lines.Load()
+		for range 10 {
+			a1.proc.signal(t, syscall.SIGHUP)
+			time.Sleep(apart)
+		}
+		waitFor(t, 30*time.Second, "the agent serving after the SIGHUPs", func() bool {
+			return !strings.HasSuffix(strings.TrimSpace(a1.proc.out.String()), "re-executing in place") && lines.lines.Load() > before+100
+		})
+		waitHTTP(t, a1.proc, a1.healthURL("/readyz"), 200)
+		checkSameProcess(t, a1.proc, pid, bin)
+		time.Sleep(time.Second)
+	}
 	close(stop)
 	wg.Wait()
 	select {
@@ -181,7 +204,12 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
 		t.Errorf("download: %v", err)
 	default:
 	}
-	t.Logf("%d lines downloaded and %d keep-alive POSTs across %d agent SIGHUPs, %d failed", lines.lines.Load(), ok.Load(), hups, failed.Load())
+	sent := hups
+	if apart > 0 {
+		sent = 10
+	}
+	t.Logf("%d lines downloaded and %d keep-alive POSTs across %d agent SIGHUPs (%d re-executions), %d failed",
+		lines.lines.Load(), ok.Load(), sent, strings.Count(a1.proc.out.String(), "re-executing in place"), failed.Load())
 	if failed.Load() > 0 {
 		t.Errorf("%d ok, %d failed:\n%s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
 	}
@@ -197,7 +225,7 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType) {
 		t.Errorf("the line source accepted %d connections, want 1", n)
 	}
 	out := a1.proc.out.String()
-	if n := strings.Count(out, "destinations of paused tunnels handed to the next image"); n != hups {
+	if n := strings.Count(out, "destinations of paused tunnels handed to the next image"); n != hups && apart == 0 || n == 0 {
 		t.Errorf("agent log has %d handovers, want %d:\n%s", n, hups, out)
 	}
 	if srv := s.proc.out.String(); strings.Contains(srv, "could not be resumed") || strings.Contains(srv, "could not be paused") {

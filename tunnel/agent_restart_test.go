@@ -517,3 +517,34 @@ func TestAgentRestartDuringResume(t *testing.T) {
 		t.Errorf("destination accepted %d connections, want 1", n)
 	}
 }
+
+// TestAgentRestartPausesLateTunnels: a tunnel that opens on an agent after
+// it announced its restart in place (a resume or a dial that was under
+// way) is paused for the agent's next image too, instead of draining.
+func TestAgentRestartPausesLateTunnels(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 10 * time.Second })
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	waitUntil(t, func() bool { n, _ := agent.connected(); return n == 1 }, "the agent holding its connection")
+	// What Run does first on a restart: the control stream says restart-in.
+	agent.Restarting()
+	agent.beginDrain()
+	a := e.srv.agents.snapshot()[0]
+	waitUntil(t, func() bool { return a.restarting.Load() && a.draining.Load() }, "the server told of the restart")
+	c := startStreamingClient(t, e, dest, 31) // opens on the restarting agent, the only one
+	waitUntil(t, func() bool { return handedOver(e.srv, "paused", resultOK) == 1 }, "the late tunnel paused")
+	held := stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the late tunnel resumed")
+	before := c.recv.Load()
+	waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the restart")
+	c.finish(t)
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}

@@ -51,6 +51,27 @@ func (s *Server) agentRestarting(a *agentConn) {
 	})
 }
 
+// pauseIfAgentRestarting pauses t, a tunnel that has just become pausable,
+// for its agent's next image when the agent already announced its
+// restart: one resumed or opened on it after agentRestarting took the
+// tunnels open then, which would otherwise drain. Whichever of the two
+// moves t to pausing (under Server.mu) pauses it; agentRestarting sets
+// restarting before it looks, and t is pausable before this looks, so
+// neither misses it.
+func (s *Server) pauseIfAgentRestarting(t *tunnel) {
+	if !t.agent.restarting.Load() {
+		return
+	}
+	s.mu.Lock()
+	took := t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing)
+	s.mu.Unlock()
+	if took {
+		s.goroutineUnlessClosed(func() {
+			s.waitForAgent(s.pauseAll(s.baseCtx, []*tunnel{t}, "tunnels paused for the agent's next image"))
+		})
+	}
+}
+
 // waitForAgent keeps tunnels paused here waiting for their agent's next
 // image, as Resume keeps those a previous image of the server paused. A
 // server shutting down meanwhile closes them: its handover has taken the
