@@ -329,11 +329,12 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 // returns false (and closes l) when the agent is shutting down, unless it
 // still holds destinations for a restarting server: its next image
 // carries them on through this connection, which announces the drain at
-// once.
+// once. An agent restarting in place takes no new connection: what it
+// holds goes to its own next image.
 func (a *Agent) startConn(l *serverConn) bool {
 	a.mu.Lock()
 	if a.draining {
-		if a.held.count == 0 {
+		if a.held.count == 0 || a.restarting {
 			a.mu.Unlock()
 			l.conn.Close()
 			return false

@@ -616,7 +616,7 @@ func (s *Server) resumeStream(t *tunnel) error {
 	err, result := errors.New("agent gone again before the tunnel resumed"), resultFailed
 	for tries := 0; a != nil; tries++ {
 		err = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token)
-		if !errors.Is(err, errAgentRestarting) || tries == maxAgentRestarts {
+		if !agentLeaving(err) || tries == maxAgentRestarts {
 			break
 		}
 		if a = s.waitAgentID(p.Agent, a, resumeWait); a == nil {

@@ -9,6 +9,16 @@ var errAgentRestarting = errors.New("agent restarting in place")
 
 const maxAgentRestarts = 5
 
+// agentLeaving reports a resume that met an agent connection on its way
+// out, so that the resume waits for the agent's next one: the agent
+// restarts in place (errAgentRestarting), or its connection closed before
+// it answered (an image that restarted again as it logged in), which
+// took nothing from what it holds.
+func agentLeaving(err error) bool {
+	var se *StatusError
+	return err != nil && (errors.Is(err, errAgentRestarting) || !errors.As(err, &se))
+}
+
 // An agent's restart in place (SIGHUP) hands its tunnels to its next image
 // with the handover's protocol (handover.go), the roles of who restarts
 // swapped:
