@@ -32,6 +32,9 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 	t.Run("http-connect-10-sighups-50ms-apart", func(t *testing.T) {
 		agentRestartKeepsTunnels(t, apiserverapi.ProtocolHTTPConnect, 50*time.Millisecond)
 	})
+	t.Run("grpc-10-sighups-50ms-apart", func(t *testing.T) {
+		agentRestartKeepsTunnels(t, apiserverapi.ProtocolGRPC, 50*time.Millisecond)
+	})
 }
 
 // lineSource is a destination that, once its client sent a byte (its
