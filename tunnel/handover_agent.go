@@ -2,23 +2,6 @@ package tunnel
 
 import "errors"
 
-// errAgentRestarting is an agent's refusal of a resume while it restarts
-// in place (hdrAgentRestarting): the resume waits for the agent's next
-// image, at most maxAgentRestarts times in a row.
-var errAgentRestarting = errors.New("agent restarting in place")
-
-const maxAgentRestarts = 5
-
-// agentLeaving reports a resume that met an agent connection on its way
-// out, so that the resume waits for the agent's next one: the agent
-// restarts in place (errAgentRestarting), or its connection closed before
-// it answered (an image that restarted again as it logged in), which
-// took nothing from what it holds.
-func agentLeaving(err error) bool {
-	var se *StatusError
-	return err != nil && (errors.Is(err, errAgentRestarting) || !errors.As(err, &se))
-}
-
 // An agent's restart in place (SIGHUP) hands its tunnels to its next image
 // with the handover's protocol (handover.go), the roles of who restarts
 // swapped:
@@ -33,18 +16,39 @@ func agentLeaving(err error) bool {
 //     server restart meanwhile passes it on as it is. The rest drain.
 //  3. The agent waits, within its drain timeout, until no tunnel is open,
 //     then passes each destination it holds to its next image
-//     (Agent.HeldForNextImage): the socket as an inherited descriptor, the token
-//     and the time left of its hold as JSON.
-//  4. The next image adopts them (Agent.AdoptHeld) and logs in with the same ID;
-//     the server, seeing an agent with that ID that is not the restarting
-//     link, opens the CONNECT stream naming the token, and the tunnel goes
-//     on: same client connection, same destination connection.
+//     (Agent.HeldForNextImage): the socket as an inherited descriptor,
+//     the token and the time left of its hold as JSON.
+//  4. The next image adopts them (Agent.AdoptHeld) and logs in with the
+//     same ID; the server, seeing an agent with that ID that is not the
+//     restarting link, opens the CONNECT stream naming the token, and the
+//     tunnel goes on: same client connection, same destination connection.
 //
 // A server that did not name featureAgentRestart (an older one, or
-// upstream's) gets the drain alone. A tunnel whose agent is not
-// back within resumeWait is closed, as after a server restart, and a token
-// the next image does not hold is refused (404) and its tunnel closed.
-// The agent's half is in agent_restart.go.
+// upstream's) gets the drain alone. A tunnel whose agent is not back
+// within resumeWait is closed, as after a server restart, and a token the
+// next image does not hold is refused (404) and its tunnel closed. Rapid
+// restarts: a tunnel that becomes pausable on an agent after it announced
+// its restart is paused too (pauseIfAgentRestarting), and a resume that
+// meets an agent image on its way out waits for the next one
+// (agentLeaving). The agent's half is in agent_restart.go.
+
+// errAgentRestarting is an agent's refusal of a resume while it restarts
+// in place (hdrAgentRestarting): the resume waits for the agent's next
+// image, at most maxAgentRestarts times in a row.
+var errAgentRestarting = errors.New("agent restarting in place")
+
+// maxAgentRestarts bounds the agent images one resume waits for.
+const maxAgentRestarts = 5
+
+// agentLeaving reports a resume that met an agent connection on its way
+// out, so that the resume waits for the agent's next one: the agent
+// restarts in place (errAgentRestarting), or its connection closed before
+// it answered (an image that restarted again as it logged in), which
+// took nothing from what it holds.
+func agentLeaving(err error) bool {
+	var se *StatusError
+	return err != nil && (errors.Is(err, errAgentRestarting) || !errors.As(err, &se))
+}
 
 // agentRestarting is the server's half: a announced a restart in place,
 // so every tunnel on its link that can move is paused for its next image
