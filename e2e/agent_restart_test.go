@@ -193,8 +193,9 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType, apa
 			a1.proc.signal(t, syscall.SIGHUP)
 			time.Sleep(apart)
 		}
-		waitFor(t, 30*time.Second, "the agent serving after the SIGHUPs", func() bool {
-			return !strings.HasSuffix(strings.TrimSpace(a1.proc.out.String()), "re-executing in place") && lines.lines.Load() > before+100
+		waitFor(t, 30*time.Second, "the agent's last image serving after the SIGHUPs", func() bool {
+			out := a1.proc.out.String()
+			return strings.Count(out, "agent starting") == strings.Count(out, "re-executing in place")+1 && lines.lines.Load() > before+100
 		})
 		waitHTTP(t, a1.proc, a1.healthURL("/readyz"), 200)
 		checkSameProcess(t, a1.proc, pid, bin)
