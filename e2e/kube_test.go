@@ -311,13 +311,14 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 	// --- SIGHUP restarts of the server in the middle of webhook calls.
 	t.Run("sighup-webhook-loop", e.webhookLoopAcrossRestarts)
 
+	// --- SIGHUP restarts of the agent in the middle of a followed log
+	// and webhook calls (before the rollouts, whose agents end with
+	// their subtest).
+	t.Run("agent-sighup-logs-webhook", e.logsAndWebhookAcrossAgentRestarts)
+
 	// --- Agent rollouts (SIGTERM, then a new agent) in the middle of
 	// webhook calls.
 	t.Run("agent-rollout-webhook-loop", e.webhookLoopAcrossAgentRollouts)
-
-	// --- SIGHUP restarts of the agent in the middle of a followed log
-	// and webhook calls.
-	t.Run("agent-sighup-logs-webhook", e.logsAndWebhookAcrossAgentRestarts)
 
 	// --- Orderly stop: kube-apiserver holds idle keep-alive connections
 	// through the tunnel; SIGTERM must still end agent and server within
