@@ -264,10 +264,12 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
+	held := daemon.InheritedHeld(log) // before anything can fail: their sockets close with the process
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
 	}
+	agent.AdoptHeld(held)
 	d := daemon.New(log)
 	defer d.Close()
 	ready := []daemon.Check{{Name: "server-connected", Run: agent.Ready}}
@@ -312,9 +314,12 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			return stop()
 		},
 		Drain: func(trigger string) []string {
-			log.Info("restarting in place: draining tunnels", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
+			// Servers that can pause the tunnels for the next image do;
+			// the rest drain.
+			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
+			agent.Restarting()
 			stop()
-			return nil
+			return daemon.HeldForNextImage(agent.HeldForNextImage(), log)
 		},
 		MemoryReady: func() bool { ok, _ := agent.ReadyAll(); return ok },
 	}))

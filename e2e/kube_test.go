@@ -294,6 +294,11 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 	// --- SIGHUP restarts of the server in the middle of webhook calls.
 	t.Run("sighup-webhook-loop", e.webhookLoopAcrossRestarts)
 
+	// --- SIGHUP restarts of the agent in the middle of a followed log
+	// and webhook calls (before the rollouts, whose agents end with
+	// their subtest).
+	t.Run("agent-sighup-logs-webhook", e.logsAndWebhookAcrossAgentRestarts)
+
 	// --- Agent rollouts (SIGTERM, then a new agent) in the middle of
 	// webhook calls.
 	t.Run("agent-rollout-webhook-loop", e.webhookLoopAcrossAgentRollouts)
@@ -855,4 +860,87 @@ func createConfigMapWebhook(t *testing.T, c *kubeCluster, name string) {
 		"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": kubeNS}},
 	}}
 	c.create(t, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations", vwc)
+}
+
+// logsAndWebhookAcrossAgentRestarts follows a pod's log (kubectl logs -f:
+// GET pods/log?follow=true, one numbered line every 100ms from the kubelet)
+// and sends webhook-checked creates from two goroutines while the agent
+// re-executes itself on SIGHUP, kubeRestarts times: the agent hands its
+// tunnels to its next image (docs/restart.md, "An agent's restart"), so
+// the log goes on with no line lost or repeated on the same stream, and no
+// create fails.
+func (e *kubeEnv) logsAndWebhookAcrossAgentRestarts(t *testing.T) {
+	agentOut0, srvOut0 := len(e.agent.proc.out.String()), len(e.s.proc.out.String())
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.c.url+"/api/v1/namespaces/"+kubeNS+"/pods/target/log?container=app&follow=true", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := e.c.admin.Do(req)
+	if err != nil {
+		t.Fatalf("follow logs: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("follow logs: status %d: %s", resp.StatusCode, b)
+	}
+	var lines atomic.Int64
+	logErr := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			if want := fmt.Sprintf("follow %d", lines.Load()); sc.Text() != want {
+				logErr <- fmt.Errorf("line %q, want %q", sc.Text(), want)
+				return
+			}
+			lines.Add(1)
+		}
+		logErr <- fmt.Errorf("log stream ended after %d lines: %v", lines.Load(), sc.Err())
+	}()
+	waitFor(t, 10*time.Second, "the followed log streaming", func() bool { return lines.Load() >= 5 })
+	reviews0 := e.reviews.Load()
+	stop := e.webhookLoop("ahup")
+	pid := e.agent.proc.cmd.Process.Pid
+	for i := range kubeRestarts {
+		time.Sleep(time.Second)
+		execs := strings.Count(e.agent.proc.out.String(), "re-executing in place")
+		before := lines.Load()
+		at := time.Now()
+		e.agent.proc.signal(t, syscall.SIGHUP)
+		waitFor(t, 20*time.Second, fmt.Sprintf("agent re-exec after SIGHUP #%d", i+1), func() bool {
+			return strings.Count(e.agent.proc.out.String(), "re-executing in place") > execs
+		})
+		waitFor(t, 10*time.Second, fmt.Sprintf("the followed log going on after SIGHUP #%d", i+1), func() bool {
+			return lines.Load() >= before+5
+		})
+		t.Logf("%s: agent SIGHUP #%d: the followed log went on after %v", e.mode, i+1, time.Since(at).Round(10*time.Millisecond))
+	}
+	time.Sleep(time.Second)
+	ok, failed, errs := stop()
+	select {
+	case err := <-logErr:
+		t.Errorf("followed log across agent SIGHUPs: %v", err)
+	default:
+	}
+	cancel()
+	if e.agent.proc.exited() || e.agent.proc.cmd.Process.Pid != pid {
+		t.Fatalf("agent process changed across SIGHUP")
+	}
+	t.Logf("%s: %d log lines followed and %d webhook-checked creates across %d agent SIGHUPs, %d failed, webhook answered %d",
+		e.mode, lines.Load(), ok, kubeRestarts, failed, e.reviews.Load()-reviews0)
+	if failed > 0 || ok < 10 {
+		t.Errorf("webhook loop across agent SIGHUPs: %d ok, %d failed: %s", ok, failed, strings.Join(errs, "\n"))
+	}
+	agentOut := e.agent.proc.out.String()[agentOut0:]
+	if n := strings.Count(agentOut, "destinations of paused tunnels handed to the next image"); n != kubeRestarts {
+		t.Errorf("agent handed held destinations to its next image %d times across %d SIGHUPs, want once per SIGHUP:\n%s", n, kubeRestarts, tail(agentOut, 6000))
+	}
+	srvOut := e.s.proc.out.String()[srvOut0:]
+	for _, bad := range []string{"could not be resumed", "could not be paused"} {
+		if line := lineWith(srvOut, bad); line != "" {
+			t.Errorf("a tunnel %s across an agent SIGHUP: %s", bad, line)
+		}
+	}
 }

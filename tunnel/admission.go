@@ -480,6 +480,10 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 			s.newToken(a, strings.TrimSpace(token))
 			continue
 		}
+		if _, ok := strings.CutPrefix(line, controlRestartIn+" "); ok {
+			s.agentRestarting(a)
+			continue
+		}
 		if v, ok := strings.CutPrefix(line, controlDrainIn+" "); ok {
 			if d, err := time.ParseDuration(v); err == nil && d >= 0 && d <= maxDrainIn {
 				cutIn = d

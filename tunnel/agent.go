@@ -153,6 +153,10 @@ type Agent struct {
 	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
 	draining bool                     // guarded by mu
 	drainEnd time.Time                // guarded by mu: set with draining, when the drain cuts what is left
+	// restarting is guarded by mu: set before the drain by Restarting, for
+	// a restart in place (agent_restart.go); the held destinations then
+	// go to the next image instead of being waited for.
+	restarting bool
 	// Guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
@@ -286,7 +290,9 @@ func (a *Agent) connected() (held, want int) {
 // never ends it: it is redialled with capped, jittered exponential backoff.
 // When ctx ends the agent drains: it tells every server (so new dials go to
 // other agents while any fit), lets open tunnels finish for up to
-// DrainTimeout, then closes its connections.
+// DrainTimeout, then closes its connections. After Restarting, the drain
+// is for a restart in place: servers pause what they can first, and the
+// destinations held for them stay for HeldForNextImage.
 func (a *Agent) Run(ctx context.Context) error {
 	connectCtx, stopConnecting := context.WithCancel(context.Background())
 	defer stopConnecting()
@@ -294,12 +300,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	<-ctx.Done()
 
 	deadline := a.beginDrain()
+	restart := a.isRestarting()
 	drained := make(chan struct{})
 	go func() {
 		// A destination held for a restarting server is still a tunnel:
 		// the server's next image carries it on through the connection
-		// the agent keeps redialling meanwhile.
-		for (a.Stats.OpenStreams.Load() > 0 || a.heldCount() > 0) && time.Now().Before(deadline) {
+		// the agent keeps redialling meanwhile. On the agent's own restart
+		// it goes to the agent's next image instead (HeldForNextImage).
+		for (a.Stats.OpenStreams.Load() > 0 || !restart && a.heldCount() > 0) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		close(drained)
@@ -315,7 +323,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.closeConns()
 	a.connWG.Wait()
 	a.streams.Wait()
-	a.releaseHeld()
+	if !restart {
+		a.releaseHeld()
+	}
 	return nil
 }
 

@@ -44,6 +44,9 @@ type serverConn struct {
 	drain     chan struct{} // closed to ask the control stream to announce a drain
 	streams   atomic.Int64  // open tunnels on this link
 	token     string        // the token presented at login; read-only
+	// agentRestart: the server named featureAgentRestart, so a restart in
+	// place announces itself to it (controlRestartIn); read-only.
+	agentRestart bool
 }
 
 func (l *serverConn) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
@@ -317,6 +320,8 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 		done:  make(chan struct{}),
 		drain: make(chan struct{}),
 		token: hello.Token,
+
+		agentRestart: reply.AgentRestart,
 	}, nil
 }
 
@@ -324,11 +329,12 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 // returns false (and closes l) when the agent is shutting down, unless it
 // still holds destinations for a restarting server: its next image
 // carries them on through this connection, which announces the drain at
-// once.
+// once. An agent restarting in place takes no new connection: what it
+// holds goes to its own next image.
 func (a *Agent) startConn(l *serverConn) bool {
 	a.mu.Lock()
 	if a.draining {
-		if a.held.count == 0 {
+		if a.held.count == 0 || a.restarting {
 			a.mu.Unlock()
 			l.conn.Close()
 			return false
@@ -463,7 +469,8 @@ func (a *Agent) heldServers() []string {
 
 // serveControl answers the server's control stream: one line per event the
 // server must know about: a drain ("drain-in <duration>", when the agent
-// cuts what is left, then "drain"), and "token <token>" when the token
+// cuts what is left, then "drain"; for a restart in place "restart-in
+// <duration>" before them), and "token <token>" when the token
 // file holds a new token (the server reviews it and keeps the link on it).
 func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
@@ -482,8 +489,15 @@ func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Reque
 			a.metrics.packets.inc(segFromAgent, grpcwire.Drain)
 			a.mu.Lock()
 			left := max(time.Until(a.drainEnd), 0).Round(time.Millisecond)
+			restart := a.restarting && l.agentRestart
 			a.mu.Unlock()
-			io.WriteString(w, controlDrainIn+" "+left.String()+"\n"+controlDrain+"\n")
+			lines := controlDrainIn + " " + left.String() + "\n" + controlDrain + "\n"
+			if restart {
+				// First: the server pauses what can move before the drain
+				// takes the rest.
+				lines = controlRestartIn + " " + left.String() + "\n" + lines
+			}
+			io.WriteString(w, lines)
 			flush()
 			<-r.Context().Done()
 			return

@@ -67,6 +67,13 @@ func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Co
 	if token == "" {
 		return nil, false
 	}
+	if a.isRestarting() {
+		// The destination goes to the next image, which the server waits for.
+		w.Header().Set(hdrAgentRestarting, "1")
+		http.Error(w, "agent restarting in place: the tunnel resumes on its next image", http.StatusServiceUnavailable)
+		a.log.Debug("resume refused: restarting in place", "addr", r.Host)
+		return nil, true
+	}
 	dest, err := a.takePaused(token)
 	if err != nil {
 		a.log.Info("tunnel not resumed", "addr", r.Host, "err", err)
@@ -81,6 +88,7 @@ func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Co
 // pausedDest is a destination connection held for a resume.
 type pausedDest struct {
 	conn  net.Conn    // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
+	until time.Time   // set by holdPaused: when the hold ends
 	timer *time.Timer // set under Agent.mu before the entry can be taken; ends the hold
 }
 
@@ -143,7 +151,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		fail(http.StatusConflict, errors.New("the destination ended the tunnel"))
 		return
 	}
-	a.holdPaused(token, &pausedDest{conn: dup})
+	a.holdPaused(token, &pausedDest{conn: dup}, resumeWindow)
 	t.paused = true
 	close(t.settled)
 	w.Header().Set(hdrPauseSent, strconv.FormatInt(t.downSent, 10))
@@ -239,10 +247,11 @@ func (a *Agent) heldEnd(r *http.Request, up *h2link.Delivery) {
 	panic(http.ErrAbortHandler)
 }
 
-// holdPaused keeps p under token until a resume takes it or resumeWindow
-// passes; then it is closed with a reset, so the destination sees a broken
+// holdPaused keeps p under token until a resume takes it or wait passes;
+// then it is closed with a reset, so the destination sees a broken
 // connection rather than a clean end.
-func (a *Agent) holdPaused(token string, p *pausedDest) {
+func (a *Agent) holdPaused(token string, p *pausedDest, wait time.Duration) {
+	p.until = time.Now().Add(wait)
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.held.byToken == nil {
@@ -254,9 +263,9 @@ func (a *Agent) holdPaused(token string, p *pausedDest) {
 		a.held.count--
 	}
 	a.held.byToken[token] = p
-	p.timer = time.AfterFunc(resumeWindow, func() {
+	p.timer = time.AfterFunc(wait, func() {
 		if a.takePausedIf(token, p) {
-			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", resumeWindow.String())
+			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", wait.String())
 			abortConn(p.conn)
 		}
 	})

@@ -217,6 +217,9 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 		body.abandon()
 		a.streams.Add(-1)
 		cancel()
+		if token != "" && resp.Header.Get(hdrAgentRestarting) != "" {
+			return fmt.Errorf("agent %s: %w", a.id, errAgentRestarting)
+		}
 		code := resp.StatusCode
 		if code != http.StatusGatewayTimeout && code != http.StatusForbidden && code != http.StatusBadRequest {
 			code = http.StatusBadGateway

@@ -24,7 +24,9 @@
 //     side of it is its front;
 //   - handover: a restart's move of open tunnels to the next image of
 //     the server's process, each stopped at a byte-exact point in both
-//     directions and carried on there on a new stream;
+//     directions and carried on there on a new stream; an agent's restart
+//     in place moves its tunnels the same way to the agent's next image,
+//     the client's side staying in the server;
 //   - quiet close: a drain's close of a tunnel its client is not using
 //     (quiet.go), which the client takes for a server closing an idle
 //     keep-alive connection and dials again; a cut is a tunnel's end at a
@@ -46,7 +48,8 @@
 // agents), registry.go and registry_index.go (the agents by what a
 // strategy asks for), identity.go, quiet.go (the quiet close, for a
 // server's drain or one agent's), hangup.go (clients that left),
-// handover.go (the server's half of a restart's move), server_metrics.go,
+// handover.go (the server's half of a restart's move), handover_agent.go
+// (the server's half of an agent's restart in place), server_metrics.go,
 // status.go.
 // Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
 // (a connection per server), agent_metrics.go (its metrics and status),

@@ -249,6 +249,7 @@ func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body, pd *pe
 	})
 	t.down.Store(down)
 	pd.release()
+	s.pauseIfAgentRestarting(t)
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.

@@ -462,6 +462,7 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	t.move(tunnelOpen)
 	f.conn.pend.release() // the dial is answered and the tunnel open: see Server.serve
 	t.up.start()
+	s.pauseIfAgentRestarting(t)
 
 	// Downstream: the agent's bytes become DATA packets, read straight into
 	// place behind room for the packet's prefix, and written as one message.

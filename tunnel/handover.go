@@ -109,13 +109,13 @@ var errNotPausable = errors.New("tunnel cannot be paused")
 func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 	var paused []*PausedTunnel
 	err := s.shutdown(ctx, func() func(context.Context) {
-		todo := s.takeMovable()
+		todo := s.takeMovable(nil)
 		paused = s.takeWaiting() // still paused: passed on as they are
 		s.metrics.restarts.paused[resultOK].Add(uint64(len(paused)))
 		unasked := s.collectUnasked()
 		return func(ctx context.Context) {
 			paused = append(paused, unasked...)
-			paused = append(paused, s.handOverAll(ctx, todo)...)
+			paused = append(paused, s.pauseAll(ctx, todo, "tunnels paused for the next image")...)
 		}
 	})
 	return paused, err
@@ -218,15 +218,15 @@ func (s *Server) collectUnasked() []*PausedTunnel {
 	return out
 }
 
-// takeMovable moves every open tunnel that can be paused to pausing, which
-// takes it off the quiet drain, before the drain closes any; the others
-// are counted as not pausable.
-func (s *Server) takeMovable() []*tunnel {
+// takeMovable moves every open tunnel (through agent of, or any when nil)
+// that can be paused to pausing, which takes it off the quiet drain,
+// before the drain closes any; the others are counted as not pausable.
+func (s *Server) takeMovable(of *agentConn) []*tunnel {
 	var todo []*tunnel
 	refused := 0
 	s.mu.Lock()
 	for t := range s.tunnels {
-		if t.state != tunnelOpen {
+		if t.state != tunnelOpen || of != nil && t.agent != of {
 			continue
 		}
 		if t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing) {
@@ -240,13 +240,14 @@ func (s *Server) takeMovable() []*tunnel {
 	return todo
 }
 
-// handOverAll pauses the tunnels takeMovable took, all at once, each on
+// pauseAll pauses the tunnels takeMovable took, all at once, each on
 // its own goroutine under its own pauseTimeout: a tunnel's chance does not
 // depend on its place in a queue, so a tunnel whose client does not read,
 // or whose agent never answers, costs no other tunnel its time; the ones
 // that fail are closed, alone. What bounds the requests in flight on one
-// agent's connection is its own stream limit, as for dials.
-func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunnel {
+// agent's connection is its own stream limit, as for dials. event is the
+// summary's log message.
+func (s *Server) pauseAll(ctx context.Context, todo []*tunnel, event string) []*PausedTunnel {
 	if len(todo) == 0 {
 		return nil
 	}
@@ -273,7 +274,7 @@ func (s *Server) handOverAll(ctx context.Context, todo []*tunnel) []*PausedTunne
 		}()
 	}
 	wg.Wait()
-	s.log.Info("tunnels paused for the next image", "paused", len(paused), "failed", len(todo)-len(paused))
+	s.log.Info(event, "paused", len(paused), "failed", len(todo)-len(paused))
 	return paused
 }
 
@@ -490,7 +491,7 @@ func (s *Server) resumeUnasked(p *PausedTunnel) {
 }
 
 func (s *Server) resumeTunnel(p *PausedTunnel) {
-	a := s.waitAgentID(p.Agent, resumeWait)
+	a := s.waitAgentID(p.Agent, nil, resumeWait)
 	s.mu.Lock()
 	if _, ok := s.waiting[p]; !ok || s.shutting {
 		// A handover passes it on, or Close closes it.
@@ -642,8 +643,14 @@ func (s *Server) resumeStream(t *tunnel) error {
 	p := t.handed
 	a := s.agents.byID(p.Agent)
 	err, result := errors.New("agent gone again before the tunnel resumed"), resultFailed
-	if a != nil {
+	for tries := 0; a != nil; tries++ {
 		err = s.roundTrip(t, a, time.Now().Add(s.cfg.DialTimeout), p.Token)
+		if !agentLeaving(err) || tries == maxAgentRestarts {
+			break
+		}
+		if a = s.waitAgentID(p.Agent, a, resumeWait); a == nil {
+			err, result = fmt.Errorf("agent restarted and not back within %s", resumeWait), resultTimeout
+		}
 	}
 	if err != nil {
 		t.up.unblock()
@@ -725,12 +732,14 @@ func counts(cs map[string]*promtext.Counter) map[string]uint64 {
 
 // waitAgentID returns the connected agent with id once it is there, or nil
 // after wait or once the server shuts down: a shutdown waits for resumes
-// (Server.pending), and must not wait for an agent that is not back.
-func (s *Server) waitAgentID(id string, wait time.Duration) *agentConn {
+// (Server.pending), and must not wait for an agent that is not back. An
+// agent restarting in place, or the connection not, is not the one
+// waited for.
+func (s *Server) waitAgentID(id string, not *agentConn, wait time.Duration) *agentConn {
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
 	for {
-		a, changed := s.agents.arrival(id)
+		a, changed := s.agents.arrival(id, not)
 		if a != nil {
 			return a
 		}

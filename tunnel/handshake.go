@@ -13,17 +13,21 @@ import (
 // The agent's Upgrade request and the server's answer. Everything the two
 // sides need to know about each other travels here, once per connection.
 const (
-	handshakePath    = "/konnectivity/v1/tunnel"
-	upgradeToken     = "konnectivity-h2"
-	hdrAgentID       = "Konnectivity-Agent-Id"
-	hdrIdentifiers   = "Konnectivity-Agent-Identifiers"
-	hdrHeldServers   = "Konnectivity-Held-Servers"
-	hdrServerID      = "Konnectivity-Server-Id"
-	hdrServerCount   = "Konnectivity-Server-Count"
-	hdrFeatures      = "Konnectivity-Agent-Features" // what the agent can do beyond tunnels, comma-separated
-	featurePause     = "pause"                       // it answers pausePath and resumes paused tunnels (handover.go)
-	maxHandshakeHead = 16 << 10
-	maxIDLen         = 256
+	handshakePath     = "/konnectivity/v1/tunnel"
+	upgradeToken      = "konnectivity-h2"
+	hdrAgentID        = "Konnectivity-Agent-Id"
+	hdrIdentifiers    = "Konnectivity-Agent-Identifiers"
+	hdrHeldServers    = "Konnectivity-Held-Servers"
+	hdrServerID       = "Konnectivity-Server-Id"
+	hdrServerCount    = "Konnectivity-Server-Count"
+	hdrFeatures       = "Konnectivity-Agent-Features"  // what the agent can do beyond tunnels, comma-separated
+	featurePause      = "pause"                        // it answers pausePath and resumes paused tunnels (handover.go)
+	hdrServerFeatures = "Konnectivity-Server-Features" // what the server can do beyond tunnels, comma-separated
+	// featureAgentRestart: the server understands controlRestartIn, pausing
+	// the agent's tunnels for its next image (agent_restart.go).
+	featureAgentRestart = "agent-restart"
+	maxHandshakeHead    = 16 << 10
+	maxIDLen            = 256
 )
 
 // hdrRetryAfterMs is the agent port's answer to a connection refused at the
@@ -58,7 +62,10 @@ const (
 	hdrPauseStream = "Konnectivity-Pause-Stream" // the tunnel's stream ID
 	hdrPauseSent   = "Konnectivity-Pause-Sent"   // bytes the sender sent on the tunnel
 	hdrResumeToken = "Konnectivity-Resume-Token" // names a paused tunnel
-	maxResumeToken = 64
+	// hdrAgentRestarting marks an agent's refusal of a resume while it
+	// restarts in place: it keeps the destination for its next image.
+	hdrAgentRestarting = "Konnectivity-Agent-Restarting"
+	maxResumeToken     = 64
 )
 
 // The control line an agent sends a rotated token on: "token <jwt>".
@@ -149,15 +156,16 @@ func readHello(br *bufio.Reader) (agentHello, error) {
 }
 
 func writeSwitching(w io.Writer, serverID string, count int) error {
-	_, err := fmt.Fprintf(w, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %s\r\n%s: %d\r\n\r\n",
-		upgradeToken, hdrServerID, serverID, hdrServerCount, count)
+	_, err := fmt.Fprintf(w, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %s\r\n%s: %d\r\n%s: %s\r\n\r\n",
+		upgradeToken, hdrServerID, serverID, hdrServerCount, count, hdrServerFeatures, featureAgentRestart)
 	return err
 }
 
 // serverReply is what the agent learns from the server's answer.
 type serverReply struct {
-	ServerID string
-	Count    int
+	ServerID     string
+	Count        int
+	AgentRestart bool // it named featureAgentRestart
 }
 
 // readReply reads the server's answer. A refusal comes back as a *StatusError
@@ -182,17 +190,24 @@ func readReply(br *bufio.Reader) (serverReply, error) {
 	if err != nil || r.Count < 1 {
 		r.Count = 1
 	}
+	for _, f := range strings.Split(resp.Header.Get(hdrServerFeatures), ",") {
+		r.AgentRestart = r.AgentRestart || strings.TrimSpace(f) == featureAgentRestart
+	}
 	return r, nil
 }
 
 // The control stream: the server opens it right after the handshake and
 // the agent writes one line per event on it. A drain is two lines:
 // "drain-in <duration>" (when the agent cuts what is left; a server that
-// does not know the line ignores it) and then "drain".
+// does not know the line ignores it) and then "drain". A drain for a
+// restart in place is preceded by "restart-in <duration>", sent only to a
+// server that named featureAgentRestart: the server pauses the agent's
+// tunnels for its next image before the drain takes the rest.
 const (
-	controlPath    = "/konnectivity/v1/control"
-	controlDrain   = "drain"
-	controlDrainIn = "drain-in"
+	controlPath      = "/konnectivity/v1/control"
+	controlDrain     = "drain"
+	controlDrainIn   = "drain-in"
+	controlRestartIn = "restart-in"
 	// maxDrainIn bounds the time a drain-in line may announce.
 	maxDrainIn = time.Hour
 )

@@ -157,6 +157,13 @@ func (e *env) startAgent(id, identifiers string, mutate func(*AgentConfig)) *tes
 
 func startAgentTo(t testing.TB, p *pki, addrs []string, id, identifiers string, mutate func(*AgentConfig)) *testAgent {
 	t.Helper()
+	return startAgentWith(t, p, addrs, id, identifiers, mutate, nil)
+}
+
+// startAgentWith is startAgentTo with before run on the agent before it
+// runs (what the next image of a restarting agent does first).
+func startAgentWith(t testing.TB, p *pki, addrs []string, id, identifiers string, mutate func(*AgentConfig), before func(*Agent)) *testAgent {
+	t.Helper()
 	cfg := AgentConfig{
 		ServerAddrs:  addrs,
 		ID:           id,
@@ -175,6 +182,9 @@ func startAgentTo(t testing.TB, p *pki, addrs []string, id, identifiers string, 
 	a, err := NewAgent(cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if before != nil {
+		before(a)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	ta := &testAgent{Agent: a, cancel: cancel, done: make(chan struct{})}

@@ -62,6 +62,7 @@ type agentConn struct {
 	// Atomic: any goroutine.
 	streams            atomic.Int64 // open tunnels
 	draining           atomic.Bool  // the agent announced a drain
+	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
 	bytesTo, bytesFrom atomic.Int64
 }
 
@@ -165,12 +166,13 @@ func (r *registry) wake() {
 }
 
 // arrival returns the agent with id when it is connected and can take
-// back a paused tunnel; otherwise a channel closed when an agent with id
+// back a paused tunnel (not one restarting in place, and not the
+// connection not); otherwise a channel closed when an agent with id
 // joins, or by wake.
-func (r *registry) arrival(id string) (*agentConn, <-chan struct{}) {
+func (r *registry) arrival(id string, not *agentConn) (*agentConn, <-chan struct{}) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if a := r.agents[id]; a != nil && a.canPause {
+	if a := r.agents[id]; a != nil && a.canPause && !a.restarting.Load() && a != not {
 		return a, nil
 	}
 	ch := r.arrivals[id]
@@ -205,7 +207,7 @@ func (r *registry) snapshot() []*agentConn {
 func (r *registry) byID(id string) *agentConn {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	if a := r.agents[id]; a != nil && a.canPause {
+	if a := r.agents[id]; a != nil && a.canPause && !a.restarting.Load() {
 		return a
 	}
 	return nil

@@ -252,11 +252,11 @@ func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
 			return false
 		}
 	}
-	a, ch := r.arrival("a")
+	a, ch := r.arrival("a", nil)
 	if a != nil || ch == nil {
 		t.Fatalf("arrival before the agent joined: %v %v", a, ch)
 	}
-	if _, ch2 := r.arrival("a"); ch2 != ch {
+	if _, ch2 := r.arrival("a", nil); ch2 != ch {
 		t.Fatal("two waiters for one agent got different channels")
 	}
 	for i := range 100 {
@@ -272,7 +272,7 @@ func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
 	if !closed(ch) {
 		t.Fatal("agent a joining did not wake its waiter")
 	}
-	got, ch3 := r.arrival("a")
+	got, ch3 := r.arrival("a", nil)
 	if got != nil || ch3 == nil || closed(ch3) {
 		t.Fatalf("an agent that cannot take a tunnel back was returned: %v", got)
 	}
@@ -282,10 +282,10 @@ func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
 	if !closed(ch3) {
 		t.Fatal("agent a joining again did not wake its waiter")
 	}
-	if got, _ := r.arrival("a"); got != ag2 {
+	if got, _ := r.arrival("a", nil); got != ag2 {
 		t.Fatalf("arrival = %v, want the agent that joined", got)
 	}
-	_, ch4 := r.arrival("c")
+	_, ch4 := r.arrival("c", nil)
 	r.wake()
 	if !closed(ch4) {
 		t.Fatal("wake did not wake a waiter")

@@ -147,8 +147,9 @@ type Server struct {
 	tunnels   map[*tunnel]struct{}
 	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
-	// waiting are the paused tunnels a previous image handed over whose
-	// agent is not back yet (Resume); guarded by mu. A handover passes
+	// waiting are the paused tunnels a previous image handed over, or
+	// that an agent's restart paused here (agent_restart.go), whose agent
+	// is not back yet (Resume); guarded by mu. A handover passes
 	// them on as they are; Close closes them.
 	waiting map[*PausedTunnel]struct{}
 	// unasked are the front-door connections a handover took before their

@@ -342,42 +342,69 @@ func restartRequests(ctx context.Context, onBinaryChange bool, every time.Durati
 	return out, func() { cancel(); owned.Wait() }
 }
 
-// tunnelsEnv names a memory file, inherited across exec, that lists the
-// server's paused tunnels (tunnel.PausedTunnel) as JSON, each with the
-// descriptor of its client's socket, also inherited.
+// tunnelsEnv names a memory file, inherited across exec, that lists what
+// a restart hands on with a socket, also inherited: the server's paused
+// tunnels (tunnel.PausedTunnel, the client's socket), the agent's held
+// destinations (tunnel.HeldDest, the destination's socket). Each as JSON
+// with the socket's descriptor.
 const tunnelsEnv = "KONNECTIVITY_INHERITED_TUNNELS"
 
 // maxTunnelsList bounds the list the next image reads.
 const maxTunnelsList = 64 << 20
 
-// handedTunnel is one paused tunnel as the next image reads it.
-type handedTunnel struct {
-	FD     int                  `json:"fd"`
-	Tunnel *tunnel.PausedTunnel `json:"tunnel"` // all but its File
+// handed is one entry as the next image reads it.
+type handed[T any] struct {
+	FD     int `json:"fd"`
+	Tunnel T   `json:"tunnel"` // all but its socket's file
 }
 
-// TunnelsForNextImage duplicates each paused tunnel's socket without
-// close-on-exec, writes the list to a memory file the exec keeps, and
-// returns the environment entry that names it. Nothing is handed over when
-// any step fails: the tunnels are closed and logged, as a drain would.
+// TunnelsForNextImage hands the server's paused tunnels to the next image
+// (handOnSockets).
 func TunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []string {
-	if len(paused) == 0 {
+	return handOnSockets(paused, func(p *tunnel.PausedTunnel) *os.File { return p.File }, "paused tunnels", log)
+}
+
+// HeldForNextImage hands the agent's held destinations to the next image
+// (handOnSockets).
+func HeldForNextImage(held []*tunnel.HeldDest, log *slog.Logger) []string {
+	return handOnSockets(held, func(h *tunnel.HeldDest) *os.File { return h.File }, "held destinations", log)
+}
+
+// InheritedTunnels reads (and clears) the paused tunnels a previous image
+// of the server handed over.
+func InheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
+	return inheritSockets(func(p *tunnel.PausedTunnel, f *os.File) { p.File = f }, "paused tunnels", log)
+}
+
+// InheritedHeld reads (and clears) the held destinations a previous image
+// of the agent handed over.
+func InheritedHeld(log *slog.Logger) []*tunnel.HeldDest {
+	return inheritSockets(func(h *tunnel.HeldDest, f *os.File) { h.File = f }, "held destinations", log)
+}
+
+// handOnSockets duplicates each item's socket without close-on-exec,
+// writes the list to a memory file the exec keeps, and returns the
+// environment entry that names it. Nothing is handed over when any step
+// fails: the sockets are closed and logged, as a drain would. Each item's
+// own file is closed either way.
+func handOnSockets[T any](items []T, file func(T) *os.File, what string, log *slog.Logger) []string {
+	if len(items) == 0 {
 		return nil
 	}
-	var list []handedTunnel
+	var list []handed[T]
 	var fds []int
 	fail := func(err error) []string {
-		log.Warn("paused tunnels not handed to the next image; closed", "tunnels", len(paused), "err", err)
+		log.Warn(what+" not handed to the next image; closed", "tunnels", len(items), "err", err)
 		for _, fd := range fds {
 			unix.Close(fd)
 		}
-		for _, p := range paused {
-			p.File.Close()
+		for _, it := range items {
+			file(it).Close()
 		}
 		return nil
 	}
-	for _, p := range paused {
-		rc, err := p.File.SyscallConn()
+	for _, it := range items {
+		rc, err := file(it).SyscallConn()
 		if err != nil {
 			return fail(err)
 		}
@@ -389,7 +416,7 @@ func TunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []stri
 			return fail(os.NewSyscallError("fcntl", dupErr))
 		}
 		fds = append(fds, dup)
-		list = append(list, handedTunnel{FD: dup, Tunnel: p})
+		list = append(list, handed[T]{FD: dup, Tunnel: it})
 	}
 	data, err := json.Marshal(list)
 	if err != nil {
@@ -407,16 +434,17 @@ func TunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []stri
 		}
 		off += n
 	}
-	for _, p := range paused {
-		p.File.Close() // the duplicates above are what the exec keeps
+	for _, it := range items {
+		file(it).Close() // the duplicates above are what the exec keeps
 	}
-	log.Info("paused tunnels handed to the next image", "tunnels", len(list))
+	log.Info(what+" handed to the next image", "tunnels", len(list))
 	return []string{fmt.Sprintf("%s=%d", tunnelsEnv, mfd)}
 }
 
-// InheritedTunnels reads (and clears) the paused tunnels a previous image
-// handed over. An entry whose descriptor is not a socket is dropped.
-func InheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
+// inheritSockets reads (and clears) the list a previous image handed
+// over (handOnSockets), giving each item its socket with setFile. An entry
+// whose descriptor is not a socket is dropped.
+func inheritSockets[T any](setFile func(*T, *os.File), what string, log *slog.Logger) []*T {
 	spec, ok := os.LookupEnv(tunnelsEnv)
 	os.Unsetenv(tunnelsEnv)
 	if !ok {
@@ -424,31 +452,31 @@ func InheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
 	}
 	mfd, err := strconv.Atoi(spec)
 	if err != nil || mfd < 3 {
-		log.Warn("ignoring malformed inherited tunnel list", "entry", spec)
+		log.Warn("ignoring malformed inherited "+what+" list", "entry", spec)
 		return nil
 	}
 	f := os.NewFile(uintptr(mfd), "inherited-tunnels")
 	data, err := io.ReadAll(io.LimitReader(f, maxTunnelsList))
 	f.Close()
-	var list []handedTunnel
+	var list []handed[*T]
 	if err == nil {
 		err = json.Unmarshal(data, &list)
 	}
 	if err != nil {
-		log.Warn("inherited tunnel list unreadable; those tunnels are lost", "err", err)
+		log.Warn("inherited "+what+" list unreadable; those tunnels are lost", "err", err)
 		return nil
 	}
-	var out []*tunnel.PausedTunnel
+	var out []*T
 	for _, h := range list {
 		var st unix.Stat_t
 		if h.FD < 3 || unix.Fstat(h.FD, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK || h.Tunnel == nil {
-			log.Warn("ignoring inherited tunnel without a socket", "fd", h.FD)
+			log.Warn("ignoring inherited tunnel without a socket", "what", what, "fd", h.FD)
 			continue
 		}
 		unix.CloseOnExec(h.FD)
-		h.Tunnel.File = os.NewFile(uintptr(h.FD), "tunnel")
+		setFile(h.Tunnel, os.NewFile(uintptr(h.FD), "tunnel"))
 		out = append(out, h.Tunnel)
 	}
-	log.Info("resuming tunnels handed over by the previous image", "tunnels", len(out))
+	log.Info("resuming "+what+" handed over by the previous image", "tunnels", len(out))
 	return out
 }

@@ -92,7 +92,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	// Point the entry's descriptor at /dev/null.
 	data := make([]byte, 4096)
 	n, _ := unix.Pread(mustAtoi(t, spec), data, 0)
-	var list []handedTunnel
+	var list []handed[*tunnel.PausedTunnel]
 	if err := json.Unmarshal(data[:n], &list); err != nil || len(list) != 1 {
 		t.Fatalf("tunnel list %q: %v", data[:n], err)
 	}

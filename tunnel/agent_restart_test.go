@@ -1,0 +1,550 @@
+package tunnel
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
+)
+
+// restartAgentInPlace does what an agent's SIGHUP does, the exec played
+// by a new Agent value with the same ID: the agent drains as a restart,
+// passes the destinations it holds to the next one, which adopts them
+// before it runs. want tunnels must have been paused by the server.
+func restartAgentInPlace(t *testing.T, e *env, cur *testAgent, id string, want int) *testAgent {
+	t.Helper()
+	pausedBefore := handedOver(e.srv, "paused", resultOK)
+	resumedBefore := handedOver(e.srv, "resumed", resultOK)
+	cur.Restarting()
+	cur.cancel()
+	select {
+	case <-cur.done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the restarting agent's drain did not end")
+	}
+	held := cur.HeldForNextImage()
+	if len(held) != want {
+		t.Fatalf("%d destinations held for the next image, want %d", len(held), want)
+	}
+	if n := handedOver(e.srv, "paused", resultOK) - pausedBefore; n != uint64(want) {
+		t.Fatalf("server paused %d tunnels, want %d", n, want)
+	}
+	next := startAgentWith(t, e.pki, []string{e.agentAddr}, id, "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK)-resumedBefore == uint64(want) }, "tunnels resumed on the agent's next image")
+	if n := resumedOrNot(e.srv) - int(handedOver(e.srv, "resumed", resultOK)); n != 0 {
+		t.Fatalf("%d tunnels not resumed", n)
+	}
+	return next
+}
+
+// echoCall is a gRPC front door call carrying a pattern both ways
+// through an echo destination.
+type echoCall struct {
+	c          *grpcCall
+	id         int64
+	sent, recv atomic.Int64
+	stop, done chan struct{}
+	readErr    chan error
+}
+
+func startEchoCall(t *testing.T, sock, dest string, seed byte) *echoCall {
+	t.Helper()
+	k := &echoCall{c: openGRPC(t, sock, grpcProxyMethod), stop: make(chan struct{}), done: make(chan struct{}), readErr: make(chan error, 1)}
+	k.c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(seed)})
+	rsp, err := k.c.read()
+	if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
+		t.Fatalf("DIAL_RSP: %+v %v", rsp, err)
+	}
+	k.id = rsp.ConnectID
+	go func() {
+		defer close(k.done)
+		src := newPattern(seed)
+		sizes := rand.New(rand.NewPCG(uint64(seed), 3))
+		for {
+			select {
+			case <-k.stop:
+				return
+			default:
+			}
+			b := make([]byte, 1+sizes.IntN(100<<10))
+			src.Read(b)
+			if _, err := k.c.send.Write(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.Data, ConnectID: k.id, Data: b})); err != nil {
+				return
+			}
+			k.sent.Add(int64(len(b)))
+			time.Sleep(time.Duration(sizes.IntN(3)) * time.Millisecond)
+		}
+	}()
+	go func() {
+		want := newPattern(seed)
+		for {
+			p, err := k.c.read()
+			if err != nil {
+				k.readErr <- fmt.Errorf("after %d bytes: %w", k.recv.Load(), err)
+				return
+			}
+			if p.Type == grpcwire.CloseRsp {
+				k.readErr <- nil
+				return
+			}
+			exp := make([]byte, len(p.Data))
+			want.Read(exp)
+			if p.Type != grpcwire.Data || p.ConnectID != k.id || !bytesEqual(p.Data, exp) {
+				k.readErr <- fmt.Errorf("packet %s after %d bytes differs", p.Type, k.recv.Load())
+				return
+			}
+			k.recv.Add(int64(len(p.Data)))
+		}
+	}()
+	return k
+}
+
+// finish stops sending, waits for every byte back, and ends the call.
+func (k *echoCall) finish(t *testing.T) {
+	t.Helper()
+	close(k.stop)
+	<-k.done
+	waitUntil(t, func() bool { return k.recv.Load() == k.sent.Load() }, "every byte back")
+	k.c.write(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: k.id})
+	if err := <-k.readErr; err != nil {
+		t.Fatal(err)
+	}
+	if s := k.c.status(); s != "0" {
+		t.Errorf("grpc-status %q after the agent's restarts", s)
+	}
+}
+
+// TestAgentRestartKeepsTunnels: an agent that restarts in place, twice,
+// hands its tunnels to its next image: HTTP CONNECT tunnels and gRPC
+// calls carrying bytes both ways, and an idle keep-alive tunnel, lose,
+// repeat or reorder no byte, keep their client's connection and their
+// destination connection (the destination is dialled once per tunnel).
+func TestAgentRestartKeepsTunnels(t *testing.T) {
+	checkNoLeaks(t)
+	dest, accepted := countingEcho(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 10 * time.Second })
+	e.waitAgents(1)
+	sock := e.grpcSocket(t)
+
+	var clients []*streamingClient
+	for i := range 2 {
+		clients = append(clients, startStreamingClient(t, e, dest, byte(i+1)))
+	}
+	var calls []*echoCall
+	for i := range 2 {
+		calls = append(calls, startEchoCall(t, sock, dest, byte(i+11)))
+	}
+	idle := e.echoOne(dest)
+	defer idle.Close()
+	const tunnels = 5
+
+	for round := range 2 {
+		waitUntil(t, func() bool {
+			return clients[0].recv.Load() > int64(round+1)<<20 && calls[0].recv.Load() > int64(round+1)<<19
+		}, "bytes flowing")
+		agent = restartAgentInPlace(t, e, agent, "a1", tunnels)
+	}
+	for _, c := range clients {
+		before := c.recv.Load()
+		waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the restarts")
+		c.finish(t)
+	}
+	for _, k := range calls {
+		before := k.recv.Load()
+		waitUntil(t, func() bool { return k.recv.Load() > before+64<<10 }, "bytes flowing after the restarts")
+		k.finish(t)
+	}
+	if _, err := idle.Write([]byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	idle.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(idle, b); err != nil || b[0] != 'y' {
+		t.Fatalf("idle tunnel after the restarts: %q %v", b, err)
+	}
+	if n := accepted.Load(); n != tunnels {
+		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels)
+	}
+}
+
+// stopForRestart runs the restarting half of an agent's restart in place
+// and returns what it hands to the next image.
+func stopForRestart(t *testing.T, a *testAgent) []*HeldDest {
+	t.Helper()
+	a.Restarting()
+	a.cancel()
+	select {
+	case <-a.done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the restarting agent's drain did not end")
+	}
+	return a.HeldForNextImage()
+}
+
+// TestAgentRestartHeldPassedOn: destinations the agent's next image
+// adopted but could not hand back yet (it has not reached the server)
+// pass on again at a second restart, and the image after it resumes them.
+func TestAgentRestartHeldPassedOn(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	echo := echoServer(t)
+	var conns []net.Conn
+	for range 3 {
+		c := e.echoOne(echo)
+		defer c.Close()
+		conns = append(conns, c)
+	}
+	held := stopForRestart(t, agent)
+	if len(held) != 3 {
+		t.Fatalf("%d destinations held, want 3", len(held))
+	}
+	// The next image cannot reach the server (a dead address): it holds
+	// what it adopted until it restarts again.
+	dead := serveTCP(t, func(c net.Conn) { c.Close() })
+	lost := startAgentWith(t, e.pki, []string{dead}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	if n := lost.heldCount(); n != 3 {
+		t.Fatalf("the next image holds %d destinations, want 3", n)
+	}
+	held = stopForRestart(t, lost)
+	if len(held) != 3 {
+		t.Fatalf("%d destinations passed on again, want 3", len(held))
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 3 }, "tunnels resumed")
+	b := make([]byte, 1)
+	for i, c := range conns {
+		if _, err := c.Write([]byte{'a' + byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.ReadFull(c, b); err != nil || b[0] != 'a'+byte(i) {
+			t.Fatalf("tunnel %d after two restarts: %q %v", i, b, err)
+		}
+	}
+}
+
+// TestAgentRestartTokenUnknown: a next image that holds nothing (what it
+// was handed was lost) refuses the resumes; each tunnel is closed, logged
+// and counted failed, and the server carries on.
+func TestAgentRestartTokenUnknown(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	echo := echoServer(t)
+	c := e.echoOne(echo)
+	defer c.Close()
+	held := stopForRestart(t, agent)
+	for _, h := range held {
+		h.File.Close()
+	}
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	e.startAgent("a1", "", nil)
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultFailed) == 1 }, "the resume refused")
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("the client's connection is still open (read %d bytes)", n)
+	}
+	if c2 := e.echoOne(echo); c2 != nil {
+		c2.Close()
+	}
+}
+
+// TestAgentRestartSeveralServers: an agent holding a connection to each of
+// two servers restarts in place; each server pauses and resumes its own
+// tunnels.
+func TestAgentRestartSeveralServers(t *testing.T) {
+	checkNoLeaks(t)
+	dest, accepted := countingEcho(t)
+	p := newPKI(t)
+	e1 := newEnvOn(t, p, "127.0.0.1:0", nil)
+	e2 := newEnvOn(t, p, "127.0.0.1:0", func(c *ServerConfig) { c.ID = "s2" })
+	addrs := []string{e1.agentAddr, e2.agentAddr}
+	agent := startAgentTo(t, p, addrs, "a1", "", nil)
+	e1.waitAgents(1)
+	e2.waitAgents(1)
+	var clients []*streamingClient
+	for i, e := range []*env{e1, e2, e1} {
+		clients = append(clients, startStreamingClient(t, e, dest, byte(i+21)))
+	}
+	waitUntil(t, func() bool { return clients[2].recv.Load() > 256<<10 }, "bytes flowing")
+	held := stopForRestart(t, agent)
+	if len(held) != 3 {
+		t.Fatalf("%d destinations held, want 3", len(held))
+	}
+	startAgentWith(t, p, addrs, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool {
+		return handedOver(e1.srv, "resumed", resultOK) == 2 && handedOver(e2.srv, "resumed", resultOK) == 1
+	}, "each server resumed its tunnels")
+	for _, c := range clients {
+		before := c.recv.Load()
+		waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the restart")
+		c.finish(t)
+	}
+	if n := accepted.Load(); n != 3 {
+		t.Errorf("destination accepted %d connections, want 3", n)
+	}
+}
+
+// TestAgentRestartOnlyToServersThatSaySo: the server's answer names
+// agent-restart, and an answer without it (an older server) gets no
+// restart-in line: the agent only drains there.
+func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
+	var b strings.Builder
+	if err := writeSwitching(&b, "s1", 2); err != nil {
+		t.Fatal(err)
+	}
+	r, err := readReply(bufio.NewReader(strings.NewReader(b.String())))
+	if err != nil || !r.AgentRestart || r.ServerID != "s1" || r.Count != 2 {
+		t.Fatalf("our server's answer read as %+v, %v; want agent-restart", r, err)
+	}
+	old := "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + upgradeToken + "\r\n" + hdrServerID + ": s1\r\n" + hdrServerCount + ": 1\r\n\r\n"
+	r, err = readReply(bufio.NewReader(strings.NewReader(old)))
+	if err != nil || r.AgentRestart {
+		t.Fatalf("an older server's answer read as %+v, %v; want no agent-restart", r, err)
+	}
+	// The control stream's drain for a restart, to each kind of server.
+	for _, tc := range []struct {
+		agentRestart bool
+		want         string
+	}{{true, controlRestartIn + " "}, {false, controlDrainIn + " "}} {
+		a, err := NewAgent(AgentConfig{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.Restarting()
+		a.beginDrain()
+		l := &serverConn{drain: make(chan struct{}), agentRestart: tc.agentRestart}
+		l.sendDrain()
+		ctx, cancel := context.WithCancel(context.Background())
+		w := &controlRecorder{h: http.Header{}}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			a.serveControl(l, w, (&http.Request{Method: http.MethodGet, URL: &url.URL{Path: controlPath}}).WithContext(ctx))
+		}()
+		waitUntil(t, func() bool { return strings.Contains(w.String(), controlDrain+"\n") }, "the drain lines")
+		cancel()
+		<-done
+		if got := w.String(); !strings.HasPrefix(got, tc.want) || !strings.HasSuffix(got, controlDrain+"\n") {
+			t.Errorf("agent-restart %v: control stream %q, want it to begin with %q", tc.agentRestart, got, tc.want)
+		}
+	}
+}
+
+// controlRecorder is an http.ResponseWriter whose body a test reads while
+// the handler writes.
+type controlRecorder struct {
+	h  http.Header
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (r *controlRecorder) Header() http.Header { return r.h }
+func (r *controlRecorder) WriteHeader(int)     {}
+func (r *controlRecorder) Flush()              {}
+func (r *controlRecorder) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.b.Write(p)
+}
+
+func (r *controlRecorder) String() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.b.String()
+}
+
+// TestAgentRestartDrainsWhatCannotMove: a tunnel whose destination already
+// ended its side cannot be paused; on the agent's restart it is counted not
+// pausable and closed at a quiet moment, while the open tunnel beside it
+// moves, and the agent's drain ends well before its timeout.
+func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 10 * time.Second })
+	e.waitAgents(1)
+	echo := echoServer(t)
+	open := e.echoOne(echo)
+	defer open.Close()
+	// A destination that answers once, ends its side, and reads until the
+	// tunnel closes.
+	ended := make(chan struct{})
+	quiet := serveTCP(t, func(c net.Conn) {
+		defer close(ended)
+		c.Write([]byte("x"))
+		c.(*net.TCPConn).CloseWrite()
+		io.Copy(io.Discard, c)
+	})
+	half, br, resp := e.connect(quiet)
+	defer half.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("CONNECT: %s", resp.Status)
+	}
+	if b, err := io.ReadAll(br); err != nil || string(b) != "x" {
+		t.Fatalf("the destination's answer: %q %v", b, err)
+	}
+	start := time.Now()
+	held := stopForRestart(t, agent)
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the agent's restart drain took %v", took)
+	}
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	if n := handedOver(e.srv, "paused", resultNotPausable); n != 1 {
+		t.Errorf("%d tunnels counted not pausable, want 1", n)
+	}
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Error("the tunnel that could not move was not closed")
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the open tunnel resumed")
+	if _, err := open.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	open.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(open, b); err != nil || b[0] != 'z' {
+		t.Fatalf("the open tunnel after the restart: %q %v", b, err)
+	}
+}
+
+// TestAgentRestartThenServerRestart: tunnels paused for a restarting
+// agent that the server restarts before the agent is back go to the
+// server's next image as they are, and resume there on the agent's next
+// image.
+func TestAgentRestartThenServerRestart(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	c := e.echoOne(dest)
+	defer c.Close()
+	held := stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != 1 {
+		t.Fatalf("HandOver: %d paused, %v; want the one waiting for its agent", len(paused), err)
+	}
+	e.stop()
+	next := newEnvOn(t, e.pki, e.agentAddr, nil)
+	next.srv.Resume(paused)
+	startAgentWith(t, e.pki, []string{next.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return resumedOrNot(next.srv) == 1 }, "the tunnel resumed")
+	if handedOver(next.srv, "resumed", resultOK) != 1 {
+		t.Fatal("the tunnel was not resumed on the server's next image")
+	}
+	if _, err := c.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
+		t.Fatalf("the tunnel after both restarts: %q %v", b, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}
+
+// TestAgentRestartDuringResume: an agent image that restarts in place
+// after it logged in but before the server resumed its tunnels refuses
+// the resume and keeps the destination; the server waits for the image
+// after it, and the tunnel resumes there.
+func TestAgentRestartDuringResume(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	c := e.echoOne(dest)
+	defer c.Close()
+	held := stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	// The next image is already restarting when the resume reaches it.
+	next := startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) {
+		a.AdoptHeld(held)
+		a.Restarting()
+	})
+	waitUntil(t, func() bool { return next.metrics.packets.n[segToAgent][grpcwire.DialReq].Load() == 1 }, "the resume refused")
+	held = stopForRestart(t, next)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations passed on, want 1", len(held))
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return resumedOrNot(e.srv) == 1 }, "the tunnel resumed")
+	if handedOver(e.srv, "resumed", resultOK) != 1 {
+		t.Fatal("the tunnel was not resumed on the agent's third image")
+	}
+	if n := handedOver(e.srv, "paused", resultOK); n != 1 {
+		t.Errorf("the tunnel was paused %d times, want once: it was resumed on the restarting image", n)
+	}
+	if _, err := c.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
+		t.Fatalf("the tunnel after the restarts: %q %v", b, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}
+
+// TestAgentRestartPausesLateTunnels: a tunnel that opens on an agent after
+// it announced its restart in place (a resume or a dial that was under
+// way) is paused for the agent's next image too, instead of draining.
+func TestAgentRestartPausesLateTunnels(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	agent := e.startAgent("a1", "", func(c *AgentConfig) { c.DrainTimeout = 10 * time.Second })
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	waitUntil(t, func() bool { n, _ := agent.connected(); return n == 1 }, "the agent holding its connection")
+	// What Run does first on a restart: the control stream says restart-in.
+	agent.Restarting()
+	agent.beginDrain()
+	a := e.srv.agents.snapshot()[0]
+	waitUntil(t, func() bool { return a.restarting.Load() && a.draining.Load() }, "the server told of the restart")
+	c := startStreamingClient(t, e, dest, 31) // opens on the restarting agent, the only one
+	waitUntil(t, func() bool { return handedOver(e.srv, "paused", resultOK) == 1 }, "the late tunnel paused")
+	held := stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the late tunnel resumed")
+	before := c.recv.Load()
+	waitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the restart")
+	c.finish(t)
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}

@@ -1,0 +1,113 @@
+package tunnel
+
+import "errors"
+
+// An agent's restart in place (SIGHUP) hands its tunnels to its next image
+// with the handover's protocol (handover.go), the roles of who restarts
+// swapped:
+//
+//  1. The agent tells each server that named featureAgentRestart that it
+//     restarts (controlRestartIn), then that it drains.
+//  2. The server pauses every tunnel on that agent's link that can move
+//     without loss, exactly as for its own restart (pausePath, byte-exact
+//     in both directions), but keeps the client's side here: the paused
+//     tunnel waits for the agent's next image as a tunnel a previous image
+//     of the server handed over waits for its agent (Server.waiting), so a
+//     server restart meanwhile passes it on as it is. The rest drain.
+//  3. The agent waits, within its drain timeout, until no tunnel is open,
+//     then passes each destination it holds to its next image
+//     (Agent.HeldForNextImage): the socket as an inherited descriptor,
+//     the token and the time left of its hold as JSON.
+//  4. The next image adopts them (Agent.AdoptHeld) and logs in with the
+//     same ID; the server, seeing an agent with that ID that is not the
+//     restarting link, opens the CONNECT stream naming the token, and the
+//     tunnel goes on: same client connection, same destination connection.
+//
+// A server that did not name featureAgentRestart (an older one, or
+// upstream's) gets the drain alone. A tunnel whose agent is not back
+// within resumeWait is closed, as after a server restart, and a token the
+// next image does not hold is refused (404) and its tunnel closed. Rapid
+// restarts: a tunnel that becomes pausable on an agent after it announced
+// its restart is paused too (pauseIfAgentRestarting), and a resume that
+// meets an agent image on its way out waits for the next one
+// (agentLeaving). The agent's half is in agent_restart.go.
+
+// errAgentRestarting is an agent's refusal of a resume while it restarts
+// in place (hdrAgentRestarting): the resume waits for the agent's next
+// image, at most maxAgentRestarts times in a row.
+var errAgentRestarting = errors.New("agent restarting in place")
+
+// maxAgentRestarts bounds the agent images one resume waits for.
+const maxAgentRestarts = 5
+
+// agentLeaving reports a resume that met an agent connection on its way
+// out, so that the resume waits for the agent's next one: the agent
+// restarts in place (errAgentRestarting), or its connection closed before
+// it answered (an image that restarted again as it logged in), which
+// took nothing from what it holds.
+func agentLeaving(err error) bool {
+	var se *StatusError
+	return err != nil && (errors.Is(err, errAgentRestarting) || !errors.As(err, &se))
+}
+
+// agentRestarting is the server's half: a announced a restart in place,
+// so every tunnel on its link that can move is paused for its next image
+// (steps 2 and 4 above); a's tunnels that cannot move drain with the
+// drain that follows. Once.
+func (s *Server) agentRestarting(a *agentConn) {
+	if !a.canPause || a.restarting.Swap(true) {
+		return
+	}
+	todo := s.takeMovable(a) // before the drain line is read: a drain takes only open tunnels
+	s.log.Info("agent restarting in place: pausing its tunnels for its next image", "agent", a.id, "remote", a.remote, "tunnels", len(todo))
+	s.goroutineUnlessClosed(func() {
+		s.waitForAgent(s.pauseAll(s.baseCtx, todo, "tunnels paused for the agent's next image"))
+	})
+}
+
+// pauseIfAgentRestarting pauses t, a tunnel that has just become pausable,
+// for its agent's next image when the agent already announced its
+// restart: one resumed or opened on it after agentRestarting took the
+// tunnels open then, which would otherwise drain. Whichever of the two
+// moves t to pausing (under Server.mu) pauses it; agentRestarting sets
+// restarting before it looks, and t is pausable before this looks, so
+// neither misses it.
+func (s *Server) pauseIfAgentRestarting(t *tunnel) {
+	if !t.agent.restarting.Load() {
+		return
+	}
+	s.mu.Lock()
+	took := t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing)
+	s.mu.Unlock()
+	if took {
+		s.goroutineUnlessClosed(func() {
+			s.waitForAgent(s.pauseAll(s.baseCtx, []*tunnel{t}, "tunnels paused for the agent's next image"))
+		})
+	}
+}
+
+// waitForAgent keeps tunnels paused here waiting for their agent's next
+// image, as Resume keeps those a previous image of the server paused. A
+// server shutting down meanwhile closes them: its handover has taken the
+// waiting ones already.
+func (s *Server) waitForAgent(paused []*PausedTunnel) {
+	if len(paused) == 0 {
+		return
+	}
+	s.mu.Lock()
+	if s.shutting {
+		s.mu.Unlock()
+		for _, p := range paused {
+			p.File.Close()
+			s.resumeFailed(p, resultFailed, errors.New("server shutting down while the agent restarted"))
+		}
+		return
+	}
+	for _, p := range paused {
+		s.waiting[p] = struct{}{}
+	}
+	for _, p := range paused {
+		s.goroutine(func() { s.resumeTunnel(p) })
+	}
+	s.mu.Unlock()
+}
