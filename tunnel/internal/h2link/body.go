@@ -118,6 +118,25 @@ func (b *Body) Ready() {
 	st.rmu.Unlock()
 }
 
+// Notify is Ready for a reader that holds no goroutine while the stream is
+// quiet: when a Read would not block it reports true; otherwise it keeps
+// f, reports false, and runs f once a Read would not block. f runs once,
+// outside every lock, on whichever goroutine changed the stream (often the
+// link's read loop), so it must not block: it starts the reader's next
+// goroutine. One f at a time (a later call replaces an earlier one's);
+// not with DeliverTo.
+func (b *Body) Notify(f func()) (ready bool) {
+	st := b.st
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	if st.readableRLocked() {
+		st.notify = nil
+		return true
+	}
+	st.notify = f
+	return false
+}
+
 // Close stops reading; a stream still open is reset (CANCEL).
 func (b *Body) Close() error {
 	st := b.st
@@ -129,8 +148,7 @@ func (b *Body) Close() error {
 	st.readerGone = true
 	st.dropQueueRLocked()
 	complete := st.eof
-	st.recvCond.Broadcast()
-	next := st.sinkStepRLocked()
+	next := st.wakeRLocked()
 	st.rmu.Unlock()
 	next()
 	if st.l.serving {
