@@ -31,6 +31,9 @@
 //     (quiet.go), which the client takes for a server closing an idle
 //     keep-alive connection and dials again; a cut is a tunnel's end at a
 //     drain's deadline, whatever it carries then;
+//   - carrier: the goroutine that carries one direction of a gRPC front
+//     door call while bytes move, started by the source when it has
+//     bytes and gone once it is quiet (tunnel.go);
 //   - asked: a front door connection's dial is asked for once its
 //     CONNECT head is read (or its gRPC DIAL_REQ); only then does a
 //     shutdown wait for it (pendingDial), and an unasked connection moves
@@ -105,7 +108,12 @@
 // The dial and the first write grow these stacks to 8 KiB; the runtime
 // halves a parked stack at a collection only while less than a quarter of it
 // is in use (counting an 800-byte reserve), so the frames on the parked path
-// must stay few and small. Work that needs a large frame (the dial, the
+// must stay few and small. A call on the gRPC front door has no socket of
+// its own to park on (its link reads for all its calls): its two
+// directions are carried by carriers (tunnel.go) only while bytes move,
+// and its handler, whose stack the dial grew, returns once the tunnel is
+// open; what parks is the call's waiter (waitGRPC), started then with the
+// runtime's smallest stack, which nothing on its parked path grows. Work that needs a large frame (the dial, the
 // CONNECT head, a buffered copy) lives in a function that returns before
 // the tunnel parks, and deferred work is one closure. TestIdleTunnelStacksShrink
 // fails when the parked path grows; the comments that say "see Parked stacks"

@@ -124,14 +124,22 @@ func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	c.calls.Add(1)
-	defer c.calls.Add(-1)
-	s := c.s
-	if s.serveGRPCStream(c, w, r) == errHandedOn {
-		return // the connection goes to the next image as it is
+	err := c.s.serveGRPCStream(c, w, r)
+	if err == errHeld {
+		return // the call's waiter ends it (waitGRPC)
 	}
-	if s.isShutting() {
+	c.callDone(err == errHandedOn, false)
+}
+
+// callDone counts a call on c as ended. A draining server lets the
+// connection go then; not one whose call went to the next image (the
+// connection goes as it is), nor one the previous image handed on
+// (resumed: the calls its client opens later are served as usual).
+func (c *grpcConn) callDone(handedOn, resumed bool) {
+	if !handedOn && !resumed && c.s.isShutting() {
 		c.goAway()
 	}
+	c.calls.Add(-1)
 }
 
 // goAway lets the connection go: GOAWAY, then close when idle. Once. It
@@ -260,6 +268,10 @@ var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 // its stream is left open for the link to move with it (handover.go).
 var errHandedOn = errors.New("tunnel handed to the next image")
 
+// errHeld: the call is carried on after its handler returns, and its
+// waiter ends it (waitGRPC); the handler leaves everything to it.
+var errHeld = errors.New("call held past its handler")
+
 // serveGRPCStream runs one /ProxyService/Proxy call on link l over the
 // frontend socket conn: DIAL_REQ, DIAL_RSP, then DATA both ways until
 // either side closes, or the call moves to the next image (errHandedOn).
@@ -284,9 +296,11 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 	}
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
+	held := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {
-		s.metrics.grpcConns.Add(-1)
-		s.Stats.FrontendOpen.Add(-1)
+		if !held {
+			s.grpcCallLeft()
+		}
 	}()
 
 	// The first message must be the DIAL_REQ, within the header bound.
@@ -328,16 +342,30 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 	if !s.enter(t) {
 		return nil
 	}
-	defer s.leave(t)
+	defer func() {
+		if !held {
+			s.leave(t)
+		}
+	}()
 	f := t.front.(*grpcFront)
 	f.g.flush()
 	code, msg, err := s.proxyGRPC(t, req, buf)
-	if err == errHandedOn {
+	switch err {
+	case errHeld:
+		held = true
+		return err
+	case errHandedOn:
 		h2link.Detach(w)
 		return err
 	}
 	f.g.finish(code, msg)
 	return nil
+}
+
+// grpcCallLeft counts a call of the front door as ended.
+func (s *Server) grpcCallLeft() {
+	s.metrics.grpcConns.Add(-1)
+	s.Stats.FrontendOpen.Add(-1)
 }
 
 // grpcFront is the client's side of a tunnel on the gRPC front door: one
@@ -349,12 +377,23 @@ type grpcFront struct {
 	g         *grpcStream
 	body      io.ReadCloser // the call's request body: the client's Packets
 	in        *grpcUploadReader
+	quiet     *quietReader // what in reads the call's body through, when it parks
 	connectID int64
 	quietCh   chan struct{} // closed by closeQuiet: the drain ends the call
+	downDone  chan error    // the download's end: its last carrier sends it, once
+	resumed   bool          // the call was handed on by the previous image
+	end       func()        // h2link.Hold's: the handler's return, made by the waiter
 
 	// handedOn is set before the agent's stream ends when the call goes
 	// to the next image as it is.
 	handedOn atomic.Bool
+
+	// The carriers of the upload (the call's body, watcher's Peek
+	// included) and of the download (the agent's stream), when the agent
+	// is on one of our links; see carrier. downSize is owned by the
+	// download's carrier: its next buffer's size.
+	upCarrier, downCarrier carrier
+	downSize               int
 }
 
 // grpcTunnel is a tunnel with its gRPC front, in one allocation.
@@ -429,14 +468,21 @@ func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 	// The reader only answers the watcher's Peek: reads pass it by into
 	// the caller's buffer, so it is the smallest bufio allows.
 	br := bufio.NewReaderSize(f.in, 16)
-	t.up.init(br, func() { body.Close() }, &t.act, s.goroutine)
-	if hb, ok := body.(*h2link.Body); ok {
-		in := f.in
-		t.up.wait = func() {
-			if br.Buffered() == 0 && len(in.pending) == 0 && in.err == nil {
-				hb.Ready()
-			}
-		}
+	unblock := func() { body.Close() }
+	hb, parks := body.(*h2link.Body)
+	if !parks {
+		t.up.init(br, unblock, &t.act, s.goroutine)
+	} else {
+		// The upload's carrier reads the call, its watcher's Peek
+		// included, and lets its goroutine go while the call is quiet.
+		f.upCarrier.step = func() bool { return s.stepUp(t) }
+		f.upCarrier.spawn = s.goroutine
+		f.quiet = &quietReader{body: hb, wake: f.upCarrier.wake}
+		f.in.body = f.quiet
+		t.up.prepare(br, unblock, &t.act)
+		t.up.parks = true
+		t.up.callerSends = true // by the carrier, on our agents' links (stepUp)
+		f.upCarrier.wake()
 	}
 	t.up.counters = []*atomic.Int64{&s.Stats.BytesToAgent}
 	t.up.packets = packetCounter{&s.metrics.packets.n[segToAgent][grpcwire.Data]}
@@ -444,8 +490,105 @@ func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 
 // carryGRPC carries an established call's tunnel until either side
 // closes, a drain ends it at a quiet moment, or it moves to the next
-// image.
+// image. On our agents' links it returns errHeld once the tunnel is open:
+// the handler returns, and a waiter of its own, on a fresh goroutine
+// whose stack nothing grew, waits for the call's end (waitGRPC). The
+// handler's stack, which the dial grew, is then not held by an idle call.
 func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
+	f := t.front.(*grpcFront)
+	// A draining server ends a quiet tunnel as the destination closing
+	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
+	// connection its HTTP client holds idle.
+	down := h2link.NewDelivery()
+	t.down.Store(down)
+	t.move(tunnelOpen)
+	f.conn.pend.release() // the dial is answered and the tunnel open: see Server.serve
+
+	// Downstream: the agent's bytes become DATA packets, read straight into
+	// place behind room for the packet's prefix, and written as one message.
+	// On our agents' links both directions are carried only while bytes
+	// move (see carrier); an upstream agent's stream is read by a
+	// goroutine of its own, as is the call for it.
+	f.downDone = make(chan error, 1)
+	f.downSize = smallBufSize
+	body, ours := t.body.(*h2link.Body)
+	if !ours && f.quiet != nil {
+		f.quiet.blocks.Store(true) // before start lets the agent read
+	}
+	t.up.start()
+	if !ours {
+		s.goroutine(func() { f.downDone <- s.sendDownGRPC(t, down) })
+		ev, err := awaitGRPC(f)
+		return s.endGRPC(t, ev, err)
+	}
+	f.downCarrier.step = func() bool { return s.stepDown(t, body) }
+	f.downCarrier.spawn = s.goroutine
+	f.downCarrier.wake()
+	f.upCarrier.wake()
+	s.pauseIfAgentRestarting(t)
+	if f.end = h2link.Hold(f.g.w); f.end == nil {
+		ev, err := awaitGRPC(f)
+		return s.endGRPC(t, ev, err)
+	}
+	s.goroutine(func() { s.waitGRPC(t) })
+	return 0, "", errHeld
+}
+
+// grpcEvent is what ends a call (awaitGRPC).
+type grpcEvent uint8
+
+const (
+	grpcDownEnded         grpcEvent = iota // the agent's stream ended (or the tunnel was handed on)
+	grpcDrained                            // a drain closes the call at a quiet moment
+	grpcCloseReq                           // the client sent CLOSE_REQ
+	grpcCancelledByClient                  // the client reset the call or went away
+)
+
+// awaitGRPC waits for what ends the call; with the download's end, its
+// error. Its frame is the most of a waiter's parked stack, so it does
+// nothing else (see "Parked stacks" in doc.go).
+func awaitGRPC(f *grpcFront) (grpcEvent, error) {
+	select {
+	case err := <-f.downDone:
+		return grpcDownEnded, err
+	case <-f.quietCh:
+		return grpcDrained, nil
+	case <-f.in.closeReq:
+		return grpcCloseReq, nil
+	case <-f.ctx.Done():
+		return grpcCancelledByClient, nil
+	}
+}
+
+// waitGRPC is a held call's waiter (see carryGRPC): it waits for the
+// call's end, then ends the call as its handler would have.
+func (s *Server) waitGRPC(t *tunnel) {
+	ev, err := awaitGRPC(t.front.(*grpcFront))
+	s.endHeldGRPC(t, ev, err)
+}
+
+// endHeldGRPC ends a held call after ev: what the returns of carryGRPC,
+// of serveGRPCStream (or resumeGRPCCall) and of the handler would have
+// done. Apart from waitGRPC, whose frame stays on parked stacks.
+//
+//go:noinline
+func (s *Server) endHeldGRPC(t *tunnel, ev grpcEvent, downErr error) {
+	f := t.front.(*grpcFront)
+	code, msg, err := s.endGRPC(t, ev, downErr)
+	if err == errHandedOn {
+		h2link.Detach(f.g.w)
+	} else {
+		f.g.finish(code, msg)
+	}
+	s.leave(t)
+	s.grpcCallLeft()
+	f.conn.callDone(err == errHandedOn, f.resumed)
+	f.end()
+}
+
+// endGRPC ends the call's tunnel after ev, and returns the call's status,
+// or errHandedOn.
+func (s *Server) endGRPC(t *tunnel, ev grpcEvent, downErr error) (int, string, error) {
 	f := t.front.(*grpcFront)
 	g := f.g
 	defer func() {
@@ -454,22 +597,8 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 			t.endStream()
 		}
 	}()
-	// A draining server ends a quiet tunnel as the destination closing
-	// would: CLOSE_RSP, which konnectivity-client turns into EOF on the
-	// connection its HTTP client holds idle.
-	down := h2link.NewDelivery()
-	t.down.Store(down)
-	t.move(tunnelOpen)
-	f.conn.pend.release() // the dial is answered and the tunnel open: see Server.serve
-	t.up.start()
-	s.pauseIfAgentRestarting(t)
-
-	// Downstream: the agent's bytes become DATA packets, read straight into
-	// place behind room for the packet's prefix, and written as one message.
-	downDone := make(chan error, 1)
-	s.goroutine(func() { downDone <- s.sendDownGRPC(t, down) })
-	select {
-	case err := <-downDone:
+	switch ev {
+	case grpcDownEnded:
 		if f.handedOn.Load() {
 			// The agent's stream ended for the move: the call goes to
 			// the next image, nothing is written here any more.
@@ -477,86 +606,141 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 		}
 		// The destination closed (or the agent stream broke): tell the client.
 		rsp := grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID}
-		if err != nil {
-			rsp.Error = err.Error()
-			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(err), grpcwire.Data)
+		if downErr != nil {
+			rsp.Error = downErr.Error()
+			s.metrics.streamErrs.inc(segFromAgent, streamErrorCode(downErr), grpcwire.Data)
 		} else {
 			s.metrics.packets.inc(segFromAgent, grpcwire.CloseRsp)
 		}
 		s.sendGRPC(g, rsp)
 		return grpcOK, "", nil
-	case <-f.quietCh:
+	case grpcDrained:
 		// Drained at a quiet moment: the client's connection was idle.
 		// CLOSE_RSP goes first, so the client sees the end (and its
 		// next write fails, unsent, so its HTTP client retries) as
 		// soon as possible; the agent's stream ends after.
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID})
 		t.endStream()
-		<-downDone
+		<-f.downDone
 		return grpcOK, "", nil
-	case <-f.in.closeReq:
+	case grpcCloseReq:
 		// The client closed the connection: end the tunnel, then confirm.
 		t.endStream()
-		<-downDone
+		<-f.downDone
 		s.metrics.packets.inc(segToAgent, grpcwire.CloseReq)
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID})
 		return grpcOK, "", nil
-	case <-f.ctx.Done():
+	default:
 		// The client reset the call or went away.
 		t.endStream()
-		<-downDone
+		<-f.downDone
 		return grpcCancelled, "call ended by the client", nil
 	}
 }
 
-// sendDownGRPC writes the agent's bytes to the client as DATA packets
-// until the stream ends, counting them in down. It borrows a buffer only
-// once the agent's stream has bytes (a small one, a large one while reads
-// fill it), so an idle call holds none.
-func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
+// stepDown is the download's carrier step on one of our agents' links:
+// it writes the agent's bytes to the client as DATA packets while the
+// stream has them, and parks once it is quiet (the stream wakes the
+// carrier). At the stream's end it ends the delivery and tells carryGRPC.
+func (s *Server) stepDown(t *tunnel, body *h2link.Body) (ended bool) {
 	f := t.front.(*grpcFront)
+	for body.Notify(f.downCarrier.wake) {
+		if done, err := s.sendDownOnce(t, f); done {
+			t.down.Load().Complete(err)
+			f.downDone <- err
+			return true
+		}
+	}
+	return false
+}
+
+// sendDownGRPC writes an upstream agent's bytes to the client as DATA
+// packets until the stream ends, on a goroutine of its own.
+func (s *Server) sendDownGRPC(t *tunnel, down *h2link.Delivery) (err error) {
 	defer func() { down.Complete(err) }()
-	body, _ := t.body.(*h2link.Body) // nil for an upstream agent's: it waits with a buffer
-	size := smallBufSize
+	f := t.front.(*grpcFront)
 	for {
-		if body != nil {
-			body.Ready()
-		}
-		bp := getBuf(size)
-		buf := *bp
-		n, err := t.body.Read(buf[grpcwire.DataPrefixRoom:])
-		switch {
-		case n == len(buf)-grpcwire.DataPrefixRoom:
-			size = largeBufSize
-		case n < smallBufSize:
-			size = smallBufSize
-		}
-		if n > 0 {
-			t.fromAgent(int64(n))
-			msg := grpcwire.PutDataPrefix(buf, f.connectID, n)
-			s.metrics.packets.inc(segFromAgent, grpcwire.Data)
-			s.metrics.packets.inc(segToClient, grpcwire.Data)
-			written := time.Now()
-			werr := f.g.write(msg)
-			putBuf(bp)
-			t.act.down()
-			down.Add(int64(n))
-			s.metrics.frontendWrite.ObserveDuration(time.Since(written))
-			if werr != nil {
-				s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
-				return werr
-			}
-		}
-		if n <= 0 {
-			putBuf(bp)
-		}
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
+		if done, err := s.sendDownOnce(t, f); done {
 			return err
 		}
 	}
+}
+
+// sendDownOnce makes one read of the agent's stream and writes what it
+// read as one DATA packet, counted in the tunnel's delivery. It borrows a
+// buffer for the read only (a small one, a large one while reads fill
+// it). done is the stream's end; err is nil at its clean end.
+func (s *Server) sendDownOnce(t *tunnel, f *grpcFront) (done bool, err error) {
+	bp := getBuf(f.downSize)
+	buf := *bp
+	n, err := t.body.Read(buf[grpcwire.DataPrefixRoom:])
+	switch {
+	case n == len(buf)-grpcwire.DataPrefixRoom:
+		f.downSize = largeBufSize
+	case n < smallBufSize:
+		f.downSize = smallBufSize
+	}
+	if n <= 0 {
+		putBuf(bp)
+	} else {
+		t.fromAgent(int64(n))
+		msg := grpcwire.PutDataPrefix(buf, f.connectID, n)
+		s.metrics.packets.inc(segFromAgent, grpcwire.Data)
+		s.metrics.packets.inc(segToClient, grpcwire.Data)
+		written := time.Now()
+		werr := f.g.write(msg)
+		putBuf(bp)
+		t.act.down()
+		t.down.Load().Add(int64(n))
+		s.metrics.frontendWrite.ObserveDuration(time.Since(written))
+		if werr != nil {
+			s.metrics.streamErrs.inc(segToClient, codeUnavailable, grpcwire.Data)
+			return true, werr
+		}
+	}
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			return true, nil
+		}
+		return true, err
+	}
+	return false, nil
+}
+
+// stepUp is the upload's carrier step: the watcher's Peek until it
+// returns, then, once the tunnel is open on one of our agents' links, the
+// upload until the call is quiet (SendUpload returns with the upload
+// parked) or the upload ends. carryGRPC wakes the carrier when the tunnel
+// opens; an upstream agent reads the upload itself.
+func (s *Server) stepUp(t *tunnel) (ended bool) {
+	if !t.up.peekParking() || !t.up.isEstablished.Load() {
+		return false
+	}
+	body, ours := t.body.(*h2link.Body)
+	if !ours {
+		return true
+	}
+	if !t.up.isDone() {
+		body.SendUpload()
+	}
+	return t.up.isDone()
+}
+
+// quietReader reads the call's body for the upload's carrier: where a
+// Read would wait it returns errQuiet, having asked the body to wake the
+// carrier when bytes come. For an upstream agent, which reads the upload
+// on a goroutine of its own, it waits instead (blocks).
+type quietReader struct {
+	body   *h2link.Body // immutable
+	wake   func()       // immutable
+	blocks atomic.Bool  // set once, before the upload is read after the dial
+}
+
+func (r *quietReader) Read(p []byte) (int, error) {
+	if !r.blocks.Load() && !r.body.Notify(r.wake) {
+		return 0, errQuiet
+	}
+	return r.body.Read(p)
 }
 
 // grpcUploadReader reads the client's Packets as a byte stream: DATA
@@ -577,10 +761,13 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 		if u.err != nil {
 			return 0, u.err
 		}
-		var msg []byte
-		msg, u.err = u.mr.Next(u.body)
-		if u.err != nil {
-			return 0, u.err
+		msg, err := u.mr.Next(u.body)
+		if err == errQuiet {
+			return 0, err // what the message has so far stays in mr
+		}
+		if err != nil {
+			u.err = err
+			return 0, err
 		}
 		pkt, err := grpcwire.Decode(msg)
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -243,5 +244,73 @@ func TestGRPCDialCancelReachesAgent(t *testing.T) {
 	c.send.Close()
 	if _, err := c.read(); err != nil && !errors.Is(err, io.EOF) {
 		t.Logf("after DIAL_CLS: %v", err)
+	}
+}
+
+// TestIdleGRPCCallsParkOnlyTheirWaiter checks what an idle call on the
+// gRPC front door keeps on the server: its waiter (waitGRPC), and no
+// goroutine carrying either direction, nor the handler whose stack the
+// dial grew. Half the calls echoed bytes both ways, half sent nothing
+// after their DIAL_REQ (the upload's watcher has not seen a byte). Once
+// the calls end, their waiters are gone too.
+func TestIdleGRPCCallsParkOnlyTheirWaiter(t *testing.T) {
+	checkNoLeaks(t)
+	e, echo := newEchoEnv(t)
+	defer e.stop()
+	tr := grpcTransport(e.grpcSocket(t))
+	const n = 20
+	calls, ids := make([]*grpcCall, n), make([]int64, n)
+	for i := range calls {
+		c := openGRPCOn(t, tr, grpcProxyMethod)
+		calls[i] = c
+		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(i)})
+		rsp, err := c.read()
+		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
+			t.Fatalf("DIAL_RSP: %+v %v", rsp, err)
+		}
+		ids[i] = rsp.ConnectID
+		if i%2 == 1 {
+			continue
+		}
+		c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: ids[i], Data: []byte("ping")})
+		if p, err := c.read(); err != nil || string(p.Data) != "ping" {
+			t.Fatalf("echo: %+v %v", p, err)
+		}
+	}
+	// parked counts the server's goroutines by what they run.
+	parked := func() (waiters, others int) {
+		buf := make([]byte, 1<<22)
+		buf = buf[:runtime.Stack(buf, true)]
+		for _, g := range strings.Split(string(buf), "\n\n") {
+			switch {
+			case strings.Contains(g, "tunnel.(*Server).waitGRPC"):
+				waiters++
+			case strings.Contains(g, "tunnel.(*carrier).run"), strings.Contains(g, "tunnel.(*grpcConn).ServeHTTP"):
+				others++
+			}
+		}
+		return waiters, others
+	}
+	settled := func(want int) (waiters, others int) {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			waiters, others = parked()
+			if (waiters == want && others == 0) || time.Now().After(deadline) {
+				return waiters, others
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if w, o := settled(n); w != n || o != 0 {
+		t.Fatalf("%d idle calls: %d waiters and %d handlers or carriers on the server, want %d and 0", n, w, o, n)
+	}
+	for i, c := range calls {
+		c.write(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: ids[i]})
+		if st := c.status(); st != "0" {
+			t.Fatalf("call %d ended with status %q, want 0", i, st)
+		}
+	}
+	if w, o := settled(0); w != 0 || o != 0 {
+		t.Fatalf("%d calls ended: %d waiters and %d handlers or carriers left", n, w, o)
 	}
 }

@@ -576,6 +576,7 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
 		}
+		// errHeld: the call's waiter ends it (waitGRPC)
 	}
 	h2conn := grpcLinkConn(conn)
 	l, err := h2link.ResumeServer(h2conn, s.grpcLinkConfig(conn, h2conn, 0), p.GRPC.Link, c, resumed)
@@ -593,22 +594,28 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 // is told as when the destination breaks (CLOSE_RSP with the error).
 func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
 	c.calls.Add(1)
-	defer c.calls.Add(-1)
 	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
+	held := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {
-		s.metrics.grpcConns.Add(-1)
-		s.Stats.FrontendOpen.Add(-1)
+		if !held {
+			s.grpcCallLeft()
+			c.callDone(false, true)
+		}
 	}()
 	t := newGRPCTunnel(c, w, r)
 	f := t.front.(*grpcFront)
-	f.connectID, t.addr, t.handed = p.GRPC.ConnectID, p.Addr, p
+	f.connectID, t.addr, t.handed, f.resumed = p.GRPC.ConnectID, p.Addr, p, true
 	t.act.carryQuiet(p.Quiet)
 	if !s.enter(t) {
 		c.pend.release()
 		return nil
 	}
-	defer s.leave(t)
+	defer func() {
+		if !held {
+			s.leave(t)
+		}
+	}()
 	s.initGRPCUpload(t, nil, p.GRPC.Partial)
 	if err := s.resumeStream(t); err != nil {
 		c.pend.release() // the connection is served on; the tunnel is not
@@ -617,7 +624,11 @@ func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Requ
 		return nil
 	}
 	code, msg, err := s.carryGRPC(t)
-	if err == errHandedOn {
+	switch err {
+	case errHeld:
+		held = true
+		return err
+	case errHandedOn:
 		return err
 	}
 	f.g.finish(code, msg)

@@ -243,3 +243,90 @@ func (t *tunnel) fromAgent(n int64) {
 	t.s.Stats.BytesFromAgent.Add(n)
 	t.agent.bytesFrom.Add(n)
 }
+
+// carrier carries one direction of a tunnel whose source can say when it
+// has bytes (the gRPC front door's call and its agent's stream, both on
+// our links) on goroutines that exist only while bytes move: step carries
+// until its source is quiet, having asked the source to wake the carrier
+// when bytes come (h2link's Notify), or until the direction ends. A quiet
+// direction then holds no goroutine, and no buffer.
+//
+// At most one goroutine runs step at a time: wake starts one only from
+// parked, and one woken while it runs steps again before it parks. The
+// states and their moves are in carrierMoves.
+type carrier struct {
+	step  func() (ended bool) // immutable; runs on the carrier's goroutine only
+	spawn func(func())        // immutable: starts an owned goroutine
+
+	// mu guards state. A leaf: wake runs outside every other lock (the
+	// link's callbacks run outside theirs).
+	mu    sync.Mutex
+	state carrierState
+}
+
+// carrierState is where a carrier is; every change goes through
+// carrier.moveLocked and the table carrierMoves.
+type carrierState uint8
+
+const (
+	carrierParked  carrierState = iota // no goroutine: wake starts one
+	carrierRunning                     // a goroutine runs step
+	carrierRewoken                     // running, and woken since its step began: it steps again
+	carrierEnded                       // the direction ended: wake does nothing
+	numCarrierStates
+)
+
+// carrierMoves is the one table of a carrier's states.
+var carrierMoves = [numCarrierStates][]carrierState{
+	carrierParked:  {carrierRunning},
+	carrierRunning: {carrierRewoken, carrierParked, carrierEnded},
+	carrierRewoken: {carrierRunning, carrierEnded},
+	carrierEnded:   nil,
+}
+
+func (c *carrier) moveLocked(next carrierState) bool {
+	for _, ok := range carrierMoves[c.state] {
+		if ok == next {
+			c.state = next
+			return true
+		}
+	}
+	return false
+}
+
+// wake has the direction carried: a goroutine starts if none runs.
+func (c *carrier) wake() {
+	c.mu.Lock()
+	start := false
+	switch c.state {
+	case carrierParked:
+		start = c.moveLocked(carrierRunning)
+	case carrierRunning:
+		c.moveLocked(carrierRewoken)
+	}
+	c.mu.Unlock()
+	if start {
+		c.spawn(c.run)
+	}
+}
+
+// run is the carrier's goroutine: it steps until the source is quiet with
+// no wake pending, or the direction ends.
+func (c *carrier) run() {
+	for {
+		ended := c.step()
+		c.mu.Lock()
+		switch {
+		case ended:
+			c.moveLocked(carrierEnded)
+		case c.state == carrierRewoken:
+			c.moveLocked(carrierRunning)
+			c.mu.Unlock()
+			continue
+		default:
+			c.moveLocked(carrierParked)
+		}
+		c.mu.Unlock()
+		return
+	}
+}

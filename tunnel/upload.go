@@ -28,12 +28,14 @@ type upload struct {
 	peeked        chan struct{} // the watcher's Peek returned: data, EOF or error
 	clientGoneCtx context.Context
 	clientGone    <-chan struct{}
-	done          chan struct{} // the upload ended: EOF, error, or the link let go
+	gone          context.CancelFunc // ends clientGoneCtx
+	done          chan struct{}      // the upload ended: EOF, error, or the link let go
 	doneOnce      sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
 	raw           syscall.RawConn // the client's socket, when it is a plain one: see SendTo
-	wait          func()          // otherwise, if set: returns once a Read would not block (see SendTo)
+	parks         bool            // otherwise, if set: the source says errQuiet rather than wait (see sendParking)
 	callerSends   bool            // the frontend sends the body itself (see sentByCaller)
+	bufSize       int             // owned by whoever sends: sendParking's next buffer
 	// packets counts each chunk sent on as one DATA Packet (see packets.go)
 	// in each counter that is set; set before start, read after it.
 	packets packetCounter
@@ -51,21 +53,57 @@ type upload struct {
 
 var errAbandoned = errors.New("dial attempt abandoned")
 
+// errQuiet is what a source that parks (upload.parks) returns where a Read
+// would wait, having asked to be woken once it has bytes: its reader lets
+// its goroutine go meanwhile. No byte is lost: the source keeps what it
+// holds for the next Read.
+var errQuiet = errors.New("source quiet: its reader is woken when bytes come")
+
 // init starts the watcher through spawn, which must run it as an owned
 // goroutine; it ends when data arrives or the source is closed. unblock
 // must make a Read blocked on br's source return.
 func (u *upload) init(br *bufio.Reader, unblock func(), act *activity, spawn func(func())) {
+	u.prepare(br, unblock, act)
+	spawn(func() {
+		_, err := br.Peek(1)
+		u.peekedWith(err)
+	})
+}
+
+// prepare is init without the watcher: a source that parks has its
+// watcher's Peek made by peekParking.
+func (u *upload) prepare(br *bufio.Reader, unblock func(), act *activity) {
 	ctx, gone := context.WithCancel(context.Background())
 	u.br, u.unblock, u.act = br, unblock, act
 	u.established, u.peeked, u.done = make(chan struct{}), make(chan struct{}), make(chan struct{})
-	u.clientGoneCtx, u.clientGone = ctx, ctx.Done()
-	spawn(func() {
-		_, err := br.Peek(1)
-		close(u.peeked)
-		if err != nil && !u.isEstablished.Load() {
-			gone()
-		}
-	})
+	u.clientGoneCtx, u.clientGone, u.gone = ctx, ctx.Done(), gone
+	u.bufSize = smallBufSize
+}
+
+// peekedWith records the return of the watcher's Peek: a source that
+// ended before the dial was answered cancels it.
+func (u *upload) peekedWith(err error) {
+	close(u.peeked)
+	if err != nil && !u.isEstablished.Load() {
+		u.gone()
+	}
+}
+
+// peekParking is the watcher's Peek for a source that parks, made by the
+// goroutine that reads it: false while the source is quiet (it wakes that
+// goroutine's owner when bytes come), true once the Peek has returned.
+func (u *upload) peekParking() bool {
+	select {
+	case <-u.peeked:
+		return true
+	default:
+	}
+	_, err := u.br.Peek(1)
+	if err == errQuiet {
+		return false
+	}
+	u.peekedWith(err)
+	return true
 }
 
 // start lets the link read: the client has been told 200.
@@ -137,6 +175,9 @@ func (b *uploadBody) Read(p []byte) (int, error) {
 		return 0, err
 	}
 	n, err := b.u.br.Read(p)
+	if err == errQuiet {
+		return 0, err // nothing read: the source wakes the sender (sendParking)
+	}
 	for _, c := range b.u.counters {
 		c.Add(int64(n))
 	}
@@ -209,8 +250,8 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 // plain socket (sendBuffered, then copyFromSocket straight from here: see
 // "Parked stacks" in doc.go), else through copyStream.
 func (b *uploadBody) SendTo(w io.Writer) error {
-	if b.u.raw == nil && b.u.wait != nil {
-		return b.sendWaiting(w)
+	if b.u.raw == nil && b.u.parks {
+		return b.sendParking(w)
 	}
 	if b.u.raw == nil {
 		_, err := copyStream(w, b, nil)
@@ -234,28 +275,33 @@ func (b *uploadBody) SendTo(w io.Writer) error {
 	return err
 }
 
-// sendWaiting is SendTo for a source that can say when it has bytes (the
-// gRPC door's call): it waits for them with no buffer, then borrows one
-// for the read (a small one, a large one while reads fill it), so a quiet
-// tunnel holds none. It returns nil at the client's clean end.
-func (b *uploadBody) sendWaiting(w io.Writer) error {
+// sendParking is SendTo for a source that parks (the gRPC door's call):
+// it borrows a buffer for each read (a small one, a large one while reads
+// fill it), and once the source is quiet it returns ErrUploadParked, so a
+// quiet tunnel holds neither a buffer nor a goroutine; the tunnel's
+// carrier sends on when the source wakes it. It returns nil at the
+// client's clean end. Called by one goroutine at a time, after the
+// watcher's Peek returned.
+func (b *uploadBody) sendParking(w io.Writer) error {
 	if err := b.ready(); err != nil {
 		return err
 	}
-	size := smallBufSize
 	for {
-		b.u.wait()
-		bp := getBuf(size)
+		bp := getBuf(b.u.bufSize)
 		n, rerr := b.Read(*bp)
+		if rerr == errQuiet {
+			putBuf(bp)
+			return h2link.ErrUploadParked
+		}
 		var werr error
 		if n > 0 {
 			_, werr = w.Write((*bp)[:n])
 		}
 		switch {
 		case n == len(*bp):
-			size = largeBufSize
+			b.u.bufSize = largeBufSize
 		case n < smallBufSize:
-			size = smallBufSize
+			b.u.bufSize = smallBufSize
 		}
 		putBuf(bp)
 		if werr != nil {

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
@@ -279,6 +280,7 @@ func (b *bench) start(ctx context.Context) error {
 	}
 	if b.cfg.agentBin == "" {
 		agentArgs = append([]string{"agent"}, agentArgs...)
+		agentArgs = append(agentArgs, agentStreamFlags(b.cfg.bin)...)
 	}
 	serverBin, agentBin := b.cfg.bin, b.cfg.bin
 	if b.cfg.serverBin != "" {
@@ -1032,4 +1034,23 @@ func (d *destination) openConns() int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return len(d.conns)
+}
+
+// benchAgentStreams is the most tunnels the bench's one agent must carry
+// at once: the 10,000 of the 10k phase, with room for the tunnels of a
+// phase before it that are still closing.
+const benchAgentStreams = 12000
+
+// agentStreamFlags sets our agent's stream caps to what the bench needs.
+// Left at their defaults they derive from RLIMIT_NOFILE, which on a host
+// with a limit of 20,000 is below 10,000 tunnels on one connection. A
+// binary whose agent has no --max-streams-total caps one connection only,
+// at a default above the bench's need, so it is passed nothing.
+func agentStreamFlags(bin string) []string {
+	help, _ := exec.Command(bin, "agent", "--help").CombinedOutput()
+	if !strings.Contains(string(help), "-max-streams-total") {
+		return nil
+	}
+	n := strconv.Itoa(benchAgentStreams)
+	return []string{"--max-streams=" + n, "--max-streams-total=" + n}
 }

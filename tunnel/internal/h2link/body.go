@@ -105,17 +105,24 @@ func (b *Body) WriteTo(w io.Writer) (int64, error) {
 	}
 }
 
-// Ready waits until a Read would not block: bytes are queued, the stream
-// ended or failed, the body was closed or reading stopped for a handover
-// (Read's own wait, without the read). A caller that borrows a buffer
-// only for a Read waits here without one, so a quiet stream costs none.
-func (b *Body) Ready() {
+// Notify serves a reader that holds no goroutine, and no buffer, while
+// the stream is quiet. When a Read would not block (bytes are queued, the
+// stream ended or failed, the body was closed or reading stopped for a
+// handover) it reports true; otherwise it keeps f, reports false, and
+// runs f once a Read would not block. f runs once, outside every lock, on
+// whichever goroutine changed the stream (often the link's read loop), so
+// it must not block: it starts the reader's next goroutine. One f at a
+// time (a later call replaces an earlier one's); not with DeliverTo.
+func (b *Body) Notify(f func()) (ready bool) {
 	st := b.st
 	st.rmu.Lock()
-	for len(st.queue) == 0 && !st.eof && st.recvErr == nil && !st.readerGone && !st.l.readStopped() {
-		st.recvCond.Wait()
+	defer st.rmu.Unlock()
+	if st.readableRLocked() {
+		st.notify = nil
+		return true
 	}
-	st.rmu.Unlock()
+	st.notify = f
+	return false
 }
 
 // Close stops reading; a stream still open is reset (CANCEL).
@@ -129,8 +136,7 @@ func (b *Body) Close() error {
 	st.readerGone = true
 	st.dropQueueRLocked()
 	complete := st.eof
-	st.recvCond.Broadcast()
-	next := st.sinkStepRLocked()
+	next := st.wakeRLocked()
 	st.rmu.Unlock()
 	next()
 	if st.l.serving {

@@ -105,8 +105,12 @@ var (
 	// ErrUploadStopped, from an upload's SendTo, stops sending it without
 	// END_STREAM or RST_STREAM: the stream stays open.
 	ErrUploadStopped = errors.New("upload stopped")
-	errPingTimeout   = errors.New("no answer to PING")
-	errCalm          = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
+	// ErrUploadParked, from the SendTo of an upload its caller sends,
+	// says its source is quiet: SendUpload returns with the stream as it
+	// is, and the caller calls it again once the source has bytes.
+	ErrUploadParked = errors.New("upload parked until its source has bytes")
+	errPingTimeout  = errors.New("no answer to PING")
+	errCalm         = errors.New("peer exceeded a limit (ENHANCE_YOUR_CALM)")
 
 	// What remove tells a caller still waiting for the answer; made once,
 	// as every stream's end passes it (a no-op for the answered ones).

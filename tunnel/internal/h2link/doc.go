@@ -45,8 +45,11 @@
 //
 // The package knows nothing of its users: an upload that sends itself
 // implements SendTo(io.Writer) error (and CallerSends() bool when its
-// caller sends it through (*Body).SendUpload); a connection whose writes
-// should be gathered passes its Batcher in Config.Batch; a caller that
-// counts the writes DeliverTo makes for it, or watches a stream's last
-// activity, sets (*Body).OnWrite.
+// caller sends it through (*Body).SendUpload; such an upload may park,
+// ErrUploadParked, and its caller sends on later); a connection whose
+// writes should be gathered passes its Batcher in Config.Batch; a caller
+// that counts the writes DeliverTo makes for it, or watches a stream's
+// last activity, sets (*Body).OnWrite. A reader that holds no goroutine
+// while a stream is quiet asks (*Body).Notify to be told when it has
+// bytes; a handler whose response outlives it calls Hold.
 package h2link

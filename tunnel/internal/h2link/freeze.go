@@ -193,8 +193,9 @@ func (l *Conn) StopReading(ctx context.Context) error {
 	l.mu.Unlock()
 	for _, st := range streams {
 		st.rmu.Lock()
-		st.recvCond.Broadcast()
+		next := st.wakeRLocked()
 		st.rmu.Unlock()
+		next()
 	}
 	return nil
 }
@@ -412,14 +413,14 @@ func headerFragment(f FrozenFrame) ([]byte, error) {
 // runResumed serves a frozen stream as runHandler serves a new one.
 func (l *Conn) runResumed(st *stream, w *responseWriter, req *http.Request, serve func(http.ResponseWriter, *http.Request)) {
 	completed := false
-	defer st.handlerDone()
 	defer func() {
 		switch {
 		case !completed:
 			recover()
 			st.reset(http2.ErrCodeInternal, ErrStreamReset)
-		case !w.detached:
-			w.finish()
+			st.handlerDone()
+		case !w.held:
+			w.end()
 		}
 	}()
 	serve(w, req)

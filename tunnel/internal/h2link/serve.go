@@ -166,19 +166,46 @@ func (l *Conn) newRequest(f *http2.MetaHeadersFrame) (req *http.Request, declare
 func (l *Conn) runHandler(st *stream, req *http.Request) {
 	w := &responseWriter{st: st, header: make(http.Header)}
 	completed := false
-	defer st.handlerDone()
 	defer func() {
 		if !completed {
 			recover() // http.ErrAbortHandler, or a handler's own panic: this stream only
 			st.reset(http2.ErrCodeInternal, ErrStreamReset)
+			st.handlerDone()
 			return
 		}
-		if !w.detached {
-			w.finish()
+		if !w.held {
+			w.end()
 		}
 	}()
 	l.handler.ServeHTTP(w, req)
 	completed = true
+}
+
+// end is a handler's return: the response ends (unless detached), then
+// the stream is no longer the handler's.
+func (w *responseWriter) end() {
+	if !w.detached {
+		w.finish()
+	}
+	w.st.handlerDone()
+}
+
+// Hold, called by a handler, lets its response outlive the handler's
+// goroutine, so that a long call need not keep a goroutine with the
+// stack its start grew: when the handler returns nothing happens, and
+// the returned end, called once from any goroutine, does what the return
+// would have done (Detach included). Until then the stream counts as the
+// handler's: its request context lives, and it counts against
+// MaxConcurrentStreams. The ResponseWriter goes with end: whoever calls
+// end owns it from the handler's return. nil for a ResponseWriter that is
+// not the link's: that handler must not return before it is done.
+func Hold(w http.ResponseWriter) (end func()) {
+	rw, ok := w.(*responseWriter)
+	if !ok {
+		return nil // not ours: the handler must stay
+	}
+	rw.held = true
+	return rw.end
 }
 
 // handlerDone ends the handler's request context (as in net/http) and
@@ -212,6 +239,7 @@ type responseWriter struct {
 	status      int  // set by WriteHeader
 	headersSent bool // the head has gone out
 	detached    bool // Detach: the stream is left open for Freeze
+	held        bool // Hold: the handler's return does not end the response
 	err         error
 }
 

@@ -518,3 +518,67 @@ func TestServeResetsAfterAnswerAreFree(t *testing.T) {
 	default:
 	}
 }
+
+// A handler that holds its response returns with the stream open and
+// counted as its own; the body's Notify tells of each change a Read would
+// see (bytes, END_STREAM) once, from the link, with no goroutine waiting;
+// end finishes the response as the handler's return would have.
+func TestServeHoldAndNotify(t *testing.T) {
+	checkNoLeaks(t)
+	type heldCall struct {
+		end  func()
+		body *Body
+	}
+	held := make(chan heldCall, 1)
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		end := Hold(w)
+		w.(http.Flusher).Flush()
+		held <- heldCall{end, r.Body.(*Body)}
+	})
+	l, c := servingPair(t, Config{}, h)
+	c.request(1, false)
+	hc := <-held
+	c.until("the answer's HEADERS", func(f http2.Frame) bool { return f.Header().Type == http2.FrameHeaders })
+	counted := func() int {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return l.counted
+	}
+	woken := make(chan struct{}, 4)
+	notify := func() { woken <- struct{}{} }
+	if hc.body.Notify(notify) {
+		t.Fatal("Notify reported a quiet stream readable")
+	}
+	c.fr.WriteData(1, false, []byte("hi"))
+	<-woken
+	if !hc.body.Notify(notify) {
+		t.Fatal("Notify reported a stream with bytes queued as quiet")
+	}
+	buf := make([]byte, 8)
+	if n, err := hc.body.Read(buf); err != nil || string(buf[:n]) != "hi" {
+		t.Fatalf("Read: %q %v", buf[:n], err)
+	}
+	if hc.body.Notify(notify) {
+		t.Fatal("Notify reported a drained stream readable")
+	}
+	c.fr.WriteData(1, true, nil)
+	<-woken
+	if n, err := hc.body.Read(buf); n != 0 || err != io.EOF {
+		t.Fatalf("Read after END_STREAM: %d %v, want io.EOF", n, err)
+	}
+	if got := counted(); got != 1 {
+		t.Fatalf("%d streams counted while the response is held, want 1", got)
+	}
+	select {
+	case <-woken:
+		t.Fatal("Notify's function ran more than once for one call")
+	default:
+	}
+	hc.end()
+	c.until("END_STREAM on stream 1", func(f http2.Frame) bool {
+		return f.Header().StreamID == 1 && f.Header().Flags.Has(http2.FlagDataEndStream)
+	})
+	if got := counted(); got != 0 {
+		t.Fatalf("%d streams counted once the held response ended, want 0", got)
+	}
+}

@@ -72,6 +72,7 @@ type stream struct {
 	recvWindow window         // what the peer may still send
 	unacked    int64          // consumed but not yet returned to the peer
 	sink       *socketSink    // set by DeliverTo: bytes go straight to a socket
+	notify     func()         // set by Notify: run once a Read would not block (never with sink)
 	onWrite    func(n int)    // set by OnWrite: told of each write of the stream's bytes
 	clen       *contentLength // the serving end: set when the request declared its length
 	recvSize   int32          // the window this end gives the stream
@@ -134,7 +135,9 @@ type upload interface {
 // A request body whose CallerSends reports true is sent by the caller of
 // RoundTrip, through (*Body).SendUpload once it has the answer, on the
 // goroutine it has anyway, rather than on one more per stream that waits
-// through the dial.
+// through the dial. Only such an upload may park: its SendTo returns
+// ErrUploadParked once its source is quiet, leaving the stream open, and
+// its owner calls SendUpload again when the source has bytes.
 type callerSends interface{ CallerSends() bool }
 
 func sentByCaller(body io.Reader) bool {
@@ -243,17 +246,22 @@ func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
 	return resp, nil
 }
 
-// pumpUpload copies the request body into DATA frames. (The copy through
-// a buffer is a function of its own so that the frames of a tunnel parked
+// pumpUpload copies the request body into DATA frames, or as much of it
+// as its source has when the upload parks (ErrUploadParked): then the
+// stream stays as it is for the next SendUpload. (The copy through a
+// buffer is a function of its own so that the frames of a tunnel parked
 // in SendTo stay small.)
 func (st *stream) pumpUpload() {
-	defer st.closeBody()
 	var err error
 	if u, ok := st.body.(upload); ok {
 		err = u.SendTo(streamWriter{st})
 	} else {
 		err = st.copyUpload()
 	}
+	if err == ErrUploadParked {
+		return
+	}
+	st.closeBody()
 	if err != nil {
 		st.uploadFailed(err)
 		return
@@ -394,15 +402,31 @@ func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err erro
 	if n := len(st.queue); n > 0 {
 		if tail := st.queue[n-1]; cap(*tail)-len(*tail) >= len(data) {
 			*tail = append(*tail, data...)
-			st.recvCond.Broadcast()
-			return st.sinkStepRLocked(), nil
+			return st.wakeRLocked(), nil
 		}
 	}
 	b := getChunk(len(data))
 	*b = append((*b)[:0], data...)
 	st.queue = append(st.queue, b)
+	return st.wakeRLocked(), nil
+}
+
+// wakeRLocked tells the reader that the receive side changed (bytes
+// queued, END_STREAM, reset, reader gone, reading stopped): a Read blocked
+// on recvCond wakes, and a socket delivery moves on, or a reader waiting
+// through Notify is told. It returns what must run once rmu is released.
+func (st *stream) wakeRLocked() func() {
 	st.recvCond.Broadcast()
-	return st.sinkStepRLocked(), nil
+	if f := st.notify; f != nil && st.readableRLocked() {
+		st.notify = nil
+		return f
+	}
+	return st.sinkStepRLocked()
+}
+
+// readableRLocked reports whether a Read would return without waiting.
+func (st *stream) readableRLocked() bool {
+	return len(st.queue) > 0 || st.eof || st.recvErr != nil || st.readerGone || st.l.readStopped()
 }
 
 // queuedRLocked counts n bytes more (fewer, when negative) queued in the
@@ -447,8 +471,7 @@ func (st *stream) endRecv() {
 		return
 	}
 	st.eof = true
-	st.recvCond.Broadcast()
-	next := st.sinkStepRLocked()
+	next := st.wakeRLocked()
 	st.rmu.Unlock()
 	next()
 	l := st.l
@@ -603,8 +626,7 @@ func (st *stream) finish(err error) {
 	if !st.eof && st.recvErr == nil {
 		st.recvErr = err
 	}
-	st.recvCond.Broadcast()
-	next := st.sinkStepRLocked()
+	next := st.wakeRLocked()
 	st.rmu.Unlock()
 	next()
 }
