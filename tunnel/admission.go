@@ -2,10 +2,12 @@ package tunnel
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -466,36 +468,88 @@ func (s *Server) watchControl(ctx context.Context, a *agentConn) {
 	if err != nil {
 		return
 	}
-	defer resp.Body.Close()
-	// A small reader: this sits idle on every agent connection.
-	lines := bufio.NewReaderSize(resp.Body, 64)
-	cutIn := agentDrainAssumed // until the agent says
+	w := &controlWatch{s: s, a: a, body: resp.Body, cutIn: agentDrainAssumed}
+	w.run()
+}
+
+// controlWatch reads an agent's control stream. Between lines it holds no
+// goroutine and no buffer: this sits idle on every agent connection, and
+// an idle agent costs what it holds, not a parked stack. One goroutine at
+// a time owns it: the one watchControl runs on, then each one the body's
+// Notify starts when bytes come.
+type controlWatch struct {
+	s     *Server
+	a     *agentConn
+	body  io.ReadCloser
+	line  []byte        // a line begun and not ended, at most maxControlLine
+	cutIn time.Duration // when the agent says it cuts what is left of a drain
+}
+
+// run reads what the stream holds, acts on each whole line, and returns
+// once a read would block (Notify starts it again) or the stream ended.
+func (w *controlWatch) run() {
 	for {
-		line, err := readControlLine(lines)
-		if err != nil {
+		if b, ok := w.body.(*h2link.Body); ok && !b.Notify(func() { w.s.goroutineUnlessClosed(w.run) }) {
 			return
 		}
-		line = strings.TrimSpace(line)
-		if token, ok := strings.CutPrefix(line, controlToken+" "); ok {
-			s.newToken(a, strings.TrimSpace(token))
-			continue
+		buf := make([]byte, 512)
+		n, err := w.body.Read(buf)
+		if err == nil {
+			err = w.take(buf[:n], func(line string) { w.s.controlLine(w.a, line, &w.cutIn) })
 		}
-		if _, ok := strings.CutPrefix(line, controlRestartIn+" "); ok {
-			s.agentRestarting(a)
-			continue
+		if err != nil {
+			w.body.Close()
+			return
 		}
-		if v, ok := strings.CutPrefix(line, controlDrainIn+" "); ok {
-			if d, err := time.ParseDuration(v); err == nil && d >= 0 && d <= maxDrainIn {
-				cutIn = d
-			}
-			continue
+	}
+}
+
+// take passes each line p ends to each, trimmed; it keeps the start of
+// one it does not end.
+func (w *controlWatch) take(p []byte, each func(line string)) error {
+	for len(p) > 0 {
+		i := bytes.IndexByte(p, '\n')
+		end := i + 1
+		if i < 0 {
+			end = len(p)
 		}
-		switch line {
-		case controlDrain:
-			s.metrics.packets.inc(segFromAgent, grpcwire.Drain)
-			s.log.Info("agent draining: new dials prefer other agents; its idle tunnels close at quiet moments", "agent", a.id, "remote", a.remote)
-			s.agentDraining(a, cutIn)
+		if len(w.line)+end > maxControlLine {
+			return errors.New("control line too long")
 		}
+		w.line = append(w.line, p[:end]...)
+		p = p[end:]
+		if i >= 0 {
+			line := string(w.line)
+			w.line = w.line[:0]
+			each(strings.TrimSpace(line))
+		}
+	}
+	if len(w.line) == 0 {
+		w.line = nil // nothing held while the agent is quiet
+	}
+	return nil
+}
+
+// controlLine acts on one line of an agent's control stream.
+func (s *Server) controlLine(a *agentConn, line string, cutIn *time.Duration) {
+	if token, ok := strings.CutPrefix(line, controlToken+" "); ok {
+		s.newToken(a, strings.TrimSpace(token))
+		return
+	}
+	if _, ok := strings.CutPrefix(line, controlRestartIn+" "); ok {
+		s.agentRestarting(a)
+		return
+	}
+	if v, ok := strings.CutPrefix(line, controlDrainIn+" "); ok {
+		if d, err := time.ParseDuration(v); err == nil && d >= 0 && d <= maxDrainIn {
+			*cutIn = d
+		}
+		return
+	}
+	if line == controlDrain {
+		s.metrics.packets.inc(segFromAgent, grpcwire.Drain)
+		s.log.Info("agent draining: new dials prefer other agents; its idle tunnels close at quiet moments", "agent", a.id, "remote", a.remote)
+		s.agentDraining(a, *cutIn)
 	}
 }
 

@@ -118,4 +118,8 @@
 // the tunnel parks, and deferred work is one closure. TestIdleTunnelStacksShrink
 // fails when the parked path grows; the comments that say "see Parked stacks"
 // mark the functions that exist for this rule.
+//
+// An idle agent connection costs the server one goroutine, its link's read
+// loop: the agent's control stream is read only when a line comes
+// (controlWatch), and no goroutine waits for the connection to end.
 package tunnel

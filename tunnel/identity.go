@@ -1,7 +1,6 @@
 package tunnel
 
 import (
-	"bufio"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -453,22 +452,4 @@ func (s *Server) newToken(a *agentConn, token string) {
 	a.cred.token, a.cred.expires = token, p.Expires
 	a.cred.mu.Unlock()
 	s.log.Debug("agent presented a rotated token", "agent", a.id)
-}
-
-// readControlLine reads one line of at most maxControlLine bytes.
-func readControlLine(br *bufio.Reader) (string, error) {
-	var line []byte
-	for {
-		chunk, err := br.ReadSlice('\n')
-		if len(line)+len(chunk) > maxControlLine {
-			return "", errors.New("control line too long")
-		}
-		line = append(line, chunk...)
-		if err == nil {
-			return string(line), nil
-		}
-		if !errors.Is(err, bufio.ErrBufferFull) {
-			return "", err
-		}
-	}
 }

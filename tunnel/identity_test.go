@@ -437,15 +437,35 @@ func findAgent(e *env, id string) *agentConn {
 	return nil
 }
 
-func TestReadControlLine(t *testing.T) {
-	br := bufio.NewReaderSize(strings.NewReader("drain\ntoken "+strings.Repeat("x", 1000)+"\n"+strings.Repeat("y", maxControlLine+1)+"\n"), 64)
-	if l, err := readControlLine(br); err != nil || l != "drain\n" {
-		t.Fatalf("%q %v", l, err)
+// TestControlLines: lines of the control stream are whole however the
+// stream splits them, a line may be as long as maxControlLine and no
+// longer, and nothing is held between lines.
+func TestControlLines(t *testing.T) {
+	stream := "drain\ntoken " + strings.Repeat("x", 1000) + "\n" + strings.Repeat("y", maxControlLine-1) + "\n"
+	for _, chunk := range []int{1, 7, 512, len(stream)} {
+		w := &controlWatch{}
+		var got []string
+		for p := stream; p != ""; {
+			n := min(chunk, len(p))
+			if err := w.take([]byte(p[:n]), func(l string) { got = append(got, l) }); err != nil {
+				t.Fatalf("chunks of %d: %v", chunk, err)
+			}
+			p = p[n:]
+		}
+		if len(got) != 3 || got[0] != "drain" || len(got[1]) != 1006 || len(got[2]) != maxControlLine-1 {
+			t.Fatalf("chunks of %d: %d lines (%.20q…)", chunk, len(got), got)
+		}
+		if w.line != nil {
+			t.Fatalf("chunks of %d: %d bytes held after the last line", chunk, cap(w.line))
+		}
 	}
-	if l, err := readControlLine(br); err != nil || len(l) != 1007 {
-		t.Fatalf("%d %v", len(l), err)
+	w := &controlWatch{}
+	long := []byte(strings.Repeat("z", 600))
+	var err error
+	for i := 0; err == nil && i < 2*maxControlLine/len(long); i++ {
+		err = w.take(long, func(string) { t.Fatal("an over-long line was passed on") })
 	}
-	if _, err := readControlLine(br); err == nil {
+	if err == nil {
 		t.Fatal("an over-long line was read")
 	}
 }
