@@ -444,19 +444,29 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 	if len(held) != 1 {
 		t.Fatalf("%d destinations held, want 1", len(held))
 	}
+	waitUntil(t, func() bool { return e.srv.Status().Tunnels["held"] == 1 }, "the paused tunnel held for its agent")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	paused, err := e.srv.HandOver(ctx)
 	cancel()
 	if err != nil || len(paused) != 1 {
 		t.Fatalf("HandOver: %d paused, %v; want the one waiting for its agent", len(paused), err)
 	}
+	if n := e.srv.Status().Tunnels["held"]; n != 0 {
+		t.Errorf("%d tunnels still held after the handover passed them on", n)
+	}
 	e.stop()
 	next := newEnvOn(t, e.pki, e.agentAddr, nil)
 	next.srv.Resume(paused)
+	if n := next.srv.Status().Tunnels["held"]; n != 1 {
+		t.Errorf("%d tunnels held on the next image before the agent is back, want 1", n)
+	}
 	startAgentWith(t, e.pki, []string{next.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
 	waitUntil(t, func() bool { return resumedOrNot(next.srv) == 1 }, "the tunnel resumed")
 	if handedOver(next.srv, "resumed", resultOK) != 1 {
 		t.Fatal("the tunnel was not resumed on the server's next image")
+	}
+	if n := next.srv.Status().Tunnels["held"]; n != 0 {
+		t.Errorf("%d tunnels still held once resumed", n)
 	}
 	if _, err := c.Write([]byte("z")); err != nil {
 		t.Fatal(err)

@@ -37,7 +37,10 @@
 //   - asked: a front door connection's dial is asked for once its
 //     CONNECT head is read (or its gRPC DIAL_REQ); only then does a
 //     shutdown wait for it (pendingDial), and an unasked connection moves
-//     to the next image as it is.
+//     to the next image as it is;
+//   - held: a paused tunnel that no goroutine serves, in the table until
+//     its agent logs in again (or, unasked, until the handover that took
+//     it passes it on): a state of the tunnel, like every other.
 //
 // # Files
 //
@@ -76,9 +79,12 @@
 //	a promtext family's lock → Server.mu, registry.mu, Agent.mu (a scrape's functions)
 //
 // Server.mu guards the server's state, its listeners, the tunnel table
-// (Server.tunnels) with each tunnel's state, and the count of gRPC front
-// door connections; the quiet drain, the hang-up sweep and a restart
-// pick tunnels under it and act on them after it is released. registry.mu
+// (Server.tunnels) with each tunnel's state, the held tunnels' paused
+// tunnel (tunnel.handed) and the counts by state, and the count of gRPC
+// front door connections; the quiet drain, the hang-up sweep and a
+// restart pick tunnels under it and act on them after it is released.
+// A handover waits for the connections it takes on Server.passed, whose
+// lock is Server.mu. registry.mu
 // (read-locked by a dial's pick) guards the connected agents and their
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and

@@ -110,7 +110,7 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 	var paused []*PausedTunnel
 	err := s.shutdown(ctx, func() func(context.Context) {
 		todo := s.takeMovable(nil)
-		paused = s.takeWaiting() // still paused: passed on as they are
+		paused = s.takeHeld(false) // still paused: passed on as they are
 		s.metrics.restarts.paused[resultOK].Add(uint64(len(paused)))
 		unasked := s.collectUnasked()
 		return func(ctx context.Context) {
@@ -121,15 +121,15 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 	return paused, err
 }
 
-// takeUnaskedLocked takes every front-door connection still reading its
-// client's head to paused: its goroutine, woken by leaving
+// takeUnaskedLocked moves every front-door connection still reading its
+// client's head to passing: its goroutine, woken by leaving
 // (interruptUnasked), passes it on as it is (passUnasked). Called in the
 // same critical section that sets shutting, so each connection either
 // asked before (pending, waited for) or is taken here. Server.mu is held.
 func (s *Server) takeUnaskedLocked() {
 	for t := range s.tunnels {
-		if t.state == tunnelReading && t.moveLocked(tunnelPaused) {
-			s.unaskedWG.Add(1)
+		if t.state == tunnelReading {
+			t.moveLocked(tunnelPassing)
 		}
 	}
 }
@@ -137,7 +137,7 @@ func (s *Server) takeUnaskedLocked() {
 // interruptUnasked ends the head read of t once a handover took it.
 func (s *Server) interruptUnasked(t *tunnel, conn net.Conn) {
 	s.mu.Lock()
-	taken := t.state == tunnelPaused
+	taken := t.state == tunnelPassing
 	s.mu.Unlock()
 	if taken {
 		conn.SetReadDeadline(time.Unix(1, 0))
@@ -158,22 +158,25 @@ func (s *Server) asked(t *tunnel, pd *pendingDial) bool {
 }
 
 // passUnasked passes t, taken by a handover before its client asked for
-// anything, on to the next image with the bytes read from it: a plain
-// socket is duplicated; a TLS one is closed (its handshake cannot move),
-// which loses nothing its client asked for.
+// anything (passing), on to the next image with the bytes read from it:
+// a plain socket is duplicated and t left held, for the handover to
+// collect; a TLS one is closed (its handshake cannot move), which loses
+// nothing its client asked for.
 func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
-	defer s.unaskedWG.Done()
 	file, err := dupSocketFile(conn)
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	defer s.passed.Broadcast()
 	if err != nil || s.closed {
 		if file != nil {
 			file.Close()
 		}
+		t.moveLocked(tunnelClosed)
 		s.log.Debug("front-door connection that asked for nothing closed by the restart", "err", err)
 		return
 	}
-	s.unasked = append(s.unasked, &PausedTunnel{File: file, Unasked: true, Head: seen})
+	t.handed = &PausedTunnel{File: file, Unasked: true, Head: seen}
+	t.moveLocked(tunnelHeld)
 }
 
 // passDialing passes t on to the next image as a connection that asked
@@ -185,10 +188,7 @@ func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
 // the shutdown is not a handover, or the handover is past taking it.
 func (s *Server) passDialing(t *tunnel, conn net.Conn, head []byte, br *bufio.Reader) bool {
 	s.mu.Lock()
-	ok := s.handingOver && !s.collected && !s.closed && t.moveLocked(tunnelPaused)
-	if ok {
-		s.unaskedWG.Add(1)
-	}
+	ok := s.handingOver && !s.collected && !s.closed && t.moveLocked(tunnelPassing)
 	s.mu.Unlock()
 	if !ok {
 		return false
@@ -201,21 +201,77 @@ func (s *Server) passDialing(t *tunnel, conn net.Conn, head []byte, br *bufio.Re
 	return true
 }
 
-// collectUnasked waits until every connection takeUnaskedLocked took is
-// passed on, and returns them.
+// collectUnasked waits until no tunnel is passing (each taken connection
+// is held, or closed), and returns the held unasked ones, taken off the
+// table.
 func (s *Server) collectUnasked() []*PausedTunnel {
 	s.mu.Lock()
 	s.collected = true
+	for s.inState[tunnelPassing] > 0 {
+		s.passed.Wait()
+	}
+	out := s.takeHeldLocked(true)
 	s.mu.Unlock()
-	s.unaskedWG.Wait()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := s.unasked
-	s.unasked = nil
 	if len(out) > 0 {
 		s.log.Info("front-door connections that asked for nothing yet handed to the next image", "connections", len(out))
 	}
 	return out
+}
+
+// takeHeld takes the held tunnels off the table for a handover to pass
+// on as they are: the unasked connections (unasked) or the paused tunnels
+// waiting for their agent.
+func (s *Server) takeHeld(unasked bool) []*PausedTunnel {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.takeHeldLocked(unasked)
+}
+
+// takeHeldLocked is takeHeld. Server.mu is held.
+func (s *Server) takeHeldLocked(unasked bool) []*PausedTunnel {
+	var out []*PausedTunnel
+	for t := range s.tunnels {
+		if t.state == tunnelHeld && t.handed.Unasked == unasked {
+			out = append(out, t.handed)
+			t.moveLocked(tunnelClosed)
+		}
+	}
+	return out
+}
+
+// holdLocked puts p, a paused tunnel that waits for its agent to log in
+// again, in the table held, and returns its entry, which no goroutine
+// serves. Server.mu is held.
+func (s *Server) holdLocked(p *PausedTunnel) *tunnel {
+	t := &tunnel{front: heldFront{}, handed: p, state: tunnelHeld}
+	s.enterLocked(t)
+	return t
+}
+
+// dropHeldLocked closes a held tunnel's socket and takes it off the
+// table: the server closes without a next image. Server.mu is held.
+func (s *Server) dropHeldLocked(t *tunnel) {
+	p := t.handed
+	p.File.Close()
+	t.moveLocked(tunnelClosed)
+	if !p.Unasked {
+		s.resumeFailed(p, resultFailed, errors.New("server closed before the agent was back"))
+	}
+}
+
+// heldFront is the front of a held tunnel's entry that holdLocked made:
+// its socket is the PausedTunnel's File, which only dropHeldLocked and the
+// resume close, and nothing else reaches it, as a held tunnel is neither
+// open nor served.
+type heldFront struct{}
+
+func (heldFront) closeQuiet(*tunnel)    {}
+func (heldFront) unread() bool          { return false }
+func (heldFront) hangup() net.Conn      { return nil }
+func (heldFront) closeSocket()          {}
+func (heldFront) pausable(*tunnel) bool { return false }
+func (heldFront) pause(context.Context, *tunnel) (*PausedTunnel, error) {
+	return nil, errNotPausable
 }
 
 // takeMovable moves every open tunnel (through agent of, or any when nil)
@@ -450,27 +506,29 @@ func newResumeToken() (string, error) {
 // a new stream. Call it once the agent listener serves. A tunnel that
 // cannot resume is closed, and logged.
 //
-// A tunnel waiting for its agent is still paused: a restart that comes
-// meanwhile passes it on to the next image as it is (Server.waiting). From
+// A tunnel waiting for its agent is held in the table: a restart that
+// comes meanwhile passes it on to the next image as it is (takeHeld). From
 // the agent's return until the tunnel is where a handover can pause it
 // again, it counts as pending (Server.pending), as an accepted dial does,
 // so that a restart waits for it rather than leaving it to the drain.
 //
 // An Unasked connection is served at once, as a new one.
 func (s *Server) Resume(paused []*PausedTunnel) {
+	held := make([]*tunnel, 0, len(paused))
 	s.mu.Lock()
 	for _, p := range paused {
 		if !p.Unasked {
-			s.waiting[p] = struct{}{}
+			held = append(held, s.holdLocked(p))
 		}
 	}
 	s.mu.Unlock()
 	for _, p := range paused {
 		if p.Unasked {
 			s.goroutine(func() { s.resumeUnasked(p) })
-			continue
 		}
-		s.goroutine(func() { s.resumeTunnel(p) })
+	}
+	for _, h := range held {
+		s.goroutine(func() { s.resumeTunnel(h) })
 	}
 }
 
@@ -490,15 +548,18 @@ func (s *Server) resumeUnasked(p *PausedTunnel) {
 	s.serveFrontendConn(t, pd)
 }
 
-func (s *Server) resumeTunnel(p *PausedTunnel) {
+// resumeTunnel waits for the agent of h, a held tunnel, and carries it on
+// as a new tunnel once the agent is back.
+func (s *Server) resumeTunnel(h *tunnel) {
+	p := h.handed
 	a := s.waitAgentID(p.Agent, nil, resumeWait)
 	s.mu.Lock()
-	if _, ok := s.waiting[p]; !ok || s.shutting {
-		// A handover passes it on, or Close closes it.
+	if h.state != tunnelHeld || s.shutting {
+		// A handover passes it on, or Close drops it.
 		s.mu.Unlock()
 		return
 	}
-	delete(s.waiting, p)
+	h.moveLocked(tunnelClosed) // the tunnel that carries it on enters below
 	if a != nil {
 		s.pending.Add(1) // under mu: a shutdown either waits for it or saw it waiting
 	}
@@ -526,29 +587,6 @@ func (s *Server) resumeTunnel(p *PausedTunnel) {
 	t := newHTTPTunnel(c)
 	t.handed = p
 	s.serveFrontendConn(t, pd)
-}
-
-// takeWaiting takes the resumes still waiting for their agent, for a
-// handover to pass on as they are.
-func (s *Server) takeWaiting() []*PausedTunnel {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]*PausedTunnel, 0, len(s.waiting))
-	for p := range s.waiting {
-		out = append(out, p)
-		delete(s.waiting, p)
-	}
-	return out
-}
-
-// dropWaitingLocked closes the resumes still waiting for their agent: the
-// server closes without a next image. Server.mu is held.
-func (s *Server) dropWaitingLocked() {
-	for p := range s.waiting {
-		p.File.Close()
-		delete(s.waiting, p)
-		s.resumeFailed(p, resultFailed, errors.New("server closed before the agent was back"))
-	}
 }
 
 func (s *Server) resumeFailed(p *PausedTunnel, result string, err error) {

@@ -12,8 +12,9 @@ import "errors"
 //     without loss, exactly as for its own restart (pausePath, byte-exact
 //     in both directions), but keeps the client's side here: the paused
 //     tunnel waits for the agent's next image as a tunnel a previous image
-//     of the server handed over waits for its agent (Server.waiting), so a
-//     server restart meanwhile passes it on as it is. The rest drain.
+//     of the server handed over waits for its agent (held in
+//     Server.tunnels), so a server restart meanwhile passes it on as it
+//     is. The rest drain.
 //  3. The agent waits, within its drain timeout, until no tunnel is open,
 //     then passes each destination it holds to its next image
 //     (Agent.HeldForNextImage): the socket as an inherited descriptor,
@@ -86,10 +87,10 @@ func (s *Server) pauseIfAgentRestarting(t *tunnel) {
 	}
 }
 
-// waitForAgent keeps tunnels paused here waiting for their agent's next
-// image, as Resume keeps those a previous image of the server paused. A
-// server shutting down meanwhile closes them: its handover has taken the
-// waiting ones already.
+// waitForAgent holds tunnels paused here in the table until their agent's
+// next image logs in, as Resume holds those a previous image of the server
+// paused. A server shutting down meanwhile closes them: its handover has
+// taken the held ones already.
 func (s *Server) waitForAgent(paused []*PausedTunnel) {
 	if len(paused) == 0 {
 		return
@@ -104,10 +105,8 @@ func (s *Server) waitForAgent(paused []*PausedTunnel) {
 		return
 	}
 	for _, p := range paused {
-		s.waiting[p] = struct{}{}
-	}
-	for _, p := range paused {
-		s.goroutine(func() { s.resumeTunnel(p) })
+		h := s.holdLocked(p)
+		s.goroutine(func() { s.resumeTunnel(h) })
 	}
 	s.mu.Unlock()
 }

@@ -481,6 +481,43 @@ func TestHandOverWhileAgentStops(t *testing.T) {
 	}
 }
 
+// TestCloseDropsHeldTunnels: a server closed while a tunnel the previous
+// image handed over still waits for its agent (held) closes the client's
+// connection and counts the resume as failed; nothing is left in the
+// table.
+func TestCloseDropsHeldTunnels(t *testing.T) {
+	checkNoLeaks(t)
+	dest, _ := countingEcho(t)
+	e := newEnv(t, nil)
+	e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	c := e.echoOne(dest)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	paused, err := e.srv.HandOver(ctx)
+	cancel()
+	if err != nil || len(paused) != 1 {
+		t.Fatalf("HandOver: %d paused, %v", len(paused), err)
+	}
+	e.stop()
+	next := newEnvOn(t, e.pki, e.agentAddr, nil) // no agent logs in to it
+	next.srv.Resume(paused)
+	if n := next.srv.Status().Tunnels["held"]; n != 1 {
+		t.Fatalf("%d tunnels held, want the one waiting for its agent", n)
+	}
+	next.stop()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("client's read once the server closed: %v, want EOF", err)
+	}
+	if n := handedOver(next.srv, "resumed", resultFailed); n != 1 {
+		t.Errorf("%d resumes counted failed, want 1", n)
+	}
+	if n := next.srv.countTunnels(tunnelHeld); n != 0 || len(next.srv.tunnels) != 0 {
+		t.Errorf("after Close: %d held, %d in the table; want none", n, len(next.srv.tunnels))
+	}
+}
+
 // TestHandOverWhileResuming: a restart that comes once the agent is back
 // but before the tunnels the previous one paused have resumed pauses them
 // again (a shutdown waits for resumes under way, as for accepted dials)

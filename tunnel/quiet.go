@@ -119,8 +119,8 @@ func (s *Server) closeQuietTunnels(ctx context.Context, stop <-chan struct{}, of
 		mine := 0
 		s.mu.Lock()
 		for t := range s.tunnels {
-			if t.state == tunnelReading || t.state == tunnelDialing {
-				continue // t.agent is not set yet (and not to be read)
+			if t.state == tunnelReading || t.state == tunnelDialing || t.state == tunnelPassing || t.state == tunnelHeld {
+				continue // no agent carries it (t.agent is not set, and not to be read)
 			}
 			if of != nil && t.agent != of {
 				continue

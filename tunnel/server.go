@@ -143,24 +143,21 @@ type Server struct {
 	listeners map[*net.Listener]struct{}
 	// tunnels is the one table of tunnels, from a frontend connection's
 	// accept (or a gRPC call's DIAL_REQ) until the goroutine serving it
-	// returns; guarded by mu, as is each tunnel's state.
+	// returns, and of the held ones no goroutine serves (tunnel.go:
+	// paused tunnels waiting for their agent, connections a handover took
+	// before anything was asked) until they are resumed, passed on or
+	// dropped; guarded by mu, as is each tunnel's state.
 	tunnels   map[*tunnel]struct{}
-	grpcConns int           // guarded by mu: open gRPC front door connections (enterGRPCConn)
-	emptied   chan struct{} // guarded by mu: closed when both are empty (waitTunnels)
-	// waiting are the paused tunnels a previous image handed over, or
-	// that an agent's restart paused here (agent_restart.go), whose agent
-	// is not back yet (Resume); guarded by mu. A handover passes
-	// them on as they are; Close closes them.
-	waiting map[*PausedTunnel]struct{}
-	// unasked are the front-door connections a handover took before their
-	// client asked for anything, passed on as they are; guarded by mu.
-	// unaskedWG counts those taken whose goroutine has not put them there.
-	unasked   []*PausedTunnel
-	unaskedWG sync.WaitGroup
+	inState   [numTunnelStates]int // guarded by mu: how many of tunnels are in each state; kept by moveLocked
+	grpcConns int                  // guarded by mu: open gRPC front door connections (enterGRPCConn)
+	emptied   chan struct{}        // guarded by mu: closed when both are empty but for held tunnels (waitTunnels)
+	// passed is signalled, its L being &mu, when a passing tunnel moves
+	// on (passUnasked), for collectUnasked.
+	passed sync.Cond
 	// The server's state; guarded by mu.
 	shutting    bool     // no new connections are accepted
 	handingOver bool     // the shutdown is a handover: a dial no agent took yet moves too (passDialing)
-	collected   bool     // the handover took the unasked list: nothing more joins it (collectUnasked)
+	collected   bool     // the handover collected the held unasked tunnels: no dial moves to passing any more (collectUnasked)
 	closed      bool     // everything is being torn down
 	spareFD     *os.File // guarded by mu: released to answer 503 when out of file descriptors
 
@@ -206,9 +203,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		cancelAll:   cancel,
 		listeners:   make(map[*net.Listener]struct{}),
 		tunnels:     make(map[*tunnel]struct{}),
-		waiting:     make(map[*PausedTunnel]struct{}),
 		nodeRank:    nodeRank,
 	}
+	s.passed.L = &s.mu
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
@@ -540,13 +537,12 @@ func (s *Server) Close() error {
 		(*ln).Close()
 	}
 	for t := range s.tunnels {
+		if t.state == tunnelHeld {
+			s.dropHeldLocked(t)
+			continue
+		}
 		t.front.closeSocket()
 	}
-	s.dropWaitingLocked()
-	for _, p := range s.unasked {
-		p.File.Close()
-	}
-	s.unasked = nil
 	s.mu.Unlock()
 	s.cancelAll()
 	for _, a := range s.agents.snapshot() {

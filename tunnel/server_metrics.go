@@ -64,7 +64,7 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		func() float64 { return float64(s.Stats.BytesToAgent.Load()) })
 	m.CounterFunc(serverPrefix+"bytes_total", "", []string{"direction"}, []string{"from_agent"},
 		func() float64 { return float64(s.Stats.BytesFromAgent.Load()) })
-	for st := tunnelOpen; st < tunnelClosed; st++ {
+	for _, st := range shownStates {
 		m.GaugeFunc(serverPrefix+"tunnels", "Tunnels in the server's table, by state (dialing tunnels are counted by pending_backend_dials).", []string{"state"}, []string{st.String()},
 			func() float64 { return float64(s.countTunnels(st)) })
 	}

@@ -40,13 +40,8 @@ func (s *Server) Status() ServerStatus {
 		Restarts: s.restartStatus(),
 	}
 	s.mu.Lock()
-	for state := tunnelOpen; state < tunnelClosed; state++ {
-		st.Tunnels[state.String()] = 0
-	}
-	for t := range s.tunnels {
-		if t.state != tunnelDialing && t.state != tunnelReading {
-			st.Tunnels[t.state.String()]++
-		}
+	for _, state := range shownStates {
+		st.Tunnels[state.String()] = s.inState[state]
 	}
 	s.mu.Unlock()
 	for _, a := range s.agents.snapshot() {

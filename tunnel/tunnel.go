@@ -28,7 +28,11 @@ type tunnel struct {
 	body   io.ReadCloser      // the stream's answer: the agent's bytes
 	cancel context.CancelFunc // ends the stream (RST_STREAM while it is open)
 	since  time.Time          // when the agent answered
-	handed *PausedTunnel      // a tunnel the previous image paused, to carry on
+	// handed is the paused tunnel this one carries on (a previous image
+	// paused it) or, held, the one it waits to carry on or pass on: set
+	// before the tunnel enters the table, or with its move to held under
+	// Server.mu; read-only while it is held.
+	handed *PausedTunnel
 
 	up   upload                          // the client's bytes toward the agent
 	down atomic.Pointer[h2link.Delivery] // the agent's bytes toward the client, once they flow
@@ -70,38 +74,61 @@ const (
 	tunnelPaused                      // handed to the next image; its stream here ends
 	tunnelClosed                      // out of the table
 	tunnelReading                     // an HTTP CONNECT connection whose client has not asked for a dial yet: its head is being read
+	tunnelPassing                     // taken by a handover before any agent was asked: its goroutine is passing its socket on
+	tunnelHeld                        // paused, handed ready, and served by no goroutine: waiting for its agent, or for the handover that took it
 	numTunnelStates
 )
 
-var tunnelStateNames = [numTunnelStates]string{"dialing", "open", "draining", "pausing", "paused", "closed", "reading"}
+var tunnelStateNames = [numTunnelStates]string{"dialing", "open", "draining", "pausing", "paused", "closed", "reading", "passing", "held"}
 
 func (st tunnelState) String() string { return tunnelStateNames[st] }
 
 // tunnelMoves is the one table of a tunnel's states: the states each may
 // move to. Closed is where every tunnel ends, when the goroutine serving it
-// returns (Server.leave); a drain and a handover take only open tunnels,
-// so the two never meet on one. A handover also passes on, as they are,
-// connections still reading their head (reading to paused at once):
-// nothing was asked for, so there is nothing to stop; and dials still
-// waiting for an agent (dialing to paused): no agent was asked.
+// returns (Server.leave), or, held, when it is resumed, passed on or
+// dropped; a drain and a handover take only open tunnels, so the two never
+// meet on one.
+//
+// A handover also passes on, as they are, connections still reading their
+// head (reading to passing): nothing was asked for, so there is nothing to
+// stop; and dials still waiting for an agent (dialing to passing): no agent
+// was asked. Their goroutine duplicates the socket and leaves the tunnel
+// held (passing to held, handed Unasked) for the handover to collect
+// (collectUnasked).
+//
+// A held tunnel is a paused one no goroutine serves: besides those, a
+// tunnel a previous image handed over (Resume) or that its agent's restart
+// in place paused here (waitForAgent) enters the table held until its
+// agent logs in again; the tunnel that carries it on then enters as a new
+// one, and a handover meanwhile passes it on as it is.
 var tunnelMoves = [numTunnelStates][]tunnelState{
-	tunnelDialing:  {tunnelOpen, tunnelPaused, tunnelClosed},
+	tunnelDialing:  {tunnelOpen, tunnelPassing, tunnelClosed},
 	tunnelOpen:     {tunnelDraining, tunnelPausing, tunnelClosed},
 	tunnelDraining: {tunnelClosed},
 	tunnelPausing:  {tunnelPaused, tunnelClosed},
 	tunnelPaused:   {tunnelClosed},
 	tunnelClosed:   nil,
-	tunnelReading:  {tunnelDialing, tunnelPaused, tunnelClosed},
+	tunnelReading:  {tunnelDialing, tunnelPassing, tunnelClosed},
+	tunnelPassing:  {tunnelHeld, tunnelClosed},
+	tunnelHeld:     {tunnelClosed},
 }
+
+// shownStates are the states status and metrics count tunnels in: a
+// connection reading its head or dialing is not a tunnel to an operator
+// yet (pending_backend_dials counts the dials).
+var shownStates = []tunnelState{tunnelOpen, tunnelDraining, tunnelPausing, tunnelPaused, tunnelPassing, tunnelHeld}
 
 // moveLocked moves t to next if tunnelMoves allows it, and reports whether
 // it did; a tunnel that closes leaves the table. Server.mu is held.
 func (t *tunnel) moveLocked(next tunnelState) bool {
 	for _, ok := range tunnelMoves[t.state] {
 		if ok == next {
+			t.s.inState[t.state]--
 			t.state = next
 			if next == tunnelClosed {
 				t.s.leftLocked(t)
+			} else {
+				t.s.inState[next]++
 			}
 			return true
 		}
@@ -119,20 +146,30 @@ func (t *tunnel) move(next tunnelState) bool {
 // enter puts a new tunnel in the table, dialing (or reading, when the
 // caller set that state first); false once the server closed.
 func (s *Server) enter(t *tunnel) bool {
-	t.s = s
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return false
 	}
-	s.tunnels[t] = struct{}{}
+	s.enterLocked(t)
 	return true
 }
 
-// leave ends t's time in the table: the goroutine serving it returns.
+// enterLocked puts t in the table in the state it has. Server.mu is held.
+func (s *Server) enterLocked(t *tunnel) {
+	t.s = s
+	s.tunnels[t] = struct{}{}
+	s.inState[t.state]++
+}
+
+// leave ends t's time in the table: the goroutine serving it returns. A
+// tunnel it left held stays, served by none, until it is passed on or
+// dropped.
 func (s *Server) leave(t *tunnel) {
 	s.mu.Lock()
-	t.moveLocked(tunnelClosed)
+	if t.state != tunnelHeld {
+		t.moveLocked(tunnelClosed)
+	}
 	s.mu.Unlock()
 }
 
@@ -163,20 +200,27 @@ func (s *Server) leaveGRPCConn() {
 	s.emptiedLocked()
 }
 
-// emptiedLocked wakes waitTunnels once no tunnel and no gRPC connection is
-// left. Server.mu is held.
+// emptyLocked reports whether no tunnel but held ones and no gRPC
+// connection is left: a drain does not wait for a held tunnel, which no
+// goroutine serves (a handover passes it on first, Close drops it).
+// Server.mu is held.
+func (s *Server) emptyLocked() bool {
+	return len(s.tunnels) == s.inState[tunnelHeld] && s.grpcConns == 0
+}
+
+// emptiedLocked wakes waitTunnels once emptyLocked. Server.mu is held.
 func (s *Server) emptiedLocked() {
-	if len(s.tunnels) == 0 && s.grpcConns == 0 && s.emptied != nil {
+	if s.emptyLocked() && s.emptied != nil {
 		close(s.emptied)
 		s.emptied = nil
 	}
 }
 
-// waitTunnels waits until no tunnel and no gRPC connection is left, or ctx
-// ends.
+// waitTunnels waits until no tunnel but held ones and no gRPC connection
+// is left, or ctx ends.
 func (s *Server) waitTunnels(ctx context.Context) error {
 	s.mu.Lock()
-	if len(s.tunnels) == 0 && s.grpcConns == 0 {
+	if s.emptyLocked() {
 		s.mu.Unlock()
 		return nil
 	}
@@ -210,13 +254,7 @@ func (s *Server) tunnelsIn(st tunnelState) []*tunnel {
 func (s *Server) countTunnels(st tunnelState) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	n := 0
-	for t := range s.tunnels {
-		if t.state == st {
-			n++
-		}
-	}
-	return n
+	return s.inState[st]
 }
 
 // established records the agent's answer: t carries bytes from here on.
