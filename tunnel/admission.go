@@ -27,11 +27,17 @@ import (
 //
 //   - time: a connection not admitted within HeaderTimeout of its accept
 //     (TLS handshake, login and review included) is closed;
-//   - count: at most MaxUnadmitted such connections per server; past it a
-//     new connection is closed at once, before its TLS handshake, told in
-//     one plain-text 503 when to come back (hdrRetryAfterMs): the moments
-//     handed out are spaced by the time a slot takes to free, so a fleet
-//     that reconnects at once comes back at the rate it can be admitted;
+//   - count: at most MaxUnadmitted such connections per server. While
+//     that many are open the agent port accepts nothing: the next ones
+//     wait in the kernel's listen backlog (bounded by the kernel, costing
+//     this process nothing) and are accepted in arrival order as slots
+//     free, so a fleet that reconnects at once is admitted as fast as the
+//     handshakes run, with no refusal and no retry. Only when no slot has
+//     freed for stallBound (every open connection is slow or its review
+//     is stuck) are waiting connections accepted to be closed at once,
+//     before their TLS handshake, told in one plain-text 503 when to come
+//     back (hdrRetryAfterMs), until a slot frees: an agent is not left in
+//     the backlog for most of its dial timeout;
 //   - work: one login per connection (a refused login ends the
 //     connection), and at most MaxReviews calls of AuthenticateAgent in
 //     flight per server, each under the context of the connection or
@@ -56,6 +62,7 @@ func authUnavailable() error {
 type admission struct {
 	max      int64
 	open     atomic.Int64  // connections accepted and not yet admitted or closed
+	freed    chan struct{} // one buffered wake-up: open went down (waitRoom)
 	reviews  chan struct{} // a slot per AuthenticateAgent call in flight
 	inflight atomic.Int64  // reviews holding a slot, for the gauge
 
@@ -67,7 +74,7 @@ type admission struct {
 }
 
 func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admission {
-	a := &admission{max: int64(maxUnadmitted), reviews: make(chan struct{}, maxReviews)}
+	a := &admission{max: int64(maxUnadmitted), reviews: make(chan struct{}, maxReviews), freed: make(chan struct{}, 1)}
 	const name = serverPrefix + "unadmitted_agent_connections_closed_total"
 	const help = "Agent-port connections closed before they were admitted, by reason: limit (more than --max-unadmitted-agent-connections were waiting) or timeout (not admitted within the header timeout)."
 	a.dropped = m.Counter(name, help, []string{"reason"}, "limit")
@@ -78,6 +85,48 @@ func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admissio
 	m.GaugeFunc(serverPrefix+"agent_reviews_in_flight", "Agent credential checks (TokenReview) running now.", nil, nil,
 		func() float64 { return float64(a.inflight.Load()) })
 	return a
+}
+
+// stallBound is how long the agent port waits for a slot to free before it
+// accepts waiting connections only to refuse them: a quarter of the header
+// timeout, within which every slot normally frees many times over (a
+// handshake takes milliseconds), while a connection that waited that long
+// in the backlog still has the rest of its dial timeout to come back.
+func stallBound(headerTimeout time.Duration) time.Duration { return headerTimeout / 4 }
+
+// hasRoom reports whether a connection accepted now would be admitted to
+// wait (enter).
+func (a *admission) hasRoom() bool { return a.open.Load() < a.max }
+
+// waitRoom waits until hasRoom, ctx ends, or no slot freed for bound; it
+// reports whether there is room. The agent port's accept loop calls it
+// before each accept, so connections past the limit stay in the listen
+// backlog.
+func (a *admission) waitRoom(ctx context.Context, bound time.Duration) bool {
+	if a.hasRoom() {
+		return true
+	}
+	t := time.NewTimer(bound)
+	defer t.Stop()
+	for !a.hasRoom() {
+		select {
+		case <-a.freed:
+		case <-t.C:
+			return a.hasRoom()
+		case <-ctx.Done():
+			return false
+		}
+	}
+	return true
+}
+
+// leave stops counting a connection and wakes waitRoom.
+func (a *admission) leave() {
+	a.open.Add(-1)
+	select {
+	case a.freed <- struct{}{}:
+	default:
+	}
 }
 
 // pacer spaces the retries of connections refused at the unadmitted limit.
@@ -186,7 +235,7 @@ func (p *pendingConn) expire() {
 	}
 	p.state = pendingEnded
 	p.mu.Unlock()
-	p.a.open.Add(-1)
+	p.a.leave()
 	p.a.timedOut.Inc()
 	p.conn.Close()
 }
@@ -204,7 +253,7 @@ func (p *pendingConn) admit() bool {
 	p.state = pendingAdmitted
 	p.mu.Unlock()
 	p.timer.Stop()
-	p.a.open.Add(-1)
+	p.a.leave()
 	p.a.pace.admitted(time.Since(p.start))
 	return true
 }
@@ -220,7 +269,7 @@ func (p *pendingConn) release() {
 	p.state = pendingEnded
 	p.mu.Unlock()
 	p.timer.Stop()
-	p.a.open.Add(-1)
+	p.a.leave()
 }
 
 // beginLogin reports whether this is the connection's first login. A
@@ -293,10 +342,10 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 }
 
 // serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then
-// HTTP/2 with this server as the client, until the connection ends.
-func (s *Server) serveAgentConn(raw net.Conn) {
+// HTTP/2 with this server as the client, until the connection ends. pc is
+// its admission (enter), nil when it was accepted past the limit.
+func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	remote := raw.RemoteAddr().String()
-	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
 	if pc == nil {
 		s.Stats.AgentsRefused.Add(1)
 		retry := s.gate.pace.retryAfter(time.Now(), s.gate.max)
