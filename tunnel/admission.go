@@ -129,15 +129,14 @@ func (a *admission) leave() {
 	}
 }
 
-// pacer spaces the retries of connections refused at the unadmitted limit.
-// While every slot is taken a slot frees about every hold/max (hold: how
-// long an admitted connection waited, a moving average). Each refusal is
-// handed the moment half of that after the last one handed out: hold
-// counts the agent's own side of the handshake, which costs the server
-// nothing, so hold/max itself leaves the server idle between retries
-// (measured with e2e/scale: twice the time to connect a 5,000-agent
-// fleet), while half of it still costs most agents one refusal at most.
-// A leaf lock.
+// pacer spaces the retries of connections refused at the unadmitted limit
+// while its slots are stalled (stallBound). Once slots move again, one
+// frees about every hold/max (hold: how long an admitted connection
+// waited, a moving average). Each refusal is handed the moment half of
+// that after the last one handed out: hold counts the agent's own side of
+// the handshake, which costs the server nothing, so the refused come back
+// a little faster than slots free and the backlog, not the server, holds
+// the surplus. A leaf lock.
 type pacer struct {
 	mu   sync.Mutex
 	hold time.Duration // guarded by mu: moving average, accept to admission

@@ -3,7 +3,11 @@ package tunnel
 import (
 	"context"
 	"crypto/tls"
+	"fmt"
 	"net"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -79,4 +83,88 @@ func TestPacerSpacesRetries(t *testing.T) {
 	if r := p.retryAfter(later, 1); r != maxRetryAfter {
 		t.Errorf("retry at a long backlog in %s, want the cap %s", r, maxRetryAfter)
 	}
+}
+
+// Past the unadmitted limit a connection waits in the listen backlog,
+// unaccepted, and is admitted once a slot frees, with no refusal: a raw
+// TCP connection past the limit is neither answered nor closed, and a good
+// agent queued behind it connects as soon as the holders leave.
+func TestUnadmittedWaitInBacklog(t *testing.T) {
+	checkNoLeaks(t)
+	const limit = 4
+	e := newEnv(t, func(c *ServerConfig) {
+		c.MaxUnadmitted = limit
+		c.HeaderTimeout = time.Minute // no stall within the test: the holders free the slots
+	})
+	echo := echoServer(t)
+	var holders []net.Conn
+	for range limit {
+		c, err := net.Dial("tcp", e.agentAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		holders = append(holders, c)
+	}
+	waitUntil(t, func() bool { return e.srv.gate.open.Load() == limit }, "the server to count the holders")
+
+	// A raw connection past the limit: the kernel completes its handshake,
+	// the server does not accept it.
+	extra, err := net.Dial("tcp", e.agentAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer extra.Close()
+	waitUntil(t, func() bool { return acceptQueue(t, e.agentAddr) == 1 }, "the connection past the limit to wait in the backlog")
+	e.startAgent("queued", "", nil)
+	waitUntil(t, func() bool { return acceptQueue(t, e.agentAddr) == 2 }, "the agent to wait in the backlog")
+	if n := e.srv.gate.open.Load(); n != limit {
+		t.Fatalf("%d connections counted as waiting, want the limit %d", n, limit)
+	}
+	if n := e.srv.AgentCount(); n != 0 {
+		t.Fatalf("%d agents admitted past the limit", n)
+	}
+
+	// The slots free: both are accepted in arrival order, the agent is
+	// admitted, and nobody was refused.
+	for _, c := range holders {
+		c.Close()
+	}
+	e.waitAgents(1)
+	if err := e.echoOnce(echo); err != nil {
+		t.Fatalf("dial through the agent that waited: %v", err)
+	}
+	if n := e.srv.gate.dropped.Value(); n != 0 {
+		t.Fatalf("%v connections refused at the limit, want none", n)
+	}
+	extra.Close()
+	waitUntil(t, func() bool { return e.srv.gate.open.Load() == 0 }, "no connection left waiting")
+}
+
+// acceptQueue is the number of connections waiting in the backlog of the
+// TCP listener at addr (a listening socket's rx_queue in /proc/net/tcp).
+func acceptQueue(t *testing.T, addr string) int {
+	t.Helper()
+	_, port, _ := net.SplitHostPort(addr)
+	p, _ := strconv.Atoi(port)
+	b, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf(":%04X", p)
+	for _, line := range strings.Split(string(b), "\n")[1:] {
+		f := strings.Fields(line)
+		// sl local_address rem_address st tx_queue:rx_queue ...; 0A is LISTEN.
+		if len(f) < 5 || !strings.HasSuffix(f[1], want) || f[3] != "0A" {
+			continue
+		}
+		_, rx, _ := strings.Cut(f[4], ":")
+		n, err := strconv.ParseInt(rx, 16, 64)
+		if err != nil {
+			t.Fatalf("/proc/net/tcp: %q: %v", line, err)
+		}
+		return int(n)
+	}
+	t.Fatalf("no listener on %s in /proc/net/tcp", addr)
+	return 0
 }
