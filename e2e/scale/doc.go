@@ -5,7 +5,10 @@
 // and gRPC, one server run each) it prints the time until N agents are
 // connected and the retries that took, server RSS per agent and per idle
 // tunnel, the server's idle CPU, and dial p50/p99 with 1 agent, with N and
-// with N agents and M tunnels, each beside the 1-agent figure of the same run.
+// with N agents and M tunnels. Each latency figure is taken with its dials
+// interleaved with dials through a reference (a second server of the same
+// binary and door with one agent, running throughout), and is given as a
+// ratio to the reference's: both under the same load of the machine.
 // Figures are reported, not asserted; the exit status counts correctness
 // checks only (agents connected, tunnels opened, dials echoed, nothing left
 // open).

@@ -146,6 +146,8 @@ type doorRun struct {
 	simRole        string // helper role of the agent simulators: agents or upstream-agents
 
 	server     *proc
+	ref        launched // the reference server, with one agent (startReference)
+	refSim     *helper  // the reference's agent
 	adminPort  int
 	sock       string
 	dial       dialer
@@ -159,6 +161,7 @@ type doorRun struct {
 	rss1, rssPre, rssN, rssM   int64 // server KiB: 1 agent, after its dials, N agents, N agents + held tunnels
 	g1, gN, gM                 float64
 	lat1, latN, latM           latency
+	ref1, refN, refM           latency // the reference's, interleaved with lat1, latN, latM
 	connectTime                time.Duration
 	connectPolled              time.Duration
 	connectCPU, connectSimCPU  float64 // CPU seconds of the server and of the simulators while the fleet connected
@@ -188,6 +191,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	if err := d.startHelpers(ctx); err != nil {
 		return err
 	}
+	if err := d.startReference(ctx); err != nil {
+		return err
+	}
 	// One agent.
 	if _, err := d.sims[0].call(ctx, "start 0 1"); err != nil {
 		return err
@@ -199,7 +205,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.rss1, _ = rssKiB(d.server.pid())
 	d.g1 = d.metric(ctx, mGoroutines)
 	target := d.echoAddrs[0]
-	d.lat1 = measureLatency(ctx, d.dial, target, cfg.dials)
+	d.lat1, d.ref1 = measureLatency(ctx, d.dial, d.ref.dial, target, cfg.dials)
 	if ctx.Err() != nil {
 		return nil // run reports the interruption; no check past it
 	}
@@ -258,7 +264,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.rssN, _ = rssKiB(d.server.pid())
 	d.gN = d.metric(ctx, mGoroutines)
 	d.cpuN = d.idleCPU(ctx)
-	d.latN = measureLatency(ctx, d.dial, target, cfg.dials)
+	d.latN, d.refN = measureLatency(ctx, d.dial, d.ref.dial, target, cfg.dials)
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -294,7 +300,7 @@ func (d *doorRun) run(ctx context.Context) error {
 		}
 	}
 	d.cpuM = d.idleCPU(ctx)
-	d.latM = measureLatency(ctx, d.dial, target, cfg.dials)
+	d.latM, d.refM = measureLatency(ctx, d.dial, d.ref.dial, target, cfg.dials)
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -311,22 +317,44 @@ func (d *doorRun) run(ctx context.Context) error {
 }
 
 func (d *doorRun) startServer(ctx context.Context) error {
+	srv, err := d.launch(ctx, d.tag())
+	if err != nil {
+		return err
+	}
+	d.server, d.adminPort, d.sock, d.agentsAddr, d.dial = srv.proc, srv.adminPort, srv.sock, srv.agentsAddr, srv.dial
+	d.s.logf("%s: server %s pid %d, agents at %s, socket %s", d.label, d.serverBin, d.server.pid(), d.agentsAddr, d.sock)
+	return nil
+}
+
+// launched is a server process of a run.
+type launched struct {
+	proc       *proc
+	adminPort  int
+	sock       string
+	agentsAddr string
+	dial       dialer
+}
+
+// launch starts a server for this door, its files named by tag, and waits
+// until it is healthy.
+func (d *doorRun) launch(ctx context.Context, tag string) (launched, error) {
 	s := d.s
+	var l launched
 	ports := make([]int, 3)
 	for i := range ports {
 		p, err := freePort()
 		if err != nil {
-			return err
+			return l, err
 		}
 		ports[i] = p
 	}
 	agentPort, health := ports[0], ports[1]
-	d.adminPort = ports[2]
-	d.sock = filepath.Join(s.dir, d.tag()+".sock")
-	d.agentsAddr = "127.0.0.1:" + strconv.Itoa(agentPort)
+	l.adminPort = ports[2]
+	l.sock = filepath.Join(s.dir, tag+".sock")
+	l.agentsAddr = "127.0.0.1:" + strconv.Itoa(agentPort)
 	args := []string{
 		"--mode=" + d.door,
-		"--uds-name=" + d.sock,
+		"--uds-name=" + l.sock,
 		"--server-port=0",
 		"--agent-bind-address=127.0.0.1",
 		"--agent-port=" + strconv.Itoa(agentPort),
@@ -336,24 +364,55 @@ func (d *doorRun) startServer(ctx context.Context) error {
 		"--health-bind-address=127.0.0.1",
 		"--health-port=" + strconv.Itoa(health),
 		"--admin-bind-address=127.0.0.1",
-		"--admin-port=" + strconv.Itoa(d.adminPort),
+		"--admin-port=" + strconv.Itoa(l.adminPort),
 	}
 	if !d.upstreamServer {
 		args = append([]string{"server"}, args...)
 	}
 	var err error
-	d.server, err = startProc("server", d.serverBin, args, filepath.Join(s.dir, d.tag()+"-server.log"))
+	l.proc, err = startProc("server", d.serverBin, args, filepath.Join(s.dir, tag+"-server.log"))
+	if err != nil {
+		return l, err
+	}
+	if err := waitHTTP(ctx, l.proc, health, "/healthz"); err != nil {
+		l.proc.stop()
+		return l, err
+	}
+	l.dial = connectDialer(l.sock)
+	if d.door == "grpc" {
+		l.dial = grpcDialer(l.sock)
+	}
+	return l, nil
+}
+
+// startReference starts the reference: a second server of this door with
+// one agent (its own simulator process) for the whole run. Each latency
+// figure interleaves its dials with dials through the reference, so the
+// ratio to one agent is taken under the same load of the machine.
+func (d *doorRun) startReference(ctx context.Context) error {
+	s := d.s
+	ref, err := d.launch(ctx, d.tag()+"-ref")
 	if err != nil {
 		return err
 	}
-	if err := waitHTTP(ctx, d.server, health, "/healthz"); err != nil {
+	d.ref = ref
+	args := simArgs{Server: ref.agentsAddr, CACert: s.pki.CACert, AgentCert: s.pki.AgentCert, AgentKey: s.pki.AgentKey}
+	d.refSim, _, err = startHelper(ctx, "reference simulator", d.simRole, args, filepath.Join(s.dir, d.tag()+"-ref-sim.log"))
+	if err != nil {
 		return err
 	}
-	d.dial = connectDialer(d.sock)
-	if d.door == "grpc" {
-		d.dial = grpcDialer(d.sock)
+	if _, err := d.refSim.call(ctx, "start 0 1"); err != nil {
+		return err
 	}
-	s.logf("%s: server %s pid %d, agents at %s, socket %s", d.label, d.serverBin, d.server.pid(), d.agentsAddr, d.sock)
+	var got float64
+	if !waitFor(ctx, time.Minute, func() bool {
+		m, _ := scrape(ctx, ref.adminPort, mAgents)
+		got = m[mAgents]
+		return got == 1
+	}) {
+		return fmt.Errorf("reference server counts %v agents, want 1, after a minute; log tail:\n%s", got, ref.proc.logTail(10))
+	}
+	s.logf("%s: reference server pid %d with one agent (simulator pid %d)", d.label, ref.proc.pid(), d.refSim.pid())
 	return nil
 }
 
@@ -428,7 +487,11 @@ func (d *doorRun) holder() (holder, error) {
 // drain), then destinations, then the server.
 func (d *doorRun) stop() {
 	var wg sync.WaitGroup
-	for _, h := range append(append([]*helper{}, d.sims...), d.echoes...) {
+	helpers := append(append([]*helper{}, d.sims...), d.echoes...)
+	if d.refSim != nil {
+		helpers = append(helpers, d.refSim)
+	}
+	for _, h := range helpers {
 		wg.Add(1)
 		go func() { // owned by stop
 			defer wg.Done()
@@ -438,6 +501,9 @@ func (d *doorRun) stop() {
 	wg.Wait()
 	if d.server != nil {
 		d.server.stop()
+	}
+	if d.ref.proc != nil {
+		d.ref.proc.stop()
 	}
 }
 
