@@ -14,11 +14,13 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"golang.org/x/sys/unix"
 )
 
 // Admission bounds what a peer on the agent port can make the server do
@@ -34,10 +36,12 @@ import (
 //     free, so a fleet that reconnects at once is admitted as fast as the
 //     handshakes run, with no refusal and no retry. Only when no slot has
 //     freed for stallBound (every open connection is slow or its review
-//     is stuck) are waiting connections accepted to be closed at once,
-//     before their TLS handshake, told in one plain-text 503 when to come
-//     back (hdrRetryAfterMs), until a slot frees: an agent is not left in
-//     the backlog for most of its dial timeout;
+//     is stuck), or while the backlog is nearly full (past it the kernel
+//     drops SYNs, which peers retry only after seconds), are waiting
+//     connections accepted to be closed at once, before their TLS
+//     handshake, told in one plain-text 503 when to come back
+//     (hdrRetryAfterMs): an agent is not left in the backlog for most of
+//     its dial timeout, nor to TCP's back-off;
 //   - work: one login per connection (a refused login ends the
 //     connection), and at most MaxReviews calls of AuthenticateAgent in
 //     flight per server, each under the context of the connection or
@@ -98,27 +102,83 @@ func stallBound(headerTimeout time.Duration) time.Duration { return headerTimeou
 // wait (enter).
 func (a *admission) hasRoom() bool { return a.open.Load() < a.max }
 
-// waitRoom waits until hasRoom, ctx ends, or no slot freed for bound; it
-// reports whether there is room. The agent port's accept loop calls it
-// before each accept, so connections past the limit stay in the listen
-// backlog.
-func (a *admission) waitRoom(ctx context.Context, bound time.Duration) bool {
+// room is what waitRoom found.
+type room uint8
+
+const (
+	roomFree    room = iota // a connection accepted now is counted (enter)
+	roomFull                // no slot, and the listen backlog is nearly full
+	roomStalled             // no slot freed for the stall bound
+	roomClosing             // the server is shutting down
+)
+
+// backlogPoll is how often waitRoom reads the listen backlog's length.
+const backlogPoll = 10 * time.Millisecond
+
+// waitRoom waits until hasRoom, ctx ends, no slot freed for bound, or
+// full reports the listen backlog nearly full (nil: not known). The agent
+// port's accept loop calls it before each accept, so connections past the
+// limit stay in the backlog, unless it would overflow: the kernel would
+// then drop their SYNs, and the peers' TCP would retry at 1, 3, 7 and 15 s,
+// slower than a refusal saying when to come back.
+func (a *admission) waitRoom(ctx context.Context, bound time.Duration, full func() bool) room {
 	if a.hasRoom() {
-		return true
+		return roomFree
+	}
+	if full != nil && full() {
+		return roomFull
 	}
 	t := time.NewTimer(bound)
 	defer t.Stop()
+	var poll <-chan time.Time
+	if full != nil {
+		tk := time.NewTicker(backlogPoll)
+		defer tk.Stop()
+		poll = tk.C
+	}
 	for !a.hasRoom() {
 		select {
 		case <-a.freed:
+		case <-poll:
+			if full() {
+				return roomFull
+			}
 		case <-t.C:
-			return a.hasRoom()
+			if a.hasRoom() {
+				return roomFree
+			}
+			return roomStalled
 		case <-ctx.Done():
-			return false
+			return roomClosing
 		}
 	}
-	return true
+	return roomFree
 }
+
+// backlogOf returns a function that reads ln's listen backlog: the
+// connections waiting to be accepted and how many it may hold (TCP_INFO of
+// a listening socket), or nil when ln does not say.
+func backlogOf(ln net.Listener) func() (queued, limit int) {
+	sc, ok := ln.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return func() (int, int) {
+		var info *unix.TCPInfo
+		var err error
+		if cerr := rc.Control(func(fd uintptr) { info, err = unix.GetsockoptTCPInfo(int(fd), unix.SOL_TCP, unix.TCP_INFO) }); cerr != nil || err != nil {
+			return 0, 0
+		}
+		return int(info.Unacked), int(info.Sacked)
+	}
+}
+
+// nearlyFull reports whether a backlog holds three quarters of its limit.
+func nearlyFull(queued, limit int) bool { return limit > 0 && queued >= limit*3/4 }
 
 // leave stops counting a connection and wakes waitRoom.
 func (a *admission) leave() {
@@ -154,8 +214,10 @@ func (p *pacer) admitted(waited time.Duration) {
 	p.mu.Unlock()
 }
 
-// retryAfter hands a refused connection the next moment to come back.
-func (p *pacer) retryAfter(now time.Time, slots int64) time.Duration {
+// retryAfter hands a refused connection the next moment to come back,
+// with queued connections waiting in the listen backlog ahead of it: no
+// earlier than half the time they take to be admitted.
+func (p *pacer) retryAfter(now time.Time, slots int64, queued int) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	hold := p.hold
@@ -163,7 +225,7 @@ func (p *pacer) retryAfter(now time.Time, slots int64) time.Duration {
 		hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
 	}
 	step := hold / time.Duration(2*max(slots, 1))
-	p.next = maxTime(p.next, now).Add(step)
+	p.next = maxTime(p.next, now.Add(time.Duration(queued)*step)).Add(step)
 	if d := p.next.Sub(now); d > maxRetryAfter {
 		p.next = now.Add(maxRetryAfter)
 	}
@@ -340,18 +402,21 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 	}
 }
 
+// refuseUnadmitted answers a connection accepted past the unadmitted
+// limit (its slots stalled, or the listen backlog nearly full, with queued
+// connections in it) with when to come back, and closes it.
+func (s *Server) refuseUnadmitted(raw net.Conn, queued int) {
+	s.Stats.AgentsRefused.Add(1)
+	retry := s.gate.pace.retryAfter(time.Now(), s.gate.max, queued)
+	refuseBusy(raw, retry)
+	s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "retry_in", retry.Round(time.Millisecond).String())
+}
+
 // serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then
 // HTTP/2 with this server as the client, until the connection ends. pc is
-// its admission (enter), nil when it was accepted past the limit.
+// its admission (enter).
 func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	remote := raw.RemoteAddr().String()
-	if pc == nil {
-		s.Stats.AgentsRefused.Add(1)
-		retry := s.gate.pace.retryAfter(time.Now(), s.gate.max)
-		refuseBusy(raw, retry)
-		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted, "retry_in", retry.Round(time.Millisecond).String())
-		return
-	}
 	defer pc.release()
 	conn := raw
 	var tlsState tls.ConnectionState

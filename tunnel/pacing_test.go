@@ -1,15 +1,19 @@
 package tunnel
 
 import (
+	"bufio"
 	"context"
 	"crypto/tls"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // A connection refused at the unadmitted limit is told when to come back,
@@ -65,7 +69,7 @@ func TestPacerSpacesRetries(t *testing.T) {
 	now := time.Now()
 	var got []time.Duration
 	for range 100 {
-		got = append(got, p.retryAfter(now, 64))
+		got = append(got, p.retryAfter(now, 64, 0))
 	}
 	if got[0] != minRetryAfter {
 		t.Errorf("first retry in %s, want the floor %s", got[0], minRetryAfter)
@@ -74,13 +78,13 @@ func TestPacerSpacesRetries(t *testing.T) {
 		t.Errorf("100th retry in %s, want %s (0.5 ms apart)", got[99], want)
 	}
 	later := now.Add(time.Hour) // the burst long over: the spacing starts again from now
-	if r := p.retryAfter(later, 64); r != minRetryAfter {
+	if r := p.retryAfter(later, 64, 0); r != minRetryAfter {
 		t.Errorf("retry after the burst in %s, want %s", r, minRetryAfter)
 	}
 	for range 200000 {
-		p.retryAfter(later, 1)
+		p.retryAfter(later, 1, 0)
 	}
-	if r := p.retryAfter(later, 1); r != maxRetryAfter {
+	if r := p.retryAfter(later, 1, 0); r != maxRetryAfter {
 		t.Errorf("retry at a long backlog in %s, want the cap %s", r, maxRetryAfter)
 	}
 }
@@ -167,4 +171,92 @@ func acceptQueue(t *testing.T, addr string) int {
 	}
 	t.Fatalf("no listener on %s in /proc/net/tcp", addr)
 	return 0
+}
+
+// When the listen backlog is nearly full, a connection past the limit is
+// accepted and refused with a moment to come back no earlier than the
+// queued connections ahead of it take, instead of the kernel dropping SYNs
+// once the backlog overflows.
+func TestNearlyFullBacklogRefuses(t *testing.T) {
+	checkNoLeaks(t)
+	const limit, backlog = 2, 8
+	e := newEnv(t, func(c *ServerConfig) {
+		c.MaxUnadmitted = limit
+		c.HeaderTimeout = time.Minute // no stall within the test
+	})
+	srv := e.srv
+	ln := listenBacklog(t, backlog) // a second agent port, with a small backlog
+	done := make(chan struct{})
+	go func() { defer close(done); srv.ServeAgents(ln) }()
+	defer func() { ln.Close(); <-done }()
+	addr := ln.Addr().String()
+
+	var conns []net.Conn
+	dial := func() net.Conn {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		return c
+	}
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for range limit {
+		dial()
+	}
+	waitUntil(t, func() bool { return srv.gate.open.Load() == limit }, "the server to count the holders")
+	// Below three quarters of the backlog the connections wait.
+	for range backlog*3/4 - 1 {
+		dial()
+	}
+	waitUntil(t, func() bool { return acceptQueue(t, addr) == backlog*3/4-1 }, "the connections to wait in the backlog")
+	if n := srv.gate.dropped.Value(); n != 0 {
+		t.Fatalf("%v refused below three quarters of the backlog", n)
+	}
+	// At three quarters the oldest waiting one is refused, told to come
+	// back once those ahead of it are admitted.
+	dial()
+	c := conns[limit]
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("the oldest waiting connection: %v, want a 503", err)
+	}
+	resp.Body.Close()
+	r := retryAfterHeader(resp.Header)
+	if resp.StatusCode != http.StatusServiceUnavailable || r < minRetryAfter {
+		t.Fatalf("the oldest waiting connection got %s, retry after %s; want 503 with a moment to come back", resp.Status, r)
+	}
+	if n := srv.gate.open.Load(); n != limit {
+		t.Fatalf("%d counted as unadmitted, want the limit %d", n, limit)
+	}
+	t.Logf("backlog %d of %d: the oldest refused, told to come back in %s", backlog*3/4, backlog, r)
+}
+
+// listenBacklog is a loopback TCP listener whose backlog holds n.
+func listenBacklog(t *testing.T, n int) net.Listener {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, n); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "listener")
+	defer f.Close()
+	ln, err := net.FileListener(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ln
 }

@@ -290,7 +290,7 @@ func (s *Server) goroutine(f func()) {
 // nil) a connection is counted as unadmitted as it is accepted and served
 // by serveAgentConn; the loop accepts only while one more can be counted,
 // unless the admissions stalled (admission.go): the rest wait in the
-// listen backlog.
+// listen backlog, until it is nearly full.
 func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn)) error {
 	if !s.track(&ln, true) {
 		ln.Close()
@@ -300,10 +300,17 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 	defer s.acceptLoops.Done()
 	defer s.track(&ln, false)
 	var tempDelay time.Duration
+	var backlog func() (queued, limit int) // the agent port's listen backlog; nil: not known
+	var full func() bool
+	if !frontDoor {
+		if backlog = backlogOf(ln); backlog != nil {
+			full = func() bool { return nearlyFull(backlog()) }
+		}
+	}
 	stalled := false // the agent port: no slot freed within stallBound (admission.go)
 	for {
 		if !frontDoor && !stalled {
-			stalled = !s.gate.waitRoom(s.leaving, stallBound(s.cfg.HeaderTimeout)) && s.leaving.Err() == nil
+			stalled = s.gate.waitRoom(s.leaving, stallBound(s.cfg.HeaderTimeout), full) == roomStalled
 		}
 		c, err := ln.Accept()
 		if err != nil {
@@ -332,6 +339,14 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			// Counted here, before the next waitRoom looks at the count.
 			pc := s.gate.enter(c, s.cfg.HeaderTimeout)
 			stalled = stalled && pc == nil
+			if pc == nil {
+				queued := 0
+				if backlog != nil {
+					queued, _ = backlog()
+				}
+				s.goroutine(func() { s.refuseUnadmitted(c, queued) })
+				continue
+			}
 			s.goroutine(func() { s.serveAgentConn(c, pc) })
 			continue
 		}
