@@ -412,7 +412,7 @@ func TestAgentPortIdleH2(t *testing.T) {
 		c.Close()
 	}
 	took = goodAgentDuring(t, s, p, backend, 5)
-	t.Logf("past --max-unadmitted-agent-connections=16: 50 connections closed at once (slowest %s), counted %v; once the slots freed a good agent joined and served 5 requests in %s",
+	t.Logf("past --max-unadmitted-agent-connections=16, its slots stalled: 50 connections closed (slowest %s), counted %v; once the slots freed a good agent joined and served 5 requests in %s",
 		slowest.Round(time.Microsecond), metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections_closed_total", "reason", "limit"), took.Round(time.Millisecond))
 }
 
@@ -472,8 +472,9 @@ func TestAgentPortAdmittedKeepsConnection(t *testing.T) {
 // TestAgentPortBacklogFlood: past --max-unadmitted-agent-connections the
 // agent port accepts nothing, so a flood of raw connections waits in the
 // kernel's listen backlog: the server holds no descriptor for them, counts
-// no more than the limit as unadmitted and refuses none while its slots
-// still free. Once the silent holders of every slot leave, the flood
+// no more than the limit as unadmitted and refuses none until the backlog
+// is three quarters full; past that it refuses the oldest, and the backlog
+// never overflows. Once the silent holders of every slot leave, the flood
 // (bytes that are not TLS) is accepted in arrival order and dropped at its
 // first record, and a good agent behind it joins.
 func TestAgentPortBacklogFlood(t *testing.T) {
@@ -529,6 +530,39 @@ func TestAgentPortBacklogFlood(t *testing.T) {
 	if fds1-fds0 > 16 {
 		t.Fatalf("server descriptors %d → %d with %d connections waiting in the backlog", fds0, fds1, flood)
 	}
+	if n := limited(); n != 0 {
+		t.Fatalf("%v connections refused below three quarters of the backlog, want none", n)
+	}
+
+	// Up to three quarters of the backlog's limit they wait; past it the
+	// oldest are accepted and refused, so the backlog never overflows (the
+	// kernel would drop SYNs, and a dial would take a second or more).
+	b, err := os.ReadFile("/proc/sys/net/core/somaxconn")
+	if err != nil {
+		t.Fatal(err)
+	}
+	somaxconn, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const past = 200
+	var slowest time.Duration
+	for len(floods) < somaxconn*3/4+past {
+		start := time.Now()
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		slowest = max(slowest, time.Since(start))
+		c.Write(junk)
+		floods = append(floods, c)
+	}
+	waitFor(t, 10*time.Second, "the oldest waiting connections refused", func() bool { return limited() >= past/2 })
+	if slowest >= time.Second {
+		t.Errorf("a dial took %s: its SYN was dropped, the backlog overflowed", slowest)
+	}
+	refused := limited()
 
 	for _, c := range holders {
 		c.Close()
@@ -542,11 +576,8 @@ func TestAgentPortBacklogFlood(t *testing.T) {
 			}
 		}
 	}
-	if n := limited(); n != 0 {
-		t.Fatalf("%v connections refused at the limit while its slots freed, want none", n)
-	}
-	t.Logf("%d raw connections past --max-unadmitted-agent-connections=16 waited in the backlog (server descriptors %d → %d, unadmitted 16, refused 0); once the holders left they were dropped in order and a good agent behind them joined and served 5 requests in %s",
-		flood, fds0, fds1, took.Round(time.Millisecond))
+	t.Logf("%d raw connections past --max-unadmitted-agent-connections=16 waited in the backlog (server descriptors %d → %d, unadmitted 16, refused 0); %d more, past three quarters of the backlog's %d: %v of the oldest refused, slowest dial %s; once the holders left the rest were dropped in order and a good agent behind them joined and served 5 requests in %s",
+		flood, fds0, fds1, len(floods)-flood, somaxconn, refused, slowest.Round(time.Microsecond), took.Round(time.Millisecond))
 }
 
 // listenBacklog is the number of connections waiting to be accepted on the
