@@ -190,8 +190,8 @@ func (a *admission) leave() {
 }
 
 // pacer spaces the retries of connections refused at the unadmitted limit
-// while its slots are stalled (stallBound). Once slots move again, one
-// frees about every hold/max (hold: how long an admitted connection
+// (its slots stalled, or the listen backlog nearly full). While slots
+// move, one frees about every hold/max (hold: how long an admitted connection
 // waited, a moving average). Each refusal is handed the moment half of
 // that after the last one handed out: hold counts the agent's own side of
 // the handshake, which costs the server nothing, so the refused come back
