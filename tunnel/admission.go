@@ -190,42 +190,63 @@ func (a *admission) leave() {
 }
 
 // pacer spaces the retries of connections refused at the unadmitted limit
-// (its slots stalled, or the listen backlog nearly full). While slots
-// move, one frees about every hold/max (hold: how long an admitted connection
-// waited, a moving average). Each refusal is handed the moment half of
-// that after the last one handed out: hold counts the agent's own side of
-// the handshake, which costs the server nothing, so the refused come back
-// a little faster than slots free and the backlog, not the server, holds
-// the surplus. A leaf lock.
+// (its slots stalled, or the listen backlog nearly full) by the measured
+// admission rate: gap, the time between admissions (a moving average,
+// pauses of idleGap or more left out). A refusal with queued connections
+// in the backlog ahead of it is handed a moment no earlier than three
+// quarters of the time they take to be admitted, so it comes back while a
+// quarter of them still wait (the server is not left idle, and the backlog
+// is far from full); each refusal is handed a moment half a gap after the
+// last one handed out, so the refused come back a little faster than they
+// are admitted and the backlog, not the server, holds the surplus. Before
+// any gap is measured it is taken as hold/max (hold: how long an admitted
+// connection waited, a moving average; max connections wait at once). A
+// leaf lock.
 type pacer struct {
 	mu   sync.Mutex
 	hold time.Duration // guarded by mu: moving average, accept to admission
+	gap  time.Duration // guarded by mu: moving average, between admissions
+	last time.Time     // guarded by mu: the latest admission
 	next time.Time     // guarded by mu: the last moment handed out
 }
 
-// admitted records how long an admitted connection waited.
-func (p *pacer) admitted(waited time.Duration) {
+// idleGap is a pause between admissions that says nothing of the rate:
+// nobody was waiting.
+const idleGap = time.Second
+
+// admitted records an admission at now, of a connection that waited.
+func (p *pacer) admitted(now time.Time, waited time.Duration) {
 	p.mu.Lock()
-	if p.hold == 0 {
-		p.hold = waited
-	} else {
-		p.hold += (waited - p.hold) / 8
+	defer p.mu.Unlock()
+	p.hold = ewma(p.hold, waited)
+	if g := now.Sub(p.last); !p.last.IsZero() && g >= 0 && g < idleGap {
+		p.gap = ewma(p.gap, g)
 	}
-	p.mu.Unlock()
+	p.last = now
+}
+
+// ewma moves avg an eighth of the way to v; the first v is taken whole.
+func ewma(avg, v time.Duration) time.Duration {
+	if avg == 0 {
+		return v
+	}
+	return avg + (v-avg)/8
 }
 
 // retryAfter hands a refused connection the next moment to come back,
-// with queued connections waiting in the listen backlog ahead of it: no
-// earlier than half the time they take to be admitted.
+// with queued connections waiting in the listen backlog ahead of it.
 func (p *pacer) retryAfter(now time.Time, slots int64, queued int) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	hold := p.hold
-	if hold == 0 {
-		hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
+	gap := p.gap
+	if gap == 0 {
+		hold := p.hold
+		if hold == 0 {
+			hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
+		}
+		gap = hold / time.Duration(max(slots, 1))
 	}
-	step := hold / time.Duration(2*max(slots, 1))
-	p.next = maxTime(p.next, now.Add(time.Duration(queued)*step)).Add(step)
+	p.next = maxTime(p.next, now.Add(time.Duration(queued)*gap*3/4)).Add(gap / 2)
 	if d := p.next.Sub(now); d > maxRetryAfter {
 		p.next = now.Add(maxRetryAfter)
 	}
@@ -315,7 +336,8 @@ func (p *pendingConn) admit() bool {
 	p.mu.Unlock()
 	p.timer.Stop()
 	p.a.leave()
-	p.a.pace.admitted(time.Since(p.start))
+	now := time.Now()
+	p.a.pace.admitted(now, now.Sub(p.start))
 	return true
 }
 

@@ -65,8 +65,8 @@ func TestBusyRefusalSaysWhenToComeBack(t *testing.T) {
 // free, within the bounds.
 func TestPacerSpacesRetries(t *testing.T) {
 	var p pacer
-	p.admitted(64 * time.Millisecond) // 64 slots: one frees every millisecond
 	now := time.Now()
+	p.admitted(now, 64*time.Millisecond) // 64 slots: one frees every millisecond
 	var got []time.Duration
 	for range 100 {
 		got = append(got, p.retryAfter(now, 64, 0))
@@ -86,6 +86,27 @@ func TestPacerSpacesRetries(t *testing.T) {
 	}
 	if r := p.retryAfter(later, 1, 0); r != maxRetryAfter {
 		t.Errorf("retry at a long backlog in %s, want the cap %s", r, maxRetryAfter)
+	}
+}
+
+// With admissions measured, a refusal with connections queued ahead of it
+// comes back after three quarters of the time they take to be admitted at
+// the measured rate, the next half a gap later; a pause between
+// admissions (nobody waiting) does not count as the rate.
+func TestPacerMeasuresTheAdmissionRate(t *testing.T) {
+	var p pacer
+	now := time.Now()
+	for i := range 100 {
+		p.admitted(now.Add(time.Duration(i)*2*time.Millisecond), time.Second) // one every 2 ms, each after a second's wait
+	}
+	now = now.Add(time.Hour)
+	p.admitted(now, time.Second) // after an idle hour
+	first := p.retryAfter(now, 64, 1000)
+	if want := 1000*2*time.Millisecond*3/4 + time.Millisecond; first != want {
+		t.Errorf("retry behind 1000 queued in %s, want %s (admitted every 2 ms)", first, want)
+	}
+	if second := p.retryAfter(now, 64, 1000); second != first+time.Millisecond {
+		t.Errorf("the next refusal's retry in %s, want %s", second, first+time.Millisecond)
 	}
 }
 

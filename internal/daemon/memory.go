@@ -188,7 +188,16 @@ func (t *trimState) observe(s heapSample) {
 // (to half, 4 KiB per tunnel on a 64-bit machine), and the daemon's own
 // allocation may not start one for minutes. Ended ones are closed tunnels,
 // whose memory is garbage that the last trim could not return.
+//
+// While goroutines are still rising fast (a burst under way, such as a
+// fleet of agents connecting) it does not trim: the burst takes back at
+// once what a trim returns (page faults on every page), the runtime's own
+// collections keep its heap near their goal meanwhile, and the quiet after
+// it trims.
 func shouldTrim(now, last heapSample, since trimState) bool {
+	if now.goroutines >= last.goroutines+trimGoroutines {
+		return false
+	}
 	if now.gcCycles != last.gcCycles {
 		return now.held > 2*now.live+trimSlack
 	}

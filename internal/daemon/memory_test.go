@@ -31,8 +31,20 @@ func TestShouldTrim(t *testing.T) {
 		{"quiet, 10,000 tunnels closed since the last trim", heapSample{held: 100 * mib, live: 90 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 100 * mib, fewestGoroutines: 20, mostGoroutines: 10020}, true},
 	}
 	for _, c := range cases {
-		if got := shouldTrim(c.now, quiet, c.since); got != c.want {
+		last := quiet
+		last.goroutines = c.now.goroutines // as many goroutines as the sample before
+		if got := shouldTrim(c.now, last, c.since); got != c.want {
 			t.Errorf("%s: shouldTrim = %v, want %v", c.name, got, c.want)
+		}
+	}
+	// The same samples with 10,000 goroutines started since the one
+	// before: a burst under way is never trimmed.
+	for _, c := range cases {
+		last := quiet
+		last.goroutines = c.now.goroutines
+		c.now.goroutines += 10000
+		if shouldTrim(c.now, last, c.since) {
+			t.Errorf("%s, 10,000 goroutines more than the sample before: shouldTrim = true, want false", c.name)
 		}
 	}
 }
