@@ -190,63 +190,47 @@ func (a *admission) leave() {
 }
 
 // pacer spaces the retries of connections refused at the unadmitted limit
-// (its slots stalled, or the listen backlog nearly full) by the measured
-// admission rate: gap, the time between admissions (a moving average,
-// pauses of idleGap or more left out). A refusal with queued connections
-// in the backlog ahead of it is handed a moment no earlier than three
-// quarters of the time they take to be admitted, so it comes back while a
-// quarter of them still wait (the server is not left idle, and the backlog
-// is far from full); each refusal is handed a moment half a gap after the
-// last one handed out, so the refused come back a little faster than they
-// are admitted and the backlog, not the server, holds the surplus. Before
-// any gap is measured it is taken as hold/max (hold: how long an admitted
-// connection waited, a moving average; max connections wait at once). A
-// leaf lock.
+// (its slots stalled, or the listen backlog nearly full). While slots
+// move, one frees about every hold/max (hold: how long an admitted
+// connection waited, a moving average; max connections wait at once).
+// Each refusal is handed the moment half of that after the last one
+// handed out, so the refused come back a little faster than slots free
+// and the backlog, not the server, holds the surplus. A refusal with
+// connections queued in the backlog ahead of it comes back no earlier
+// than half the time they take to be admitted, but no later than ahead
+// (a quarter of the header timeout): the rate that estimate rests on
+// changes with the machine's load, and a refused agent that comes back
+// too early waits in the backlog, while one that comes back too late
+// leaves the server idle. A leaf lock.
 type pacer struct {
 	mu   sync.Mutex
 	hold time.Duration // guarded by mu: moving average, accept to admission
-	gap  time.Duration // guarded by mu: moving average, between admissions
-	last time.Time     // guarded by mu: the latest admission
 	next time.Time     // guarded by mu: the last moment handed out
 }
 
-// idleGap is a pause between admissions that says nothing of the rate:
-// nobody was waiting.
-const idleGap = time.Second
-
-// admitted records an admission at now, of a connection that waited.
-func (p *pacer) admitted(now time.Time, waited time.Duration) {
+// admitted records how long an admitted connection waited.
+func (p *pacer) admitted(waited time.Duration) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.hold = ewma(p.hold, waited)
-	if g := now.Sub(p.last); !p.last.IsZero() && g >= 0 && g < idleGap {
-		p.gap = ewma(p.gap, g)
+	if p.hold == 0 {
+		p.hold = waited
+	} else {
+		p.hold += (waited - p.hold) / 8
 	}
-	p.last = now
-}
-
-// ewma moves avg an eighth of the way to v; the first v is taken whole.
-func ewma(avg, v time.Duration) time.Duration {
-	if avg == 0 {
-		return v
-	}
-	return avg + (v-avg)/8
+	p.mu.Unlock()
 }
 
 // retryAfter hands a refused connection the next moment to come back,
-// with queued connections waiting in the listen backlog ahead of it.
-func (p *pacer) retryAfter(now time.Time, slots int64, queued int) time.Duration {
+// with queued connections waiting in the listen backlog ahead of it, whom
+// it waits for at most ahead.
+func (p *pacer) retryAfter(now time.Time, slots int64, queued int, ahead time.Duration) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	gap := p.gap
-	if gap == 0 {
-		hold := p.hold
-		if hold == 0 {
-			hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
-		}
-		gap = hold / time.Duration(max(slots, 1))
+	hold := p.hold
+	if hold == 0 {
+		hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
 	}
-	p.next = maxTime(p.next, now.Add(time.Duration(queued)*gap*3/4)).Add(gap / 2)
+	step := hold / time.Duration(2*max(slots, 1))
+	p.next = maxTime(p.next, now.Add(min(time.Duration(queued)*step, ahead))).Add(step)
 	if d := p.next.Sub(now); d > maxRetryAfter {
 		p.next = now.Add(maxRetryAfter)
 	}
@@ -336,8 +320,7 @@ func (p *pendingConn) admit() bool {
 	p.mu.Unlock()
 	p.timer.Stop()
 	p.a.leave()
-	now := time.Now()
-	p.a.pace.admitted(now, now.Sub(p.start))
+	p.a.pace.admitted(time.Since(p.start))
 	return true
 }
 
@@ -429,7 +412,7 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 // connections in it) with when to come back, and closes it.
 func (s *Server) refuseUnadmitted(raw net.Conn, queued int) {
 	s.Stats.AgentsRefused.Add(1)
-	retry := s.gate.pace.retryAfter(time.Now(), s.gate.max, queued)
+	retry := s.gate.pace.retryAfter(time.Now(), s.gate.max, queued, stallBound(s.cfg.HeaderTimeout))
 	refuseBusy(raw, retry)
 	s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "retry_in", retry.Round(time.Millisecond).String())
 }

@@ -65,11 +65,11 @@ func TestBusyRefusalSaysWhenToComeBack(t *testing.T) {
 // free, within the bounds.
 func TestPacerSpacesRetries(t *testing.T) {
 	var p pacer
+	p.admitted(64 * time.Millisecond) // 64 slots: one frees every millisecond
 	now := time.Now()
-	p.admitted(now, 64*time.Millisecond) // 64 slots: one frees every millisecond
 	var got []time.Duration
 	for range 100 {
-		got = append(got, p.retryAfter(now, 64, 0))
+		got = append(got, p.retryAfter(now, 64, 0, time.Second))
 	}
 	if got[0] != minRetryAfter {
 		t.Errorf("first retry in %s, want the floor %s", got[0], minRetryAfter)
@@ -78,35 +78,34 @@ func TestPacerSpacesRetries(t *testing.T) {
 		t.Errorf("100th retry in %s, want %s (0.5 ms apart)", got[99], want)
 	}
 	later := now.Add(time.Hour) // the burst long over: the spacing starts again from now
-	if r := p.retryAfter(later, 64, 0); r != minRetryAfter {
+	if r := p.retryAfter(later, 64, 0, time.Second); r != minRetryAfter {
 		t.Errorf("retry after the burst in %s, want %s", r, minRetryAfter)
 	}
 	for range 200000 {
-		p.retryAfter(later, 1, 0)
+		p.retryAfter(later, 1, 0, time.Second)
 	}
-	if r := p.retryAfter(later, 1, 0); r != maxRetryAfter {
+	if r := p.retryAfter(later, 1, 0, time.Second); r != maxRetryAfter {
 		t.Errorf("retry at a long backlog in %s, want the cap %s", r, maxRetryAfter)
 	}
 }
 
-// With admissions measured, a refusal with connections queued ahead of it
-// comes back after three quarters of the time they take to be admitted at
-// the measured rate, the next half a gap later; a pause between
-// admissions (nobody waiting) does not count as the rate.
-func TestPacerMeasuresTheAdmissionRate(t *testing.T) {
+// A refusal with connections queued ahead of it comes back after half
+// the time they take to be admitted, the next half a slot's time later;
+// no later than ahead, however long the queue.
+func TestPacerWaitsForTheQueue(t *testing.T) {
 	var p pacer
+	p.admitted(64 * time.Millisecond) // 64 slots: one frees every millisecond
 	now := time.Now()
-	for i := range 100 {
-		p.admitted(now.Add(time.Duration(i)*2*time.Millisecond), time.Second) // one every 2 ms, each after a second's wait
+	first := p.retryAfter(now, 64, 1000, 10*time.Second)
+	if want := 1000*500*time.Microsecond + 500*time.Microsecond; first != want {
+		t.Errorf("retry behind 1000 queued in %s, want %s", first, want)
 	}
-	now = now.Add(time.Hour)
-	p.admitted(now, time.Second) // after an idle hour
-	first := p.retryAfter(now, 64, 1000)
-	if want := 1000*2*time.Millisecond*3/4 + time.Millisecond; first != want {
-		t.Errorf("retry behind 1000 queued in %s, want %s (admitted every 2 ms)", first, want)
+	if second := p.retryAfter(now, 64, 1000, 10*time.Second); second != first+500*time.Microsecond {
+		t.Errorf("the next refusal's retry in %s, want %s", second, first+500*time.Microsecond)
 	}
-	if second := p.retryAfter(now, 64, 1000); second != first+time.Millisecond {
-		t.Errorf("the next refusal's retry in %s, want %s", second, first+time.Millisecond)
+	later := now.Add(time.Hour)
+	if r := p.retryAfter(later, 64, 100000, 2*time.Second); r != 2*time.Second+500*time.Microsecond {
+		t.Errorf("retry behind 100,000 queued in %s, want the bound 2s and a step", r)
 	}
 }
 
