@@ -177,8 +177,14 @@ func backlogOf(ln net.Listener) func() (queued, limit int) {
 	}
 }
 
-// nearlyFull reports whether a backlog holds three quarters of its limit.
-func nearlyFull(queued, limit int) bool { return limit > 0 && queued >= limit*3/4 }
+// nearlyFullAt is the length at which a backlog that may hold limit is
+// nearly full: all but a sixteenth (at least one), which leaves room for
+// the connections that arrive between two readings (backlogPoll) of a
+// fleet connecting at once, while refusing none that the backlog can hold.
+func nearlyFullAt(limit int) int { return limit - max(limit/16, 1) }
+
+// nearlyFull reports whether a backlog is nearly full.
+func nearlyFull(queued, limit int) bool { return limit > 0 && queued >= nearlyFullAt(limit) }
 
 // leave stops counting a connection and wakes waitRoom.
 func (a *admission) leave() {

@@ -229,15 +229,15 @@ func TestNearlyFullBacklogRefuses(t *testing.T) {
 		dial()
 	}
 	waitUntil(t, func() bool { return srv.gate.open.Load() == limit }, "the server to count the holders")
-	// Below three quarters of the backlog the connections wait.
-	for range backlog*3/4 - 1 {
+	// Below nearly full the connections wait.
+	for range nearlyFullAt(backlog) - 1 {
 		dial()
 	}
-	waitUntil(t, func() bool { return acceptQueue(t, addr) == backlog*3/4-1 }, "the connections to wait in the backlog")
+	waitUntil(t, func() bool { return acceptQueue(t, addr) == nearlyFullAt(backlog)-1 }, "the connections to wait in the backlog")
 	if n := srv.gate.dropped.Value(); n != 0 {
-		t.Fatalf("%v refused below three quarters of the backlog", n)
+		t.Fatalf("%v refused below nearly full", n)
 	}
-	// At three quarters the oldest waiting one is refused, told to come
+	// Nearly full, the oldest waiting one is refused, told to come
 	// back once those ahead of it are admitted.
 	dial()
 	c := conns[limit]
@@ -254,7 +254,7 @@ func TestNearlyFullBacklogRefuses(t *testing.T) {
 	if n := srv.gate.open.Load(); n != limit {
 		t.Fatalf("%d counted as unadmitted, want the limit %d", n, limit)
 	}
-	t.Logf("backlog %d of %d: the oldest refused, told to come back in %s", backlog*3/4, backlog, r)
+	t.Logf("backlog %d of %d: the oldest refused, told to come back in %s", nearlyFullAt(backlog), backlog, r)
 }
 
 // listenBacklog is a loopback TCP listener whose backlog holds n.
