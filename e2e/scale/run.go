@@ -558,7 +558,10 @@ func (d *doorRun) waitAgents(ctx context.Context, n int, bound time.Duration) er
 func (d *doorRun) pollFleet(ctx context.Context, n int, bound time.Duration) (simStat, error) {
 	var st simStat
 	var err error
-	ok := waitFor(ctx, bound, func() bool {
+	// Every 250 ms: a stat walks every agent of a simulator, CPU taken from
+	// the handshakes being timed; the time to connect is read from the
+	// agents' connection events, not from the poll.
+	ok := waitEvery(ctx, bound, 250*time.Millisecond, func() bool {
 		st, err = d.simStats(ctx)
 		return err == nil && st.connected == int64(n)
 	})
@@ -646,6 +649,12 @@ func (d *doorRun) idleCPU(ctx context.Context) float64 {
 
 // waitFor polls cond every 50 ms until it holds, ctx ends or bound passes.
 func waitFor(ctx context.Context, bound time.Duration, cond func() bool) bool {
+	return waitEvery(ctx, bound, 50*time.Millisecond, cond)
+}
+
+// waitEvery polls cond every interval until it holds, ctx ends or bound
+// passes.
+func waitEvery(ctx context.Context, bound, interval time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(bound)
 	for {
 		if cond() {
@@ -654,7 +663,7 @@ func waitFor(ctx context.Context, bound time.Duration, cond func() bool) bool {
 		if ctx.Err() != nil || time.Now().After(deadline) {
 			return false
 		}
-		settle(ctx, 50*time.Millisecond)
+		settle(ctx, interval)
 	}
 }
 
