@@ -9,6 +9,10 @@
 // interleaved with dials through a reference (a second server of the same
 // binary and door with one agent, running throughout), and is given as a
 // ratio to the reference's: both under the same load of the machine.
+// Before each, the simulators and echo processes collect their garbage,
+// and the figures of a steady state (RSS, idle CPU, latency) wait
+// --after-burst after the fleet connected and after the tunnels opened,
+// past the server's memory trim after a burst.
 // Figures are reported, not asserted; the exit status counts correctness
 // checks only (agents connected, tunnels opened, dials echoed, nothing left
 // open).

@@ -26,13 +26,6 @@ const (
 	mGoroutines  = "go_goroutines"
 )
 
-// afterBurst is how long the figures of a steady state (RSS, idle CPU,
-// latency) wait after a burst (the fleet connecting, the tunnels opening):
-// the server trims its memory once a burst has gone quiet, at one of its
-// checks every 5 s (internal/daemon/memory.go), a one-off of two forced
-// collections that would otherwise land in one figure or another.
-const afterBurst = 11 * time.Second
-
 type result struct{ passed, failed int }
 
 // scale is one run of the benchmark: both front doors, one server each.
@@ -268,7 +261,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	} else {
 		d.refused = -1 // not counted by this server
 	}
-	settle(ctx, afterBurst)
+	settle(ctx, cfg.afterBurst)
 	d.rssN, _ = rssKiB(d.server.pid())
 	d.gN = d.metric(ctx, mGoroutines)
 	d.cpuN = d.idleCPU(ctx)
@@ -296,7 +289,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	}
 	d.held = d.heldWanted - d.heldErrs
 	d.check(fmt.Sprintf("%d idle tunnels opened, each echoed a byte", d.heldWanted), d.heldErrs == 0, errDetail(d.heldErrs, d.heldFirstErr))
-	settle(ctx, afterBurst)
+	settle(ctx, cfg.afterBurst)
 	d.rssM, _ = rssKiB(d.server.pid())
 	d.gM = d.metric(ctx, mGoroutines)
 	est, estOK := d.metricOK(ctx, mEstablished)
