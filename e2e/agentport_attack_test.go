@@ -347,8 +347,9 @@ func TestAgentPortRapidResetLogins(t *testing.T) {
 
 // TestAgentPortIdleH2: connections that never log in (TLS only; preface
 // and SETTINGS only; a login whose review never ends) are closed at the
-// header timeout; past the limit of unadmitted connections new ones are
-// closed at once; a good agent still gets in.
+// header timeout; past the limit of unadmitted connections, with its slots
+// stalled (none freed for a quarter of the header timeout), new ones are
+// closed before their TLS handshake; a good agent still gets in.
 func TestAgentPortIdleH2(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	m := startReviewMeter(t, p, time.Hour) // a review of a bad token never ends
@@ -405,7 +406,7 @@ func TestAgentPortIdleH2(t *testing.T) {
 		c.Close()
 	}
 	took = goodAgentDuring(t, s, p, backend, 5)
-	t.Logf("past --max-unadmitted-agent-connections=16: 50 connections closed at once (slowest %s), counted %v; once the slots freed a good agent joined and served 5 requests in %s",
+	t.Logf("past --max-unadmitted-agent-connections=16, its slots stalled: 50 connections closed (slowest %s), counted %v; once the slots freed a good agent joined and served 5 requests in %s",
 		slowest.Round(time.Microsecond), metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections_closed_total", "reason", "limit"), took.Round(time.Millisecond))
 }
 
@@ -460,4 +461,142 @@ func TestAgentPortAdmittedKeepsConnection(t *testing.T) {
 	if n := metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections_closed_total", "reason", "timeout"); n != 0 {
 		t.Errorf("%v connections closed for time, want 0", n)
 	}
+}
+
+// TestAgentPortBacklogFlood: past --max-unadmitted-agent-connections the
+// agent port accepts nothing, so a flood of raw connections waits in the
+// kernel's listen backlog: the server holds no descriptor for them, counts
+// no more than the limit as unadmitted and refuses none until the backlog
+// is nearly full (all but a sixteenth); past that it refuses the oldest, and the backlog
+// never overflows. Once the silent holders of every slot leave, the flood
+// (bytes that are not TLS) is accepted in arrival order and dropped at its
+// first record, and a good agent behind it joins.
+func TestAgentPortBacklogFlood(t *testing.T) {
+	p := newPKI(t, t.TempDir())
+	m := startReviewMeter(t, p, time.Hour)
+	// A long header timeout: no stall (a quarter of it) within the test.
+	s := attackServer(t, p, m, "--frontend-header-timeout=1m", "--max-unadmitted-agent-connections=16")
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	addr := "127.0.0.1:" + strconv.Itoa(s.agentPort)
+	pid := s.proc.cmd.Process.Pid
+	unadmitted := func() float64 {
+		return metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections")
+	}
+	limited := func() float64 {
+		return metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections_closed_total", "reason", "limit")
+	}
+
+	var holders []net.Conn
+	for range 16 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		holders = append(holders, c)
+	}
+	waitFor(t, 5*time.Second, "16 unadmitted connections", func() bool { return unadmitted() == 16 })
+	fds0, err := fdCount(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	const flood = 1000
+	junk := []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+	var floods []net.Conn
+	for range flood {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.Write(junk)
+		floods = append(floods, c)
+	}
+	waitFor(t, 10*time.Second, "the flood in the listen backlog", func() bool { return listenBacklog(t, s.agentPort) == flood })
+	fds1, err := fdCount(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := unadmitted(); n != 16 {
+		t.Fatalf("%v connections counted as unadmitted with %d waiting in the backlog, want the limit 16", n, flood)
+	}
+	if fds1-fds0 > 16 {
+		t.Fatalf("server descriptors %d → %d with %d connections waiting in the backlog", fds0, fds1, flood)
+	}
+	if n := limited(); n != 0 {
+		t.Fatalf("%v connections refused below nearly full, want none", n)
+	}
+
+	// Up to all but a sixteenth of the backlog's limit they wait; past it the
+	// oldest are accepted and refused, so the backlog never overflows (the
+	// kernel would drop SYNs, and a dial would take a second or more).
+	b, err := os.ReadFile("/proc/sys/net/core/somaxconn")
+	if err != nil {
+		t.Fatal(err)
+	}
+	somaxconn, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const past = 200
+	var slowest time.Duration
+	for len(floods) < somaxconn-somaxconn/16+past {
+		start := time.Now()
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		slowest = max(slowest, time.Since(start))
+		c.Write(junk)
+		floods = append(floods, c)
+	}
+	waitFor(t, 10*time.Second, "the oldest waiting connections refused", func() bool { return limited() >= past/2 })
+	if slowest >= time.Second {
+		t.Errorf("a dial took %s: its SYN was dropped, the backlog overflowed", slowest)
+	}
+	refused := limited()
+
+	for _, c := range holders {
+		c.Close()
+	}
+	took := goodAgentDuring(t, s, p, backend, 5)
+	for _, c := range floods {
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.Copy(io.Discard, c); err != nil {
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				t.Fatal("a flood connection was never accepted and closed")
+			}
+		}
+	}
+	t.Logf("%d raw connections past --max-unadmitted-agent-connections=16 waited in the backlog (server descriptors %d → %d, unadmitted 16, refused 0); %d more, past all but a sixteenth of the backlog's %d: %v of the oldest refused, slowest dial %s; once the holders left the rest were dropped in order and a good agent behind them joined and served 5 requests in %s",
+		flood, fds0, fds1, len(floods)-flood, somaxconn, refused, slowest.Round(time.Microsecond), took.Round(time.Millisecond))
+}
+
+// listenBacklog is the number of connections waiting to be accepted on the
+// TCP listener at port on this host (a listening socket's rx_queue in
+// /proc/net/tcp).
+func listenBacklog(t *testing.T, port int) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf(":%04X", port)
+	for _, line := range strings.Split(string(b), "\n")[1:] {
+		f := strings.Fields(line)
+		// sl local_address rem_address st tx_queue:rx_queue ...; 0A is LISTEN.
+		if len(f) < 5 || !strings.HasSuffix(f[1], want) || f[3] != "0A" {
+			continue
+		}
+		_, rx, _ := strings.Cut(f[4], ":")
+		n, err := strconv.ParseInt(rx, 16, 64)
+		if err != nil {
+			t.Fatalf("/proc/net/tcp: %q: %v", line, err)
+		}
+		return int(n)
+	}
+	t.Fatalf("no listener on port %d in /proc/net/tcp", port)
+	return 0
 }

@@ -16,11 +16,13 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+	"golang.org/x/sys/unix"
 )
 
 // Admission bounds what a peer on the agent port can make the server do
@@ -29,11 +31,19 @@ import (
 //
 //   - time: a connection not admitted within HeaderTimeout of its accept
 //     (TLS handshake, login and review included) is closed;
-//   - count: at most MaxUnadmitted such connections per server; past it a
-//     new connection is closed at once, before its TLS handshake, told in
-//     one plain-text 503 when to come back (hdrRetryAfterMs): the moments
-//     handed out are spaced by the time a slot takes to free, so a fleet
-//     that reconnects at once comes back at the rate it can be admitted;
+//   - count: at most MaxUnadmitted such connections per server. While
+//     that many are open the agent port accepts nothing: the next ones
+//     wait in the kernel's listen backlog (bounded by the kernel, costing
+//     this process nothing) and are accepted in arrival order as slots
+//     free, so a fleet that reconnects at once is admitted as fast as the
+//     handshakes run, with no refusal and no retry. Only when no slot has
+//     freed for stallBound (every open connection is slow or its review
+//     is stuck), or while the backlog is nearly full (past it the kernel
+//     drops SYNs, which peers retry only after seconds), are waiting
+//     connections accepted to be closed at once, before their TLS
+//     handshake, told in one plain-text 503 when to come back
+//     (hdrRetryAfterMs): an agent is not left in the backlog for most of
+//     its dial timeout, nor to TCP's back-off;
 //   - work: one login per connection (a refused login ends the
 //     connection), and at most MaxReviews calls of AuthenticateAgent in
 //     flight per server, each under the context of the connection or
@@ -58,6 +68,7 @@ func authUnavailable() error {
 type admission struct {
 	max      int64
 	open     atomic.Int64  // connections accepted and not yet admitted or closed
+	freed    chan struct{} // one buffered wake-up: open went down (waitRoom)
 	reviews  chan struct{} // a slot per AuthenticateAgent call in flight
 	inflight atomic.Int64  // reviews holding a slot, for the gauge
 
@@ -69,7 +80,7 @@ type admission struct {
 }
 
 func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admission {
-	a := &admission{max: int64(maxUnadmitted), reviews: make(chan struct{}, maxReviews)}
+	a := &admission{max: int64(maxUnadmitted), reviews: make(chan struct{}, maxReviews), freed: make(chan struct{}, 1)}
 	const name = serverPrefix + "unadmitted_agent_connections_closed_total"
 	const help = "Agent-port connections closed before they were admitted, by reason: limit (more than --max-unadmitted-agent-connections were waiting) or timeout (not admitted within the header timeout)."
 	a.dropped = m.Counter(name, help, []string{"reason"}, "limit")
@@ -82,15 +93,123 @@ func newAdmission(m *promtext.Registry, maxUnadmitted, maxReviews int) *admissio
 	return a
 }
 
-// pacer spaces the retries of connections refused at the unadmitted limit.
-// While every slot is taken a slot frees about every hold/max (hold: how
-// long an admitted connection waited, a moving average). Each refusal is
-// handed the moment half of that after the last one handed out: hold
-// counts the agent's own side of the handshake, which costs the server
-// nothing, so hold/max itself leaves the server idle between retries
-// (measured with e2e/scale: twice the time to connect a 5,000-agent
-// fleet), while half of it still costs most agents one refusal at most.
-// A leaf lock.
+// stallBound is how long the agent port waits for a slot to free before it
+// accepts waiting connections only to refuse them: a quarter of the header
+// timeout, within which every slot normally frees many times over (a
+// handshake takes milliseconds), while a connection that waited that long
+// in the backlog still has the rest of its dial timeout to come back.
+func stallBound(headerTimeout time.Duration) time.Duration { return headerTimeout / 4 }
+
+// hasRoom reports whether a connection accepted now would be admitted to
+// wait (enter).
+func (a *admission) hasRoom() bool { return a.open.Load() < a.max }
+
+// room is what waitRoom found.
+type room uint8
+
+const (
+	roomFree    room = iota // a connection accepted now is counted (enter)
+	roomFull                // no slot, and the listen backlog is nearly full
+	roomStalled             // no slot freed for the stall bound
+	roomClosing             // the server is shutting down
+)
+
+// backlogPoll is how often waitRoom reads the listen backlog's length.
+const backlogPoll = 10 * time.Millisecond
+
+// waitRoom waits until hasRoom, ctx ends, no slot freed for bound, or
+// full reports the listen backlog nearly full (nil: not known). The agent
+// port's accept loop calls it before each accept, so connections past the
+// limit stay in the backlog, unless it would overflow: the kernel would
+// then drop their SYNs, and the peers' TCP would retry at 1, 3, 7 and 15 s,
+// slower than a refusal saying when to come back.
+func (a *admission) waitRoom(ctx context.Context, bound time.Duration, full func() bool) room {
+	if a.hasRoom() {
+		return roomFree
+	}
+	if full != nil && full() {
+		return roomFull
+	}
+	t := time.NewTimer(bound)
+	defer t.Stop()
+	var poll <-chan time.Time
+	if full != nil {
+		tk := time.NewTicker(backlogPoll)
+		defer tk.Stop()
+		poll = tk.C
+	}
+	for !a.hasRoom() {
+		select {
+		case <-a.freed:
+		case <-poll:
+			if full() {
+				return roomFull
+			}
+		case <-t.C:
+			if a.hasRoom() {
+				return roomFree
+			}
+			return roomStalled
+		case <-ctx.Done():
+			return roomClosing
+		}
+	}
+	return roomFree
+}
+
+// backlogOf returns a function that reads ln's listen backlog: the
+// connections waiting to be accepted and how many it may hold (TCP_INFO of
+// a listening socket), or nil when ln does not say.
+func backlogOf(ln net.Listener) func() (queued, limit int) {
+	sc, ok := ln.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return func() (int, int) {
+		var info *unix.TCPInfo
+		var err error
+		if cerr := rc.Control(func(fd uintptr) { info, err = unix.GetsockoptTCPInfo(int(fd), unix.SOL_TCP, unix.TCP_INFO) }); cerr != nil || err != nil {
+			return 0, 0
+		}
+		return int(info.Unacked), int(info.Sacked)
+	}
+}
+
+// nearlyFullAt is the length at which a backlog that may hold limit is
+// nearly full: all but a sixteenth (at least one), which leaves room for
+// the connections that arrive between two readings (backlogPoll) of a
+// fleet connecting at once, while refusing none that the backlog can hold.
+func nearlyFullAt(limit int) int { return limit - max(limit/16, 1) }
+
+// nearlyFull reports whether a backlog is nearly full.
+func nearlyFull(queued, limit int) bool { return limit > 0 && queued >= nearlyFullAt(limit) }
+
+// leave stops counting a connection and wakes waitRoom.
+func (a *admission) leave() {
+	a.open.Add(-1)
+	select {
+	case a.freed <- struct{}{}:
+	default:
+	}
+}
+
+// pacer spaces the retries of connections refused at the unadmitted limit
+// (its slots stalled, or the listen backlog nearly full). While slots
+// move, one frees about every hold/max (hold: how long an admitted
+// connection waited, a moving average; max connections wait at once).
+// Each refusal is handed the moment half of that after the last one
+// handed out, so the refused come back a little faster than slots free
+// and the backlog, not the server, holds the surplus. A refusal with
+// connections queued in the backlog ahead of it comes back no earlier
+// than half the time they take to be admitted, but no later than ahead
+// (a quarter of the header timeout): the rate that estimate rests on
+// changes with the machine's load, and a refused agent that comes back
+// too early waits in the backlog, while one that comes back too late
+// leaves the server idle. A leaf lock.
 type pacer struct {
 	mu   sync.Mutex
 	hold time.Duration // guarded by mu: moving average, accept to admission
@@ -108,8 +227,10 @@ func (p *pacer) admitted(waited time.Duration) {
 	p.mu.Unlock()
 }
 
-// retryAfter hands a refused connection the next moment to come back.
-func (p *pacer) retryAfter(now time.Time, slots int64) time.Duration {
+// retryAfter hands a refused connection the next moment to come back,
+// with queued connections waiting in the listen backlog ahead of it, whom
+// it waits for at most ahead.
+func (p *pacer) retryAfter(now time.Time, slots int64, queued int, ahead time.Duration) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	hold := p.hold
@@ -117,7 +238,7 @@ func (p *pacer) retryAfter(now time.Time, slots int64) time.Duration {
 		hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
 	}
 	step := hold / time.Duration(2*max(slots, 1))
-	p.next = maxTime(p.next, now).Add(step)
+	p.next = maxTime(p.next, now.Add(min(time.Duration(queued)*step, ahead))).Add(step)
 	if d := p.next.Sub(now); d > maxRetryAfter {
 		p.next = now.Add(maxRetryAfter)
 	}
@@ -188,7 +309,7 @@ func (p *pendingConn) expire() {
 	}
 	p.state = pendingEnded
 	p.mu.Unlock()
-	p.a.open.Add(-1)
+	p.a.leave()
 	p.a.timedOut.Inc()
 	p.conn.Close()
 }
@@ -206,7 +327,7 @@ func (p *pendingConn) admit() bool {
 	p.state = pendingAdmitted
 	p.mu.Unlock()
 	p.timer.Stop()
-	p.a.open.Add(-1)
+	p.a.leave()
 	p.a.pace.admitted(time.Since(p.start))
 	return true
 }
@@ -222,7 +343,7 @@ func (p *pendingConn) release() {
 	p.state = pendingEnded
 	p.mu.Unlock()
 	p.timer.Stop()
-	p.a.open.Add(-1)
+	p.a.leave()
 }
 
 // beginLogin reports whether this is the connection's first login. A
@@ -294,18 +415,21 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 	}
 }
 
+// refuseUnadmitted answers a connection accepted past the unadmitted
+// limit (its slots stalled, or the listen backlog nearly full, with queued
+// connections in it) with when to come back, and closes it.
+func (s *Server) refuseUnadmitted(raw net.Conn, queued int) {
+	s.Stats.AgentsRefused.Add(1)
+	retry := s.gate.pace.retryAfter(time.Now(), s.gate.max, queued, stallBound(s.cfg.HeaderTimeout))
+	refuseBusy(raw, retry)
+	s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "retry_in", retry.Round(time.Millisecond).String())
+}
+
 // serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then
-// HTTP/2 with this server as the client, until the connection ends.
-func (s *Server) serveAgentConn(raw net.Conn) {
+// HTTP/2 with this server as the client, until the connection ends. pc is
+// its admission (enter).
+func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	remote := raw.RemoteAddr().String()
-	pc := s.gate.enter(raw, s.cfg.HeaderTimeout)
-	if pc == nil {
-		s.Stats.AgentsRefused.Add(1)
-		retry := s.gate.pace.retryAfter(time.Now(), s.gate.max)
-		refuseBusy(raw, retry)
-		s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", remote, "limit", s.cfg.MaxUnadmitted, "retry_in", retry.Round(time.Millisecond).String())
-		return
-	}
 	defer pc.release()
 	conn := raw
 	var tlsState tls.ConnectionState

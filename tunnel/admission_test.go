@@ -394,9 +394,10 @@ func TestHostileIdleH2Closed(t *testing.T) {
 	t.Logf("admitted agents still serve past the header timeout (upstream agent took %d of 4 dials)", up.dialCount()-before)
 }
 
-// More connections than MaxUnadmitted waiting at once: the ones past the
-// limit are closed at once and counted; a good agent gets in once slots
-// free.
+// More connections than MaxUnadmitted waiting at once, and none of them
+// moving: once no slot has freed for the stall bound, the ones past the
+// limit are closed before their TLS handshake and counted; a good agent
+// gets in once slots free.
 func TestHostileUnadmittedLimit(t *testing.T) {
 	checkNoLeaks(t)
 	const limit = 8
@@ -415,8 +416,8 @@ func TestHostileUnadmittedLimit(t *testing.T) {
 	}
 	waitUntil(t, func() bool { return e.srv.gate.open.Load() == limit }, "the server to count the waiting connections")
 
-	// Past the limit: closed at once, after one plain-text 503 saying when
-	// to come back.
+	// Past the limit, with the slots stalled: closed, after one plain-text
+	// 503 saying when to come back.
 	const extra = 20
 	var cut []time.Duration
 	for range extra {

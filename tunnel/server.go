@@ -286,7 +286,11 @@ func (s *Server) goroutine(f func()) {
 // serve runs an accept loop until ln is closed by Shutdown or Close. A
 // front door's connection counts as pending only once its client asked for
 // a dial (pendingDial): a shutdown waits for those, and for nothing a peer
-// has not asked for yet.
+// has not asked for yet. On the agent port (not a front door; handle is
+// nil) a connection is counted as unadmitted as it is accepted and served
+// by serveAgentConn; the loop accepts only while one more can be counted,
+// unless the admissions stalled (admission.go): the rest wait in the
+// listen backlog, until it is nearly full.
 func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn)) error {
 	if !s.track(&ln, true) {
 		ln.Close()
@@ -296,7 +300,18 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 	defer s.acceptLoops.Done()
 	defer s.track(&ln, false)
 	var tempDelay time.Duration
+	var backlog func() (queued, limit int) // the agent port's listen backlog; nil: not known
+	var full func() bool
+	if !frontDoor {
+		if backlog = backlogOf(ln); backlog != nil {
+			full = func() bool { return nearlyFull(backlog()) }
+		}
+	}
+	stalled := false // the agent port: no slot freed within stallBound (admission.go)
 	for {
+		if !frontDoor && !stalled {
+			stalled = s.gate.waitRoom(s.leaving, stallBound(s.cfg.HeaderTimeout), full) == roomStalled
+		}
 		c, err := ln.Accept()
 		if err != nil {
 			if s.isShutting() {
@@ -320,6 +335,21 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			return fmt.Errorf("accept on %s: %w", ln.Addr(), err)
 		}
 		tempDelay = 0
+		if !frontDoor {
+			// Counted here, before the next waitRoom looks at the count.
+			pc := s.gate.enter(c, s.cfg.HeaderTimeout)
+			stalled = stalled && pc == nil
+			if pc == nil {
+				queued := 0
+				if backlog != nil {
+					queued, _ = backlog()
+				}
+				s.goroutine(func() { s.refuseUnadmitted(c, queued) })
+				continue
+			}
+			s.goroutine(func() { s.serveAgentConn(c, pc) })
+			continue
+		}
 		s.goroutine(func() { handle(c) })
 	}
 }
@@ -438,7 +468,7 @@ func (s *Server) ServeFrontend(ln net.Listener) error {
 
 // ServeAgents accepts agent connections on ln until Shutdown or Close.
 func (s *Server) ServeAgents(ln net.Listener) error {
-	return s.serve(ln, false, s.serveAgentConn)
+	return s.serve(ln, false, nil)
 }
 
 // AgentCount is the number of connected agents.

@@ -118,21 +118,42 @@ type latency struct {
 	firstErr error
 }
 
-// measureLatency runs n sequential dials with a 1-byte echo each.
-func measureLatency(ctx context.Context, dial dialer, target string, n int) latency {
-	var l latency
+// measureLatency runs n sequential dials with a 1-byte echo each through
+// dial and as many through ref, interleaved (the order swapped every other
+// pair), so both figures are taken under the same load of the machine. A
+// dial through ref that fails is not counted in either figure's errors:
+// the reference is not under test, and its figure is left with fewer
+// samples.
+func measureLatency(ctx context.Context, dial, ref dialer, target string, n int) (latency, latency) {
+	var l, r latency
 	d := make([]time.Duration, 0, n)
+	rd := make([]time.Duration, 0, n)
 	for i := 0; i < n && ctx.Err() == nil; i++ {
-		t, err := dialEcho(ctx, dial, target, byte(i))
-		if err != nil {
-			l.errs++
-			if l.firstErr == nil {
-				l.firstErr = err
+		for k := range 2 {
+			if (i+k)%2 == 1 {
+				if t, err := dialEcho(ctx, ref, target, byte(i)); err == nil {
+					rd = append(rd, t)
+				} else if r.firstErr == nil {
+					r.firstErr = err
+				}
+				continue
 			}
-			continue
+			t, err := dialEcho(ctx, dial, target, byte(i))
+			if err != nil {
+				l.errs++
+				if l.firstErr == nil {
+					l.firstErr = err
+				}
+				continue
+			}
+			d = append(d, t)
 		}
-		d = append(d, t)
 	}
+	return summarize(l, d), summarize(r, rd)
+}
+
+// summarize fills l's percentiles from its samples.
+func summarize(l latency, d []time.Duration) latency {
 	sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
 	l.n = len(d)
 	l.p50, l.p99 = percentile(d, 50), percentile(d, 99)

@@ -5,7 +5,14 @@
 // and gRPC, one server run each) it prints the time until N agents are
 // connected and the retries that took, server RSS per agent and per idle
 // tunnel, the server's idle CPU, and dial p50/p99 with 1 agent, with N and
-// with N agents and M tunnels, each beside the 1-agent figure of the same run.
+// with N agents and M tunnels. Each latency figure is taken with its dials
+// interleaved with dials through a reference (a second server of the same
+// binary and door with one agent, running throughout), and is given as a
+// ratio to the reference's: both under the same load of the machine.
+// Before each, the simulators and echo processes collect their garbage,
+// and the figures of a steady state (RSS, idle CPU, latency) wait
+// --after-burst after the fleet connected and after the tunnels opened,
+// past the server's memory trim after a burst.
 // Figures are reported, not asserted; the exit status counts correctness
 // checks only (agents connected, tunnels opened, dials echoed, nothing left
 // open).

@@ -81,6 +81,9 @@ func runEcho(in io.Reader, out io.Writer) error {
 			mu.Unlock()
 			rss, _ := rssKiB(os.Getpid())
 			fmt.Fprintf(out, "stat conns=%d goroutines=%d rss_kib=%d\n", n, runtime.NumGoroutine(), rss)
+		case "gc":
+			runtime.GC()
+			fmt.Fprintln(out, "ok")
 		default:
 			fmt.Fprintln(out, "error unknown request")
 		}

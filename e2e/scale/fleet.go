@@ -48,6 +48,7 @@ type newSimAgentFunc func(f *fleet, i int) (simAgent, error)
 //
 //	start A B   start agents A..B-1 (IDs scale-A...), answer "ok"
 //	stat        answer "stat k=v ..." (see statLine)
+//	gc          collect garbage now, answer "ok" (before a latency figure)
 //
 // Closing stdin stops every agent and ends the process.
 type fleet struct {
@@ -107,6 +108,9 @@ func runFleet(in io.Reader, out io.Writer, newAg newSimAgentFunc) error {
 			ans = f.start(w[1:])
 		case "stat":
 			ans = f.statLine()
+		case "gc":
+			runtime.GC()
+			ans = "ok"
 		default:
 			ans = "error unknown request " + strconv.Quote(w[0])
 		}

@@ -24,6 +24,7 @@ type config struct {
 	fdsPerHelper int // descriptors a simulator or echo process is given
 	doors        []string
 	idleCPU      time.Duration
+	afterBurst   time.Duration // wait after a burst before the figures of a steady state
 	connectBy    time.Duration // bound on the fleet connecting
 	timeout      time.Duration
 	keep         bool
@@ -41,9 +42,13 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.agents, "agents", 5000, "agents, each with its own TLS connection and link")
 	fs.IntVar(&c.tunnels, "tunnels", 50000, "idle tunnels held with all agents connected (the HTTP CONNECT door holds as many as the descriptor limit allows)")
 	fs.IntVar(&c.fdsPerHelper, "fds-per-helper", 12000, "sockets given to each agent-simulator and echo process; more processes are started to stay within it (below RLIMIT_NOFILE, with room for the tunnels' uneven spread over agents)")
-	fs.IntVar(&c.dials, "dials", 1000, "sequential dials (CONNECT + 1-byte echo) per latency figure")
+	fs.IntVar(&c.dials, "dials", 2000, "sequential dials (CONNECT + 1-byte echo) per latency figure, as many again through the reference, interleaved")
 	fs.StringVar(&doors, "doors", "http-connect,grpc", "front doors to measure, one server run each")
 	fs.DurationVar(&c.idleCPU, "idle-cpu", 5*time.Second, "window over which the server's idle CPU is read")
+	// The server trims its memory once a burst has gone quiet, at one of
+	// its checks every 5 s (internal/daemon/memory.go): a one-off of two
+	// forced collections that would otherwise land in one figure or another.
+	fs.DurationVar(&c.afterBurst, "after-burst", 11*time.Second, "wait after the fleet connected and after the tunnels opened before the figures of a steady state (RSS, idle CPU, latency): past the server's memory trim after a burst")
 	fs.DurationVar(&c.connectBy, "connect-timeout", 5*time.Minute, "bound on the fleet connecting")
 	fs.DurationVar(&c.timeout, "timeout", 15*time.Minute, "bound on the whole run")
 	fs.BoolVar(&c.keep, "keep", false, "keep the work directory (certificates, logs)")

@@ -146,6 +146,8 @@ type doorRun struct {
 	simRole        string // helper role of the agent simulators: agents or upstream-agents
 
 	server     *proc
+	ref        launched // the reference server, with one agent (startReference)
+	refSim     *helper  // the reference's agent
 	adminPort  int
 	sock       string
 	dial       dialer
@@ -159,6 +161,7 @@ type doorRun struct {
 	rss1, rssPre, rssN, rssM   int64 // server KiB: 1 agent, after its dials, N agents, N agents + held tunnels
 	g1, gN, gM                 float64
 	lat1, latN, latM           latency
+	ref1, refN, refM           latency // the reference's, interleaved with lat1, latN, latM
 	connectTime                time.Duration
 	connectPolled              time.Duration
 	connectCPU, connectSimCPU  float64 // CPU seconds of the server and of the simulators while the fleet connected
@@ -188,6 +191,9 @@ func (d *doorRun) run(ctx context.Context) error {
 	if err := d.startHelpers(ctx); err != nil {
 		return err
 	}
+	if err := d.startReference(ctx); err != nil {
+		return err
+	}
 	// One agent.
 	if _, err := d.sims[0].call(ctx, "start 0 1"); err != nil {
 		return err
@@ -199,7 +205,8 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.rss1, _ = rssKiB(d.server.pid())
 	d.g1 = d.metric(ctx, mGoroutines)
 	target := d.echoAddrs[0]
-	d.lat1 = measureLatency(ctx, d.dial, target, cfg.dials)
+	d.collectHelpers(ctx)
+	d.lat1, d.ref1 = measureLatency(ctx, d.dial, d.ref.dial, target, cfg.dials)
 	if ctx.Err() != nil {
 		return nil // run reports the interruption; no check past it
 	}
@@ -254,11 +261,12 @@ func (d *doorRun) run(ctx context.Context) error {
 	} else {
 		d.refused = -1 // not counted by this server
 	}
-	settle(ctx, 2*time.Second)
+	settle(ctx, cfg.afterBurst)
 	d.rssN, _ = rssKiB(d.server.pid())
 	d.gN = d.metric(ctx, mGoroutines)
 	d.cpuN = d.idleCPU(ctx)
-	d.latN = measureLatency(ctx, d.dial, target, cfg.dials)
+	d.collectHelpers(ctx)
+	d.latN, d.refN = measureLatency(ctx, d.dial, d.ref.dial, target, cfg.dials)
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -281,7 +289,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	}
 	d.held = d.heldWanted - d.heldErrs
 	d.check(fmt.Sprintf("%d idle tunnels opened, each echoed a byte", d.heldWanted), d.heldErrs == 0, errDetail(d.heldErrs, d.heldFirstErr))
-	settle(ctx, 2*time.Second)
+	settle(ctx, cfg.afterBurst)
 	d.rssM, _ = rssKiB(d.server.pid())
 	d.gM = d.metric(ctx, mGoroutines)
 	est, estOK := d.metricOK(ctx, mEstablished)
@@ -294,7 +302,8 @@ func (d *doorRun) run(ctx context.Context) error {
 		}
 	}
 	d.cpuM = d.idleCPU(ctx)
-	d.latM = measureLatency(ctx, d.dial, target, cfg.dials)
+	d.collectHelpers(ctx)
+	d.latM, d.refM = measureLatency(ctx, d.dial, d.ref.dial, target, cfg.dials)
 	if ctx.Err() != nil {
 		return nil
 	}
@@ -311,22 +320,44 @@ func (d *doorRun) run(ctx context.Context) error {
 }
 
 func (d *doorRun) startServer(ctx context.Context) error {
+	srv, err := d.launch(ctx, d.tag())
+	if err != nil {
+		return err
+	}
+	d.server, d.adminPort, d.sock, d.agentsAddr, d.dial = srv.proc, srv.adminPort, srv.sock, srv.agentsAddr, srv.dial
+	d.s.logf("%s: server %s pid %d, agents at %s, socket %s", d.label, d.serverBin, d.server.pid(), d.agentsAddr, d.sock)
+	return nil
+}
+
+// launched is a server process of a run.
+type launched struct {
+	proc       *proc
+	adminPort  int
+	sock       string
+	agentsAddr string
+	dial       dialer
+}
+
+// launch starts a server for this door, its files named by tag, and waits
+// until it is healthy.
+func (d *doorRun) launch(ctx context.Context, tag string) (launched, error) {
 	s := d.s
+	var l launched
 	ports := make([]int, 3)
 	for i := range ports {
 		p, err := freePort()
 		if err != nil {
-			return err
+			return l, err
 		}
 		ports[i] = p
 	}
 	agentPort, health := ports[0], ports[1]
-	d.adminPort = ports[2]
-	d.sock = filepath.Join(s.dir, d.tag()+".sock")
-	d.agentsAddr = "127.0.0.1:" + strconv.Itoa(agentPort)
+	l.adminPort = ports[2]
+	l.sock = filepath.Join(s.dir, tag+".sock")
+	l.agentsAddr = "127.0.0.1:" + strconv.Itoa(agentPort)
 	args := []string{
 		"--mode=" + d.door,
-		"--uds-name=" + d.sock,
+		"--uds-name=" + l.sock,
 		"--server-port=0",
 		"--agent-bind-address=127.0.0.1",
 		"--agent-port=" + strconv.Itoa(agentPort),
@@ -336,24 +367,55 @@ func (d *doorRun) startServer(ctx context.Context) error {
 		"--health-bind-address=127.0.0.1",
 		"--health-port=" + strconv.Itoa(health),
 		"--admin-bind-address=127.0.0.1",
-		"--admin-port=" + strconv.Itoa(d.adminPort),
+		"--admin-port=" + strconv.Itoa(l.adminPort),
 	}
 	if !d.upstreamServer {
 		args = append([]string{"server"}, args...)
 	}
 	var err error
-	d.server, err = startProc("server", d.serverBin, args, filepath.Join(s.dir, d.tag()+"-server.log"))
+	l.proc, err = startProc("server", d.serverBin, args, filepath.Join(s.dir, tag+"-server.log"))
+	if err != nil {
+		return l, err
+	}
+	if err := waitHTTP(ctx, l.proc, health, "/healthz"); err != nil {
+		l.proc.stop()
+		return l, err
+	}
+	l.dial = connectDialer(l.sock)
+	if d.door == "grpc" {
+		l.dial = grpcDialer(l.sock)
+	}
+	return l, nil
+}
+
+// startReference starts the reference: a second server of this door with
+// one agent (its own simulator process) for the whole run. Each latency
+// figure interleaves its dials with dials through the reference, so the
+// ratio to one agent is taken under the same load of the machine.
+func (d *doorRun) startReference(ctx context.Context) error {
+	s := d.s
+	ref, err := d.launch(ctx, d.tag()+"-ref")
 	if err != nil {
 		return err
 	}
-	if err := waitHTTP(ctx, d.server, health, "/healthz"); err != nil {
+	d.ref = ref
+	args := simArgs{Server: ref.agentsAddr, CACert: s.pki.CACert, AgentCert: s.pki.AgentCert, AgentKey: s.pki.AgentKey}
+	d.refSim, _, err = startHelper(ctx, "reference simulator", d.simRole, args, filepath.Join(s.dir, d.tag()+"-ref-sim.log"))
+	if err != nil {
 		return err
 	}
-	d.dial = connectDialer(d.sock)
-	if d.door == "grpc" {
-		d.dial = grpcDialer(d.sock)
+	if _, err := d.refSim.call(ctx, "start 0 1"); err != nil {
+		return err
 	}
-	s.logf("%s: server %s pid %d, agents at %s, socket %s", d.label, d.serverBin, d.server.pid(), d.agentsAddr, d.sock)
+	var got float64
+	if !waitFor(ctx, time.Minute, func() bool {
+		m, _ := scrape(ctx, ref.adminPort, mAgents)
+		got = m[mAgents]
+		return got == 1
+	}) {
+		return fmt.Errorf("reference server counts %v agents, want 1, after a minute; log tail:\n%s", got, ref.proc.logTail(10))
+	}
+	s.logf("%s: reference server pid %d with one agent (simulator pid %d)", d.label, ref.proc.pid(), d.refSim.pid())
 	return nil
 }
 
@@ -428,7 +490,11 @@ func (d *doorRun) holder() (holder, error) {
 // drain), then destinations, then the server.
 func (d *doorRun) stop() {
 	var wg sync.WaitGroup
-	for _, h := range append(append([]*helper{}, d.sims...), d.echoes...) {
+	helpers := append(append([]*helper{}, d.sims...), d.echoes...)
+	if d.refSim != nil {
+		helpers = append(helpers, d.refSim)
+	}
+	for _, h := range helpers {
 		wg.Add(1)
 		go func() { // owned by stop
 			defer wg.Done()
@@ -438,6 +504,9 @@ func (d *doorRun) stop() {
 	wg.Wait()
 	if d.server != nil {
 		d.server.stop()
+	}
+	if d.ref.proc != nil {
+		d.ref.proc.stop()
 	}
 }
 
@@ -489,7 +558,10 @@ func (d *doorRun) waitAgents(ctx context.Context, n int, bound time.Duration) er
 func (d *doorRun) pollFleet(ctx context.Context, n int, bound time.Duration) (simStat, error) {
 	var st simStat
 	var err error
-	ok := waitFor(ctx, bound, func() bool {
+	// Every 250 ms: a stat walks every agent of a simulator, CPU taken from
+	// the handshakes being timed; the time to connect is read from the
+	// agents' connection events, not from the poll.
+	ok := waitEvery(ctx, bound, 250*time.Millisecond, func() bool {
 		st, err = d.simStats(ctx)
 		return err == nil && st.connected == int64(n)
 	})
@@ -528,6 +600,24 @@ func (d *doorRun) simStats(ctx context.Context) (simStat, error) {
 	return st, nil
 }
 
+// collectHelpers has every simulator and echo process collect its garbage
+// before a latency figure. A simulator holds thousands of agents in one
+// heap of hundreds of MiB, whose collection (a mark phase of 0.3–1.5 s on
+// this machine) slows every agent in it; a real agent, alone in its
+// process, has a heap of a few MiB. Collecting first keeps that cost of
+// the simulator out of the dials; the servers are not touched.
+func (d *doorRun) collectHelpers(ctx context.Context) {
+	helpers := append(append([]*helper{}, d.sims...), d.echoes...)
+	if d.refSim != nil {
+		helpers = append(helpers, d.refSim)
+	}
+	for _, h := range helpers {
+		if _, err := h.call(ctx, "gc"); err != nil {
+			d.s.logf("%s: gc in %s: %v", d.label, h.name, err)
+		}
+	}
+}
+
 // cpuSeconds returns the CPU time used so far by the server and by the
 // simulators together.
 func (d *doorRun) cpuSeconds() (server, sims float64) {
@@ -559,6 +649,12 @@ func (d *doorRun) idleCPU(ctx context.Context) float64 {
 
 // waitFor polls cond every 50 ms until it holds, ctx ends or bound passes.
 func waitFor(ctx context.Context, bound time.Duration, cond func() bool) bool {
+	return waitEvery(ctx, bound, 50*time.Millisecond, cond)
+}
+
+// waitEvery polls cond every interval until it holds, ctx ends or bound
+// passes.
+func waitEvery(ctx context.Context, bound, interval time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(bound)
 	for {
 		if cond() {
@@ -567,7 +663,7 @@ func waitFor(ctx context.Context, bound time.Duration, cond func() bool) bool {
 		if ctx.Err() != nil || time.Now().After(deadline) {
 			return false
 		}
-		settle(ctx, 50*time.Millisecond)
+		settle(ctx, interval)
 	}
 }
 

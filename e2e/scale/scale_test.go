@@ -68,7 +68,7 @@ func TestScaleSmoke(t *testing.T) {
 func runSmoke(t *testing.T, bin string, args ...string) string {
 	t.Helper()
 	var stderr bytes.Buffer
-	cfg, err := parseFlags(append([]string{"--bin", bin, "--dials", "50", "--idle-cpu", "500ms",
+	cfg, err := parseFlags(append([]string{"--bin", bin, "--dials", "50", "--idle-cpu", "500ms", "--after-burst", "500ms",
 		"--connect-timeout", "30s", "--timeout", "2m"}, args...), &stderr)
 	if err != nil {
 		t.Fatalf("parse flags: %v\n%s", err, stderr.String())

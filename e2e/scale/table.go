@@ -66,9 +66,12 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 	row(fmt.Sprintf("server idle CPU over %s, %d agents / with tunnels held", cfg.idleCPU, n), func(d *doorRun) string {
 		return fmt.Sprintf("%s / %s", pct(d.cpuN), pct(d.cpuM))
 	})
-	row("dial p50 / p99, 1 agent", func(d *doorRun) string { return latStr(d.lat1, latency{}) })
-	row(fmt.Sprintf("dial p50 / p99, %d agents (× 1-agent)", n), func(d *doorRun) string { return latStr(d.latN, d.lat1) })
-	row(fmt.Sprintf("dial p50 / p99, %d agents + tunnels held (× 1-agent)", n), func(d *doorRun) string { return latStr(d.latM, d.lat1) })
+	row("dial p50 / p99, 1 agent (× the reference)", func(d *doorRun) string { return latStr(d.lat1, d.ref1) })
+	row(fmt.Sprintf("dial p50 / p99, %d agents (× the reference)", n), func(d *doorRun) string { return latStr(d.latN, d.refN) })
+	row(fmt.Sprintf("dial p50 / p99, %d agents + tunnels held (× the reference)", n), func(d *doorRun) string { return latStr(d.latM, d.refM) })
+	row("the reference's dial p50 / p99 (a server with 1 agent, dials interleaved with each row above)", func(d *doorRun) string {
+		return fmt.Sprintf("%s; %s; %s", latStr(d.ref1, latency{}), latStr(d.refN, latency{}), latStr(d.refM, latency{}))
+	})
 	row(fmt.Sprintf("idle tunnels held (of %d requested), time to open them", m), func(d *doorRun) string {
 		if d.heldWanted == 0 && m > 0 {
 			return "–"

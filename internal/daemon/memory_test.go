@@ -24,6 +24,9 @@ func TestShouldTrim(t *testing.T) {
 		{"fresh collection, far more held than the goal", heapSample{held: 120 * mib, live: 10 * mib, gcCycles: 5}, trimState{held: 4 * mib}, true},
 		{"no collection, grown since the last trim", heapSample{held: 150 * mib, live: 140 * mib, gcCycles: 4}, trimState{held: 5 * mib}, true},
 		{"no collection, no growth since the last trim", heapSample{held: 40 * mib, live: 35 * mib, gcCycles: 4}, trimState{held: 38 * mib}, false},
+		{"no collection, a large live heap grown by a tenth", heapSample{held: 456 * mib, live: 416 * mib, gcCycles: 4, goroutines: 160000}, trimState{held: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, false},
+		{"no collection, a large live heap grown by a half", heapSample{held: 624 * mib, live: 416 * mib, gcCycles: 4, goroutines: 160000}, trimState{held: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, true},
+		{"fresh collection, a large live heap near its goal", heapSample{held: 900 * mib, live: 416 * mib, gcCycles: 5, goroutines: 160000}, trimState{held: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, false},
 		{"small idle daemon", heapSample{held: 6 * mib, live: 2 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 4 * mib, fewestGoroutines: 18, mostGoroutines: 22}, false},
 		{"quiet, 1000 tunnels opened since the last trim", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 4, goroutines: 1020}, trimState{held: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, true},
 		{"quiet, a few tunnels opened since the last trim", heapSample{held: 8 * mib, live: 4 * mib, gcCycles: 4, goroutines: 120}, trimState{held: 6 * mib, fewestGoroutines: 20, mostGoroutines: 120}, false},
@@ -31,8 +34,20 @@ func TestShouldTrim(t *testing.T) {
 		{"quiet, 10,000 tunnels closed since the last trim", heapSample{held: 100 * mib, live: 90 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 100 * mib, fewestGoroutines: 20, mostGoroutines: 10020}, true},
 	}
 	for _, c := range cases {
-		if got := shouldTrim(c.now, quiet, c.since); got != c.want {
+		last := quiet
+		last.goroutines = c.now.goroutines // as many goroutines as the sample before
+		if got := shouldTrim(c.now, last, c.since); got != c.want {
 			t.Errorf("%s: shouldTrim = %v, want %v", c.name, got, c.want)
+		}
+	}
+	// The same samples with 10,000 goroutines started since the one
+	// before: a burst under way is never trimmed.
+	for _, c := range cases {
+		last := quiet
+		last.goroutines = c.now.goroutines
+		c.now.goroutines += 10000
+		if shouldTrim(c.now, last, c.since) {
+			t.Errorf("%s, 10,000 goroutines more than the sample before: shouldTrim = true, want false", c.name)
 		}
 	}
 }
