@@ -51,14 +51,27 @@ func restartAgentInPlace(t *testing.T, e *env, cur *testAgent, id string, want i
 // echoCall is a gRPC front door call carrying a pattern both ways
 // through an echo destination.
 type echoCall struct {
-	c          *grpcCall
-	id         int64
-	sent, recv atomic.Int64
-	stop, done chan struct{}
-	readErr    chan error
+	c          *grpcCall     // written by the sender goroutine and by finish once it has stopped
+	id         int64         // set before the goroutines start
+	sent, recv atomic.Int64  // bytes written by the sender, bytes checked by the reader
+	stop, done chan struct{} // stop ends the sender; done closes when it has returned
+	readErr    chan error    // the reader's one verdict: nil once CLOSE_RSP arrives
 }
 
-func startEchoCall(t *testing.T, sock, dest string, seed byte) *echoCall {
+// echoPace is how an echoCall's sender writes: its packet sizes come from
+// a generator on stream, up to maxSize bytes, with a pause of 0 to
+// maxPause-1 milliseconds after each, so that tests on different paths
+// draw different but repeatable streams.
+type echoPace struct {
+	stream   uint64
+	maxSize  int
+	maxPause int
+}
+
+// startEchoCall dials dest through the gRPC front door on sock and keeps
+// sending seed's pattern at pace until finish; a second goroutine checks
+// every byte that comes back against the same pattern.
+func startEchoCall(t *testing.T, sock, dest string, seed byte, pace echoPace) *echoCall {
 	t.Helper()
 	k := &echoCall{c: openGRPC(t, sock, grpcProxyMethod), stop: make(chan struct{}), done: make(chan struct{}), readErr: make(chan error, 1)}
 	k.c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(seed)})
@@ -70,20 +83,20 @@ func startEchoCall(t *testing.T, sock, dest string, seed byte) *echoCall {
 	go func() {
 		defer close(k.done)
 		src := newPattern(seed)
-		sizes := rand.New(rand.NewPCG(uint64(seed), 3))
+		sizes := rand.New(rand.NewPCG(uint64(seed), pace.stream))
 		for {
 			select {
 			case <-k.stop:
 				return
 			default:
 			}
-			b := make([]byte, 1+sizes.IntN(100<<10))
+			b := make([]byte, 1+sizes.IntN(pace.maxSize))
 			src.Read(b)
 			if _, err := k.c.send.Write(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.Data, ConnectID: k.id, Data: b})); err != nil {
 				return
 			}
 			k.sent.Add(int64(len(b)))
-			time.Sleep(time.Duration(sizes.IntN(3)) * time.Millisecond)
+			time.Sleep(time.Duration(sizes.IntN(pace.maxPause)) * time.Millisecond)
 		}
 	}()
 	go func() {
@@ -110,8 +123,9 @@ func startEchoCall(t *testing.T, sock, dest string, seed byte) *echoCall {
 	return k
 }
 
-// finish stops sending, waits for every byte back, and ends the call.
-func (k *echoCall) finish(t *testing.T) {
+// finish stops sending, waits for every byte back, and ends the call;
+// after names what the call went through, for the status error.
+func (k *echoCall) finish(t *testing.T, after string) {
 	t.Helper()
 	close(k.stop)
 	<-k.done
@@ -121,7 +135,7 @@ func (k *echoCall) finish(t *testing.T) {
 		t.Fatal(err)
 	}
 	if s := k.c.status(); s != "0" {
-		t.Errorf("grpc-status %q after the agent's restarts", s)
+		t.Errorf("grpc-status %q after %s", s, after)
 	}
 }
 
@@ -144,7 +158,7 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 	}
 	var calls []*echoCall
 	for i := range 2 {
-		calls = append(calls, startEchoCall(t, sock, dest, byte(i+11)))
+		calls = append(calls, startEchoCall(t, sock, dest, byte(i+11), echoPace{stream: 3, maxSize: 100 << 10, maxPause: 3}))
 	}
 	idle := e.echoOne(dest)
 	defer idle.Close()
@@ -164,7 +178,7 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 	for _, k := range calls {
 		before := k.recv.Load()
 		waitUntil(t, func() bool { return k.recv.Load() > before+64<<10 }, "bytes flowing after the restarts")
-		k.finish(t)
+		k.finish(t, "the agent's restarts")
 	}
 	if _, err := idle.Write([]byte("y")); err != nil {
 		t.Fatal(err)

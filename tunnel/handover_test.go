@@ -290,64 +290,9 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 	sock := e.grpcSocket(t)
 
 	const calls = 3
-	type call struct {
-		c          *grpcCall
-		id         int64
-		sent, recv atomic.Int64
-		stop, done chan struct{}
-		readErr    chan error
-	}
-	var cs []*call
+	var cs []*echoCall
 	for i := range calls {
-		k := &call{c: openGRPC(t, sock, grpcProxyMethod), stop: make(chan struct{}), done: make(chan struct{}), readErr: make(chan error, 1)}
-		k.c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(i + 1)})
-		rsp, err := k.c.read()
-		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
-			t.Fatalf("DIAL_RSP: %+v %v", rsp, err)
-		}
-		k.id = rsp.ConnectID
-		seed := byte(i + 1)
-		go func() {
-			defer close(k.done)
-			src := newPattern(seed)
-			sizes := rand.New(rand.NewPCG(uint64(seed), 2))
-			for {
-				select {
-				case <-k.stop:
-					return
-				default:
-				}
-				b := make([]byte, 1+sizes.IntN(200<<10))
-				src.Read(b)
-				if _, err := k.c.send.Write(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.Data, ConnectID: k.id, Data: b})); err != nil {
-					return
-				}
-				k.sent.Add(int64(len(b)))
-				time.Sleep(time.Duration(sizes.IntN(2)) * time.Millisecond)
-			}
-		}()
-		go func() {
-			want := newPattern(seed)
-			for {
-				p, err := k.c.read()
-				if err != nil {
-					k.readErr <- fmt.Errorf("after %d bytes: %w", k.recv.Load(), err)
-					return
-				}
-				if p.Type == grpcwire.CloseRsp {
-					k.readErr <- nil
-					return
-				}
-				exp := make([]byte, len(p.Data))
-				want.Read(exp)
-				if p.Type != grpcwire.Data || p.ConnectID != k.id || !bytesEqual(p.Data, exp) {
-					k.readErr <- fmt.Errorf("packet %s after %d bytes differs", p.Type, k.recv.Load())
-					return
-				}
-				k.recv.Add(int64(len(p.Data)))
-			}
-		}()
-		cs = append(cs, k)
+		cs = append(cs, startEchoCall(t, sock, dest, byte(i+1), echoPace{stream: 2, maxSize: 200 << 10, maxPause: 2}))
 	}
 
 	cur := e
@@ -369,16 +314,7 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 	for _, k := range cs {
 		before := k.recv.Load()
 		waitUntil(t, func() bool { return k.recv.Load() > before+64<<10 }, "bytes flowing after the handovers")
-		close(k.stop)
-		<-k.done
-		waitUntil(t, func() bool { return k.recv.Load() == k.sent.Load() }, "every byte back")
-		k.c.write(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: k.id})
-		if err := <-k.readErr; err != nil {
-			t.Fatal(err)
-		}
-		if s := k.c.status(); s != "0" {
-			t.Errorf("grpc-status %q after the handovers", s)
-		}
+		k.finish(t, "the handovers")
 	}
 	if n := accepted.Load(); n != calls {
 		t.Errorf("destination accepted %d connections, want %d", n, calls)
