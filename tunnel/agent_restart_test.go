@@ -180,14 +180,7 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 		waitUntil(t, func() bool { return k.recv.Load() > before+64<<10 }, "bytes flowing after the restarts")
 		k.finish(t, "the agent's restarts")
 	}
-	if _, err := idle.Write([]byte("y")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 1)
-	idle.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(idle, b); err != nil || b[0] != 'y' {
-		t.Fatalf("idle tunnel after the restarts: %q %v", b, err)
-	}
+	echoesByte(t, idle, 'y', 10*time.Second, "idle tunnel after the restarts")
 	if n := accepted.Load(); n != tunnels {
 		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels)
 	}
@@ -239,15 +232,8 @@ func TestAgentRestartHeldPassedOn(t *testing.T) {
 	}
 	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
 	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 3 }, "tunnels resumed")
-	b := make([]byte, 1)
 	for i, c := range conns {
-		if _, err := c.Write([]byte{'a' + byte(i)}); err != nil {
-			t.Fatal(err)
-		}
-		c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		if _, err := io.ReadFull(c, b); err != nil || b[0] != 'a'+byte(i) {
-			t.Fatalf("tunnel %d after two restarts: %q %v", i, b, err)
-		}
+		echoesByte(t, c, 'a'+byte(i), 10*time.Second, fmt.Sprintf("tunnel %d after two restarts", i))
 	}
 }
 
@@ -432,14 +418,25 @@ func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
 	}
 	startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
 	waitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the open tunnel resumed")
-	if _, err := open.Write([]byte("z")); err != nil {
-		t.Fatal(err)
+	echoesByte(t, open, 'z', 10*time.Second, "the open tunnel after the restart")
+}
+
+// pausedForAgentRestart starts a server and agent a1 with one tunnel open
+// to a counting echo destination, then stops the agent as its restart in
+// place does: the tunnel is paused and its destination held, returned
+// for the agent's next image to adopt. The caller closes c.
+func pausedForAgentRestart(t *testing.T) (e *env, c net.Conn, held []*HeldDest, accepted *atomic.Int64) {
+	t.Helper()
+	e = newEnv(t, nil)
+	agent := e.startAgent("a1", "", nil)
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	c = e.echoOne(dest)
+	held = stopForRestart(t, agent)
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
 	}
-	b := make([]byte, 1)
-	open.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(open, b); err != nil || b[0] != 'z' {
-		t.Fatalf("the open tunnel after the restart: %q %v", b, err)
-	}
+	return e, c, held, accepted
 }
 
 // TestAgentRestartThenServerRestart: tunnels paused for a restarting
@@ -448,16 +445,8 @@ func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
 // image.
 func TestAgentRestartThenServerRestart(t *testing.T) {
 	checkNoLeaks(t)
-	e := newEnv(t, nil)
-	agent := e.startAgent("a1", "", nil)
-	e.waitAgents(1)
-	dest, accepted := countingEcho(t)
-	c := e.echoOne(dest)
+	e, c, held, accepted := pausedForAgentRestart(t)
 	defer c.Close()
-	held := stopForRestart(t, agent)
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
-	}
 	waitUntil(t, func() bool { return e.srv.Status().Tunnels["held"] == 1 }, "the paused tunnel held for its agent")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	paused, err := e.srv.HandOver(ctx)
@@ -482,14 +471,7 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 	if n := next.srv.Status().Tunnels["held"]; n != 0 {
 		t.Errorf("%d tunnels still held once resumed", n)
 	}
-	if _, err := c.Write([]byte("z")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 1)
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
-		t.Fatalf("the tunnel after both restarts: %q %v", b, err)
-	}
+	echoesByte(t, c, 'z', 10*time.Second, "the tunnel after both restarts")
 	if n := accepted.Load(); n != 1 {
 		t.Errorf("destination accepted %d connections, want 1", n)
 	}
@@ -501,16 +483,8 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 // after it, and the tunnel resumes there.
 func TestAgentRestartDuringResume(t *testing.T) {
 	checkNoLeaks(t)
-	e := newEnv(t, nil)
-	agent := e.startAgent("a1", "", nil)
-	e.waitAgents(1)
-	dest, accepted := countingEcho(t)
-	c := e.echoOne(dest)
+	e, c, held, accepted := pausedForAgentRestart(t)
 	defer c.Close()
-	held := stopForRestart(t, agent)
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
-	}
 	// The next image is already restarting when the resume reaches it.
 	next := startAgentWith(t, e.pki, []string{e.agentAddr}, "a1", "", nil, func(a *Agent) {
 		a.AdoptHeld(held)
@@ -529,14 +503,7 @@ func TestAgentRestartDuringResume(t *testing.T) {
 	if n := handedOver(e.srv, "paused", resultOK); n != 1 {
 		t.Errorf("the tunnel was paused %d times, want once: it was resumed on the restarting image", n)
 	}
-	if _, err := c.Write([]byte("z")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 1)
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
-		t.Fatalf("the tunnel after the restarts: %q %v", b, err)
-	}
+	echoesByte(t, c, 'z', 10*time.Second, "the tunnel after the restarts")
 	if n := accepted.Load(); n != 1 {
 		t.Errorf("destination accepted %d connections, want 1", n)
 	}

@@ -221,14 +221,7 @@ func TestHandOverResumesTunnels(t *testing.T) {
 		c.finish(t)
 	}
 	// The idle keep-alive tunnel still answers.
-	if _, err := idle.Write([]byte("y")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 1)
-	idle.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(idle, b); err != nil || b[0] != 'y' {
-		t.Fatalf("idle tunnel after the handovers: %q %v", b, err)
-	}
+	echoesByte(t, idle, 'y', 10*time.Second, "idle tunnel after the handovers")
 	if n := accepted.Load(); n != tunnels+1 {
 		t.Errorf("destination accepted %d connections, want %d: a tunnel was dialled again", n, tunnels+1)
 	}
@@ -323,6 +316,21 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 
 func bytesEqual(a, b []byte) bool { return string(a) == string(b) }
 
+// echoesByte writes x on c, through an echo destination, and fails the
+// test unless x comes back within wait; what names the tunnel and the
+// moment for the failure.
+func echoesByte(t *testing.T, c net.Conn, x byte, wait time.Duration, what string) {
+	t.Helper()
+	if _, err := c.Write([]byte{x}); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(wait))
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != x {
+		t.Fatalf("%s: %q %v", what, b, err)
+	}
+}
+
 // TestPauseRequestsRefused: the agent answers a pause request it cannot
 // honour with a clear status and leaves the tunnel as it was: malformed
 // (400), a stream that is no tunnel (404); and a resume with an unknown
@@ -370,14 +378,7 @@ func TestPauseRequestsRefused(t *testing.T) {
 	}
 	rt.up.unblock()
 	// The tunnel still works.
-	if _, err := c.Write([]byte("z")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 1)
-	c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'z' {
-		t.Fatalf("tunnel after the refused pauses: %q %v", b, err)
-	}
+	echoesByte(t, c, 'z', 5*time.Second, "tunnel after the refused pauses")
 }
 
 // TestHandOverWhileAgentStops: an agent told to stop (SIGTERM) while a
