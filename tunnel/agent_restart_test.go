@@ -448,9 +448,7 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 	e, c, held, accepted := pausedForAgentRestart(t)
 	defer c.Close()
 	waitUntil(t, func() bool { return e.srv.Status().Tunnels["held"] == 1 }, "the paused tunnel held for its agent")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	paused, err := e.srv.HandOver(ctx)
-	cancel()
+	paused, err := handOver(e.srv)
 	if err != nil || len(paused) != 1 {
 		t.Fatalf("HandOver: %d paused, %v; want the one waiting for its agent", len(paused), err)
 	}

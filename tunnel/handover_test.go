@@ -133,9 +133,7 @@ func countingEcho(t *testing.T) (addr string, accepted *atomic.Int64) {
 // returns the new server once it resumed them all.
 func handOverTo(t *testing.T, cur *env, want int) (*env, []*PausedTunnel) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	paused, err := cur.srv.HandOver(ctx)
-	cancel()
+	paused, err := handOver(cur.srv)
 	if err != nil {
 		t.Fatalf("HandOver: %v", err)
 	}
@@ -252,9 +250,7 @@ func TestHandOverLeavesSharedGRPCConn(t *testing.T) {
 		}
 		calls = append(calls, c)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	paused, err := e.srv.HandOver(ctx)
-	cancel()
+	paused, err := handOver(e.srv)
 	if err != nil || len(paused) != 0 {
 		t.Fatalf("HandOver: %d paused, %v; want none and the drain to end", len(paused), err)
 	}
@@ -312,6 +308,14 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 	if n := accepted.Load(); n != calls {
 		t.Errorf("destination accepted %d connections, want %d", n, calls)
 	}
+}
+
+// handOver runs srv's handover as a SIGHUP does, bounded so that a
+// handover that never ends fails the test instead of hanging it.
+func handOver(srv *Server) ([]*PausedTunnel, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return srv.HandOver(ctx)
 }
 
 func bytesEqual(a, b []byte) bool { return string(a) == string(b) }
@@ -394,9 +398,7 @@ func TestHandOverWhileAgentStops(t *testing.T) {
 	c := startStreamingClient(t, e, dest, 7)
 	waitUntil(t, func() bool { return c.recv.Load() > 1<<20 }, "bytes flowing")
 
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	paused, err := e.srv.HandOver(ctx)
-	cancel()
+	paused, err := handOver(e.srv)
 	if err != nil || len(paused) != 1 {
 		t.Fatalf("HandOver: %d paused, %v", len(paused), err)
 	}
@@ -430,9 +432,7 @@ func TestCloseDropsHeldTunnels(t *testing.T) {
 	e.waitAgents(1)
 	c := e.echoOne(dest)
 	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	paused, err := e.srv.HandOver(ctx)
-	cancel()
+	paused, err := handOver(e.srv)
 	if err != nil || len(paused) != 1 {
 		t.Fatalf("HandOver: %d paused, %v", len(paused), err)
 	}
@@ -473,9 +473,7 @@ func TestHandOverWhileResuming(t *testing.T) {
 		defer c.Close()
 		idle = append(idle, c)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	paused, err := e.srv.HandOver(ctx)
-	cancel()
+	paused, err := handOver(e.srv)
 	if err != nil || len(paused) != tunnels {
 		t.Fatalf("HandOver: %d paused, %v; want %d", len(paused), err, tunnels)
 	}
