@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -121,56 +120,17 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType, apa
 	lines := readLines(stream)
 
 	const workers, hups = 3, 3
-	var (
-		ok, failed atomic.Int64
-		mu         sync.Mutex
-		errs       []string
-		stop       = make(chan struct{})
-		wg         sync.WaitGroup
-		conns      [workers]connLog
-	)
-	for w := range workers {
-		client := d.loggedHTTPClient(&conns[w])
-		wg.Go(func() {
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				want := fmt.Sprintf("worker %d call %d %s", w, i, strings.Repeat("x", i%400)) // under 512 bytes: the backend echoes as it reads
-				resp, err := client.Post(fmt.Sprintf("http://%s/echo", backend), "text/plain", strings.NewReader(want))
-				var got []byte
-				if err == nil {
-					got, err = io.ReadAll(resp.Body)
-					resp.Body.Close()
-				}
-				if err == nil && string(got) != want {
-					err = fmt.Errorf("echo of %d bytes came back as %d bytes", len(want), len(got))
-				}
-				if err == nil {
-					ok.Add(1)
-					continue
-				}
-				failed.Add(1)
-				mu.Lock()
-				errs = append(errs, fmt.Sprintf("worker %d call %d at %s: %v", w, i, time.Now().Format("15:04:05.000"), err))
-				mu.Unlock()
-			}
-		})
-	}
+	p := startPostWorkers(t, d, backend, workers)
 	waitFor(t, 10*time.Second, "lines and POSTs flowing", func() bool {
 		select {
 		case err := <-lines.err:
 			t.Fatalf("download before any SIGHUP: %v", err)
 		default:
 		}
-		if failed.Load() > 0 {
-			mu.Lock()
-			defer mu.Unlock()
-			t.Fatalf("POSTs failed before any SIGHUP: %s", strings.Join(errs, "\n"))
+		if p.failed.Load() > 0 {
+			t.Fatalf("POSTs failed before any SIGHUP: %s", p.errors())
 		}
-		return lines.lines.Load() > 100 && ok.Load() > 20
+		return lines.lines.Load() > 100 && p.ok.Load() > 20
 	})
 	for i := range hups {
 		if apart > 0 {
@@ -201,8 +161,7 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType, apa
 		checkSameProcess(t, a1.proc, pid, bin)
 		time.Sleep(time.Second)
 	}
-	close(stop)
-	wg.Wait()
+	p.halt()
 	select {
 	case err := <-lines.err:
 		t.Errorf("download: %v", err)
@@ -213,18 +172,11 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType, apa
 		sent = 10
 	}
 	t.Logf("%d lines downloaded and %d keep-alive POSTs across %d agent SIGHUPs (%d re-executions), %d failed",
-		lines.lines.Load(), ok.Load(), sent, strings.Count(a1.proc.out.String(), "re-executing in place"), failed.Load())
-	if failed.Load() > 0 {
-		t.Errorf("%d ok, %d failed:\n%s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
+		lines.lines.Load(), p.ok.Load(), sent, strings.Count(a1.proc.out.String(), "re-executing in place"), p.failed.Load())
+	if p.failed.Load() > 0 {
+		t.Errorf("%d ok, %d failed:\n%s", p.ok.Load(), p.failed.Load(), p.errors())
 	}
-	for w := range workers {
-		dials, byServer, ends := conns[w].summary()
-		if byServer > 0 {
-			t.Errorf("worker %d: %d of its %d connections ended by the server side, want none: a keep-alive connection did not live through the agent's restarts (%s)", w, byServer, dials, ends)
-		} else if dials != 1 {
-			t.Logf("worker %d dialled %d times, every earlier connection dropped by its own HTTP client (%s)", w, dials, ends)
-		}
-	}
+	p.checkConns(t, "the agent's restarts")
 	if n := accepted.Load(); n != 1 {
 		t.Errorf("the line source accepted %d connections, want 1", n)
 	}

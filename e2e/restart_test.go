@@ -599,20 +599,57 @@ func keepAliveAcrossRestarts(t *testing.T, proto apiserverapi.ProtocolType) {
 	pid := s.proc.cmd.Process.Pid
 
 	const workers, hups = 4, 3
-	var (
-		ok, failed atomic.Int64
-		mu         sync.Mutex
-		errs       []string
-		stop       = make(chan struct{})
-		wg         sync.WaitGroup
-		conns      [workers]connLog
-	)
-	for w := range workers {
-		client := d.loggedHTTPClient(&conns[w])
-		wg.Go(func() {
+	p := startPostWorkers(t, d, backend, workers)
+	time.Sleep(time.Second)
+	for i := range hups {
+		before := startTime(metricsURL)
+		s.proc.signal(t, syscall.SIGHUP)
+		waitNewImage(t, s.proc, metricsURL, before, 20*time.Second)
+		s.waitAgents(t, 1, 10*time.Second)
+		checkSameProcess(t, s.proc, pid, bin)
+		t.Logf("SIGHUP #%d done at %s", i+1, time.Now().Format("15:04:05.000"))
+		time.Sleep(time.Second)
+	}
+	p.halt()
+	t.Logf("%d keep-alive POSTs across %d SIGHUP restarts, %d failed", p.ok.Load(), hups, p.failed.Load())
+	if p.failed.Load() > 0 || p.ok.Load() < 100 {
+		t.Errorf("%d ok, %d failed:\n%s", p.ok.Load(), p.failed.Load(), p.errors())
+	}
+	p.checkConns(t, "the restarts")
+	out := s.proc.out.String()
+	if n := strings.Count(out, "paused tunnels handed to the next image"); n != hups {
+		t.Errorf("log has %d handovers, want %d", n, hups)
+	}
+	if strings.Contains(out, "could not be resumed") || strings.Contains(out, "could not be paused") {
+		t.Errorf("a tunnel was lost in a handover:\n%s", out)
+	}
+}
+
+// postWorkers are HTTP clients through the tunnel, one connection each
+// kept alive, that POST to a backend's /echo back to back and check each
+// echo, as kube-apiserver calls webhooks. halt owns the workers'
+// goroutines: a test calls it before it reads its verdict, and a cleanup
+// calls it for a test that ends early.
+type postWorkers struct {
+	ok, failed atomic.Int64
+	mu         sync.Mutex
+	errs       []string  // guarded by mu: one line per failed call
+	conns      []connLog // conns[w] records how worker w's connections ended
+	stop       chan struct{}
+	halted     sync.Once // closes stop once
+	wg         sync.WaitGroup
+}
+
+// startPostWorkers starts n workers dialling through d to backend.
+func startPostWorkers(t *testing.T, d dialFunc, backend string, n int) *postWorkers {
+	p := &postWorkers{conns: make([]connLog, n), stop: make(chan struct{})}
+	t.Cleanup(p.halt)
+	for w := range n {
+		client := d.loggedHTTPClient(&p.conns[w])
+		p.wg.Go(func() {
 			for i := 0; ; i++ {
 				select {
-				case <-stop:
+				case <-p.stop:
 					return
 				default:
 				}
@@ -627,46 +664,45 @@ func keepAliveAcrossRestarts(t *testing.T, proto apiserverapi.ProtocolType) {
 					err = fmt.Errorf("echo of %d bytes came back as %d bytes", len(want), len(got))
 				}
 				if err == nil {
-					ok.Add(1)
+					p.ok.Add(1)
 					continue
 				}
-				failed.Add(1)
-				mu.Lock()
-				errs = append(errs, fmt.Sprintf("worker %d call %d at %s: %v", w, i, time.Now().Format("15:04:05.000"), err))
-				mu.Unlock()
+				p.failed.Add(1)
+				p.mu.Lock()
+				p.errs = append(p.errs, fmt.Sprintf("worker %d call %d at %s: %v", w, i, time.Now().Format("15:04:05.000"), err))
+				p.mu.Unlock()
 			}
 		})
 	}
-	time.Sleep(time.Second)
-	for i := range hups {
-		before := startTime(metricsURL)
-		s.proc.signal(t, syscall.SIGHUP)
-		waitNewImage(t, s.proc, metricsURL, before, 20*time.Second)
-		s.waitAgents(t, 1, 10*time.Second)
-		checkSameProcess(t, s.proc, pid, bin)
-		t.Logf("SIGHUP #%d done at %s", i+1, time.Now().Format("15:04:05.000"))
-		time.Sleep(time.Second)
-	}
-	close(stop)
-	wg.Wait()
-	t.Logf("%d keep-alive POSTs across %d SIGHUP restarts, %d failed", ok.Load(), hups, failed.Load())
-	if failed.Load() > 0 || ok.Load() < 100 {
-		t.Errorf("%d ok, %d failed:\n%s", ok.Load(), failed.Load(), strings.Join(errs, "\n"))
-	}
-	for w := range workers {
-		dials, byServer, ends := conns[w].summary()
+	return p
+}
+
+// halt stops the workers and waits for them to return.
+func (p *postWorkers) halt() {
+	p.halted.Do(func() { close(p.stop) })
+	p.wg.Wait()
+}
+
+// errors is every failed call, one a line.
+func (p *postWorkers) errors() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return strings.Join(p.errs, "\n")
+}
+
+// checkConns fails the test if any worker's connection was ended by the
+// server side: a keep-alive connection must live through what restarts
+// names. A worker that dialled again because its own HTTP client dropped
+// the connection is only logged.
+func (p *postWorkers) checkConns(t *testing.T, restarts string) {
+	t.Helper()
+	for w := range p.conns {
+		dials, byServer, ends := p.conns[w].summary()
 		if byServer > 0 {
-			t.Errorf("worker %d: %d of its %d connections ended by the server side, want none: a keep-alive connection did not live through the restarts (%s)", w, byServer, dials, ends)
+			t.Errorf("worker %d: %d of its %d connections ended by the server side, want none: a keep-alive connection did not live through %s (%s)", w, byServer, dials, restarts, ends)
 		} else if dials != 1 {
 			t.Logf("worker %d dialled %d times, every earlier connection dropped by its own HTTP client (%s)", w, dials, ends)
 		}
-	}
-	out := s.proc.out.String()
-	if n := strings.Count(out, "paused tunnels handed to the next image"); n != hups {
-		t.Errorf("log has %d handovers, want %d", n, hups)
-	}
-	if strings.Contains(out, "could not be resumed") || strings.Contains(out, "could not be paused") {
-		t.Errorf("a tunnel was lost in a handover:\n%s", out)
 	}
 }
 
