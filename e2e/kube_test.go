@@ -528,12 +528,11 @@ func (e *kubeEnv) checkAggregated(seq int) error {
 	return nil
 }
 
-// followLogs streams pods/log?follow=true for 3 seconds and checks the
-// lines arrive in order, as the kubelet stand-in writes them.
-func (e *kubeEnv) followLogs(t *testing.T) {
+// openFollowLogs starts GET pods/log?follow=true on the target pod's app
+// container, as kubectl logs -f does, for as long as ctx lasts, and fails
+// the test unless it answers 200; the caller reads and closes the body.
+func (e *kubeEnv) openFollowLogs(t *testing.T, ctx context.Context) *http.Response {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.c.url+"/api/v1/namespaces/"+kubeNS+"/pods/target/log?container=app&follow=true", nil)
 	if err != nil {
 		t.Fatal(err)
@@ -542,11 +541,22 @@ func (e *kubeEnv) followLogs(t *testing.T) {
 	if err != nil {
 		t.Fatalf("follow logs: %v", err)
 	}
-	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
 		t.Fatalf("follow logs: status %d: %s", resp.StatusCode, b)
 	}
+	return resp
+}
+
+// followLogs streams pods/log?follow=true for 3 seconds and checks the
+// lines arrive in order, as the kubelet stand-in writes them.
+func (e *kubeEnv) followLogs(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	resp := e.openFollowLogs(t, ctx)
+	defer resp.Body.Close()
 	sc := bufio.NewScanner(resp.Body)
 	n := 0
 	for sc.Scan() {
@@ -873,19 +883,8 @@ func (e *kubeEnv) logsAndWebhookAcrossAgentRestarts(t *testing.T) {
 	agentOut0, srvOut0 := len(e.agent.proc.out.String()), len(e.s.proc.out.String())
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, e.c.url+"/api/v1/namespaces/"+kubeNS+"/pods/target/log?container=app&follow=true", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := e.c.admin.Do(req)
-	if err != nil {
-		t.Fatalf("follow logs: %v", err)
-	}
+	resp := e.openFollowLogs(t, ctx)
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(resp.Body)
-		t.Fatalf("follow logs: status %d: %s", resp.StatusCode, b)
-	}
 	var lines atomic.Int64
 	logErr := make(chan error, 1)
 	go func() {
