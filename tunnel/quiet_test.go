@@ -341,49 +341,17 @@ func testQuietRestart(t *testing.T, grpc bool) {
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr, Timeout: 15 * time.Second}
 
-	var ok, failed atomic.Int64
-	var mu sync.Mutex
-	var errs []string
-	stop := make(chan struct{})
-	var workers sync.WaitGroup
-	for w := range 3 {
-		workers.Add(1)
-		go func() {
-			defer workers.Done()
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				body := fmt.Sprintf("call %d/%d", w, i)
-				resp, err := client.Post(url, "text/plain", strings.NewReader(body))
-				var got []byte
-				if err == nil {
-					got, err = io.ReadAll(resp.Body)
-					resp.Body.Close()
-				}
-				if err == nil && string(got) == body {
-					ok.Add(1)
-				} else {
-					failed.Add(1)
-					mu.Lock()
-					errs = append(errs, fmt.Sprintf("%s: %q %v", body, got, err))
-					mu.Unlock()
-				}
-				// Pauses as between kube-apiserver's calls: mostly
-				// well inside the front door's short quiet, now and
-				// then well beyond the quiet a drain needs at its start. (A call that starts within the moment the
-				// client needs to see its idle connection closed is the
-				// race every keep-alive server has; not measured here.)
-				if rand.IntN(4) == 0 {
-					time.Sleep(2*quiet + time.Duration(rand.IntN(int(2*quiet))))
-				} else {
-					time.Sleep(time.Duration(rand.IntN(int(short / 2))))
-				}
-			}
-		}()
-	}
+	// Pauses as between kube-apiserver's calls: mostly well inside the
+	// front door's short quiet, now and then well beyond the quiet a drain
+	// needs at its start. (A call that starts within the moment the client
+	// needs to see its idle connection closed is the race every keep-alive
+	// server has; not measured here.)
+	posts := startEchoPosts(t, client, url, 3, func() time.Duration {
+		if rand.IntN(4) == 0 {
+			return 2*quiet + time.Duration(rand.IntN(int(2*quiet)))
+		}
+		return time.Duration(rand.IntN(int(short / 2)))
+	})
 	time.Sleep(300 * time.Millisecond)
 
 	// The restart: the first server drains with a long grace while the
@@ -404,28 +372,92 @@ func testQuietRestart(t *testing.T, grpc bool) {
 	srv2, wg2 := startServer("s1", front.next(), agentLn2)
 	defer func() { srv2.Close(); wg2.Wait() }()
 	waitFor("the agent on the next server", func() bool { return srv2.AgentCount() == 1 })
-	okBefore := ok.Load()
-	waitFor("a call through the next server", func() bool { return ok.Load() > okBefore })
-	close(stop)
-	workers.Wait()
+	okBefore := posts.ok.Load()
+	waitFor("a call through the next server", func() bool { return posts.ok.Load() > okBefore })
+	posts.stop()
 	tr.CloseIdleConnections()
 
 	t.Logf("drain took %v, %d tunnels closed at a quiet moment; %d calls ok (%d after the restart), %d failed, %d dials, webhook answered %d",
-		drain, srv1.Stats.ClosedQuiet.Load(), ok.Load(), ok.Load()-okBefore, failed.Load(), dials.Load(), answered.Load())
-	switch {
-	case failed.Load() > 1:
-		t.Errorf("%d calls lost across the restart: %s", failed.Load(), strings.Join(errs[:min(len(errs), 5)], "; "))
-	case failed.Load() == 1:
-		t.Logf("one call raced the quiet close: %s", errs[0])
-	}
+		drain, srv1.Stats.ClosedQuiet.Load(), posts.ok.Load(), posts.ok.Load()-okBefore, posts.failed.Load(), dials.Load(), answered.Load())
+	posts.checkLost(t, "the restart")
 	if srv1.Stats.ClosedQuiet.Load() == 0 {
 		t.Error("no tunnel was closed at a quiet moment")
 	}
 	if drain > grace/2 {
 		t.Errorf("drain took %v of a %v grace: idle keep-alive tunnels waited for the deadline", drain, grace)
 	}
-	if ok.Load() == okBefore {
+	if posts.ok.Load() == okBefore {
 		t.Error("no call went through the next server")
+	}
+}
+
+// echoPosts are workers that POST their own body to an echo handler back
+// to back through one HTTP client, as kube-apiserver calls a webhook over
+// keep-alive connections, and count each call ok or failed. stop owns
+// their goroutines: a test calls it before its verdict, and a cleanup
+// calls it for a test that ends early.
+type echoPosts struct {
+	ok, failed atomic.Int64
+	mu         sync.Mutex
+	errs       []string // guarded by mu: one per failed call
+	quit       chan struct{}
+	stopped    sync.Once // closes quit once
+	wg         sync.WaitGroup
+}
+
+// startEchoPosts starts n workers POSTing to url through client, each
+// sleeping pause() after every call.
+func startEchoPosts(t *testing.T, client *http.Client, url string, n int, pause func() time.Duration) *echoPosts {
+	p := &echoPosts{quit: make(chan struct{})}
+	t.Cleanup(p.stop)
+	for w := range n {
+		p.wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-p.quit:
+					return
+				default:
+				}
+				body := fmt.Sprintf("call %d/%d", w, i)
+				resp, err := client.Post(url, "text/plain", strings.NewReader(body))
+				var got []byte
+				if err == nil {
+					got, err = io.ReadAll(resp.Body)
+					resp.Body.Close()
+				}
+				if err == nil && string(got) == body {
+					p.ok.Add(1)
+				} else {
+					p.failed.Add(1)
+					p.mu.Lock()
+					p.errs = append(p.errs, fmt.Sprintf("%s: %q %v", body, got, err))
+					p.mu.Unlock()
+				}
+				time.Sleep(pause())
+			}
+		})
+	}
+	return p
+}
+
+// stop ends the workers and waits for them to return.
+func (p *echoPosts) stop() {
+	p.stopped.Do(func() { close(p.quit) })
+	p.wg.Wait()
+}
+
+// checkLost fails the test if more than one call was lost across what
+// across names; one call may race a quiet close (the race every keep-alive
+// server has), and is logged.
+func (p *echoPosts) checkLost(t *testing.T, across string) {
+	t.Helper()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.failed.Load() > 1:
+		t.Errorf("%d calls lost across %s: %s", p.failed.Load(), across, strings.Join(p.errs[:min(len(p.errs), 5)], "; "))
+	case p.failed.Load() == 1:
+		t.Logf("one call raced the quiet close: %s", p.errs[0])
 	}
 }
 
@@ -730,40 +762,7 @@ func TestAgentDrainClosesKeepAliveBeforeItsCut(t *testing.T) {
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr, Timeout: 15 * time.Second}
 
-	var ok, failed atomic.Int64
-	var mu sync.Mutex
-	var errs []string
-	stop := make(chan struct{})
-	var workers sync.WaitGroup
-	for w := range 2 {
-		workers.Add(1)
-		go func() {
-			defer workers.Done()
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				body := fmt.Sprintf("call %d/%d", w, i)
-				resp, err := client.Post(url, "text/plain", strings.NewReader(body))
-				var got []byte
-				if err == nil {
-					got, err = io.ReadAll(resp.Body)
-					resp.Body.Close()
-				}
-				if err == nil && string(got) == body {
-					ok.Add(1)
-				} else {
-					failed.Add(1)
-					mu.Lock()
-					errs = append(errs, fmt.Sprintf("%s: %q %v", body, got, err))
-					mu.Unlock()
-				}
-				time.Sleep(time.Duration(rand.IntN(int(5 * time.Millisecond))))
-			}
-		}()
-	}
+	posts := startEchoPosts(t, client, url, 2, func() time.Duration { return time.Duration(rand.IntN(int(5 * time.Millisecond))) })
 	waitUntil := func(what string, cond func() bool) {
 		t.Helper()
 		for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
@@ -772,26 +771,20 @@ func TestAgentDrainClosesKeepAliveBeforeItsCut(t *testing.T) {
 			}
 		}
 	}
-	waitUntil("calls through the first agent", func() bool { return ok.Load() >= 20 })
+	waitUntil("calls through the first agent", func() bool { return posts.ok.Load() >= 20 })
 	other := e.startAgent("other", "", nil)
 	e.waitAgents(2)
 	began := time.Now()
 	draining.cancel()
 	<-draining.done
 	drained := time.Since(began)
-	okBefore := ok.Load()
-	waitUntil("calls through the other agent", func() bool { return other.Stats.DialsOK.Load() > 0 && ok.Load() > okBefore+20 })
-	close(stop)
-	workers.Wait()
+	okBefore := posts.ok.Load()
+	waitUntil("calls through the other agent", func() bool { return other.Stats.DialsOK.Load() > 0 && posts.ok.Load() > okBefore+20 })
+	posts.stop()
 
 	t.Logf("agent drained in %v of its %v; %d tunnels closed at a quiet moment; %d calls ok, %d failed",
-		drained, drainTimeout, e.srv.Stats.ClosedQuiet.Load(), ok.Load(), failed.Load())
-	switch {
-	case failed.Load() > 1:
-		t.Errorf("%d calls lost across the agent's drain: %s", failed.Load(), strings.Join(errs[:min(len(errs), 5)], "; "))
-	case failed.Load() == 1:
-		t.Logf("one call raced the quiet close: %s", errs[0])
-	}
+		drained, drainTimeout, e.srv.Stats.ClosedQuiet.Load(), posts.ok.Load(), posts.failed.Load())
+	posts.checkLost(t, "the agent's drain")
 	if e.srv.Stats.ClosedQuiet.Load() == 0 {
 		t.Error("no tunnel was closed at a quiet moment")
 	}
