@@ -168,12 +168,7 @@ func TestCounterPollsWhenWatchForbidden(t *testing.T) {
 	checkNoLeaks(t)
 	f, client, _ := newTestClient(t)
 	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, time.Now(), 30))
-	f.setFail(func(r *http.Request) (int, string) {
-		if r.URL.Query().Get("watch") == "true" {
-			return http.StatusForbidden, "Forbidden"
-		}
-		return 0, ""
-	})
+	f.failWatches(http.StatusForbidden, "Forbidden")
 	rc := startCounter(t, client, "k8s-app=konnectivity-server", nil)
 	rc.next(t, 1, 5*time.Second)
 	f.put(testNS, leaseObject(NamePrefix+"b", "b", testLabels, time.Now(), 30))
@@ -300,12 +295,7 @@ func TestCounterBoundsTrackedLeases(t *testing.T) {
 func TestCounterPacesCalls(t *testing.T) {
 	f, client, _ := newTestClient(t)
 	f.put(testNS, leaseObject(NamePrefix+"a", "a", testLabels, time.Now(), 30))
-	f.setFail(func(r *http.Request) (int, string) {
-		if r.URL.Query().Get("watch") == "true" {
-			return http.StatusGone, "Expired"
-		}
-		return 0, ""
-	})
+	f.failWatches(http.StatusGone, "Expired")
 	start := time.Now()
 	rc := startCounter(t, client, "k8s-app=konnectivity-server", nil)
 	rc.next(t, 1, 5*time.Second)

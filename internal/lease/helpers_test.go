@@ -107,6 +107,17 @@ func (f *fakeAPI) setFail(fn func(r *http.Request) (int, string)) {
 	f.mu.Unlock()
 }
 
+// failWatches makes the fake answer every watch with code and reason, and
+// every other request as usual.
+func (f *fakeAPI) failWatches(code int, reason string) {
+	f.setFail(func(r *http.Request) (int, string) {
+		if r.URL.Query().Get("watch") == "true" {
+			return code, reason
+		}
+		return 0, ""
+	})
+}
+
 // put stores obj as if a client created or updated it, returning the new
 // resourceVersion.
 func (f *fakeAPI) put(ns string, obj map[string]any) string {
