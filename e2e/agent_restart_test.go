@@ -91,13 +91,7 @@ func agentRestartKeepsTunnels(t *testing.T, proto apiserverapi.ProtocolType, apa
 	s := startServer(t, mode, "--agent-wait=10s")
 	// a1 runs from a private copy: the shared binary may be rebuilt meanwhile.
 	bin := copyExecutable(t, t.TempDir())
-	a1 := &agent{id: "a1", healthPort: freePort(t), adminPort: freePort(t)}
-	a1.proc = startProcBin(t, bin, "agent-a1", "agent",
-		"--proxy-server-host=127.0.0.1", fmt.Sprintf("--proxy-server-port=%d", s.agentPort),
-		"--ca-cert="+s.pki.caCert, "--agent-cert="+s.pki.agentCert, "--agent-key="+s.pki.agentKey,
-		"--agent-id=a1", "--health-server-host=127.0.0.1", fmt.Sprintf("--health-server-port=%d", a1.healthPort),
-		"--admin-bind-address=127.0.0.1", fmt.Sprintf("--admin-server-port=%d", a1.adminPort),
-		"--drain-timeout=5s", "--sync-interval=100ms", "--sync-interval-cap=500ms")
+	a1 := s.launchAgentFrom(t, bin, nil, s.pki, "a1", "", "--drain-timeout=5s", "--sync-interval=100ms", "--sync-interval-cap=500ms")
 	waitHTTP(t, a1.proc, a1.healthURL("/readyz"), 200)
 	s.waitAgents(t, 1, startTimeout)
 	backend := startHTTPBackend(t, "127.0.0.1", "b1")

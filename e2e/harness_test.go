@@ -514,6 +514,14 @@ func (s *server) launchAgent(t *testing.T, certs *pki, id, identifiers string, e
 // launchAgentEnv is launchAgent with env added to the agent's environment.
 func (s *server) launchAgentEnv(t *testing.T, env []string, certs *pki, id, identifiers string, extra ...string) *agent {
 	t.Helper()
+	return s.launchAgentFrom(t, konnectivityBin, env, certs, id, identifiers, extra...)
+}
+
+// launchAgentFrom is launchAgentEnv running the binary at bin, such as a
+// private copy that SIGHUP re-executes while the shared one may be
+// rebuilt.
+func (s *server) launchAgentFrom(t *testing.T, bin string, env []string, certs *pki, id, identifiers string, extra ...string) *agent {
+	t.Helper()
 	a := &agent{id: id, healthPort: freePort(t), adminPort: freePort(t)}
 	args := []string{
 		"agent",
@@ -531,7 +539,7 @@ func (s *server) launchAgentEnv(t *testing.T, env []string, certs *pki, id, iden
 	if identifiers != "" {
 		args = append(args, "--agent-identifiers="+identifiers)
 	}
-	a.proc = startProcEnv(t, konnectivityBin, "agent-"+id, env, append(args, extra...)...)
+	a.proc = startProcEnv(t, bin, "agent-"+id, env, append(args, extra...)...)
 	return a
 }
 

@@ -415,13 +415,7 @@ func TestAgentSelfRestart(t *testing.T) {
 	agentFlags := []string{"--drain-timeout=2s", "--sync-interval=100ms", "--sync-interval-cap=500ms"}
 	// a1 runs from a private copy: the shared binary may be rebuilt meanwhile.
 	bin := copyExecutable(t, t.TempDir())
-	a1 := &agent{id: "a1", healthPort: freePort(t), adminPort: freePort(t)}
-	a1.proc = startProcBin(t, bin, "agent-a1", "agent",
-		"--proxy-server-host=127.0.0.1", fmt.Sprintf("--proxy-server-port=%d", s.agentPort),
-		"--ca-cert="+s.pki.caCert, "--agent-cert="+s.pki.agentCert, "--agent-key="+s.pki.agentKey,
-		"--agent-id=a1", "--health-server-host=127.0.0.1", fmt.Sprintf("--health-server-port=%d", a1.healthPort),
-		"--admin-bind-address=127.0.0.1", fmt.Sprintf("--admin-server-port=%d", a1.adminPort),
-		"--drain-timeout=2s", "--sync-interval=100ms", "--sync-interval-cap=500ms")
+	a1 := s.launchAgentFrom(t, bin, nil, s.pki, "a1", "", agentFlags...)
 	waitHTTP(t, a1.proc, a1.healthURL("/readyz"), 200)
 	a2 := s.startAgent(t, "a2", "", agentFlags...)
 	s.waitAgents(t, 2, startTimeout)
