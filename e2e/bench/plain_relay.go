@@ -18,6 +18,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 // The plain TLS relay: the simplest program with the tunnel's shape, in two
@@ -208,8 +210,8 @@ func (r *plainRelay) stop() {
 
 // cpuTicks is both relays' CPU so far.
 func (r *plainRelay) cpuTicks() (int64, error) {
-	n, err1 := cpuTicks(r.near.cmd.Process.Pid)
-	f, err2 := cpuTicks(r.far.cmd.Process.Pid)
+	n, err1 := benchproc.CPUTicks(r.near.cmd.Process.Pid)
+	f, err2 := benchproc.CPUTicks(r.far.cmd.Process.Pid)
 	if err1 != nil {
 		return 0, err1
 	}

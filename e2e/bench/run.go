@@ -6,7 +6,6 @@ import (
 	"debug/elf"
 	"errors"
 	"fmt"
-	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
 	"io"
 	"net/http"
 	"os"
@@ -20,6 +19,9 @@ import (
 	"syscall"
 	"text/tabwriter"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 const (
@@ -182,7 +184,7 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 		if !cfg.wants(p.key) {
 			continue
 		}
-		b.logf("== %s (load %s)", p.name, loadAvg())
+		b.logf("== %s (load %s)", p.name, benchproc.LoadAvg())
 		b.resetPeak()
 		t0 := time.Now()
 		if err := p.f(ctx); err != nil {
@@ -210,7 +212,7 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 }
 
 func (b *bench) printMachine() {
-	fmt.Fprintf(b.out, "machine: %d CPUs (nproc), %s; load average %s\n", runtime.NumCPU(), cpuModel(), loadAvg())
+	fmt.Fprintf(b.out, "machine: %d CPUs (nproc), %s; load average %s\n", runtime.NumCPU(), cpuModel(), benchproc.LoadAvg())
 	binGo := "unknown"
 	if bi, err := buildinfo.ReadFile(b.cfg.bin); err == nil {
 		binGo = bi.GoVersion
@@ -247,7 +249,7 @@ func (b *bench) start(ctx context.Context) error {
 	}
 	ports := make([]int, 5)
 	for i := range ports {
-		if ports[i], err = freePort(); err != nil {
+		if ports[i], err = benchproc.FreePort(); err != nil {
 			return err
 		}
 	}
@@ -291,23 +293,23 @@ func (b *bench) start(ctx context.Context) error {
 	b.serverAdmin, b.agentAdmin = ports[3], ports[4]
 	serverArgs = append(serverArgs, "--enable-profiling", "--admin-bind-address=127.0.0.1", "--admin-port="+strconv.Itoa(b.serverAdmin))
 	agentArgs = append(agentArgs, "--enable-profiling", "--admin-bind-address=127.0.0.1", "--admin-server-port="+strconv.Itoa(b.agentAdmin))
-	b.server, err = startProc("server", serverBin, serverArgs, filepath.Join(b.dir, "server.log"))
+	b.server, err = benchproc.Start("server", serverBin, serverArgs, filepath.Join(b.dir, "server.log"))
 	if err != nil {
 		return err
 	}
 	// The agent would retry, but starting it only once the server is up
 	// keeps a connection-refused warning out of its log.
-	if err := waitHTTP(ctx, b.server, serverHealth, "/healthz"); err != nil {
+	if err := benchproc.WaitHTTP(ctx, b.server, serverHealth, "/healthz", readyTimeout); err != nil {
 		return err
 	}
-	b.agent, err = startProc("agent", agentBin, agentArgs, filepath.Join(b.dir, "agent.log"))
+	b.agent, err = benchproc.Start("agent", agentBin, agentArgs, filepath.Join(b.dir, "agent.log"))
 	if err != nil {
 		return err
 	}
-	if err := waitHTTP(ctx, b.server, serverHealth, "/readyz"); err != nil {
+	if err := benchproc.WaitHTTP(ctx, b.server, serverHealth, "/readyz", readyTimeout); err != nil {
 		return err
 	}
-	if err := waitHTTP(ctx, b.agent, agentHealth, "/readyz"); err != nil {
+	if err := benchproc.WaitHTTP(ctx, b.agent, agentHealth, "/readyz", readyTimeout); err != nil {
 		return err
 	}
 	b.tun = tunnelDialer(b.sock)
@@ -324,7 +326,7 @@ func (b *bench) start(ctx context.Context) error {
 		}
 	}
 	b.logf("server pid %d (pprof 127.0.0.1:%d), agent pid %d (pprof 127.0.0.1:%d), socket %s",
-		b.server.pid(), b.serverAdmin, b.agent.pid(), b.agentAdmin, b.sock)
+		b.server.PID(), b.serverAdmin, b.agent.PID(), b.agentAdmin, b.sock)
 	return nil
 }
 
@@ -335,7 +337,7 @@ func (b *bench) stopProcs() {
 	// Agent first: it then has no server to drain toward.
 	for _, p := range []*proc{b.agent, b.server} {
 		if p != nil {
-			p.stop()
+			p.Stop()
 		}
 	}
 }
@@ -355,21 +357,21 @@ func (b *bench) goroutines(ctx context.Context) (srv, agt int, err error) {
 // means the peak covers the whole run so far.
 func (b *bench) resetPeak() {
 	for _, p := range []*proc{b.server, b.agent} {
-		_ = os.WriteFile("/proc/"+strconv.Itoa(p.pid())+"/clear_refs", []byte("5"), 0)
+		_ = os.WriteFile("/proc/"+strconv.Itoa(p.PID())+"/clear_refs", []byte("5"), 0)
 	}
 }
 
 // peak reads VmHWM of server and agent.
 func (b *bench) peak() (srv, agt int64, err error) {
-	s, err1 := procStatusKiB(b.server.pid(), "VmHWM:")
-	a, err2 := procStatusKiB(b.agent.pid(), "VmHWM:")
+	s, err1 := benchproc.StatusKiB(b.server.PID(), "VmHWM:")
+	a, err2 := benchproc.StatusKiB(b.agent.PID(), "VmHWM:")
 	return s, a, errors.Join(err1, err2)
 }
 
 // rss reads VmRSS of server and agent.
 func (b *bench) rss() (srv, agt int64, err error) {
-	s, err1 := rssKiB(b.server.pid())
-	a, err2 := rssKiB(b.agent.pid())
+	s, err1 := benchproc.RSSKiB(b.server.PID())
+	a, err2 := benchproc.RSSKiB(b.agent.PID())
 	return s, a, errors.Join(err1, err2)
 }
 
@@ -667,12 +669,12 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 	var errND, errNU error
 	if b.nullTun != nil {
 		pid := b.null.cmd.Process.Pid
-		c0, cerr0 := cpuTicks(pid)
+		c0, cerr0 := benchproc.CPUTicks(pid)
 		nDown, errND = download(ctx, b.nullTun, b.pat, src, n)
 		b.check("download through the gRPC null proxy intact (CRC-32C)", errND == nil, errStr(errND))
 		nUp, errNU = upload(ctx, b.nullTun, b.pat, sink, n)
 		b.check("upload through the gRPC null proxy intact (CRC-32C)", errNU == nil, errStr(errNU))
-		c1, cerr1 := cpuTicks(pid)
+		c1, cerr1 := benchproc.CPUTicks(pid)
 		if cerr0 == nil && cerr1 == nil && errND == nil && errNU == nil {
 			b.note("gRPC null proxy CPU: %.2f s per GiB moved (its own process; %d ticks over %.2f GiB)",
 				float64(c1-c0)/float64(clockTicks())/(2*float64(n)/gib), c1-c0, 2*float64(n)/gib)
@@ -682,13 +684,13 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 	floor := b.measurePlainRelay(ctx, src, sink, n)
 
 	hz := clockTicks()
-	s0, err1 := cpuTicks(b.server.pid())
-	a0, err2 := cpuTicks(b.agent.pid())
+	s0, err1 := benchproc.CPUTicks(b.server.PID())
+	a0, err2 := benchproc.CPUTicks(b.agent.PID())
 	if err := errors.Join(err1, err2); err != nil {
 		return err
 	}
-	io0s, _ := procIO(b.server.pid())
-	io0a, _ := procIO(b.agent.pid())
+	io0s, _ := procIO(b.server.PID())
+	io0a, _ := procIO(b.agent.PID())
 	wait := b.profiles(ctx, "download")
 	tDown, errTD := download(ctx, b.tun, b.pat, src, n)
 	wait()
@@ -697,8 +699,8 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 	tUp, errTU := upload(ctx, b.tun, b.pat, sink, n)
 	wait()
 	b.check("tunnelled upload intact (CRC-32C)", errTU == nil, errStr(errTU))
-	s1, err1 := cpuTicks(b.server.pid())
-	a1, err2 := cpuTicks(b.agent.pid())
+	s1, err1 := benchproc.CPUTicks(b.server.PID())
+	a1, err2 := benchproc.CPUTicks(b.agent.PID())
 	if err := errors.Join(err1, err2); err != nil {
 		return err
 	}
@@ -717,8 +719,8 @@ func (b *bench) phaseThroughput(ctx context.Context) error {
 			fmt.Sprintf("%.1f %%", pct), ">= 25 % of direct", ptr(pct >= 25))
 	}
 	moved := 2 * float64(n) / gib
-	io1s, errS := procIO(b.server.pid())
-	io1a, errA := procIO(b.agent.pid())
+	io1s, errS := procIO(b.server.PID())
+	io1a, errA := procIO(b.agent.PID())
 	if errS == nil && errA == nil {
 		m := 2 * float64(n) / mib
 		b.note("syscalls per MiB moved: server %.1f reads + %.1f writes, agent %.1f reads + %.1f writes (/proc/PID/io)",
@@ -945,7 +947,7 @@ func (b *bench) phase10k(ctx context.Context) error {
 
 // finish reads the last figures, stops the processes and prints the table.
 func (b *bench) finish() {
-	if b.server != nil && !b.server.exited() && !b.agent.exited() {
+	if b.server != nil && !b.server.Exited() && !b.agent.Exited() {
 		settle(context.Background(), time.Second)
 		if s, a, err := b.rss(); err == nil {
 			b.note("idle RSS after the load: server %s, agent %s", kibStr(s), kibStr(a))
@@ -963,14 +965,15 @@ func (b *bench) finish() {
 	}
 	b.stopProcs()
 	for _, p := range []*proc{b.agent, b.server} {
-		b.check(p.name+" exits on SIGTERM", p.graceful, fmt.Sprintf("needed SIGKILL after %v", stopTimeout))
-		if p.graceful {
-			b.note("%s exited %v after SIGTERM (%v)", p.name, p.stopTook.Round(time.Millisecond), p.waitErr)
+		graceful, took := p.Graceful()
+		b.check(p.Name+" exits on SIGTERM", graceful, fmt.Sprintf("needed SIGKILL after %v", benchproc.StopTimeout))
+		if graceful {
+			b.note("%s exited %v after SIGTERM (%v)", p.Name, took.Round(time.Millisecond), p.WaitErr())
 		}
-		lines, bad, sample := p.logIssues(5)
-		b.note("%s log: %d lines, %d WARN/ERROR", p.name, lines, bad)
+		lines, bad, sample := p.LogIssues(5)
+		b.note("%s log: %d lines, %d WARN/ERROR", p.Name, lines, bad)
 		for _, l := range sample {
-			b.note("  %s: %s", p.name, l)
+			b.note("  %s: %s", p.Name, l)
 		}
 	}
 	derrs := b.dest.errs.Load()
@@ -999,7 +1002,7 @@ func (b *bench) finish() {
 	}
 	tw.Flush()
 	fmt.Fprintf(b.out, "targets: %d met, %d missed (reported, not asserted)\n", met, missed)
-	fmt.Fprintf(b.out, "load average at the end: %s\n", loadAvg())
+	fmt.Fprintf(b.out, "load average at the end: %s\n", benchproc.LoadAvg())
 	for _, n := range b.notes {
 		fmt.Fprintf(b.out, "note: %s\n", n)
 	}
@@ -1009,7 +1012,7 @@ func (b *bench) finish() {
 	if b.res.failed > 0 {
 		for _, p := range []*proc{b.server, b.agent} {
 			if p != nil {
-				fmt.Fprintf(b.out, "--- %s log tail\n%s\n", p.name, p.logTail(20))
+				fmt.Fprintf(b.out, "--- %s log tail\n%s\n", p.Name, p.LogTail(20))
 			}
 		}
 	}

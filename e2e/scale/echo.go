@@ -10,6 +10,8 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 // echoArgs are an echo destination's settings.
@@ -79,7 +81,7 @@ func runEcho(in io.Reader, out io.Writer) error {
 			mu.Lock()
 			n := len(conns)
 			mu.Unlock()
-			rss, _ := rssKiB(os.Getpid())
+			rss, _ := benchproc.RSSKiB(os.Getpid())
 			fmt.Fprintf(out, "stat conns=%d goroutines=%d rss_kib=%d\n", n, runtime.NumGoroutine(), rss)
 		case "gc":
 			runtime.GC()

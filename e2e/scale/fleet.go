@@ -16,6 +16,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 // simArgs are an agent simulator's settings.
@@ -172,7 +174,7 @@ func (f *fleet) statLine() string {
 			retried2++
 		}
 	}
-	rss, _ := rssKiB(os.Getpid())
+	rss, _ := benchproc.RSSKiB(os.Getpid())
 	return fmt.Sprintf("stat agents=%d connected=%d connects=%d last_connect=%d failures=%d max_failures=%d retried2=%d open=%d goroutines=%d rss_kib=%d errors=%s",
 		len(agents), connected, f.connects.Load(), f.lastConnect.Load(), failures, maxFail, retried2, open,
 		runtime.NumGoroutine(), rss, f.errs.top())

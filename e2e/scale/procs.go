@@ -4,10 +4,8 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,6 +14,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 const (
@@ -211,122 +211,6 @@ func kvInt(m map[string]string, k string) int64 {
 	return n
 }
 
-// proc is the server process.
-type proc struct {
-	name    string
-	logPath string
-	cmd     *exec.Cmd
-	done    chan struct{} // closed once reaped
-	waitErr error         // valid after done
-
-	stopOnce sync.Once
-}
-
-func startProc(name, bin string, args []string, logPath string) (*proc, error) {
-	f, err := os.Create(logPath)
-	if err != nil {
-		return nil, fmt.Errorf("create %s log: %w", name, err)
-	}
-	defer f.Close() // the child holds its own copy
-	p := &proc{name: name, logPath: logPath, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
-	p.cmd.Stdout = f
-	p.cmd.Stderr = f
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := p.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
-	go func() { // owned by p: ends when the process is reaped
-		p.waitErr = p.cmd.Wait()
-		close(p.done)
-	}()
-	return p, nil
-}
-
-func (p *proc) pid() int { return p.cmd.Process.Pid }
-
-func (p *proc) exited() bool {
-	select {
-	case <-p.done:
-		return true
-	default:
-		return false
-	}
-}
-
-// stop sends SIGTERM and, after stopTimeout, SIGKILL.
-func (p *proc) stop() {
-	p.stopOnce.Do(func() {
-		if p.exited() {
-			return
-		}
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(stopTimeout):
-			_ = p.cmd.Process.Kill()
-		}
-	})
-	<-p.done
-}
-
-func (p *proc) logTail(n int) string {
-	b, err := os.ReadFile(p.logPath)
-	if err != nil {
-		return fmt.Sprintf("(read %s: %v)", p.logPath, err)
-	}
-	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
-
-// freePort asks the kernel for an unused loopback port; another process
-// may take it before the server binds it, which fails startup loudly.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-// waitHTTP polls http://127.0.0.1:port/path until 200.
-func waitHTTP(ctx context.Context, p *proc, port int, path string) error {
-	ctx, cancel := context.WithTimeout(ctx, readyTimeout)
-	defer cancel()
-	client := &http.Client{Timeout: time.Second}
-	url := "http://127.0.0.1:" + strconv.Itoa(port) + path
-	last := "no answer"
-	for {
-		if p.exited() {
-			return fmt.Errorf("%s exited before ready (%v); log tail:\n%s", p.name, p.waitErr, p.logTail(20))
-		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-		if err != nil {
-			return err
-		}
-		resp, err := client.Do(req)
-		if err == nil {
-			_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4096))
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-			last = resp.Status
-		} else {
-			last = err.Error()
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%s: %s not 200 within %v (last: %s); log tail:\n%s", p.name, path, readyTimeout, last, p.logTail(20))
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
 // scrape reads the named samples (exact series text, e.g.
 // `go_goroutines`) from a Prometheus text endpoint; missing ones are absent
 // from the map.
@@ -363,47 +247,7 @@ func scrape(ctx context.Context, port int, names ...string) (map[string]float64,
 	return got, sc.Err()
 }
 
-// cpuTicks returns utime+stime of pid in clock ticks (USER_HZ, 100 on
-// every Linux architecture Go supports).
-func cpuTicks(pid int) (int64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, fmt.Errorf("read stat of %d: %w", pid, err)
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("parse stat of %d: no ')'", pid)
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 13 {
-		return 0, fmt.Errorf("parse stat of %d: %d fields", pid, len(f))
-	}
-	ut, err1 := strconv.ParseInt(f[11], 10, 64)
-	st, err2 := strconv.ParseInt(f[12], 10, 64)
-	if err := errors.Join(err1, err2); err != nil {
-		return 0, fmt.Errorf("parse stat of %d: %w", pid, err)
-	}
-	return ut + st, nil
-}
-
 const clockTicks = 100
-
-// rssKiB returns VmRSS of pid in KiB.
-func rssKiB(pid int) (int64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		return 0, fmt.Errorf("read status of %d: %w", pid, err)
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-			if f := strings.Fields(v); len(f) > 0 {
-				return strconv.ParseInt(f[0], 10, 64)
-			}
-		}
-	}
-	return 0, fmt.Errorf("no VmRSS in status of %d", pid)
-}
 
 // nofileOf reads the soft descriptor limit of pid from /proc/PID/limits.
 func nofileOf(pid int) (int64, error) {
@@ -421,14 +265,5 @@ func nofileOf(pid int) (int64, error) {
 	return 0, fmt.Errorf("no open-files limit for %d", pid)
 }
 
-func loadAvg() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return "unknown"
-	}
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		return strings.TrimSpace(string(b))
-	}
-	return strings.Join(f[:3], " ")
-}
+// proc is one started server or agent process.
+type proc = benchproc.Proc

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
 	"io"
 	"os"
 	"path/filepath"
@@ -13,6 +12,9 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchpki"
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 // fdReserve is what a process keeps for everything but tunnels and agents.
@@ -84,7 +86,7 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 		os.RemoveAll(s.dir)
 	}()
 	nofile := raiseNofile()
-	fmt.Fprintf(out, "machine: %d CPUs, load average %s, RLIMIT_NOFILE %d; %s\n", runtime.NumCPU(), loadAvg(), nofile, runtime.Version())
+	fmt.Fprintf(out, "machine: %d CPUs, load average %s, RLIMIT_NOFILE %d; %s\n", runtime.NumCPU(), benchproc.LoadAvg(), nofile, runtime.Version())
 	fmt.Fprintf(out, "sizes: %d agents, %d tunnels requested, %d dials per latency figure\n", cfg.agents, cfg.tunnels, cfg.dials)
 	if s.pki, err = benchpki.Mint(s.dir, "scale"); err != nil {
 		return s.res, err
@@ -113,7 +115,7 @@ func run(ctx context.Context, cfg config, out, progress io.Writer) (result, erro
 		if ctx.Err() != nil {
 			break
 		}
-		s.logf("== %s (load %s)", d.label, loadAvg())
+		s.logf("== %s (load %s)", d.label, benchproc.LoadAvg())
 		err := d.run(ctx)
 		d.stop()
 		if err != nil {
@@ -202,7 +204,7 @@ func (d *doorRun) run(ctx context.Context) error {
 		return err
 	}
 	settle(ctx, time.Second)
-	d.rss1, _ = rssKiB(d.server.pid())
+	d.rss1, _ = benchproc.RSSKiB(d.server.PID())
 	d.g1 = d.metric(ctx, mGoroutines)
 	target := d.echoAddrs[0]
 	d.collectHelpers(ctx)
@@ -214,7 +216,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	settle(ctx, time.Second)
 
 	// The fleet, all at once, as after a server restart.
-	d.rssPre, _ = rssKiB(d.server.pid())
+	d.rssPre, _ = benchproc.RSSKiB(d.server.PID())
 	refused0 := d.metric(ctx, mRefused)
 	srvCPU0, simCPU0 := d.cpuSeconds()
 	t0 := time.Now()
@@ -262,7 +264,7 @@ func (d *doorRun) run(ctx context.Context) error {
 		d.refused = -1 // not counted by this server
 	}
 	settle(ctx, cfg.afterBurst)
-	d.rssN, _ = rssKiB(d.server.pid())
+	d.rssN, _ = benchproc.RSSKiB(d.server.PID())
 	d.gN = d.metric(ctx, mGoroutines)
 	d.cpuN = d.idleCPU(ctx)
 	d.collectHelpers(ctx)
@@ -290,7 +292,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.held = d.heldWanted - d.heldErrs
 	d.check(fmt.Sprintf("%d idle tunnels opened, each echoed a byte", d.heldWanted), d.heldErrs == 0, errDetail(d.heldErrs, d.heldFirstErr))
 	settle(ctx, cfg.afterBurst)
-	d.rssM, _ = rssKiB(d.server.pid())
+	d.rssM, _ = benchproc.RSSKiB(d.server.PID())
 	d.gM = d.metric(ctx, mGoroutines)
 	est, estOK := d.metricOK(ctx, mEstablished)
 	d.check("server counts the held tunnels", estOK && int(est) == d.held, fmt.Sprintf("established %v (series present %v), held %d", est, estOK, d.held))
@@ -325,7 +327,7 @@ func (d *doorRun) startServer(ctx context.Context) error {
 		return err
 	}
 	d.server, d.adminPort, d.sock, d.agentsAddr, d.dial = srv.proc, srv.adminPort, srv.sock, srv.agentsAddr, srv.dial
-	d.s.logf("%s: server %s pid %d, agents at %s, socket %s", d.label, d.serverBin, d.server.pid(), d.agentsAddr, d.sock)
+	d.s.logf("%s: server %s pid %d, agents at %s, socket %s", d.label, d.serverBin, d.server.PID(), d.agentsAddr, d.sock)
 	return nil
 }
 
@@ -345,7 +347,7 @@ func (d *doorRun) launch(ctx context.Context, tag string) (launched, error) {
 	var l launched
 	ports := make([]int, 3)
 	for i := range ports {
-		p, err := freePort()
+		p, err := benchproc.FreePort()
 		if err != nil {
 			return l, err
 		}
@@ -373,12 +375,13 @@ func (d *doorRun) launch(ctx context.Context, tag string) (launched, error) {
 		args = append([]string{"server"}, args...)
 	}
 	var err error
-	l.proc, err = startProc("server", d.serverBin, args, filepath.Join(s.dir, tag+"-server.log"))
+	l.proc, err = benchproc.Start("server", d.serverBin, args, filepath.Join(s.dir, tag+"-server.log"))
 	if err != nil {
 		return l, err
 	}
-	if err := waitHTTP(ctx, l.proc, health, "/healthz"); err != nil {
-		l.proc.stop()
+	l.proc.StopAfter = stopTimeout // a server with thousands of agents and tunnels drains longer
+	if err := benchproc.WaitHTTP(ctx, l.proc, health, "/healthz", readyTimeout); err != nil {
+		l.proc.Stop()
 		return l, err
 	}
 	l.dial = connectDialer(l.sock)
@@ -413,9 +416,9 @@ func (d *doorRun) startReference(ctx context.Context) error {
 		got = m[mAgents]
 		return got == 1
 	}) {
-		return fmt.Errorf("reference server counts %v agents, want 1, after a minute; log tail:\n%s", got, ref.proc.logTail(10))
+		return fmt.Errorf("reference server counts %v agents, want 1, after a minute; log tail:\n%s", got, ref.proc.LogTail(10))
 	}
-	s.logf("%s: reference server pid %d with one agent (simulator pid %d)", d.label, ref.proc.pid(), d.refSim.pid())
+	s.logf("%s: reference server pid %d with one agent (simulator pid %d)", d.label, ref.proc.PID(), d.refSim.pid())
 	return nil
 }
 
@@ -426,7 +429,7 @@ func (d *doorRun) startHelpers(ctx context.Context) error {
 	d.heldWanted = cfg.tunnels
 	if d.door == "http-connect" {
 		// One Unix socket per tunnel in the server and in this process.
-		srvLimit, err := nofileOf(d.server.pid())
+		srvLimit, err := nofileOf(d.server.PID())
 		if err != nil {
 			return err
 		}
@@ -503,10 +506,10 @@ func (d *doorRun) stop() {
 	}
 	wg.Wait()
 	if d.server != nil {
-		d.server.stop()
+		d.server.Stop()
 	}
 	if d.ref.proc != nil {
-		d.ref.proc.stop()
+		d.ref.proc.Stop()
 	}
 }
 
@@ -551,7 +554,7 @@ func (d *doorRun) waitAgents(ctx context.Context, n int, bound time.Duration) er
 	}) {
 		return nil
 	}
-	return fmt.Errorf("server counts %v agents, want %d, after %v; log tail:\n%s", got, n, bound, d.server.logTail(10))
+	return fmt.Errorf("server counts %v agents, want %d, after %v; log tail:\n%s", got, n, bound, d.server.LogTail(10))
 }
 
 // pollFleet polls the simulators until n agents hold a connection.
@@ -621,11 +624,11 @@ func (d *doorRun) collectHelpers(ctx context.Context) {
 // cpuSeconds returns the CPU time used so far by the server and by the
 // simulators together.
 func (d *doorRun) cpuSeconds() (server, sims float64) {
-	if t, err := cpuTicks(d.server.pid()); err == nil {
+	if t, err := benchproc.CPUTicks(d.server.PID()); err == nil {
 		server = float64(t) / clockTicks
 	}
 	for _, h := range d.sims {
-		if t, err := cpuTicks(h.pid()); err == nil {
+		if t, err := benchproc.CPUTicks(h.pid()); err == nil {
 			sims += float64(t) / clockTicks
 		}
 	}
@@ -634,13 +637,13 @@ func (d *doorRun) cpuSeconds() (server, sims float64) {
 
 // idleCPU is the server's CPU over cfg.idleCPU, in % of one core.
 func (d *doorRun) idleCPU(ctx context.Context) float64 {
-	t0, err := cpuTicks(d.server.pid())
+	t0, err := benchproc.CPUTicks(d.server.PID())
 	if err != nil {
 		return -1
 	}
 	start := time.Now()
 	settle(ctx, d.s.cfg.idleCPU)
-	t1, err := cpuTicks(d.server.pid())
+	t1, err := benchproc.CPUTicks(d.server.PID())
 	if err != nil {
 		return -1
 	}
