@@ -11,10 +11,11 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchdial"
 )
 
 const (
-	connectOK   = "HTTP/1.1 200 Connection Established\r\n\r\n"
 	dialTimeout = 15 * time.Second // CONNECT answered (the agent dials within it)
 	echoTimeout = 10 * time.Second // one small echo round trip
 )
@@ -32,38 +33,11 @@ func directDialer(ctx context.Context, target string) (net.Conn, error) {
 	return c, nil
 }
 
+// tunnelDialer dials through the HTTP CONNECT front door on the server's
+// Unix socket, one socket per tunnel, as kube-apiserver does.
 func tunnelDialer(sock string) dialer {
 	return func(ctx context.Context, target string) (net.Conn, error) {
-		d := net.Dialer{Timeout: dialTimeout}
-		c, err := d.DialContext(ctx, "unix", sock)
-		if err != nil {
-			return nil, fmt.Errorf("dial %s: %w", sock, err)
-		}
-		if err := c.SetDeadline(time.Now().Add(dialTimeout)); err != nil {
-			c.Close()
-			return nil, err
-		}
-		req := "CONNECT " + target + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-		if _, err := io.WriteString(c, req); err != nil {
-			c.Close()
-			return nil, fmt.Errorf("write CONNECT %s: %w", target, err)
-		}
-		// The destinations all speak first only after the client has, so
-		// nothing can follow the answer yet: reading its exact length is safe.
-		buf := make([]byte, len(connectOK))
-		n, err := io.ReadFull(c, buf)
-		if err != nil || string(buf) != connectOK {
-			// Collect the rest of an error answer for the message.
-			_ = c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
-			rest, _ := io.ReadAll(io.LimitReader(c, 512))
-			c.Close()
-			return nil, fmt.Errorf("CONNECT %s: answer %q (read error %v)", target, append(buf[:n], rest...), err)
-		}
-		if err := c.SetDeadline(time.Time{}); err != nil {
-			c.Close()
-			return nil, err
-		}
-		return c, nil
+		return benchdial.Connect(ctx, sock, target, dialTimeout)
 	}
 }
 

@@ -2,36 +2,21 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"sync"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
-	"sigs.k8s.io/apiserver-network-proxy/konnectivity-client/pkg/client"
+	"github.com/spinifex/konnectivity/e2e/internal/benchdial"
 )
 
-// grpcDialer dials through the gRPC front door exactly as kube-apiserver
-// does for proxyProtocol GRPC: a new single-use tunnel (its own gRPC
-// connection over the socket) per dial, from upstream's konnectivity-client.
+// grpcDialer dials through the gRPC front door as kube-apiserver does for
+// proxyProtocol GRPC (benchdial.GRPC); its connections get deadlines
+// (timedConn).
 func grpcDialer(sock string) dialer {
 	return func(ctx context.Context, target string) (net.Conn, error) {
-		dctx, cancel := context.WithTimeout(ctx, dialTimeout)
-		defer cancel()
-		tun, err := client.CreateSingleUseGrpcTunnelWithContext(dctx, context.Background(), "passthrough:///"+sock,
-			grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {
-				var d net.Dialer
-				return d.DialContext(ctx, "unix", sock)
-			}),
-			grpc.WithTransportCredentials(insecure.NewCredentials()),
-		)
+		c, err := benchdial.GRPC(ctx, sock, target, dialTimeout)
 		if err != nil {
-			return nil, fmt.Errorf("gRPC tunnel to %s: %w", sock, err)
-		}
-		c, err := tun.DialContext(dctx, "tcp", target)
-		if err != nil {
-			return nil, fmt.Errorf("gRPC dial %s: %w", target, err)
+			return nil, err
 		}
 		return &timedConn{Conn: c}, nil
 	}

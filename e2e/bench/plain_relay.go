@@ -19,6 +19,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spinifex/konnectivity/e2e/internal/benchdial"
 	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
@@ -106,7 +107,7 @@ func runRelayNear(spec string) int {
 			io.WriteString(c, "HTTP/1.1 502 Bad Gateway\r\n\r\n")
 			return
 		}
-		if _, err := io.WriteString(c, connectOK); err != nil {
+		if _, err := io.WriteString(c, benchdial.ConnectOK); err != nil {
 			return
 		}
 		relayBoth(bufferedConn{br, c}, bufferedConn{ur, up})

@@ -12,12 +12,12 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"sigs.k8s.io/apiserver-network-proxy/konnectivity-client/pkg/client"
 	proxypb "sigs.k8s.io/apiserver-network-proxy/konnectivity-client/proto/client"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchdial"
 )
 
 const (
-	connectOK   = "HTTP/1.1 200 Connection Established\r\n\r\n"
 	dialTimeout = 15 * time.Second // a dial answered (the agent dials within it)
 	echoTimeout = 10 * time.Second // one small echo round trip
 )
@@ -29,59 +29,15 @@ type dialer func(ctx context.Context, target string) (net.Conn, error)
 // Unix socket, one socket per tunnel, as kube-apiserver does.
 func connectDialer(sock string) dialer {
 	return func(ctx context.Context, target string) (net.Conn, error) {
-		d := net.Dialer{Timeout: dialTimeout}
-		c, err := d.DialContext(ctx, "unix", sock)
-		if err != nil {
-			return nil, fmt.Errorf("dial %s: %w", sock, err)
-		}
-		if err := c.SetDeadline(time.Now().Add(dialTimeout)); err != nil {
-			c.Close()
-			return nil, err
-		}
-		if _, err := io.WriteString(c, "CONNECT "+target+" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"); err != nil {
-			c.Close()
-			return nil, fmt.Errorf("write CONNECT %s: %w", target, err)
-		}
-		// The echo destination speaks only after the client has, so
-		// nothing follows the answer yet: reading its exact length is safe.
-		buf := make([]byte, len(connectOK))
-		n, err := io.ReadFull(c, buf)
-		if err != nil || string(buf) != connectOK {
-			_ = c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
-			rest, _ := io.ReadAll(io.LimitReader(c, 512))
-			c.Close()
-			return nil, fmt.Errorf("CONNECT %s: answer %q (read error %v)", target, append(buf[:n], rest...), err)
-		}
-		if err := c.SetDeadline(time.Time{}); err != nil {
-			c.Close()
-			return nil, err
-		}
-		return c, nil
+		return benchdial.Connect(ctx, sock, target, dialTimeout)
 	}
 }
 
 // grpcDialer dials through the gRPC front door as kube-apiserver does for
-// proxyProtocol GRPC: upstream's konnectivity-client, a new single-use
-// tunnel (its own gRPC connection over the socket) per dial.
+// proxyProtocol GRPC (benchdial.GRPC).
 func grpcDialer(sock string) dialer {
 	return func(ctx context.Context, target string) (net.Conn, error) {
-		dctx, cancel := context.WithTimeout(ctx, dialTimeout)
-		defer cancel()
-		tun, err := client.CreateSingleUseGrpcTunnelWithContext(dctx, context.Background(), "passthrough:///"+sock,
-			grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {
-				var d net.Dialer
-				return d.DialContext(ctx, "unix", sock)
-			}),
-			grpc.WithTransportCredentials(insecure.NewCredentials()),
-		)
-		if err != nil {
-			return nil, fmt.Errorf("gRPC tunnel to %s: %w", sock, err)
-		}
-		c, err := tun.DialContext(dctx, "tcp", target)
-		if err != nil {
-			return nil, fmt.Errorf("gRPC dial %s: %w", target, err)
-		}
-		return c, nil
+		return benchdial.GRPC(ctx, sock, target, dialTimeout)
 	}
 }
 
