@@ -155,9 +155,14 @@ func readHello(br *bufio.Reader) (agentHello, error) {
 	return h, nil
 }
 
-func writeSwitching(w io.Writer, serverID string, count int) error {
-	_, err := fmt.Fprintf(w, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %s\r\n%s: %d\r\n%s: %s\r\n\r\n",
+// switching is the server's answer that admits an agent.
+func switching(serverID string, count int) []byte {
+	return fmt.Appendf(nil, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: %s\r\n%s: %d\r\n%s: %s\r\n\r\n",
 		upgradeToken, hdrServerID, serverID, hdrServerCount, count, hdrServerFeatures, featureAgentRestart)
+}
+
+func writeSwitching(w io.Writer, serverID string, count int) error {
+	_, err := w.Write(switching(serverID, count))
 	return err
 }
 

@@ -105,6 +105,11 @@ type Config struct {
 	// call: the Batcher under the connection's TLS, or one wrapping a
 	// plain socket. Nil writes through the connection as it is.
 	Batch *Batcher
+
+	// Prelude, on a client end, is sent just before the HTTP/2 client
+	// preface: the HTTP/1.1 answer that upgrades the connection. With
+	// Batch, prelude, preface and settings leave in one system call.
+	Prelude []byte
 }
 
 // Defaults of Config.

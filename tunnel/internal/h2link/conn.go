@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -125,10 +126,13 @@ func NewClient(conn net.Conn, cfg Config) (*Conn, error) {
 	l.capacityChangedLocked()
 
 	l.armWrite()
-	if _, err := io.WriteString(conn, http2.ClientPreface); err != nil {
-		return nil, fmt.Errorf("write HTTP/2 preface: %w", err)
-	}
-	if err := l.writeSettings(); err != nil {
+	err := l.batched(func() error {
+		if _, err := conn.Write(slices.Concat(cfg.Prelude, []byte(http2.ClientPreface))); err != nil {
+			return fmt.Errorf("write HTTP/2 preface: %w", err)
+		}
+		return l.writeSettings()
+	})
+	if err != nil {
 		return nil, err
 	}
 	if l.cfg.KeepAlive > 0 {
@@ -159,7 +163,7 @@ func NewServer(conn net.Conn, cfg Config, handler http.Handler) (*Conn, error) {
 		return nil, errors.New("not an HTTP/2 client preface")
 	}
 	l.armWrite()
-	if err := l.writeSettings(); err != nil {
+	if err := l.batched(l.writeSettings); err != nil {
 		return nil, err
 	}
 	return l, nil
@@ -167,6 +171,7 @@ func NewServer(conn net.Conn, cfg Config, handler http.Handler) (*Conn, error) {
 
 func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 	cfg = cfg.withDefaults()
+	cfg.Prelude = nil // sent once by NewClient, not kept for the link's life
 	l := &Conn{
 		conn:           conn,
 		cfg:            cfg,
