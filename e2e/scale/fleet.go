@@ -51,6 +51,8 @@ type newSimAgentFunc func(f *fleet, i int) (simAgent, error)
 //	start A B   start agents A..B-1 (IDs scale-A...), answer "ok"
 //	stat        answer "stat k=v ..." (see statLine)
 //	gc          collect garbage now, answer "ok" (before a latency figure)
+//	curve T0 MS N  connections made in each of N steps of MS milliseconds
+//	            from T0 (unix nanoseconds): "curve a,b,..."
 //
 // Closing stdin stops every agent and ends the process.
 type fleet struct {
@@ -65,6 +67,7 @@ type fleet struct {
 
 	connects    atomic.Int64 // connections the server accepted
 	lastConnect atomic.Int64 // unix nanoseconds of the latest one
+	events      eventTimes   // when connections were made and failed
 	errs        errKinds
 }
 
@@ -113,6 +116,8 @@ func runFleet(in io.Reader, out io.Writer, newAg newSimAgentFunc) error {
 		case "gc":
 			runtime.GC()
 			ans = "ok"
+		case "curve":
+			ans = f.events.curve(w[1:])
 		default:
 			ans = "error unknown request " + strconv.Quote(w[0])
 		}
@@ -149,8 +154,53 @@ func (f *fleet) start(w []string) string {
 
 // connectedNow records a connection the server accepted.
 func (f *fleet) connectedNow() {
+	now := time.Now().UnixNano()
 	f.connects.Add(1)
-	f.lastConnect.Store(time.Now().UnixNano())
+	f.lastConnect.Store(now)
+	f.events.add(now)
+}
+
+// eventTimes keeps the moments connections were made, up to maxEvents,
+// for the curve of a fleet connecting.
+type eventTimes struct {
+	mu   sync.Mutex // guards made
+	made []int64    // unix nanoseconds
+}
+
+const maxEvents = 100_000
+
+func (e *eventTimes) add(now int64) {
+	e.mu.Lock()
+	if len(e.made) < maxEvents {
+		e.made = append(e.made, now)
+	}
+	e.mu.Unlock()
+}
+
+// curve answers a "curve T0 MS N" request.
+func (e *eventTimes) curve(w []string) string {
+	if len(w) != 3 {
+		return "error want: curve T0 MS N"
+	}
+	t0, err1 := strconv.ParseInt(w[0], 10, 64)
+	ms, err2 := strconv.Atoi(w[1])
+	n, err3 := strconv.Atoi(w[2])
+	if err1 != nil || err2 != nil || err3 != nil || ms <= 0 || n <= 0 || n > 10_000 {
+		return "error bad curve request"
+	}
+	b := make([]int, n)
+	e.mu.Lock()
+	for _, t := range e.made {
+		if i := (t - t0) / (int64(ms) * 1e6); t >= t0 && i < int64(n) {
+			b[i]++
+		}
+	}
+	e.mu.Unlock()
+	c := make([]string, n)
+	for i, v := range b {
+		c[i] = strconv.Itoa(v)
+	}
+	return "curve " + strings.Join(c, ",")
 }
 
 // statLine reports the agents: how many hold a connection, connection

@@ -166,6 +166,7 @@ type doorRun struct {
 	ref1, refN, refM           latency // the reference's, interleaved with lat1, latN, latM
 	connectTime                time.Duration
 	connectPolled              time.Duration
+	connectCurve               []int64 // connections made per curveStep from the fleet's start
 	connectCPU, connectSimCPU  float64 // CPU seconds of the server and of the simulators while the fleet connected
 	refused                    float64
 	fleet                      simStat // simulators after the fleet connected
@@ -247,6 +248,7 @@ func (d *doorRun) run(ctx context.Context) error {
 	d.fleet = st
 	if st.lastConnect > 0 {
 		d.connectTime = time.Unix(0, st.lastConnect).Sub(t0)
+		d.connectCurve = d.curve(ctx, t0, d.connectTime)
 	}
 	if ctx.Err() != nil {
 		return nil
@@ -572,6 +574,32 @@ func (d *doorRun) pollFleet(ctx context.Context, n int, bound time.Duration) (si
 		return st, fmt.Errorf("%d of %d agents connected after %v (err %v)", st.connected, n, bound, err)
 	}
 	return st, nil
+}
+
+// curveStep is the width of a step of the fleet's connection curve.
+const curveStep = 250 * time.Millisecond
+
+// curve sums the simulators' connections made per curveStep from t0
+// over span: where the fleet's connect time went (a ramp, a plateau at
+// the handshake rate, a tail of retries).
+func (d *doorRun) curve(ctx context.Context, t0 time.Time, span time.Duration) []int64 {
+	n := int(span/curveStep) + 1
+	sum := make([]int64, n)
+	for _, h := range d.sims {
+		a, err := h.call(ctx, fmt.Sprintf("curve %d %d %d", t0.UnixNano(), curveStep.Milliseconds(), n))
+		counts, ok := strings.CutPrefix(a, "curve ")
+		if err != nil || !ok {
+			return nil
+		}
+		for i, c := range strings.Split(counts, ",") {
+			v, err := strconv.ParseInt(c, 10, 64)
+			if err != nil || i >= n {
+				return nil
+			}
+			sum[i] += v
+		}
+	}
+	return sum
 }
 
 func (d *doorRun) simStats(ctx context.Context) (simStat, error) {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -41,6 +42,16 @@ func printTable(out io.Writer, cfg config, doors []*doorRun) {
 			return "–"
 		}
 		return fmt.Sprintf("%d / %d / %d", d.fleet.failures, d.fleet.retried2, d.fleet.maxFailures)
+	})
+	row(fmt.Sprintf("connections made in each %v from the start", curveStep), func(d *doorRun) string {
+		if len(d.connectCurve) == 0 {
+			return "–"
+		}
+		c := make([]string, len(d.connectCurve))
+		for i, v := range d.connectCurve {
+			c[i] = strconv.FormatInt(v, 10)
+		}
+		return strings.Join(c, " ")
 	})
 	row("CPU while they connected: server / agent simulators", func(d *doorRun) string {
 		if d.connectTime == 0 {
