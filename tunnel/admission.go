@@ -197,19 +197,27 @@ func (a *admission) leave() {
 	}
 }
 
-// pacer spaces the retries of connections refused at the unadmitted limit
-// (its slots stalled, or the listen backlog nearly full). While slots
-// move, one frees about every hold/max (hold: how long an admitted
-// connection waited, a moving average; max connections wait at once).
-// Each refusal is handed the moment half of that after the last one
-// handed out, so the refused come back a little faster than slots free
-// and the backlog, not the server, holds the surplus. A refusal with
-// connections queued in the backlog ahead of it comes back no earlier
-// than half the time they take to be admitted, but no later than ahead
-// (a quarter of the header timeout): the rate that estimate rests on
-// changes with the machine's load, and a refused agent that comes back
-// too early waits in the backlog, while one that comes back too late
-// leaves the server idle. A leaf lock.
+// pacer spaces the retries of connections refused at the unadmitted limit.
+// While slots move, one frees about every hold/max (hold: how long an
+// admitted connection waited, a moving average; max connections wait at
+// once), and with it a place in the listen backlog.
+//
+// A refusal at a nearly full backlog needs a place in the backlog, not
+// its turn: whenever it comes back it queues at the tail. So the refused
+// are handed moments one slot's time apart from now (roomAfter), the rate
+// at which places free: none comes back to a backlog still full (to be
+// refused again), and none is kept away while the server has nothing left
+// to admit. An estimate taken early in a fleet's reconnect errs slow
+// (the peers' own handshakes compete for CPU then), which only spaces
+// them a little wider.
+//
+// A refusal because the slots stalled (every waiting connection is slow)
+// is handed moments half a slot's time apart, after half the time the
+// connections queued ahead of it take to be admitted, but no later than
+// ahead (a quarter of the header timeout): the rate that estimate rests
+// on is stale, and a refused agent that comes back too early waits in the
+// backlog, while one that comes back too late leaves the server idle
+// (retryAfter). A leaf lock.
 type pacer struct {
 	mu   sync.Mutex
 	hold time.Duration // guarded by mu: moving average, accept to admission
@@ -227,22 +235,41 @@ func (p *pacer) admitted(waited time.Duration) {
 	p.mu.Unlock()
 }
 
-// retryAfter hands a refused connection the next moment to come back,
+// roomAfter hands a connection refused at a nearly full backlog the next
+// moment to come back: one slot's time after the last one handed out.
+func (p *pacer) roomAfter(now time.Time, slots int64) time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.handLocked(now, p.holdLocked()/time.Duration(max(slots, 1)), 0)
+}
+
+// holdLocked is hold, or a handshake's worth before anything was admitted.
+func (p *pacer) holdLocked() time.Duration {
+	if p.hold == 0 {
+		return 100 * time.Millisecond
+	}
+	return p.hold
+}
+
+// handLocked hands the moment step after the later of the last one and
+// now+lead, within the bounds.
+func (p *pacer) handLocked(now time.Time, step, lead time.Duration) time.Duration {
+	p.next = maxTime(p.next, now.Add(lead)).Add(step)
+	if d := p.next.Sub(now); d > maxRetryAfter {
+		p.next = now.Add(maxRetryAfter)
+	}
+	return min(max(p.next.Sub(now), minRetryAfter), maxRetryAfter)
+}
+
+// retryAfter hands a connection refused because the slots stalled the
+// next moment to come back,
 // with queued connections waiting in the listen backlog ahead of it, whom
 // it waits for at most ahead.
 func (p *pacer) retryAfter(now time.Time, slots int64, queued int, ahead time.Duration) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	hold := p.hold
-	if hold == 0 {
-		hold = 100 * time.Millisecond // nothing admitted yet: a handshake's worth
-	}
-	step := hold / time.Duration(2*max(slots, 1))
-	p.next = maxTime(p.next, now.Add(min(time.Duration(queued)*step, ahead))).Add(step)
-	if d := p.next.Sub(now); d > maxRetryAfter {
-		p.next = now.Add(maxRetryAfter)
-	}
-	return min(max(p.next.Sub(now), minRetryAfter), maxRetryAfter)
+	step := p.holdLocked() / time.Duration(2*max(slots, 1))
+	return p.handLocked(now, step, min(time.Duration(queued)*step, ahead))
 }
 
 func maxTime(a, b time.Time) time.Time {
@@ -417,12 +444,21 @@ func watchHangup(conn net.Conn, cancel context.CancelFunc) (stop func() bool) {
 
 // refuseUnadmitted answers a connection accepted past the unadmitted
 // limit (its slots stalled, or the listen backlog nearly full, with queued
-// connections in it) with when to come back, and closes it.
-func (s *Server) refuseUnadmitted(raw net.Conn, queued int) {
+// connections in it) with when to come back (pacer), and closes it.
+func (s *Server) refuseUnadmitted(raw net.Conn, queued int, stalled bool) {
 	s.Stats.AgentsRefused.Add(1)
-	retry := s.gate.pace.retryAfter(time.Now(), s.gate.max, queued, stallBound(s.cfg.HeaderTimeout))
+	var retry time.Duration
+	if stalled {
+		retry = s.gate.pace.retryAfter(time.Now(), s.gate.max, queued, stallBound(s.cfg.HeaderTimeout))
+	} else {
+		retry = s.gate.pace.roomAfter(time.Now(), s.gate.max)
+	}
 	refuseBusy(raw, retry)
-	s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "retry_in", retry.Round(time.Millisecond).String())
+	reason := "listen backlog nearly full"
+	if stalled {
+		reason = "no slot freed"
+	}
+	s.quiet.log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "reason", reason, "retry_in", retry.Round(time.Millisecond).String())
 }
 
 // serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then

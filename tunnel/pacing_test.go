@@ -89,7 +89,25 @@ func TestPacerSpacesRetries(t *testing.T) {
 	}
 }
 
-// A refusal with connections queued ahead of it comes back after half
+// Refusals at a nearly full backlog come back one slot's time apart from
+// now, the rate at which places in the backlog free, whatever is queued.
+func TestPacerHandsRoomAtTheSlotRate(t *testing.T) {
+	var p pacer
+	p.admitted(640 * time.Millisecond) // 64 slots: one frees every 10 ms
+	now := time.Now()
+	for i := 1; i <= 100; i++ {
+		if r, want := p.roomAfter(now, 64), time.Duration(i)*10*time.Millisecond; r != want {
+			t.Fatalf("refusal %d: come back in %s, want %s", i, r, want)
+		}
+	}
+	later := now.Add(time.Hour) // the burst long over: the spacing starts again from now
+	if r := p.roomAfter(later, 64); r != 10*time.Millisecond {
+		t.Errorf("after the burst: come back in %s, want one slot's time", r)
+	}
+}
+
+// A refusal because the slots stalled, with connections queued ahead of
+// it, comes back after half
 // the time they take to be admitted, the next half a slot's time later;
 // no later than ahead, however long the queue.
 func TestPacerWaitsForTheQueue(t *testing.T) {
@@ -238,7 +256,8 @@ func TestNearlyFullBacklogRefuses(t *testing.T) {
 		t.Fatalf("%v refused below nearly full", n)
 	}
 	// Nearly full, the oldest waiting one is refused, told to come
-	// back once those ahead of it are admitted.
+	// back after one slot's time: it needs a place in the backlog, which
+	// frees with each admission, not its turn behind those queued.
 	dial()
 	c := conns[limit]
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -250,6 +269,12 @@ func TestNearlyFullBacklogRefuses(t *testing.T) {
 	r := retryAfterHeader(resp.Header)
 	if resp.StatusCode != http.StatusServiceUnavailable || r < minRetryAfter {
 		t.Fatalf("the oldest waiting connection got %s, retry after %s; want 503 with a moment to come back", resp.Status, r)
+	}
+	srv.gate.pace.mu.Lock()
+	slot := srv.gate.pace.holdLocked() / limit
+	srv.gate.pace.mu.Unlock()
+	if r > max(slot, minRetryAfter) {
+		t.Errorf("told to come back in %s, want one slot's time (%s): a place in the backlog, not the queue's turn", r, slot)
 	}
 	if n := srv.gate.open.Load(); n != limit {
 		t.Fatalf("%d counted as unadmitted, want the limit %d", n, limit)

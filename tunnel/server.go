@@ -340,11 +340,11 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			pc := s.gate.enter(c, s.cfg.HeaderTimeout)
 			stalled = stalled && pc == nil
 			if pc == nil {
-				queued := 0
+				queued, stall := 0, stalled
 				if backlog != nil {
 					queued, _ = backlog()
 				}
-				s.goroutine(func() { s.refuseUnadmitted(c, queued) })
+				s.goroutine(func() { s.refuseUnadmitted(c, queued, stall) })
 				continue
 			}
 			s.goroutine(func() { s.serveAgentConn(c, pc) })
