@@ -146,6 +146,9 @@ type Agent struct {
 	log     *slog.Logger
 	metrics *agentMetrics
 	quiet   *logLimiter // repeated warnings: one line per key per 10s; its own lock
+	// idle (capacity 1) is poked when the last open stream ends or the
+	// last held destination goes (pokeIdle): the drain waits on it.
+	idle chan struct{}
 
 	mu       sync.Mutex
 	conns    map[*serverConn]struct{} // guarded by mu
@@ -258,6 +261,7 @@ func NewAgent(cfg AgentConfig) (*Agent, error) {
 		maxCount: 1,
 		changed:  make(chan struct{}),
 		quiet:    newLogLimiter(10 * time.Second),
+		idle:     make(chan struct{}, 1),
 	}
 	a.announced = 1
 	a.metrics = newAgentMetrics(cfg.Metrics, a)
@@ -301,18 +305,7 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	deadline := a.beginDrain()
 	restart := a.isRestarting()
-	drained := make(chan struct{})
-	go func() {
-		// A destination held for a restarting server is still a tunnel:
-		// the server's next image carries it on through the connection
-		// the agent keeps redialling meanwhile. On the agent's own restart
-		// it goes to the agent's next image instead (HeldForNextImage).
-		for (a.Stats.OpenStreams.Load() > 0 || !restart && a.heldCount() > 0) && time.Now().Before(deadline) {
-			time.Sleep(20 * time.Millisecond)
-		}
-		close(drained)
-	}()
-	<-drained
+	a.waitIdle(deadline, restart)
 	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || held > 0 {
 		a.log.Warn("drain timeout: closing open tunnels", "open", n, "held", held)
 	}
@@ -327,6 +320,32 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.releaseHeld()
 	}
 	return nil
+}
+
+// waitIdle waits until no stream is open and, but for a restart, no
+// destination is held, or until deadline. A destination held for a
+// restarting server is still a tunnel: the server's next image carries it
+// on through the connection the agent keeps redialling meanwhile. On the
+// agent's own restart it goes to the agent's next image instead
+// (HeldForNextImage).
+func (a *Agent) waitIdle(deadline time.Time, restart bool) {
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	for a.Stats.OpenStreams.Load() > 0 || !restart && a.heldCount() > 0 {
+		select {
+		case <-a.idle:
+		case <-t.C:
+			return
+		}
+	}
+}
+
+// pokeIdle wakes waitIdle; it never blocks, so it may be called under mu.
+func (a *Agent) pokeIdle() {
+	select {
+	case a.idle <- struct{}{}:
+	default:
+	}
 }
 
 // beginDrain tells every server the agent drains, and returns when it
@@ -437,7 +456,9 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		stopWatch()
 		dest.Close()
-		a.Stats.OpenStreams.Add(-1)
+		if a.Stats.OpenStreams.Add(-1) == 0 {
+			a.pokeIdle()
+		}
 	}()
 	w.WriteHeader(http.StatusOK)
 	a.carry(w, r, dest)

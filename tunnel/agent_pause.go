@@ -183,7 +183,7 @@ func (a *Agent) endPause(t *pauseMeeting) {
 	a.mu.Lock()
 	delete(a.held.meetings, t.dest)
 	if !t.paused {
-		a.held.count--
+		a.dropHeldLocked()
 	}
 	a.mu.Unlock()
 	a.held.inFlight.Add(-1)
@@ -260,7 +260,7 @@ func (a *Agent) holdPaused(token string, p *pausedDest, wait time.Duration) {
 	if old := a.held.byToken[token]; old != nil { // a token used twice: the older one goes
 		old.timer.Stop()
 		abortConn(old.conn)
-		a.held.count--
+		a.dropHeldLocked()
 	}
 	a.held.byToken[token] = p
 	p.timer = time.AfterFunc(wait, func() {
@@ -277,7 +277,7 @@ func (a *Agent) takePaused(token string) (net.Conn, error) {
 	p := a.held.byToken[token]
 	if p != nil {
 		delete(a.held.byToken, token)
-		a.held.count--
+		a.dropHeldLocked()
 	}
 	a.mu.Unlock()
 	if p == nil {
@@ -294,8 +294,16 @@ func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 		return false
 	}
 	delete(a.held.byToken, token)
-	a.held.count--
+	a.dropHeldLocked()
 	return true
+}
+
+// dropHeldLocked counts one held destination gone; a.mu is held.
+func (a *Agent) dropHeldLocked() {
+	a.held.count--
+	if a.held.count == 0 {
+		a.pokeIdle()
+	}
 }
 
 // heldCount is how many destinations are held for a resume or being paused.
