@@ -537,3 +537,111 @@ func TestAgentRestartPausesLateTunnels(t *testing.T) {
 		t.Errorf("destination accepted %d connections, want 1", n)
 	}
 }
+
+// TestServerRestartDuringAgentPause: a server restart that begins while
+// the server is still pausing a tunnel for its agent's restart waits for
+// that pause and passes the tunnel to its next image, where the agent's
+// next image resumes it.
+func TestServerRestartDuringAgentPause(t *testing.T) {
+	checkNoLeaks(t)
+	e := newEnv(t, nil)
+	gl := gatedListen(t)
+	served := make(chan struct{})
+	go func() { defer close(served); e.srv.ServeAgents(gl) }()
+	defer func() { gl.Close(); <-served }()
+	agent := startAgentTo(t, e.pki, []string{gl.Addr().String()}, "a1", "", nil)
+	e.waitAgents(1)
+	dest, accepted := countingEcho(t)
+	c := e.echoOne(dest)
+	defer c.Close()
+
+	// The server's writes to the agent wait from here, its pause request
+	// among them: the pause is under way when the handover begins.
+	gl.gate()
+	agent.Restarting()
+	agent.cancel()
+	waitUntil(t, func() bool { return e.srv.Status().Tunnels["pausing"] == 1 }, "the tunnel being paused for the agent's next image")
+	var paused []*PausedTunnel
+	var herr error
+	handed := make(chan struct{})
+	go func() { defer close(handed); paused, herr = handOver(e.srv) }()
+	waitUntil(t, e.srv.isShutting, "the server's handover begun")
+	gl.open()
+	<-handed
+	if herr != nil || len(paused) != 1 {
+		t.Fatalf("HandOver: %d paused, %v; want the one paused for the agent's restart", len(paused), herr)
+	}
+	select {
+	case <-agent.done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("the restarting agent's drain did not end")
+	}
+	held := agent.HeldForNextImage()
+	if len(held) != 1 {
+		t.Fatalf("%d destinations held, want 1", len(held))
+	}
+	e.stop()
+	next := newEnvOn(t, e.pki, e.agentAddr, nil)
+	next.srv.Resume(paused)
+	startAgentWith(t, e.pki, []string{next.agentAddr}, "a1", "", nil, func(a *Agent) { a.AdoptHeld(held) })
+	waitUntil(t, func() bool { return handedOver(next.srv, "resumed", resultOK) == 1 }, "the tunnel resumed on the server's next image")
+	echoesByte(t, c, 'z', 10*time.Second, "the tunnel after both restarts")
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("destination accepted %d connections, want 1", n)
+	}
+}
+
+// gatedListener is a loopback listener whose connections' writes wait
+// while it is gated.
+type gatedListener struct {
+	net.Listener
+	mu   sync.Mutex    // guards shut
+	shut chan struct{} // non-nil while gated; closed to open
+}
+
+func gatedListen(t *testing.T) *gatedListener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &gatedListener{Listener: ln}
+}
+
+func (l *gatedListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &gatedConn{Conn: c, l: l}, nil
+}
+
+func (l *gatedListener) gate() {
+	l.mu.Lock()
+	l.shut = make(chan struct{})
+	l.mu.Unlock()
+}
+
+func (l *gatedListener) open() {
+	l.mu.Lock()
+	if l.shut != nil {
+		close(l.shut)
+		l.shut = nil
+	}
+	l.mu.Unlock()
+}
+
+type gatedConn struct {
+	net.Conn
+	l *gatedListener
+}
+
+func (c *gatedConn) Write(p []byte) (int, error) {
+	c.l.mu.Lock()
+	shut := c.l.shut
+	c.l.mu.Unlock()
+	if shut != nil {
+		<-shut
+	}
+	return c.Conn.Write(p)
+}

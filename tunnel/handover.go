@@ -116,6 +116,7 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 		return func(ctx context.Context) {
 			paused = append(paused, unasked...)
 			paused = append(paused, s.pauseAll(ctx, todo, "tunnels paused for the next image")...)
+			paused = append(paused, s.collectAgentPauses()...)
 		}
 	})
 	return paused, err
@@ -166,7 +167,7 @@ func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
 	file, err := dupSocketFile(conn)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	defer s.passed.Broadcast()
+	defer s.moved.Broadcast()
 	if err != nil || s.closed {
 		if file != nil {
 			file.Close()
@@ -201,6 +202,22 @@ func (s *Server) passDialing(t *tunnel, conn net.Conn, head []byte, br *bufio.Re
 	return true
 }
 
+// collectAgentPauses waits until no batch of pauses for an agent's
+// restart is running (each tunnel's pause is bounded by pauseTimeout),
+// and returns the tunnels they held while the server was shutting down,
+// taken off the table: a tunnel paused for its agent's next image goes on
+// to the server's next image, whichever restart came first.
+func (s *Server) collectAgentPauses() []*PausedTunnel {
+	s.mu.Lock()
+	for s.agentPausing > 0 {
+		s.moved.Wait()
+	}
+	out := s.takeHeldLocked(false)
+	s.mu.Unlock()
+	s.metrics.restarts.paused[resultOK].Add(uint64(len(out)))
+	return out
+}
+
 // collectUnasked waits until no tunnel is passing (each taken connection
 // is held, or closed), and returns the held unasked ones, taken off the
 // table.
@@ -208,7 +225,7 @@ func (s *Server) collectUnasked() []*PausedTunnel {
 	s.mu.Lock()
 	s.collected = true
 	for s.inState[tunnelPassing] > 0 {
-		s.passed.Wait()
+		s.moved.Wait()
 	}
 	out := s.takeHeldLocked(true)
 	s.mu.Unlock()

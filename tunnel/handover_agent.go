@@ -61,9 +61,7 @@ func (s *Server) agentRestarting(a *agentConn) {
 	}
 	todo := s.takeMovable(a) // before the drain line is read: a drain takes only open tunnels
 	s.log.Info("agent restarting in place: pausing its tunnels for its next image", "agent", a.id, "remote", a.remote, "tunnels", len(todo))
-	s.goroutineUnlessClosed(func() {
-		s.waitForAgent(s.pauseAll(s.baseCtx, todo, "tunnels paused for the agent's next image"))
-	})
+	s.pauseForAgent(todo)
 }
 
 // pauseIfAgentRestarting pauses t, a tunnel that has just become pausable,
@@ -81,32 +79,52 @@ func (s *Server) pauseIfAgentRestarting(t *tunnel) {
 	took := t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing)
 	s.mu.Unlock()
 	if took {
-		s.goroutineUnlessClosed(func() {
-			s.waitForAgent(s.pauseAll(s.baseCtx, []*tunnel{t}, "tunnels paused for the agent's next image"))
-		})
+		s.pauseForAgent([]*tunnel{t})
 	}
+}
+
+// pauseForAgent pauses todo, tunnels moved to pausing for their agent's
+// restart, on a goroutine, and holds them for the agent's next image
+// (waitForAgent). The batch counts in agentPausing until its tunnels are
+// held, so a handover that begins meanwhile waits for them and passes
+// them on (collectAgentPauses) instead of losing them.
+func (s *Server) pauseForAgent(todo []*tunnel) {
+	if len(todo) == 0 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return // Close closed their sockets
+	}
+	s.agentPausing++
+	s.goroutine(func() {
+		s.waitForAgent(s.pauseAll(s.baseCtx, todo, "tunnels paused for the agent's next image"))
+	})
 }
 
 // waitForAgent holds tunnels paused here in the table until their agent's
 // next image logs in, as Resume holds those a previous image of the server
-// paused. A server shutting down meanwhile closes them: its handover has
-// taken the held ones already.
+// paused, and ends their batch's count in agentPausing. While the server
+// shuts down they are held only: a handover passes them on
+// (collectAgentPauses), Close drops them; once it closed they are closed.
 func (s *Server) waitForAgent(paused []*PausedTunnel) {
-	if len(paused) == 0 {
-		return
-	}
 	s.mu.Lock()
-	if s.shutting {
+	s.agentPausing--
+	s.moved.Broadcast()
+	if s.closed {
 		s.mu.Unlock()
 		for _, p := range paused {
 			p.File.Close()
-			s.resumeFailed(p, resultFailed, errors.New("server shutting down while the agent restarted"))
+			s.resumeFailed(p, resultFailed, errors.New("server closed while the agent restarted"))
 		}
 		return
 	}
 	for _, p := range paused {
 		h := s.holdLocked(p)
-		s.goroutine(func() { s.resumeTunnel(h) })
+		if !s.shutting {
+			s.goroutine(func() { s.resumeTunnel(h) })
+		}
 	}
 	s.mu.Unlock()
 }

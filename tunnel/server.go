@@ -151,9 +151,15 @@ type Server struct {
 	inState   [numTunnelStates]int // guarded by mu: how many of tunnels are in each state; kept by moveLocked
 	grpcConns int                  // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	emptied   chan struct{}        // guarded by mu: closed when both are empty but for held tunnels (waitTunnels)
-	// passed is signalled, its L being &mu, when a passing tunnel moves
-	// on (passUnasked), for collectUnasked.
-	passed sync.Cond
+	// moved is signalled, its L being &mu, when what a handover waits
+	// for moves on: a passing tunnel (passUnasked, for collectUnasked), a
+	// batch of pauses for an agent's restart (waitForAgent, for
+	// collectAgentPauses).
+	moved sync.Cond
+	// agentPausing is guarded by mu: batches of tunnels being paused for
+	// an agent's restart in place whose paused tunnels are not held yet
+	// (pauseForAgent).
+	agentPausing int
 	// The server's state; guarded by mu.
 	shutting    bool     // no new connections are accepted
 	handingOver bool     // the shutdown is a handover: a dial no agent took yet moves too (passDialing)
@@ -205,7 +211,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		tunnels:     make(map[*tunnel]struct{}),
 		nodeRank:    nodeRank,
 	}
-	s.passed.L = &s.mu
+	s.moved.L = &s.mu
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
