@@ -381,8 +381,8 @@ type grpcFront struct {
 	connectID int64
 	quietCh   chan struct{} // closed by closeQuiet: the drain ends the call
 	downDone  chan error    // the download's end: its last carrier sends it, once
-	resumed   bool          // the call was handed on by the previous image
 	end       func()        // h2link.Hold's: the handler's return, made by the waiter
+	resumed   bool          // the call was handed on by the previous image (next to handedOn: the tunnel's allocation stays in a smaller size class)
 
 	// handedOn is set before the agent's stream ends when the call goes
 	// to the next image as it is.
