@@ -217,10 +217,21 @@ func BenchmarkIdleGRPCCalls(b *testing.B) {
 		}
 		m0 := serverMem()
 		io.WriteString(stdin, "go\n")
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		if err != nil || strings.TrimSpace(line) != fmt.Sprintf("open %d", calls) {
+		opened := make(chan string, 1)
+		go func() {
+			line, _ := bufio.NewReader(stdout).ReadString('\n')
+			opened <- strings.TrimSpace(line)
+		}()
+		select {
+		case line := <-opened:
+			if line != fmt.Sprintf("open %d", calls) {
+				stopCaller()
+				b.Fatalf("caller: %q", line)
+			}
+		case <-time.After(2 * time.Minute):
+			cmd.Process.Kill()
 			stopCaller()
-			b.Fatalf("caller: %q, %v", line, err)
+			b.Fatalf("the caller did not open %d calls in 2 minutes", calls)
 		}
 		// The calls are idle once only their waiters are left, and each
 		// connection's read loop.
