@@ -174,7 +174,7 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 	ctx, cancel := context.WithCancel(s.baseCtx)
 	var why atomic.Value // string: why ctx was cancelled before the answer
 	timer := time.AfterFunc(time.Until(deadline), func() { why.Store(reasonDialTimeout); cancel() })
-	stopGone := context.AfterFunc(up.clientGoneCtx, func() { why.Store(reasonFrontendClosed); cancel() })
+	up.cancelOnGone(func() { why.Store(reasonFrontendClosed); cancel() })
 
 	body := up.attempt()
 	req := &http.Request{
@@ -192,7 +192,7 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 	s.metrics.packets.inc(segToAgent, grpcwire.DialReq)
 	resp, err := a.roundTrip(req)
 	timer.Stop()
-	stopGone()
+	up.cancelOnGone(nil)
 	if err != nil {
 		if why.Load() == reasonFrontendClosed {
 			s.metrics.packets.inc(segToAgent, grpcwire.DialCls) // RST_STREAM before the answer

@@ -89,7 +89,7 @@
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
 // the destinations held for a restart. Leaf locks, under which nothing
-// else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu,
+// else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
 // watchedConn's, logLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every
 // other shared field is immutable once published, atomic, or owned by

@@ -379,10 +379,18 @@ type grpcFront struct {
 	in        *grpcUploadReader
 	quiet     *quietReader // what in reads the call's body through, when it parks
 	connectID int64
-	quietCh   chan struct{} // closed by closeQuiet: the drain ends the call
-	downDone  chan error    // the download's end: its last carrier sends it, once
-	resumed   bool          // the call was handed on by the previous image
-	end       func()        // h2link.Hold's: the handler's return, made by the waiter
+	end       func() // h2link.Hold's: the handler's return, made by the waiter
+	// events carries what ends the call, each kind sent once: the
+	// download's end (grpcDownEnded, by its last carrier), the drain's
+	// (grpcDrained, by closeQuiet) and CLOSE_REQ (grpcCloseReq, by the
+	// upload's reader). One channel, buffered for all three so that no
+	// sender waits: a parked waiter waits on it and the call's context
+	// only (see "Parked stacks" in doc.go).
+	events chan grpcEvent
+	// downErr is the download's end: written by its last carrier before
+	// it sends grpcDownEnded, read after that is received.
+	downErr error
+	resumed bool // the call was handed on by the previous image (next to handedOn: the tunnel's allocation stays in a smaller size class)
 
 	// handedOn is set before the agent's stream ends when the call goes
 	// to the next image as it is.
@@ -404,13 +412,30 @@ type grpcTunnel struct {
 
 // newGRPCTunnel is the tunnel of one call on c.
 func newGRPCTunnel(c *grpcConn, w http.ResponseWriter, r *http.Request) *tunnel {
-	gt := &grpcTunnel{grpc: grpcFront{conn: c, ctx: r.Context(), g: &grpcStream{w: w, flush: flusherOf(w)}, body: r.Body, quietCh: make(chan struct{})}}
+	gt := &grpcTunnel{grpc: grpcFront{conn: c, ctx: r.Context(), g: &grpcStream{w: w, flush: flusherOf(w)}, body: r.Body, events: make(chan grpcEvent, numGRPCEnds)}}
 	gt.front = &gt.grpc
 	return &gt.tunnel
 }
 
 // closeQuiet has carryGRPC end the call with CLOSE_RSP.
-func (f *grpcFront) closeQuiet(*tunnel) { close(f.quietCh) }
+func (f *grpcFront) closeQuiet(*tunnel) { f.events <- grpcDrained }
+
+// downEnded tells the call's waiter that the download ended, with err
+// (nil at its clean end). Once.
+func (f *grpcFront) downEnded(err error) {
+	f.downErr = err
+	f.events <- grpcDownEnded
+}
+
+// awaitDown waits for the download's end after the agent's stream was
+// ended, letting the other events go.
+func (f *grpcFront) awaitDown() {
+	for ev := range f.events {
+		if ev == grpcDownEnded {
+			return
+		}
+	}
+}
 
 func (f *grpcFront) unread() bool     { return false }
 func (f *grpcFront) hangup() net.Conn { return nil }
@@ -462,7 +487,7 @@ func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, str
 // from the previous image.
 func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 	f := t.front.(*grpcFront)
-	f.in = &grpcUploadReader{body: f.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), closeReq: make(chan struct{}), packets: &s.metrics.packets}
+	f.in = &grpcUploadReader{body: f.body, mr: grpcwire.NewMessageReader(buf, grpcwire.MaxMessageLen), events: f.events, packets: &s.metrics.packets}
 	f.in.mr.Prime(partial) // before the upload's watcher reads
 	body := f.body
 	// The reader only answers the watcher's Peek: reads pass it by into
@@ -509,7 +534,6 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	// On our agents' links both directions are carried only while bytes
 	// move (see carrier); an upstream agent's stream is read by a
 	// goroutine of its own, as is the call for it.
-	f.downDone = make(chan error, 1)
 	f.downSize = smallBufSize
 	body, ours := t.body.(*h2link.Body)
 	if !ours && f.quiet != nil {
@@ -517,7 +541,7 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	}
 	t.up.start()
 	if !ours {
-		s.goroutine(func() { f.downDone <- s.sendDownGRPC(t, down) })
+		s.goroutine(func() { f.downEnded(s.sendDownGRPC(t, down)) })
 		ev, err := awaitGRPC(f)
 		return s.endGRPC(t, ev, err)
 	}
@@ -538,10 +562,12 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 type grpcEvent uint8
 
 const (
-	grpcDownEnded         grpcEvent = iota // the agent's stream ended (or the tunnel was handed on)
-	grpcDrained                            // a drain closes the call at a quiet moment
-	grpcCloseReq                           // the client sent CLOSE_REQ
-	grpcCancelledByClient                  // the client reset the call or went away
+	grpcDownEnded grpcEvent = iota // the agent's stream ended (or the tunnel was handed on)
+	grpcDrained                    // a drain closes the call at a quiet moment
+	grpcCloseReq                   // the client sent CLOSE_REQ
+	numGRPCEnds                    // the events sent on grpcFront.events
+
+	grpcCancelledByClient = numGRPCEnds // the client reset the call or went away: its context ended
 )
 
 // awaitGRPC waits for what ends the call; with the download's end, its
@@ -549,12 +575,11 @@ const (
 // nothing else (see "Parked stacks" in doc.go).
 func awaitGRPC(f *grpcFront) (grpcEvent, error) {
 	select {
-	case err := <-f.downDone:
-		return grpcDownEnded, err
-	case <-f.quietCh:
-		return grpcDrained, nil
-	case <-f.in.closeReq:
-		return grpcCloseReq, nil
+	case ev := <-f.events:
+		if ev == grpcDownEnded {
+			return ev, f.downErr
+		}
+		return ev, nil
 	case <-f.ctx.Done():
 		return grpcCancelledByClient, nil
 	}
@@ -621,19 +646,19 @@ func (s *Server) endGRPC(t *tunnel, ev grpcEvent, downErr error) (int, string, e
 		// soon as possible; the agent's stream ends after.
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID})
 		t.endStream()
-		<-f.downDone
+		f.awaitDown()
 		return grpcOK, "", nil
 	case grpcCloseReq:
 		// The client closed the connection: end the tunnel, then confirm.
 		t.endStream()
-		<-f.downDone
+		f.awaitDown()
 		s.metrics.packets.inc(segToAgent, grpcwire.CloseReq)
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.CloseRsp, ConnectID: f.connectID})
 		return grpcOK, "", nil
 	default:
 		// The client reset the call or went away.
 		t.endStream()
-		<-f.downDone
+		f.awaitDown()
 		return grpcCancelled, "call ended by the client", nil
 	}
 }
@@ -647,7 +672,7 @@ func (s *Server) stepDown(t *tunnel, body *h2link.Body) (ended bool) {
 	for body.Notify(f.downCarrier.wake) {
 		if done, err := s.sendDownOnce(t, f); done {
 			t.down.Load().Complete(err)
-			f.downDone <- err
+			f.downEnded(err)
 			return true
 		}
 	}
@@ -744,16 +769,16 @@ func (r *quietReader) Read(p []byte) (int, error) {
 }
 
 // grpcUploadReader reads the client's Packets as a byte stream: DATA
-// payloads are the bytes; CLOSE_REQ ends it (and is signalled on closeReq);
+// payloads are the bytes; CLOSE_REQ ends it (and is sent on events);
 // DIAL_CLS ends it with errDialCancelled; the client's half-close is EOF.
 // A message cut short when the call moves to the next image stays in mr.
 type grpcUploadReader struct {
-	body     io.Reader
-	mr       *grpcwire.MessageReader
-	pending  []byte // the rest of the current DATA payload (aliases mr's buffer)
-	closeReq chan struct{}
-	err      error
-	packets  *packetCounts
+	body    io.Reader
+	mr      *grpcwire.MessageReader
+	pending []byte           // the rest of the current DATA payload (aliases mr's buffer)
+	events  chan<- grpcEvent // the call's (grpcFront.events)
+	err     error
+	packets *packetCounts
 }
 
 func (u *grpcUploadReader) Read(p []byte) (int, error) {
@@ -781,7 +806,7 @@ func (u *grpcUploadReader) Read(p []byte) (int, error) {
 		case grpcwire.Data:
 			u.pending = pkt.Data
 		case grpcwire.CloseReq:
-			close(u.closeReq)
+			u.events <- grpcCloseReq // once: u.err ends the reads
 			u.err = io.EOF
 		case grpcwire.DialCls:
 			u.err = errDialCancelled

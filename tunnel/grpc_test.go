@@ -23,7 +23,7 @@ import (
 )
 
 // grpcEnv serves the gRPC front door on a Unix socket next to an env.
-func (e *env) grpcSocket(t *testing.T) string {
+func (e *env) grpcSocket(t testing.TB) string {
 	dir, err := os.MkdirTemp("", "grpc")
 	if err != nil {
 		t.Fatal(err)

@@ -456,10 +456,14 @@ func waitStalled(t *testing.T, what string, counters ...*atomic.Int64) {
 }
 
 // TestMain lets the test binary double as the agent swarm of the agent
-// benchmarks (see runAgentSwarm).
+// benchmarks (see runAgentSwarm) and as the caller of the gRPC front
+// door's (see runGRPCCaller).
 func TestMain(m *testing.M) {
 	if os.Getenv(swarmEnv) != "" {
 		os.Exit(runAgentSwarm())
+	}
+	if os.Getenv(grpcCallerEnv) != "" {
+		os.Exit(runGRPCCaller())
 	}
 	os.Exit(m.Run())
 }

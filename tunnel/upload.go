@@ -2,7 +2,6 @@ package tunnel
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"io"
 	"os"
@@ -26,10 +25,8 @@ type upload struct {
 	established   chan struct{}
 	isEstablished atomic.Bool
 	peeked        chan struct{} // the watcher's Peek returned: data, EOF or error
-	clientGoneCtx context.Context
-	clientGone    <-chan struct{}
-	gone          context.CancelFunc // ends clientGoneCtx
-	done          chan struct{}      // the upload ended: EOF, error, or the link let go
+	clientGone    chan struct{} // closed by clientLeft: the client went away during the dial
+	done          chan struct{} // the upload ended: EOF, error, or the link let go
 	doneOnce      sync.Once
 	counters      []*atomic.Int64 // bytes read are added to each
 	raw           syscall.RawConn // the client's socket, when it is a plain one: see SendTo
@@ -42,6 +39,13 @@ type upload struct {
 	closes  packetCounter // the client's clean end of sending (EOF)
 	sender  packetWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
 	act     *activity     // the tunnel's; reads from the client stamp it
+
+	// goneMu (a leaf lock) guards onGone: the dial attempt's cancel while
+	// it waits for its answer, which clientLeft runs (see cancelOnGone).
+	// A func and not a context, so that a tunnel holds nothing for it
+	// once the dial is answered.
+	goneMu sync.Mutex
+	onGone func()
 
 	// A stop for a restart's move (handover.go). stopping is set by it;
 	// sent and stopped are written by the goroutine sending the upload
@@ -73,10 +77,9 @@ func (u *upload) init(br *bufio.Reader, unblock func(), act *activity, spawn fun
 // prepare is init without the watcher: a source that parks has its
 // watcher's Peek made by peekParking.
 func (u *upload) prepare(br *bufio.Reader, unblock func(), act *activity) {
-	ctx, gone := context.WithCancel(context.Background())
 	u.br, u.unblock, u.act = br, unblock, act
 	u.established, u.peeked, u.done = make(chan struct{}), make(chan struct{}), make(chan struct{})
-	u.clientGoneCtx, u.clientGone, u.gone = ctx, ctx.Done(), gone
+	u.clientGone = make(chan struct{})
 	u.bufSize = smallBufSize
 }
 
@@ -85,7 +88,39 @@ func (u *upload) prepare(br *bufio.Reader, unblock func(), act *activity) {
 func (u *upload) peekedWith(err error) {
 	close(u.peeked)
 	if err != nil && !u.isEstablished.Load() {
-		u.gone()
+		u.clientLeft()
+	}
+}
+
+// clientLeft tells the dial that the client went away: clientGone closes
+// and the attempt waiting for its answer is cancelled. Once, from the
+// watcher.
+func (u *upload) clientLeft() {
+	u.goneMu.Lock()
+	close(u.clientGone)
+	cancel := u.onGone
+	u.onGone = nil
+	u.goneMu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+}
+
+// cancelOnGone has clientLeft run cancel while a dial attempt waits for
+// its answer, or runs it at once if the client has gone already; the
+// attempt calls it with nil once it has its answer.
+func (u *upload) cancelOnGone(cancel func()) {
+	u.goneMu.Lock()
+	gone := false
+	select {
+	case <-u.clientGone:
+		gone = true
+	default:
+		u.onGone = cancel
+	}
+	u.goneMu.Unlock()
+	if gone && cancel != nil {
+		cancel()
 	}
 }
 

@@ -350,7 +350,7 @@ func (l *Conn) onResponse(f *http2.MetaHeadersFrame) error {
 		return nil // a stream we already ended
 	}
 	st.rmu.Lock()
-	answered := st.resp != nil || st.respErr != nil
+	answered := st.answeredRLocked() || st.respErr != nil
 	st.rmu.Unlock()
 	if answered {
 		// Trailers, or an answer to a stream already failed: only

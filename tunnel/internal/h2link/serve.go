@@ -164,7 +164,7 @@ func (l *Conn) newRequest(f *http2.MetaHeadersFrame) (req *http.Request, declare
 // resets the stream. The stream counts against MaxConcurrentStreams until
 // this returns.
 func (l *Conn) runHandler(st *stream, req *http.Request) {
-	w := &responseWriter{st: st, header: make(http.Header)}
+	w := &responseWriter{st: st}
 	completed := false
 	defer func() {
 		if !completed {
@@ -233,17 +233,27 @@ func (st *stream) handlerDone() {
 // keys with http.TrailerPrefix, set before the handler returns, are sent
 // as trailers. Every Write is sent at once. Owned by the handler's
 // goroutine.
+//
+// The header map is made on the first Header and, once the head went
+// out, keeps only the trailers set so far: a long response (a gRPC call
+// held for hours) holds no map for a head it sent at its start. A handler
+// calls Header again for each trailer it sets after the head.
 type responseWriter struct {
 	st          *stream
-	header      http.Header
-	status      int  // set by WriteHeader
-	headersSent bool // the head has gone out
-	detached    bool // Detach: the stream is left open for Freeze
-	held        bool // Hold: the handler's return does not end the response
+	header      http.Header // nil until Header is called
+	status      int         // set by WriteHeader
+	headersSent bool        // the head has gone out
+	detached    bool        // Detach: the stream is left open for Freeze
+	held        bool        // Hold: the handler's return does not end the response
 	err         error
 }
 
-func (w *responseWriter) Header() http.Header { return w.header }
+func (w *responseWriter) Header() http.Header {
+	if w.header == nil {
+		w.header = make(http.Header)
+	}
+	return w.header
+}
 
 func (w *responseWriter) WriteHeader(code int) {
 	if w.status == 0 {
@@ -260,11 +270,19 @@ func (w *responseWriter) sendHead(end bool) error {
 		w.status = http.StatusOK
 	}
 	head := make(http.Header, len(w.header))
+	var trailers http.Header
 	for k, v := range w.header {
-		if !strings.HasPrefix(k, http.TrailerPrefix) && k != "Trailer" {
+		switch {
+		case strings.HasPrefix(k, http.TrailerPrefix):
+			if trailers == nil {
+				trailers = make(http.Header)
+			}
+			trailers[k] = v
+		case k != "Trailer":
 			head[k] = v
 		}
 	}
+	w.header = trailers
 	w.err = w.st.writeHeaderBlock(w.status, head, end)
 	return w.err
 }

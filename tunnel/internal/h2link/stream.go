@@ -46,7 +46,7 @@ type stream struct {
 	l         *Conn
 	body      io.ReadCloser      // the client end: the upload; nil for a GET
 	cancelCtx context.CancelFunc // the serving end: ends the handler's request context
-	respReady chan struct{}      // the client end: closed once resp or respErr is set
+	respReady chan struct{}      // the client end (nil on the serving end): closed once resp or respErr is set
 	id        uint32
 
 	// Guarded by Conn.mu. (The small fields first: they share a word with id.)
@@ -63,7 +63,7 @@ type stream struct {
 	// Guarded by rmu: the receive side.
 	rmu        sync.Mutex
 	recvCond   *sync.Cond     // on rmu: bytes queued, EOF, error or reader gone
-	resp       *http.Response // the client end: the answer
+	resp       *http.Response // the client end: the answer, until RoundTrip takes it (see answeredRLocked)
 	respErr    error          // the client end: why no answer comes
 	queue      []*[]byte      // received payloads, oldest first
 	head       int            // bytes of queue[0] already read
@@ -81,7 +81,10 @@ type stream struct {
 }
 
 func newStream(l *Conn, id uint32, state streamState) *stream {
-	st := &stream{l: l, id: id, state: state, respReady: make(chan struct{})}
+	st := &stream{l: l, id: id, state: state}
+	if !l.serving {
+		st.respReady = make(chan struct{})
+	}
 	st.sendWindow = window{int64(l.peerWindow)}
 	st.recvWindow = window{int64(l.streamWindow)}
 	st.recvSize = l.streamWindow
@@ -230,6 +233,7 @@ func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	st.rmu.Lock()
 	resp, respErr := st.resp, st.respErr
+	st.resp = nil // the caller's now: a long stream holds no answer it was given
 	st.rmu.Unlock()
 	if resp == nil {
 		return nil, respErr
@@ -358,10 +362,24 @@ func (st *stream) receive(data []byte, flow int64) error {
 	return err
 }
 
+// answeredRLocked reports whether the client end's answer came: resp was
+// set, and RoundTrip may have taken it since. The caller holds rmu.
+func (st *stream) answeredRLocked() bool {
+	if st.respErr != nil {
+		return false
+	}
+	select {
+	case <-st.respReady:
+		return true
+	default:
+		return false
+	}
+}
+
 // receiveRLocked is receive's part under rmu, which the caller holds; what
 // it returns runs once rmu is released.
 func (st *stream) receiveRLocked(data []byte, flow int64) (next func(), err error) {
-	if !st.l.serving && st.resp == nil {
+	if !st.l.serving && !st.answeredRLocked() {
 		return noop, fmt.Errorf("%w: DATA before the answer", ErrStreamReset)
 	}
 	st.recvWindow.take(flow)
@@ -618,8 +636,7 @@ func (l *Conn) chargeResetLocked() (exhausted bool) {
 // if no answer came yet, else the reader once it has read what arrived.
 func (st *stream) finish(err error) {
 	st.rmu.Lock()
-	answered := st.resp != nil
-	if !answered && st.respErr == nil {
+	if st.respReady != nil && !st.answeredRLocked() && st.respErr == nil {
 		st.respErr = err
 		close(st.respReady)
 	}
