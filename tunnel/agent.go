@@ -306,7 +306,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	deadline := a.beginDrain()
 	restart := a.isRestarting()
 	a.waitIdle(deadline, restart)
-	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || held > 0 {
+	// On a restart the held destinations go to the next image: only
+	// open streams are cut then.
+	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || !restart && held > 0 {
 		a.log.Warn("drain timeout: closing open tunnels", "open", n, "held", held)
 	}
 	stopConnecting()
