@@ -28,14 +28,11 @@ func runAgentSwarm() int {
 	dir := os.Getenv(swarmEnv)
 	n, _ := strconv.Atoi(os.Getenv("SWARM_N"))
 	addr := os.Getenv("SWARM_ADDR")
-	caPEM, err1 := os.ReadFile(filepath.Join(dir, "ca.crt"))
-	cert, err2 := tls.LoadX509KeyPair(filepath.Join(dir, "agent.crt"), filepath.Join(dir, "agent.key"))
-	if err1 != nil || err2 != nil {
-		fmt.Fprintln(os.Stderr, "swarm:", err1, err2)
+	pool, cert, err := readAgentFiles(dir)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "swarm:", err)
 		return 1
 	}
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(caPEM)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan struct{}, n)
@@ -62,6 +59,42 @@ func runAgentSwarm() int {
 	return 0
 }
 
+// writeAgentFiles writes p's CA and agent key pair into a new directory
+// for a child process (readAgentFiles), and returns it.
+func writeAgentFiles(tb testing.TB, p *pki) string {
+	tb.Helper()
+	dir := tb.TempDir()
+	keyDER, err := x509.MarshalPKCS8PrivateKey(p.agentCert.PrivateKey)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for name, block := range map[string]*pem.Block{
+		"ca.crt":    {Type: "CERTIFICATE", Bytes: p.ca.Cert.Raw},
+		"agent.crt": {Type: "CERTIFICATE", Bytes: p.agentCert.Certificate[0]},
+		"agent.key": {Type: "PRIVATE KEY", Bytes: keyDER},
+	} {
+		if err := os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(block), 0o600); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	return dir
+}
+
+// readAgentFiles reads what writeAgentFiles wrote.
+func readAgentFiles(dir string) (*x509.CertPool, tls.Certificate, error) {
+	caPEM, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
+	if err != nil {
+		return nil, tls.Certificate{}, fmt.Errorf("read CA: %w", err)
+	}
+	cert, err := tls.LoadX509KeyPair(filepath.Join(dir, "agent.crt"), filepath.Join(dir, "agent.key"))
+	if err != nil {
+		return nil, tls.Certificate{}, fmt.Errorf("read agent key pair: %w", err)
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(caPEM)
+	return pool, cert, nil
+}
+
 // BenchmarkIdleAgents connects 1000 agents (in another process) to one
 // server and reports what each idle agent costs the server: resident
 // memory, heap and stacks, and CPU over an idle minute's share.
@@ -70,17 +103,7 @@ func BenchmarkIdleAgents(b *testing.B) {
 	const agents = 1000
 	for range b.N {
 		p := newPKI(b)
-		dir := b.TempDir()
-		writePEM := func(name, typ string, der []byte) {
-			os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600)
-		}
-		writePEM("ca.crt", "CERTIFICATE", p.ca.Cert.Raw)
-		writePEM("agent.crt", "CERTIFICATE", p.agentCert.Certificate[0])
-		keyDER, err := x509.MarshalPKCS8PrivateKey(p.agentCert.PrivateKey)
-		if err != nil {
-			b.Fatal(err)
-		}
-		writePEM("agent.key", "PRIVATE KEY", keyDER)
+		dir := writeAgentFiles(b, p)
 
 		runtime.GC()
 		rss0, heap0 := selfRSS(), heapAndStacks()

@@ -6,15 +6,12 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
-	"encoding/pem"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"runtime/pprof"
@@ -51,16 +48,10 @@ func runGRPCCaller() int {
 		fmt.Fprintf(os.Stderr, "grpc caller: %s: %v\n", what, err)
 		return 1
 	}
-	caPEM, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
+	pool, cert, err := readAgentFiles(dir)
 	if err != nil {
-		return fail("read CA", err)
+		return fail("agent files", err)
 	}
-	cert, err := tls.LoadX509KeyPair(filepath.Join(dir, "agent.crt"), filepath.Join(dir, "agent.key"))
-	if err != nil {
-		return fail("read agent key pair", err)
-	}
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(caPEM)
 
 	echoLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -182,17 +173,7 @@ func BenchmarkIdleGRPCCalls(b *testing.B) {
 	}
 	for range b.N {
 		p := newPKI(b)
-		dir := b.TempDir()
-		writePEM := func(name, typ string, der []byte) {
-			os.WriteFile(filepath.Join(dir, name), pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600)
-		}
-		writePEM("ca.crt", "CERTIFICATE", p.ca.Cert.Raw)
-		writePEM("agent.crt", "CERTIFICATE", p.agentCert.Certificate[0])
-		keyDER, err := x509.MarshalPKCS8PrivateKey(p.agentCert.PrivateKey)
-		if err != nil {
-			b.Fatal(err)
-		}
-		writePEM("agent.key", "PRIVATE KEY", keyDER)
+		dir := writeAgentFiles(b, p)
 
 		e := newEnvOn(b, p, "127.0.0.1:0", nil)
 		sock := e.grpcSocket(b)
