@@ -39,8 +39,8 @@ import (
 // On HTTP CONNECT a call that races the close usually finds the socket
 // closed before it sent anything (EPIPE), and Go's HTTP client retries
 // it; a call whose connection the client picked just as it closed is lost
-// (seen against a real kube-apiserver: one webhook call in 3,300–3,700
-// in 3 of 10 runs, in a close a few milliseconds before an agent's
+// (seen against a real kube-apiserver now and then: one webhook call in
+// some thousands, in a close a few milliseconds before an agent's
 // deadline). On the gRPC
 // front door it is lost more often: konnectivity-client accepts a write
 // until it has processed the CLOSE_RSP, a few milliseconds on a loaded
