@@ -14,6 +14,7 @@ import (
 	"runtime/pprof"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -28,35 +29,44 @@ func runAgentSwarm() int {
 	dir := os.Getenv(swarmEnv)
 	n, _ := strconv.Atoi(os.Getenv("SWARM_N"))
 	addr := os.Getenv("SWARM_ADDR")
-	pool, cert, err := readAgentFiles(dir)
+	ctx, cancel := context.WithCancel(context.Background())
+	running, err := runChildAgents(ctx, dir, addr, "swarm", n)
 	if err != nil {
+		cancel()
 		fmt.Fprintln(os.Stderr, "swarm:", err)
 		return 1
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan struct{}, n)
+	io.Copy(io.Discard, os.Stdin)
+	cancel()
+	running.Wait()
+	return 0
+}
+
+// runChildAgents runs n agents (IDs prefix-0...) against addr in a
+// benchmark's child process, with the key files writeAgentFiles put in
+// dir, until ctx ends; the WaitGroup waits for them to stop.
+func runChildAgents(ctx context.Context, dir, addr, prefix string, n int) (*sync.WaitGroup, error) {
+	pool, cert, err := readAgentFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	var running sync.WaitGroup
 	for i := range n {
 		a, err := NewAgent(AgentConfig{
 			ServerAddrs:  []string{addr},
-			ID:           fmt.Sprintf("swarm-%d", i),
+			ID:           fmt.Sprintf("%s-%d", prefix, i),
 			DrainTimeout: time.Second,
 			TLS: func(name string) (*tls.Config, error) {
 				return &tls.Config{RootCAs: pool, ServerName: name, Certificates: []tls.Certificate{cert}}, nil
 			},
 		})
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "swarm:", err)
-			return 1
+			return &running, err
 		}
-		go func() { a.Run(ctx); done <- struct{}{} }()
+		running.Add(1)
+		go func() { defer running.Done(); a.Run(ctx) }()
 	}
-	io.Copy(io.Discard, os.Stdin)
-	cancel()
-	for range n {
-		<-done
-	}
-	return 0
+	return &running, nil
 }
 
 // writeAgentFiles writes p's CA and agent key pair into a new directory

@@ -48,10 +48,6 @@ func runGRPCCaller() int {
 		fmt.Fprintf(os.Stderr, "grpc caller: %s: %v\n", what, err)
 		return 1
 	}
-	pool, cert, err := readAgentFiles(dir)
-	if err != nil {
-		return fail("agent files", err)
-	}
 
 	echoLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -70,19 +66,8 @@ func runGRPCCaller() int {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	for i := range agents {
-		a, err := NewAgent(AgentConfig{
-			ServerAddrs:  []string{addr},
-			ID:           fmt.Sprintf("caller-%d", i),
-			DrainTimeout: time.Second,
-			TLS: func(name string) (*tls.Config, error) {
-				return &tls.Config{RootCAs: pool, ServerName: name, Certificates: []tls.Certificate{cert}}, nil
-			},
-		})
-		if err != nil {
-			return fail("agent", err)
-		}
-		go a.Run(ctx)
+	if _, err := runChildAgents(ctx, dir, addr, "caller", agents); err != nil {
+		return fail("agents", err)
 	}
 
 	stdin := bufio.NewReader(os.Stdin)
