@@ -262,9 +262,8 @@ func (p *pacer) handLocked(now time.Time, step, lead time.Duration) time.Duratio
 }
 
 // retryAfter hands a connection refused because the slots stalled the
-// next moment to come back,
-// with queued connections waiting in the listen backlog ahead of it, whom
-// it waits for at most ahead.
+// next moment to come back, with queued connections waiting in the listen
+// backlog ahead of it, whom it waits for at most ahead.
 func (p *pacer) retryAfter(now time.Time, slots int64, queued int, ahead time.Duration) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -83,8 +83,9 @@
 // tunnel (tunnel.handed) and the counts by state, and the count of gRPC
 // front door connections; the quiet drain, the hang-up sweep and a
 // restart pick tunnels under it and act on them after it is released.
-// A handover waits for the connections it takes on Server.passed, whose
-// lock is Server.mu. registry.mu
+// A handover waits for the connections it takes and for the pauses of
+// an agent's restart (Server.agentPausing) on Server.moved, whose lock is
+// Server.mu. registry.mu
 // (read-locked by a dial's pick) guards the connected agents and their
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
