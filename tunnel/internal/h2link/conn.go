@@ -13,6 +13,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -33,15 +34,20 @@ type Conn struct {
 	// Immutable after the constructor.
 	conn     net.Conn
 	cfg      Config
-	serving  bool          // the serving end: the peer opens the streams
-	handler  http.Handler  // the serving end: serves each stream
-	batch    *Batcher      // gathers a write's records into one system call; may be nil
-	writeTTL time.Duration // a write that makes no progress this long breaks the connection
+	serving  bool            // the serving end: the peer opens the streams
+	handler  http.Handler    // the serving end: serves each stream
+	batch    *Batcher        // gathers a write's records into one system call; may be nil
+	writeTTL time.Duration   // a write that makes no progress this long breaks the connection
+	tcp      syscall.RawConn // the TCP socket under conn, for its unsent bound; nil if none
+
+	// turn is the most a bulk turn writes (sched.go): set under wmu, read
+	// by writers before they take it.
+	turn atomic.Int64
 
 	// fr reads on the read loop only; it writes under wmu.
 	fr *http2.Framer
 
-	wmu  sync.Mutex     // held for every frame written, and across a header block's encoding
+	wmu  writeLock      // held for every frame written, and across a header block's encoding (sched.go)
 	henc *hpack.Encoder // under wmu
 	hbuf bytes.Buffer   // under wmu: the header block being encoded
 
@@ -192,6 +198,9 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 		l.recvTarget, l.streamWindow = cfg.PreAdmitConnWindow, cfg.PreAdmitStreamWindow
 	}
 	l.windowCond = sync.NewCond(&l.mu)
+	l.turn.Store(maxTurn)
+	l.tcp = tcpSocket(conn, cfg.Batch)
+	l.setUnsentBound(maxTurn)
 	if serving && cfg.Freezable {
 		l.fread = &frameReader{conn: conn}
 		l.readParked, l.frozen = make(chan struct{}), make(chan struct{})
@@ -383,9 +392,14 @@ func (l *Conn) batched(write func() error) error {
 }
 
 // writeFrames writes p as DATA frames of at most frame bytes, the last with
-// END_STREAM when end is set. Under a Batcher the frames leave in one write.
-func (l *Conn) writeFrames(id uint32, p []byte, frame int, end bool) error {
-	l.lockWrite()
+// END_STREAM when end is set, in one turn of the write lock (sched.go):
+// bulk turns wait behind small writes, and their time paces the next.
+// Under a Batcher the frames leave in one write.
+func (l *Conn) writeFrames(id uint32, p []byte, frame int, end, bulk bool) error {
+	l.wmu.lock(bulk)
+	l.armWrite()
+	start := time.Now()
+	n := int64(len(p))
 	err := l.batched(func() error {
 		for first := true; first || len(p) > 0; first = false {
 			n := min(len(p), frame)
@@ -396,6 +410,9 @@ func (l *Conn) writeFrames(id uint32, p []byte, frame int, end bool) error {
 		}
 		return l.flushControlWLocked() // queued WINDOW_UPDATEs ride along
 	})
+	if err == nil && bulk {
+		l.paceWLocked(n, time.Since(start))
+	}
 	l.wmu.Unlock()
 	return err
 }
