@@ -72,13 +72,19 @@ type Conn struct {
 	// capacityChangedLocked whenever a field it depends on changes, so that
 	// a caller choosing among thousands of links reads it without mu.
 	canTake      atomic.Bool
-	peerWindow   int32  // under mu: the peer's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame uint32 // under mu: the peer's SETTINGS_MAX_FRAME_SIZE
-	sendWindow   window // under mu: the connection's send window
-	recvWindow   window // under mu: what the peer may still send on the connection
-	recvUnacked  int64  // under mu: connection credit not yet returned
-	recvTarget   int32  // under mu: the connection window this end wants the peer to have
-	streamWindow int32  // under mu: the receive window each new stream gets
+	peerWindow   int32        // under mu: the peer's SETTINGS_INITIAL_WINDOW_SIZE
+	peerMaxFrame uint32       // under mu: the peer's SETTINGS_MAX_FRAME_SIZE
+	sendWindow   window       // under mu: the connection's send window
+	recvWindow   window       // under mu: what the peer may still send on the connection
+	recvUnacked  int64        // under mu: connection credit not yet returned
+	recvTarget   int32        // under mu: the connection window this end wants the peer to have (bdp.go)
+	streamWindow int32        // under mu: the receive window each new stream gets (SETTINGS_INITIAL_WINDOW_SIZE)
+	sendPeak     int64        // under mu: the largest connection send window seen: see connAvailLocked
+	bdp          bdpEstimator // under mu: the link's measurement, which sets recvTarget
+
+	// streamTarget is the receive window streams move to as their credit
+	// goes back (bdp.go): written under mu, read under a stream's rmu.
+	streamTarget atomic.Int32
 
 	// The client end only; under mu.
 	nextID uint32 // the next stream this end opens
@@ -194,9 +200,14 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 		streamWindow:   cfg.StreamWindow,
 		readerDone:     make(chan struct{}),
 	}
-	if serving {
+	preAdmit := serving && (cfg.PreAdmitConnWindow < cfg.ConnWindow || cfg.PreAdmitStreamWindow < cfg.StreamWindow)
+	if preAdmit {
 		l.recvTarget, l.streamWindow = cfg.PreAdmitConnWindow, cfg.PreAdmitStreamWindow
+	} else {
+		l.recvTarget = min(cfg.ConnWindow, startConnWindow)
+		l.bdp.on = true
 	}
+	l.streamTarget.Store(l.streamWindow)
 	l.windowCond = sync.NewCond(&l.mu)
 	l.turn.Store(maxTurn)
 	l.tcp = tcpSocket(conn, cfg.Batch)
@@ -255,10 +266,17 @@ func (l *Conn) RaiseWindows() {
 		l.mu.Unlock()
 		return
 	}
-	connDelta := int64(l.cfg.ConnWindow - l.recvTarget)
+	if l.bdp.on {
+		l.mu.Unlock()
+		return
+	}
+	start := min(l.cfg.ConnWindow, startConnWindow)
+	connDelta := int64(start - l.recvTarget)
 	streamDelta := int64(l.cfg.StreamWindow - l.streamWindow)
-	l.recvTarget, l.streamWindow = l.cfg.ConnWindow, l.cfg.StreamWindow
+	l.recvTarget, l.streamWindow = start, l.cfg.StreamWindow
 	l.recvWindow.add(connDelta)
+	l.bdp.on = true
+	l.streamTarget.Store(l.streamWindow)
 	open := make([]*stream, 0, len(l.streams))
 	for _, st := range l.streams {
 		open = append(open, st)

@@ -111,6 +111,17 @@ func pop(q []*turnWaiter) (*turnWaiter, []*turnWaiter) {
 	return t, q[1:]
 }
 
+// connAvailLocked is the connection send window a write may take: a
+// bulk write leaves smallWrite of it to small ones, so that they need not
+// wait for credit behind bulk streams, when the peer's window is large
+// enough to spare it. The caller holds mu.
+func (l *Conn) connAvailLocked(bulk bool) int64 {
+	if bulk && l.sendPeak >= 4*smallWrite {
+		return l.sendWindow.avail() - smallWrite
+	}
+	return l.sendWindow.avail()
+}
+
 // turnBytes is the most a bulk turn writes now.
 func (l *Conn) turnBytes() int64 { return l.turn.Load() }
 
