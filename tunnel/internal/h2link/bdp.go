@@ -25,18 +25,19 @@ import (
 //   - anything else leaves it as it is.
 //
 // A smaller window is given back by returning less credit, never by
-// taking any back (RFC 9113 §6.9). A stream's window is twice the
-// connection's, between Config.StreamWindow and maxStreamWindow, so that
-// one stream can fill the link; it bounds what a stalled reader holds. It
-// moves as the stream's credit goes back (refillRLocked), so a quiet
-// stream costs nothing when the link's speed changes.
+// taking any back (RFC 9113 §6.9). A stream's window is twice what the
+// link delivers in its shortest round trip, between Config.StreamWindow
+// and maxStreamWindow, so that one stream can fill a long link; it bounds
+// what a stalled reader holds. It moves as the stream's credit goes back
+// (refillRLocked), so a quiet stream costs nothing when the link's speed
+// changes.
 //
 // The shortest round trip is the least seen on the connection; a minute
 // in which every trip took longer than it by more than the target (the
 // path itself got longer) replaces it with that minute's least.
 const (
 	queueTarget     = 5 * time.Millisecond
-	minConnWindow   = 64 << 10
+	minConnWindow   = 32 << 10
 	startConnWindow = 1 << 20
 	maxStreamWindow = 16 << 20
 	maxAutoWindow   = 64 << 20
@@ -98,16 +99,18 @@ func (l *Conn) bdpAckLocked(now time.Time) {
 	} else {
 		b.epochMin = min(b.epochMin, rtt)
 	}
+	rate := float64(b.bytes) / rtt.Seconds() // what the link delivered
 	cur := int64(l.recvTarget)
 	next := cur
 	switch limit := b.minRTT + queueTarget; {
 	case rtt > limit:
-		rate := float64(b.bytes) / rtt.Seconds()
 		next = max(int64(rate*limit.Seconds()), cur/2)
 	case rtt <= b.minRTT+queueTarget/2 && 3*b.bytes >= 2*cur:
 		next = 2 * cur
 	}
 	l.setRecvTargetLocked(next)
+	stream := int64(2 * rate * b.minRTT.Seconds())
+	l.streamTarget.Store(int32(min(max(stream, int64(l.cfg.StreamWindow)), maxStreamWindow)))
 }
 
 // setRecvTargetLocked moves the connection window this end gives toward
@@ -121,7 +124,6 @@ func (l *Conn) setRecvTargetLocked(n int64) {
 	}
 	l.recvUnacked += n - cur
 	l.recvTarget = int32(n)
-	l.streamTarget.Store(int32(min(max(2*n, int64(l.cfg.StreamWindow)), maxStreamWindow)))
 }
 
 // sendBDPPing queues the measuring PING.

@@ -211,7 +211,7 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 	l.windowCond = sync.NewCond(&l.mu)
 	l.turn.Store(maxTurn)
 	l.tcp = tcpSocket(conn, cfg.Batch)
-	l.setUnsentBound(maxTurn)
+	l.setUnsentBound(unsentBound(maxTurn))
 	if serving && cfg.Freezable {
 		l.fread = &frameReader{conn: conn}
 		l.readParked, l.frozen = make(chan struct{}), make(chan struct{})

@@ -146,8 +146,19 @@ func (l *Conn) paceWLocked(n int64, d time.Duration) {
 	}
 	if next != cur {
 		l.turn.Store(next)
-		l.setUnsentBound(next)
+		l.setUnsentBound(unsentBound(next))
 	}
+}
+
+// unsentBound is the kernel's share of a link whose turns are turn bytes:
+// one turn; four on a link fast enough for the largest turn, where that
+// is still under a few milliseconds and a writer need not wait for the
+// kernel at every turn.
+func unsentBound(turn int64) int64 {
+	if turn >= maxTurn {
+		return 4 * maxTurn
+	}
+	return turn
 }
 
 // setUnsentBound keeps the kernel's queue of bytes not yet sent on the
