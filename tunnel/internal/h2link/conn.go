@@ -24,9 +24,9 @@ import (
 // (NewClient), whose RoundTrip opens streams, or the serving end
 // (NewServer), which runs a handler for each stream the peer opens.
 //
-// Lock order, outermost first: wmu, mu, a stream's rmu, ctlMu. The
-// Batcher's lock is taken only inside a write, under wmu, and takes no
-// other. No lock is held across a read from the connection; only wmu is
+// Lock order, outermost first: wmu, mu, a stream's rmu, ctlMu. wmu is a
+// writeLock, handed over in turn (sched.go); its own lock and the
+// Batcher's are leaves, the Batcher's taken only inside a write, under wmu. No lock is held across a read from the connection; only wmu is
 // held across a write to it. The read loop takes no lock that is held
 // across a write (wmu), so a peer that does not read cannot stall it:
 // the frames it must answer with go through the control queue.
@@ -252,10 +252,11 @@ func (l *Conn) writeSettings() error {
 	return nil
 }
 
-// RaiseWindows gives a peer the full receive windows (Config.StreamWindow
-// and ConnWindow) on a serving end that started with the pre-admission
-// ones: SETTINGS_INITIAL_WINDOW_SIZE, and a WINDOW_UPDATE for the
-// connection and for each open stream. The owner calls it once it has
+// RaiseWindows gives a peer the full receive windows (Config.StreamWindow,
+// and the connection's starting window, which then follows the link:
+// bdp.go) on a serving end that started with the pre-admission ones:
+// SETTINGS_INITIAL_WINDOW_SIZE, and a WINDOW_UPDATE for the connection and
+// for each open stream. The owner calls it once it has
 // admitted the peer; again, or without pre-admission windows, it does
 // nothing. A handler may call it: NewServer returns before any handler
 // runs (they start with Serve), so the handler can use the *Conn its
