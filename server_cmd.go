@@ -86,9 +86,9 @@ type serverLeaseOptions struct {
 	duration, renew, cull time.Duration
 }
 
-func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
+func newServerFlags() (*serverOptions, *commandFlags) {
 	o := &serverOptions{udsMode: fileMode{0o600}}
-	cf := newCommandFlags("konnectivity server", stderr)
+	cf := newCommandFlags("konnectivity server")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-bind-address", healthPort: "health-port", adminPort: "admin-port",
 		healthDefault: 8092, adminDefault: 8095,
@@ -159,8 +159,8 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 }
 
 func runServer(args []string, stdout, stderr io.Writer) int {
-	o, cf := newServerFlags(stderr)
-	return runDaemon("server", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
+	o, cf := newServerFlags()
+	return runDaemon("server", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 // complete checks flag combinations and fills derived defaults.
