@@ -15,6 +15,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
@@ -160,6 +161,7 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 
 func runServer(args []string, stdout, stderr io.Writer) int {
 	o, cf := newServerFlags(stderr)
+	o.checkArgs = append([]string{"check", "server"}, args...)
 	return runDaemon("server", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
@@ -278,7 +280,7 @@ func (o *serverOptions) tokenAuth() bool {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := daemon.InheritedTunnels(log) // before anything can fail: their sockets close with the process
+	inherited := daemon.Inherit("paused tunnels", func(p *tunnel.PausedTunnel, f *os.File) { p.File = f }, log) // before anything can fail: their sockets close with the process
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -342,7 +344,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return nil
 		},
-		Drain: func(trigger string) []string {
+		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
 			paused := stopServing(srv, o.restartGrace, true, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
@@ -350,10 +352,12 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return daemon.TunnelsForNextImage(paused, log)
+			return daemon.Hand(paused, func(p *tunnel.PausedTunnel) syscall.Conn { return p.File })
 		},
-		Exited:      o.removeSocket(log),
-		MemoryReady: func() bool { return srv.AgentCount() > 0 },
+		Exited:       o.removeSocket(log),
+		MemoryReady:  func() bool { return srv.AgentCount() > 0 },
+		Metrics:      metrics,
+		MetricPrefix: "konnectivity_network_proxy_server_",
 	}))
 }
 
