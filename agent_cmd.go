@@ -11,7 +11,6 @@ import (
 	"net/netip"
 	"os"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
@@ -266,7 +265,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
-	held := daemon.Inherit("held destinations", func(h *tunnel.HeldDest, f *os.File) { h.File = f }, log) // before anything can fail: their sockets close with the process
+	held := daemon.Inherit("held destinations", func(h *tunnel.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
@@ -321,7 +320,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			agent.Restarting()
 			stop()
-			return daemon.Hand(agent.HeldForNextImage(), func(h *tunnel.HeldDest) syscall.Conn { return h.File })
+			return daemon.Hand("held destinations", agent.HeldForNextImage(), func(h *tunnel.HeldDest) net.Conn { return h.Socket })
 		},
 		MemoryReady:  func() bool { ok, _ := agent.ReadyAll(); return ok },
 		Metrics:      metrics,

@@ -15,7 +15,6 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
@@ -280,7 +279,7 @@ func (o *serverOptions) tokenAuth() bool {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := daemon.Inherit("paused tunnels", func(p *tunnel.PausedTunnel, f *os.File) { p.File = f }, log) // before anything can fail: their sockets close with the process
+	inherited := daemon.Inherit("paused tunnels", func(p *tunnel.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -352,7 +351,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return daemon.Hand(paused, func(p *tunnel.PausedTunnel) syscall.Conn { return p.File })
+			return daemon.Hand("paused tunnels", paused, func(p *tunnel.PausedTunnel) net.Conn { return p.Socket })
 		},
 		Exited:       o.removeSocket(log),
 		MemoryReady:  func() bool { return srv.AgentCount() > 0 },

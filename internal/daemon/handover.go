@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"strconv"
 	"syscall"
@@ -34,18 +35,22 @@ const maxSocketsList = 64 << 20
 // Handed is one socket a restart hands to the next image, with what goes
 // with it.
 type Handed struct {
-	// Socket is the socket itself: its descriptor crosses the exec, so it
-	// must stay open until then (Run keeps it referenced).
-	Socket syscall.Conn
+	// Socket is the socket itself (a plain TCP or Unix socket): its
+	// descriptor crosses the exec, so it stays open until then (Run keeps
+	// it referenced).
+	Socket net.Conn
 	// Entry is written beside the descriptor as JSON.
 	Entry any
+	// What names the socket in the log ("paused tunnels").
+	What string
 }
 
-// Hand lists items for the next image, socket giving each one's socket.
-func Hand[T any](items []T, socket func(T) syscall.Conn) []Handed {
+// Hand lists items for the next image, socket giving each one's socket;
+// what names them in the log.
+func Hand[T any](what string, items []T, socket func(T) net.Conn) []Handed {
 	out := make([]Handed, 0, len(items))
 	for _, it := range items {
-		out = append(out, Handed{Socket: socket(it), Entry: it})
+		out = append(out, Handed{Socket: socket(it), Entry: it, What: what})
 	}
 	return out
 }
@@ -89,14 +94,14 @@ func (l *socketList) write(handed []Handed, log *slog.Logger) []string {
 		entry, err := keepAcrossExec(h)
 		if err != nil {
 			lost++
-			log.Warn("socket not handed to the next image; closed", "err", err)
+			log.Warn(h.What+": socket not handed to the next image; closed", "err", err)
 			closeSocket(h.Socket)
 			continue
 		}
 		list = append(list, entry)
 	}
 	fail := func(err error) []string {
-		log.Error("sockets not handed to the next image; closed", "sockets", len(handed), "err", err)
+		log.Error(handed[0].What+" not handed to the next image; closed", "tunnels", len(handed), "err", err)
 		for _, h := range handed {
 			closeSocket(h.Socket)
 		}
@@ -117,21 +122,22 @@ func (l *socketList) write(handed []Handed, log *slog.Logger) []string {
 	if _, err := unix.FcntlInt(uintptr(l.fd), unix.F_SETFD, 0); err != nil {
 		return fail(os.NewSyscallError("fcntl", err))
 	}
-	log.Info("sockets handed to the next image", "sockets", len(list), "lost", lost)
+	log.Info(handed[0].What+" handed to the next image", "tunnels", len(list), "lost", lost)
 	return []string{fmt.Sprintf("%s=%d", socketsEnv, l.fd)}
 }
 
 // keepAcrossExec clears close-on-exec on h's own descriptor and returns
 // its entry.
 func keepAcrossExec(h Handed) (handedEntry, error) {
-	if h.Socket == nil {
-		return handedEntry{}, errors.New("no socket")
+	sc, ok := h.Socket.(syscall.Conn)
+	if !ok {
+		return handedEntry{}, errors.New("not a plain socket")
 	}
 	data, err := json.Marshal(h.Entry)
 	if err != nil {
 		return handedEntry{}, err
 	}
-	rc, err := h.Socket.SyscallConn()
+	rc, err := sc.SyscallConn()
 	if err != nil {
 		return handedEntry{}, err
 	}
@@ -148,17 +154,19 @@ func keepAcrossExec(h Handed) (handedEntry, error) {
 	return handedEntry{FD: fd, Tunnel: data}, nil
 }
 
-func closeSocket(s syscall.Conn) {
-	if c, ok := s.(io.Closer); ok {
+func closeSocket(c net.Conn) {
+	if c != nil {
 		c.Close()
 	}
 }
 
 // Inherit reads (and clears) the list a previous image handed over,
-// decoding each entry into a new T and giving it its socket with setFile.
-// An entry whose descriptor is not a socket, or that does not decode, is
-// dropped with a warning. what names the items in the log.
-func Inherit[T any](what string, setFile func(*T, *os.File), log *slog.Logger) []*T {
+// decoding each entry into a new T and giving it its socket with setConn.
+// The sockets become connections one after the other, so that taking them
+// over needs one spare descriptor, not one per socket. An entry whose
+// descriptor is not a socket, or that does not decode, is dropped with a
+// warning. what names the items in the log.
+func Inherit[T any](what string, setConn func(*T, net.Conn), log *slog.Logger) []*T {
 	spec, ok := os.LookupEnv(socketsEnv)
 	os.Unsetenv(socketsEnv) // children of this process must not see it
 	if !ok {
@@ -195,7 +203,13 @@ func Inherit[T any](what string, setFile func(*T, *os.File), log *slog.Logger) [
 			sock.Close()
 			continue
 		}
-		setFile(it, sock)
+		c, err := net.FileConn(sock)
+		sock.Close()
+		if err != nil {
+			log.Warn("inherited tunnel's socket unusable; closed", "what", what, "err", err)
+			continue
+		}
+		setConn(it, c)
 		out = append(out, it)
 	}
 	log.Info("resuming "+what+" handed over by the previous image", "tunnels", len(out))

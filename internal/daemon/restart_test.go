@@ -39,7 +39,18 @@ type entry struct {
 	Addr  string `json:"addr"`
 	Token string `json:"token"`
 	Part  []byte `json:"part,omitempty"`
-	file  *os.File
+	conn  net.Conn
+}
+
+// conn makes f a connection, as a command holds its sockets.
+func conn(t *testing.T, f *os.File) net.Conn {
+	t.Helper()
+	c, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 // TestTunnelsHandedToNextImage: the sockets written for the next image (a
@@ -52,8 +63,9 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	f1, peer1 := socketPair(t)
 	f2, peer2 := socketPair(t)
 	f3, peer3 := socketPair(t)
-	f3.Close() // its descriptor is gone: only it is lost
-	items := []*entry{{Addr: "10.0.0.1:443", Token: "t1", file: f1}, {Addr: "10.0.0.3:1", file: f3}, {Addr: "10.0.0.2:10250", Token: "t2", Part: []byte{0, 9, 1}, file: f2}}
+	c1, c2, c3 := conn(t, f1), conn(t, f2), conn(t, f3)
+	c3.Close() // its descriptor is gone: only it is lost
+	items := []*entry{{Addr: "10.0.0.1:443", Token: "t1", conn: c1}, {Addr: "10.0.0.3:1", conn: c3}, {Addr: "10.0.0.2:10250", Token: "t2", Part: []byte{0, 9, 1}, conn: c2}}
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
 	list, err := newSocketList()
@@ -61,21 +73,26 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	fds := openFDs(t)
-	env := list.write(Hand(items, func(e *entry) syscall.Conn { return e.file }), log)
+	env := list.write(Hand("test entries", items, func(e *entry) net.Conn { return e.conn }), log)
 	if now := openFDs(t); now != fds {
 		t.Errorf("%d descriptors open after the sockets were handed over, %d before: want no second descriptor per socket", now, fds)
 	}
 	if len(env) != 1 || !strings.HasPrefix(env[0], socketsEnv+"=") {
 		t.Fatalf("environment %q", env)
 	}
-	for i, f := range []*os.File{f1, f2} {
-		flags, err := unix.FcntlInt(f.Fd(), unix.F_GETFD, 0)
+	for i, c := range []net.Conn{c1, c2} {
+		rc, err := c.(syscall.Conn).SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		flags := 0
+		rc.Control(func(fd uintptr) { flags, err = unix.FcntlInt(fd, unix.F_GETFD, 0) })
 		if err != nil || flags&unix.FD_CLOEXEC != 0 {
 			t.Errorf("socket %d: close-on-exec still set (%d, %v): the exec would close it", i, flags, err)
 		}
 	}
 	t.Setenv(socketsEnv, strings.TrimPrefix(env[0], socketsEnv+"="))
-	got := Inherit("test entries", func(e *entry, f *os.File) { e.file = f }, log)
+	got := Inherit("test entries", func(e *entry, c net.Conn) { e.conn = c }, log)
 	if _, set := os.LookupEnv(socketsEnv); set {
 		t.Error("the entry is still in the environment: children would inherit it")
 	}
@@ -88,11 +105,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 		if g.Addr != want.Addr || g.Token != want.Token || !reflect.DeepEqual(g.Part, want.Part) {
 			t.Errorf("entry %d read back as %+v, want %+v", i, g, want)
 		}
-		c, err := net.FileConn(g.file)
-		g.file.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
+		c := g.conn
 		peer := []net.Conn{peer1, peer2}[i]
 		if _, err := c.Write([]byte("ping")); err != nil {
 			t.Fatal(err)
@@ -103,7 +116,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 		}
 		c.Close()
 	}
-	if !strings.Contains(logs.String(), "socket not handed to the next image; closed") {
+	if !strings.Contains(logs.String(), "test entries: socket not handed to the next image; closed") {
 		t.Errorf("no warning for the lost socket; log:\n%s", logs.String())
 	}
 
@@ -113,7 +126,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	env = list.write(Hand([]*entry{{Addr: "x:1", file: f4}}, func(e *entry) syscall.Conn { return e.file }), log)
+	env = list.write(Hand("test entries", []*entry{{Addr: "x:1", conn: conn(t, f4)}}, func(e *entry) net.Conn { return e.conn }), log)
 	spec := strings.TrimPrefix(env[0], socketsEnv+"=")
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
@@ -128,7 +141,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	}
 	unix.Dup2(int(devnull.Fd()), raw[0].FD) // the entry's descriptor now is /dev/null
 	t.Setenv(socketsEnv, spec)
-	if got := Inherit("test entries", func(e *entry, f *os.File) { e.file = f }, log); len(got) != 0 {
+	if got := Inherit("test entries", func(e *entry, c net.Conn) { e.conn = c }, log); len(got) != 0 {
 		t.Errorf("an entry on /dev/null was adopted: %+v", got[0])
 	}
 	if !strings.Contains(logs.String(), "ignoring inherited tunnel without a socket") {
