@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -23,6 +22,10 @@ import (
 // operator can run it before a reload. It contacts nothing: whether the
 // apiserver answers is no reason to refuse a restart.
 func runCheck(args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version") {
+		writeVersion(stdout)
+		return 0
+	}
 	if len(args) == 0 || args[0] != "server" && args[0] != "agent" {
 		fmt.Fprintln(stderr, "usage: konnectivity check server|agent [the command's flags]")
 		return 2
@@ -34,19 +37,16 @@ func runCheck(args []string, stdout, stderr io.Writer) int {
 	)
 	switch args[0] {
 	case "server":
-		o, f := newServerFlags(stderr)
+		o, f := newServerFlags()
 		cf, complete, check = f, func() error { return o.complete(f) }, o.check
 	case "agent":
-		o, f := newAgentFlags(stderr)
+		o, f := newAgentFlags()
 		cf, complete, check = f, func() error { return o.complete(f) }, o.check
 	}
 	name := "konnectivity check " + args[0]
-	if _, err := cf.parseArgs(args[1:]); err != nil {
-		if errors.Is(err, flagHelp) {
-			return 0
-		}
-		fmt.Fprintf(stderr, "%s: %v\n", name, err)
-		return 2
+	_, err := cf.parseArgs(args[1:])
+	if code, done := flagsParsed(cf.FlagSet, err, "", stdout, stderr); done {
+		return code
 	}
 	if err := complete(); err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", name, err)
