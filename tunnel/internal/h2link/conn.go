@@ -41,7 +41,7 @@ type Conn struct {
 	// fr reads on the read loop only; it writes under wmu.
 	fr *http2.Framer
 
-	wmu  sync.Mutex     // held for every frame written, and across a header block's encoding
+	wmu  writeLock      // held for every frame written, and across a header block's encoding
 	henc *hpack.Encoder // under wmu
 	hbuf bytes.Buffer   // under wmu: the header block being encoded
 
@@ -187,6 +187,7 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 		recvTarget:     cfg.ConnWindow,
 		streamWindow:   cfg.StreamWindow,
 		readerDone:     make(chan struct{}),
+		wmu:            newWriteLock(),
 	}
 	if serving {
 		l.recvTarget, l.streamWindow = cfg.PreAdmitConnWindow, cfg.PreAdmitStreamWindow
@@ -428,9 +429,18 @@ func (l *Conn) retire() {
 	})
 }
 
-// CanTakeNewRequest reports whether a new stream may be opened now. It
-// takes no lock: a server's agent choice asks it of many links per dial.
-func (l *Conn) CanTakeNewRequest() bool { return l.canTake.Load() }
+// CanTakeNewRequest reports whether a new stream may be opened now: not
+// on a connection that is closed, going away or full, nor on one whose
+// writes have not drained for Config.StallAfter (Stalled). It takes no
+// lock: a server's agent choice asks it of many links per dial.
+func (l *Conn) CanTakeNewRequest() bool { return l.canTake.Load() && !l.Stalled() }
+
+// Stalled reports whether a write to the connection has been under way
+// for longer than Config.StallAfter: the peer does not read. The write
+// deadline (KeepAlive + PingTimeout) closes such a connection.
+func (l *Conn) Stalled() bool {
+	return l.cfg.StallAfter > 0 && l.wmu.heldFor(time.Now()) > l.cfg.StallAfter
+}
 
 // capacityChangedLocked recomputes canTake; every change to closed, goAway,
 // nextID, streams or peerMaxStreams calls it, under mu.
