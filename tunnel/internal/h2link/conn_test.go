@@ -691,3 +691,24 @@ func waitUntil(t *testing.T, bound time.Duration, what string, cond func() bool)
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestLinkShutdownDoesNotWaitForStalledPeer: Shutdown waits for the open
+// streams, but not on a connection whose writes do not drain: those
+// streams cannot finish.
+func TestLinkShutdownDoesNotWaitForStalledPeer(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPairOn(t, "unix", filepath.Join(t.TempDir(), "s"), 0, 0)
+	l.cfg.StallAfter = 300 * time.Millisecond
+	openAnswered(t, l, a) // a stream that stays open
+	stallLink(t, l, a)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	err := l.Shutdown(ctx)
+	if !errors.Is(err, ErrStalled) {
+		t.Fatalf("Shutdown of a stalled link: %v, want ErrStalled", err)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("Shutdown returned after %v; the stall bound is 300 ms", el)
+	}
+}
