@@ -12,9 +12,15 @@
 GO        ?= go
 PREFIX    ?= /usr/local
 DESTDIR   ?=
-VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-BIN       := bin/konnectivity
-LDFLAGS   := -s -w -X main.version=$(VERSION)
+# What `konnectivity version` prints. VERSION: the newest release tag
+# (v1.2.3, or v1.2.3-N-gHASH past it), else the newest version CHANGELOG.md
+# names with -dev.HASH; BUILD_DATE: the commit's time, so the same source
+# builds the same bytes.
+VERSION    ?= $(shell git describe --tags --match 'v[0-9]*' --dirty 2>/dev/null || echo "$$(sed -n 's/^\#\# \(v[0-9][0-9.]*\).*/\1/p' CHANGELOG.md | head -1)-dev.$$(git describe --always --dirty 2>/dev/null || echo unknown)")
+REVISION   ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+BUILD_DATE ?= $(shell TZ=UTC git log -1 --date=format-local:%Y-%m-%dT%H:%M:%SZ --format=%cd 2>/dev/null)
+BIN        := bin/konnectivity
+LDFLAGS    := -s -w -X main.version=$(VERSION) -X main.commit=$(REVISION) -X main.buildDate=$(BUILD_DATE)
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
@@ -69,7 +75,6 @@ h2spec: build
 OVERLAY          ?= bin/eks-node-overlay.tar.gz
 AGENT_IMAGE      ?= bin/konnectivity-agent-image.tar
 AGENT_IMAGE_REPO ?= spinifex/konnectivity-agent
-REVISION         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 
 # An OCI image archive of the agent, written without Docker (images/ociimage).
 agent-image: build

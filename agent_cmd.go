@@ -82,9 +82,9 @@ func (d *deprecatedAlias) Set(v string) error {
 	return nil
 }
 
-func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
+func newAgentFlags() (*agentOptions, *commandFlags) {
 	o := &agentOptions{}
-	cf := newCommandFlags("konnectivity agent", stderr)
+	cf := newCommandFlags("konnectivity agent")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-server-host", healthPort: "health-server-port", adminPort: "admin-server-port",
 		healthDefault: 8093, adminDefault: 8094,
@@ -125,8 +125,8 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 }
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
-	o, cf := newAgentFlags(stderr)
-	return runDaemon("agent", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
+	o, cf := newAgentFlags()
+	return runDaemon("agent", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 func (o *agentOptions) complete(cf *commandFlags) error {

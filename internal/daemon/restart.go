@@ -9,7 +9,6 @@ import (
 	"net"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -97,39 +96,6 @@ func (ls *listenerSet) closeUnused() {
 		f.Close()
 	}
 	ls.inherited = nil
-}
-
-// ListenUnix creates a Unix socket at path with its final mode from the
-// start (no window in which it is more open than asked), making its
-// directory if needed: what Listen's create does for a socket. A stale
-// socket at path is removed when replace is set; any other file there is
-// never removed.
-func ListenUnix(path string, mode os.FileMode, replace bool) (*net.UnixListener, error) {
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
-		}
-		if !replace {
-			return nil, fmt.Errorf("%s already exists", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("remove stale socket: %w", err)
-		}
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("socket directory: %w", err)
-	}
-	old := unix.Umask(0o777 &^ int(mode.Perm()))
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	unix.Umask(old)
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(path, mode.Perm()); err != nil {
-		ln.Close()
-		return nil, fmt.Errorf("socket mode: %w", err)
-	}
-	return ln, nil
 }
 
 func sameAddr(have net.Addr, network, want string) bool {

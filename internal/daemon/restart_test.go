@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -115,35 +114,3 @@ func mustAtoi(t *testing.T, s string) int {
 	return n
 }
 
-// TestListenUnix: the socket has the mode asked for, in a directory made
-// for it; a stale socket is replaced only when asked, another file never.
-func TestListenUnix(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "run", "s.sock")
-	ln, err := ListenUnix(path, 0o660, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o660 {
-		t.Fatalf("socket: %v, mode %v; want 0660", err, fi.Mode().Perm())
-	}
-	ln.SetUnlinkOnClose(false)
-	ln.Close() // leaves a stale socket behind
-	if _, err := ListenUnix(path, 0o600, false); err == nil {
-		t.Fatal("a stale socket was replaced without being asked to")
-	}
-	ln, err = ListenUnix(path, 0o600, true)
-	if err != nil {
-		t.Fatalf("replacing a stale socket: %v", err)
-	}
-	ln.Close()
-	file := filepath.Join(t.TempDir(), "not-a-socket")
-	if err := os.WriteFile(file, []byte("x"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ListenUnix(file, 0o600, true); err == nil {
-		t.Fatal("a regular file was replaced by a socket")
-	}
-	if _, err := os.Stat(file); err != nil {
-		t.Fatalf("the regular file is gone: %v", err)
-	}
-}
