@@ -7,6 +7,7 @@
 #   make e2e-loaded   the e2e suite likewise
 #   make bench      the benchmark table
 #   make bench-scale  one server, 5,000 agents, 50,000 tunnels (not part of make test)
+#   make bench-fairness  a probe tunnel beside bulk ones on shaped and long links (root; not part of make test)
 #   make install    install into $(DESTDIR)$(PREFIX)/bin with the upstream names as symlinks
 
 GO        ?= go
@@ -25,7 +26,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube h2spec fuzz bench bench-quick bench-compare bench-scale soak install clean tools image-overlay test-images test-openrc agent-image
+.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness soak install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -151,6 +152,15 @@ AGENTS  ?= 5000
 TUNNELS ?= 50000
 bench-scale: build
 	cd e2e && $(GO) run ./scale --bin $(CURDIR)/$(BIN) --agents $(AGENTS) --tunnels $(TUNNELS) $(if $(OTHER),--other $(abspath $(OTHER))) $(SCALEFLAGS)
+
+# A probe tunnel's 64-byte echoes, alone and beside bulk tunnels, on a veth
+# between two network namespaces shaped with tc tbf and through a relay that
+# holds every byte 10 or 25 ms each way (docs/slow-links.md). OTHER= runs the
+# same against another build in the same run: a directory holding upstream's
+# proxy-server and proxy-agent, or the path of another konnectivity binary.
+# Needs root.
+bench-fairness: build
+	cd e2e && $(GO) run ./fairness --bin $(CURDIR)/$(BIN) $(if $(OTHER),--other $(abspath $(OTHER))) $(FAIRFLAGS)
 
 # A bounded mixed workload (short dials, long checksummed streams, server
 # SIGHUPs, agent churn) that fails on any lost byte or leak.

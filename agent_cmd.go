@@ -126,6 +126,7 @@ func newAgentFlags() (*agentOptions, *commandFlags) {
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
 	o, cf := newAgentFlags()
+	o.checkArgs = append([]string{"check", "agent"}, args...)
 	return runDaemon("agent", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
@@ -264,7 +265,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
-	held := daemon.InheritedHeld(log) // before anything can fail: their sockets close with the process
+	held := daemon.Inherit("held destinations", func(h *tunnel.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
@@ -313,15 +314,17 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return stop()
 		},
-		Drain: func(trigger string) []string {
+		Drain: func(trigger string) []daemon.Handed {
 			// Servers that can pause the tunnels for the next image do;
 			// the rest drain.
 			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			agent.Restarting()
 			stop()
-			return daemon.HeldForNextImage(agent.HeldForNextImage(), log)
+			return daemon.Hand("held destinations", agent.HeldForNextImage(), func(h *tunnel.HeldDest) net.Conn { return h.Socket })
 		},
-		MemoryReady: func() bool { ok, _ := agent.ReadyAll(); return ok },
+		MemoryReady:  func() bool { ok, _ := agent.ReadyAll(); return ok },
+		Metrics:      metrics,
+		MetricPrefix: "konnectivity_network_proxy_agent_",
 	}))
 }
 

@@ -5,7 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	)
+)
 
 // commands maps subcommand names to their entry points. Each returns the
 // process exit code.
@@ -13,6 +13,7 @@ var commands = map[string]func(args []string, stdout, stderr io.Writer) int{
 	"server":  runServer,
 	"agent":   runAgent,
 	"cert":    runCert,
+	"check":   runCheck,
 	"demo":    runDemo,
 	"status":  runStatus,
 	"version": runVersion,
@@ -64,6 +65,8 @@ Usage:
   konnectivity server [flags]   run the server (kube-apiserver frontend + agent listener)
   konnectivity agent [flags]    run an agent (dials the server, serves its dials)
   konnectivity cert [flags]     mint or reuse a certificate signed by a cluster CA
+  konnectivity check server|agent [flags]
+                                load the configuration a start would load, serve nothing
   konnectivity demo             run server, agent and a backend on loopback with a throwaway CA
   konnectivity status           show a server's agents or an agent's servers (from the admin port)
   konnectivity version          print the version, commit, build date and Go version

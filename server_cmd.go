@@ -160,6 +160,7 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 
 func runServer(args []string, stdout, stderr io.Writer) int {
 	o, cf := newServerFlags()
+	o.checkArgs = append([]string{"check", "server"}, args...)
 	return runDaemon("server", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
@@ -278,7 +279,7 @@ func (o *serverOptions) tokenAuth() bool {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := daemon.InheritedTunnels(log) // before anything can fail: their sockets close with the process
+	inherited := daemon.Inherit("paused tunnels", func(p *tunnel.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -346,7 +347,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return nil
 		},
-		Drain: func(trigger string) []string {
+		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
 			paused := stopServing(srv, o.restartGrace, true, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
@@ -354,10 +355,12 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return daemon.TunnelsForNextImage(paused, log)
+			return daemon.Hand("paused tunnels", paused, func(p *tunnel.PausedTunnel) net.Conn { return p.Socket })
 		},
-		Exited:      removeSocket(sock, log),
-		MemoryReady: func() bool { return srv.AgentCount() > 0 },
+		Exited:       removeSocket(sock, log),
+		MemoryReady:  func() bool { return srv.AgentCount() > 0 },
+		Metrics:      metrics,
+		MetricPrefix: "konnectivity_network_proxy_server_",
 	}))
 }
 

@@ -3,7 +3,7 @@ package h2link
 import (
 	"context"
 	"errors"
-	"sync/atomic"
+	"slices"
 	"time"
 )
 
@@ -13,30 +13,8 @@ import (
 // the stream, so the caller may try elsewhere.
 var ErrStalled = errors.New("connection stalled: its writes have not drained")
 
-// writeLock is the connection's write lock (Conn.wmu): a mutex that a
-// caller with a deadline can stop waiting for, and that says how long its
-// holder has had it. Holders write to the connection and nothing else, so
-// a lock held long is a write that does not drain.
-type writeLock struct {
-	ch    chan struct{} // one token while held
-	since atomic.Int64  // unix nanoseconds its holder took it; 0 while free
-}
-
-func newWriteLock() writeLock { return writeLock{ch: make(chan struct{}, 1)} }
-
-// Lock waits for the lock.
-func (w *writeLock) Lock() {
-	w.ch <- struct{}{}
-	w.since.Store(time.Now().UnixNano())
-}
-
-// Unlock releases the lock, which the caller holds.
-func (w *writeLock) Unlock() {
-	w.since.Store(0)
-	<-w.ch
-}
-
-// heldFor is how long the current holder has had the lock; 0 while free.
+// heldFor is how long the write lock's holder has had it; 0 while free.
+// Holders only write, so a lock held long is a write that does not drain.
 func (w *writeLock) heldFor(now time.Time) time.Duration {
 	s := w.since.Load()
 	if s == 0 {
@@ -45,41 +23,68 @@ func (w *writeLock) heldFor(now time.Time) time.Duration {
 	return now.Sub(time.Unix(0, s))
 }
 
-// lockContext waits for the lock until ctx ends (its error), or, when
-// stall is positive, until one holder has had it longer than stall
-// (ErrStalled).
+// lockContext is Lock (an urgent turn: a header block) for a caller with
+// a deadline: it stops waiting when ctx ends (its error), or, when stall
+// is positive, once one holder has had the lock longer than stall
+// (ErrStalled). A waiter that gives up leaves the queue; one that was
+// handed the lock meanwhile passes it on.
 func (w *writeLock) lockContext(ctx context.Context, stall time.Duration) error {
+	w.mu.Lock()
+	if !w.held {
+		w.held = true
+		w.since.Store(time.Now().UnixNano())
+		w.mu.Unlock()
+		return nil
+	}
+	if stall > 0 && w.heldFor(time.Now()) > stall {
+		w.mu.Unlock()
+		return ErrStalled
+	}
+	t := turnWaiters.Get().(*turnWaiter)
+	w.urgent = append(w.urgent, t)
+	w.mu.Unlock()
 	for {
-		select {
-		case w.ch <- struct{}{}:
-			w.since.Store(time.Now().UnixNano())
-			return nil
-		default:
-		}
 		var wake <-chan time.Time
-		var t *time.Timer
+		var timer *time.Timer
 		if stall > 0 {
 			left := stall - w.heldFor(time.Now())
 			if left <= 0 {
-				return ErrStalled
+				return w.giveUp(t, ErrStalled)
 			}
-			t = time.NewTimer(left)
-			wake = t.C
+			timer = time.NewTimer(left)
+			wake = timer.C
 		}
 		select {
-		case w.ch <- struct{}{}:
-			w.since.Store(time.Now().UnixNano())
-			if t != nil {
-				t.Stop()
+		case <-t.ready:
+			if timer != nil {
+				timer.Stop()
 			}
+			turnWaiters.Put(t)
 			return nil
 		case <-ctx.Done():
-			if t != nil {
-				t.Stop()
+			if timer != nil {
+				timer.Stop()
 			}
-			return ctx.Err()
+			return w.giveUp(t, ctx.Err())
 		case <-wake:
 			// Look again: the holder may have changed meanwhile.
 		}
 	}
+}
+
+// giveUp takes waiter t out of the queue and returns err; if the lock was
+// handed to t meanwhile, t passes it on.
+func (w *writeLock) giveUp(t *turnWaiter, err error) error {
+	w.mu.Lock()
+	if i := slices.Index(w.urgent, t); i >= 0 {
+		w.urgent = slices.Delete(w.urgent, i, i+1)
+		w.mu.Unlock()
+		turnWaiters.Put(t)
+		return err
+	}
+	w.mu.Unlock()
+	<-t.ready
+	turnWaiters.Put(t)
+	w.Unlock()
+	return err
 }
