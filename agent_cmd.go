@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -82,9 +83,9 @@ func (d *deprecatedAlias) Set(v string) error {
 	return nil
 }
 
-func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
+func newAgentFlags() (*agentOptions, *commandFlags) {
 	o := &agentOptions{}
-	cf := newCommandFlags("konnectivity agent", stderr)
+	cf := newCommandFlags("konnectivity agent")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-server-host", healthPort: "health-server-port", adminPort: "admin-server-port",
 		healthDefault: 8093, adminDefault: 8094,
@@ -115,7 +116,7 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
-	f.StringVar(&o.alpnProto, "alpn-proto", "", "ALPN protocols to offer the server (comma list), for a port an ALPN router shares; the server's --alpn-proto must accept one")
+	f.StringVar(&o.alpnProto, "alpn-proto", "", "ALPN protocols to offer the server besides the agent's own (comma list), for a port an ALPN router shares")
 	f.BoolVar(&o.leases.count, "count-server-leases", false, "count the servers' coordination.k8s.io/v1 Leases (servers run --enable-lease-controller) and want a tunnel to that many servers")
 	f.StringVar(&o.leases.selector, "lease-label-selector", "k8s-app=konnectivity-server", "label selector of the server Leases to count")
 	f.Var(&deprecatedAlias{target: &o.leases.selector, set: &o.leases.deprecatedLabel}, "lease-label", "deprecated: use --lease-label-selector")
@@ -125,8 +126,9 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 }
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
-	o, cf := newAgentFlags(stderr)
-	return runDaemon("agent", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
+	o, cf := newAgentFlags()
+	o.checkArgs = append([]string{"check", "agent"}, args...)
+	return runDaemon("agent", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 func (o *agentOptions) complete(cf *commandFlags) error {
@@ -150,7 +152,15 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if len(o.serverAddrs()) == 0 {
 		return fmt.Errorf("--proxy-server-host is empty")
 	}
-	o.alpnProtos = splitList(o.alpnProto)
+	// As upstream's agent offers its own protocol (h2) after the given
+	// ones, ours offers its own after them: HTTP/1.1, which it speaks until
+	// the Upgrade. A server that knows none of the given ones settles on
+	// it (Go's servers, which offer h2, accept an http/1.1 client without
+	// ALPN), so the flag carried over from upstream's manifests never
+	// stops an agent from connecting.
+	if o.alpnProtos = splitList(o.alpnProto); len(o.alpnProtos) > 0 && !slices.Contains(o.alpnProtos, "http/1.1") {
+		o.alpnProtos = append(o.alpnProtos, "http/1.1")
+	}
 	o.serverDialer = proxydial.FromEnvironment()
 	for _, addr := range o.serverAddrs() {
 		if _, err := o.serverDialer.Proxy(addr); err != nil {
@@ -264,7 +274,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
-	held := daemon.InheritedHeld(log) // before anything can fail: their sockets close with the process
+	held := daemon.Inherit("held destinations", func(h *tunnel.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
 	agent, err := tunnel.NewAgent(cfg)
 	if err != nil {
 		return err
@@ -313,15 +323,17 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return stop()
 		},
-		Drain: func(trigger string) []string {
+		Drain: func(trigger string) []daemon.Handed {
 			// Servers that can pause the tunnels for the next image do;
 			// the rest drain.
 			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			agent.Restarting()
 			stop()
-			return daemon.HeldForNextImage(agent.HeldForNextImage(), log)
+			return daemon.Hand("held destinations", agent.HeldForNextImage(), func(h *tunnel.HeldDest) net.Conn { return h.Socket })
 		},
-		MemoryReady: func() bool { ok, _ := agent.ReadyAll(); return ok },
+		MemoryReady:  func() bool { ok, _ := agent.ReadyAll(); return ok },
+		Metrics:      metrics,
+		MetricPrefix: "konnectivity_network_proxy_agent_",
 	}))
 }
 

@@ -250,7 +250,7 @@ func TestAgentRestartTokenUnknown(t *testing.T) {
 	defer c.Close()
 	held := stopForRestart(t, agent)
 	for _, h := range held {
-		h.File.Close()
+		h.Socket.Close()
 	}
 	if len(held) != 1 {
 		t.Fatalf("%d destinations held, want 1", len(held))
