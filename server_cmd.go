@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -28,6 +29,9 @@ import (
 
 type serverOptions struct {
 	daemonOptions
+	// reviewer checks agents' tokens (token auth), once agentAuthenticator
+	// made it; its accepted reviews cross a restart (reviewedTokens).
+	reviewer              *auth.TokenReviewer
 	alpnProto             string // --alpn-proto: what the agent port accepts besides h2
 	kubeCtx               string
 	mode                  string
@@ -280,6 +284,7 @@ func (o *serverOptions) tokenAuth() bool {
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	inherited := daemon.Inherit("paused tunnels", func(p *tunnel.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
+	state := daemon.InheritedState(log)
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -298,6 +303,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	o.trustReviewed(state[reviewedTokens], log)
 	if nodes, err := o.nodeMap(log); err != nil {
 		return err
 	} else if nodes != nil {
@@ -346,6 +352,12 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 				return cause
 			}
 			return nil
+		},
+		Keep: func() map[string]any {
+			if o.reviewer == nil {
+				return nil
+			}
+			return map[string]any{reviewedTokens: o.reviewer.Reviewed()}
 		},
 		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
@@ -619,6 +631,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 		if err != nil {
 			return nil, nil, fmt.Errorf("token auth: %w", err)
 		}
+		o.reviewer = reviewer
 		if o.bindAgentIdentity {
 			nodes, err := auth.NewNodeLookup(rc, o.tokenReviewTimeout, time.Minute)
 			if err != nil {
@@ -768,4 +781,24 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 			log.Info("server lease deleted", "lease", o.leaseNamespace+"/"+ctl.Name())
 		})
 	}
+}
+
+// reviewedTokens names, in the state a restart hands over, the token
+// reviews the running image accepted (auth.Reviewed): the next image
+// re-admits those agents while the apiserver cannot review their tokens
+// (docs/security.md).
+const reviewedTokens = "reviewed-tokens"
+
+// trustReviewed takes over the accepted token reviews a previous image
+// handed over, if any.
+func (o *serverOptions) trustReviewed(data json.RawMessage, log *slog.Logger) {
+	if o.reviewer == nil || data == nil {
+		return
+	}
+	var list []auth.Reviewed
+	if err := json.Unmarshal(data, &list); err != nil {
+		log.Warn("token reviews from the previous image unreadable; agents are reviewed again", "err", err)
+		return
+	}
+	log.Info("token reviews taken over from the previous image", "tokens", o.reviewer.Trust(list), "of", len(list))
 }

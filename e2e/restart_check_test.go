@@ -130,3 +130,33 @@ func TestRestartNearDescriptorLimit(t *testing.T) {
 		t.Errorf("sockets lost: %s", lineWith(out, "not handed to the next image"))
 	}
 }
+
+// TestRestartDuringTokenReviewOutage: a SIGHUP while the TokenReview API
+// resets every connection: the reviews the running image accepted cross
+// the exec, so the next image re-admits its token agents without a
+// TokenReview and every tunnel they held is resumed.
+func TestRestartDuringTokenReviewOutage(t *testing.T) {
+	p := newPKI(t, t.TempDir())
+	api := startFakeAPIServer(t, p)
+	dir := t.TempDir()
+	s := startTokenServer(t, p, api, dir, "--restart-grace=5s")
+	token := filepath.Join(dir, "token")
+	writeFileAtomic(t, token, []byte(goodToken))
+	startTokenAgent(t, s, p, "a1", token)
+	startTokenAgent(t, s, p, "a2", token)
+	s.waitAgents(t, 2, startTimeout)
+	echo := startTCPBackend(t, "127.0.0.1", echoHandler)
+	var conns []net.Conn
+	for range 20 {
+		conns = append(conns, openEcho(t, s, echo))
+	}
+	api.down.Store(true)
+	reviews := api.reviews.Load()
+	took := restartOnce(t, s)
+	t.Logf("restart during the outage took %v; %s", took.Round(time.Millisecond), lineWith(s.proc.out.String(), "token reviews taken over"))
+	s.waitAgents(t, 2, 10*time.Second)
+	checkTunnelsKept(t, conns, "restart during a TokenReview outage")
+	if n := api.reviews.Load() - reviews; n != 0 {
+		t.Errorf("%d TokenReviews answered during the outage", n)
+	}
+}

@@ -62,7 +62,9 @@ import (
 // handshake.go, with the rest of what both sides speak.
 
 // resumeWait bounds how long the next image waits for a paused tunnel's
-// agent to log in again; less than the agent's resumeWindow.
+// agent to log in again when the tunnel does not say how long its resume
+// can succeed (PausedTunnel.Until: one from an image that did not write
+// it); less than the agent's resumeWindow.
 const resumeWait = 20 * time.Second
 
 // pauseTimeout bounds one tunnel's pause.
@@ -88,6 +90,32 @@ type PausedTunnel struct {
 	// paused, so that a drain of the next image finds an idle keep-alive
 	// connection idle; 0: the last bytes came from the client.
 	Quiet time.Duration `json:"quiet,omitempty"`
+	// Until is how long a resume can succeed, which the next image waits
+	// for the agent: the agent holds the destination for resumeWindow
+	// from the pause, and its credential must still be trusted (a token's
+	// expiry; docs/security.md). Zero: resumeWait.
+	Until time.Time `json:"until,omitzero"`
+}
+
+// resumeUntil is PausedTunnel.Until of a tunnel through a paused now.
+func resumeUntil(a *agentConn) time.Time {
+	until := time.Now().Add(resumeWindow)
+	if a.cred != nil {
+		a.cred.mu.Lock()
+		if exp := a.cred.expires; !exp.IsZero() && exp.Before(until) {
+			until = exp
+		}
+		a.cred.mu.Unlock()
+	}
+	return until
+}
+
+// waitFor is how long the next image waits for p's agent.
+func (p *PausedTunnel) waitFor() time.Duration {
+	if p.Until.IsZero() {
+		return resumeWait
+	}
+	return max(0, time.Until(p.Until))
 }
 
 // PausedGRPC is what resuming a gRPC front door call needs besides the
@@ -391,7 +419,7 @@ func (f *httpFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 	if err := t.down.Load().WaitWritten(ctx, agentSent); err != nil {
 		return nil, fmt.Errorf("to the client: %w", err)
 	}
-	p = &PausedTunnel{Socket: f.conn, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.quietFor()}
+	p = &PausedTunnel{Socket: f.conn, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.quietFor(), Until: resumeUntil(t.agent)}
 	t.move(tunnelPaused)
 	t.endStream()
 	return p, nil
@@ -452,7 +480,7 @@ func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 		return nil, err
 	}
 	partial := append([]byte(nil), f.in.mr.Partial()...)
-	return &PausedTunnel{Socket: f.conn.socket, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.quietFor(),
+	return &PausedTunnel{Socket: f.conn.socket, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.quietFor(), Until: resumeUntil(t.agent),
 		GRPC: &PausedGRPC{ConnectID: f.connectID, Partial: partial, Link: frozen}}, nil
 }
 
@@ -554,7 +582,8 @@ func (s *Server) resumeUnasked(p *PausedTunnel) {
 // as a new tunnel once the agent is back.
 func (s *Server) resumeTunnel(h *tunnel) {
 	p := h.handed
-	a := s.waitAgentID(p.Agent, nil, resumeWait)
+	wait := p.waitFor()
+	a := s.waitAgentID(p.Agent, nil, wait)
 	s.mu.Lock()
 	if h.state != tunnelHeld || s.shutting {
 		// A handover passes it on, or Close drops it.
@@ -568,7 +597,7 @@ func (s *Server) resumeTunnel(h *tunnel) {
 	s.mu.Unlock()
 	if a == nil {
 		p.Socket.Close()
-		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", resumeWait))
+		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", wait.Round(time.Millisecond)))
 		return
 	}
 	pd := &pendingDial{s: s}
@@ -695,8 +724,8 @@ func (s *Server) resumeStream(t *tunnel) error {
 		if !agentLeaving(err) || tries == maxAgentRestarts {
 			break
 		}
-		if a = s.waitAgentID(p.Agent, a, resumeWait); a == nil {
-			err, result = fmt.Errorf("agent restarted and not back within %s", resumeWait), resultTimeout
+		if a = s.waitAgentID(p.Agent, a, p.waitFor()); a == nil {
+			err, result = errors.New("agent restarted and not back while the tunnel could resume"), resultTimeout
 		}
 	}
 	if err != nil {

@@ -47,8 +47,8 @@ func (d *Daemon) countRefusals(w Work) {
 // restartPlan is what a restart needs once the command has drained.
 type restartPlan struct {
 	exe       string
-	listeners string      // the environment entry naming the listeners
-	sockets   *socketList // where the handed sockets are listed
+	listeners string          // the environment entry naming the listeners
+	files     *nextImageFiles // where the handed sockets and the state are written
 }
 
 // prepareRestart checks that the next image would start and prepares what
@@ -71,16 +71,16 @@ func (d *Daemon) prepareRestart(why string, w Work) (*restartPlan, bool) {
 			return refuse(refusedCheck, err)
 		}
 	}
-	list, err := newSocketList()
+	files, err := newNextImageFiles()
 	if err != nil {
 		return refuse(refusedSockets, err)
 	}
 	env, err := d.listeners.handOver()
 	if err != nil {
-		list.discard()
+		files.discard()
 		return refuse(refusedSockets, err)
 	}
-	return &restartPlan{exe: exe, listeners: env, sockets: list}, true
+	return &restartPlan{exe: exe, listeners: env, files: files}, true
 }
 
 // checkNext runs exe with args (the command's check mode: the next

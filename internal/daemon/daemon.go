@@ -111,6 +111,10 @@ type Work struct {
 	// agent's held destinations: Hand), if any; the next image reads them
 	// with Inherit.
 	Drain func(trigger string) []Handed
+	// Keep, if set, is called after Drain: what the command hands the
+	// next image besides sockets, by name, each written as JSON; the next
+	// image reads it with InheritedState.
+	Keep func() map[string]any
 	// Exited, if set, removes what an exit (not a restart) must not leave
 	// behind; it runs after Shutdown, and after a drain that a stop signal
 	// interrupted.
@@ -166,11 +170,15 @@ func (d *Daemon) Run(ctx context.Context, w Work) error {
 			d.stopServices()
 			if ctx.Err() != nil {
 				d.log.Info("stop requested while draining for a restart: exiting instead of re-executing")
-				plan.sockets.discard()
+				plan.files.discard()
 				d.exited(w)
 				return nil
 			}
-			env := append([]string{plan.listeners}, plan.sockets.write(handed, d.log)...)
+			var state map[string]any
+			if w.Keep != nil {
+				state = w.Keep()
+			}
+			env := append([]string{plan.listeners}, plan.files.write(handed, state, d.log)...)
 			// Only a failed exec returns; the supervisor's respawn takes over.
 			err := d.exec(plan.exe, env, d.log)
 			runtime.KeepAlive(handed) // their descriptors are what the exec keeps

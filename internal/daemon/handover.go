@@ -61,29 +61,96 @@ type handedEntry struct {
 	Tunnel json.RawMessage `json:"tunnel"`
 }
 
-// socketList is the memory file a restart writes the list into. It is
-// made before anything stops (newSocketList), so that a process out of
-// descriptors refuses the restart rather than losing what it hands over.
-type socketList struct {
-	fd int // close-on-exec until write names it
+// stateEnv names a memory file, inherited across exec, with what the
+// command hands the next image besides sockets, by name: {"name": value}
+// (Work.Keep, InheritedState).
+const stateEnv = "KONNECTIVITY_INHERITED_STATE"
+
+// memFile is a memory file the next image inherits. It is made before
+// anything stops (newMemFile), so that a process out of descriptors
+// refuses the restart rather than losing what it hands over.
+type memFile struct {
+	fd int // close-on-exec until publish names it
 }
 
-func newSocketList() (*socketList, error) {
-	fd, err := unix.MemfdCreate("konnectivity-handed", unix.MFD_CLOEXEC)
+func newMemFile(name string) (*memFile, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
 	if err != nil {
 		return nil, os.NewSyscallError("memfd_create", err)
 	}
-	return &socketList{fd: fd}, nil
+	return &memFile{fd: fd}, nil
 }
 
-// discard closes the list's file: the restart did not happen.
-func (l *socketList) discard() { unix.Close(l.fd) }
+// discard closes the file: the restart did not happen, or it is not
+// needed.
+func (m *memFile) discard() { unix.Close(m.fd) }
 
-// write lets each handed socket's descriptor cross the exec, writes the
-// list and returns the environment entries that name it. A socket whose
-// descriptor cannot be kept is closed and counted lost alone; only a list
-// that cannot be written loses all.
-func (l *socketList) write(handed []Handed, log *slog.Logger) []string {
+// publish writes data, lets the file cross the exec and returns the
+// environment entry env=fd that names it.
+func (m *memFile) publish(env string, data []byte) (string, error) {
+	for off := 0; off < len(data); {
+		n, err := unix.Pwrite(m.fd, data[off:], int64(off))
+		if err != nil {
+			return "", os.NewSyscallError("pwrite", err)
+		}
+		off += n
+	}
+	if _, err := unix.FcntlInt(uintptr(m.fd), unix.F_SETFD, 0); err != nil {
+		return "", os.NewSyscallError("fcntl", err)
+	}
+	return fmt.Sprintf("%s=%d", env, m.fd), nil
+}
+
+// nextImageFiles are the memory files of one restart: the socket list and
+// the state.
+type nextImageFiles struct {
+	list, state *memFile
+}
+
+func newNextImageFiles() (*nextImageFiles, error) {
+	list, err := newMemFile("konnectivity-handed")
+	if err != nil {
+		return nil, err
+	}
+	state, err := newMemFile("konnectivity-state")
+	if err != nil {
+		list.discard()
+		return nil, err
+	}
+	return &nextImageFiles{list: list, state: state}, nil
+}
+
+func (f *nextImageFiles) discard() {
+	f.list.discard()
+	f.state.discard()
+}
+
+// write hands the next image the sockets and the state, and returns the
+// environment entries that name them.
+func (f *nextImageFiles) write(handed []Handed, state map[string]any, log *slog.Logger) []string {
+	env := f.list.writeSockets(handed, log)
+	if len(state) == 0 {
+		f.state.discard()
+		return env
+	}
+	data, err := json.Marshal(state)
+	var entry string
+	if err == nil {
+		entry, err = f.state.publish(stateEnv, data)
+	}
+	if err != nil {
+		log.Error("state not handed to the next image", "err", err)
+		f.state.discard()
+		return env
+	}
+	return append(env, entry)
+}
+
+// writeSockets lets each handed socket's descriptor cross the exec,
+// writes the list and returns the environment entries that name it. A
+// socket whose descriptor cannot be kept is closed and counted lost
+// alone; only a list that cannot be written loses all.
+func (l *memFile) writeSockets(handed []Handed, log *slog.Logger) []string {
 	if len(handed) == 0 {
 		l.discard()
 		return nil
@@ -112,18 +179,12 @@ func (l *socketList) write(handed []Handed, log *slog.Logger) []string {
 	if err != nil {
 		return fail(err)
 	}
-	for off := 0; off < len(data); {
-		n, err := unix.Pwrite(l.fd, data[off:], int64(off))
-		if err != nil {
-			return fail(os.NewSyscallError("pwrite", err))
-		}
-		off += n
-	}
-	if _, err := unix.FcntlInt(uintptr(l.fd), unix.F_SETFD, 0); err != nil {
-		return fail(os.NewSyscallError("fcntl", err))
+	entry, err := l.publish(socketsEnv, data)
+	if err != nil {
+		return fail(err)
 	}
 	log.Info(handed[0].What+" handed to the next image", "tunnels", len(list), "lost", lost)
-	return []string{fmt.Sprintf("%s=%d", socketsEnv, l.fd)}
+	return []string{entry}
 }
 
 // keepAcrossExec clears close-on-exec on h's own descriptor and returns
@@ -214,4 +275,31 @@ func Inherit[T any](what string, setConn func(*T, net.Conn), log *slog.Logger) [
 	}
 	log.Info("resuming "+what+" handed over by the previous image", "tunnels", len(out))
 	return out
+}
+
+// InheritedState reads (and clears) the state a previous image handed
+// over (Work.Keep), by name; nil when there is none. Call it once.
+func InheritedState(log *slog.Logger) map[string]json.RawMessage {
+	spec, ok := os.LookupEnv(stateEnv)
+	os.Unsetenv(stateEnv)
+	if !ok {
+		return nil
+	}
+	fd, err := strconv.Atoi(spec)
+	if err != nil || fd < 3 {
+		log.Warn("ignoring malformed inherited state", "entry", spec)
+		return nil
+	}
+	f := os.NewFile(uintptr(fd), "inherited-state")
+	data, err := io.ReadAll(io.LimitReader(f, maxSocketsList))
+	f.Close()
+	var state map[string]json.RawMessage
+	if err == nil {
+		err = json.Unmarshal(data, &state)
+	}
+	if err != nil {
+		log.Warn("inherited state unreadable; starting without it", "err", err)
+		return nil
+	}
+	return state
 }

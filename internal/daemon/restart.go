@@ -187,7 +187,7 @@ func restartTarget() (string, error) {
 func execSelf(exe string, handOver []string, log *slog.Logger) error {
 	env := handOver
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, socketsEnv+"=") {
+		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, socketsEnv+"=") && !strings.HasPrefix(kv, stateEnv+"=") {
 			env = append(env, kv)
 		}
 	}

@@ -67,17 +67,21 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	items := []*entry{{Addr: "10.0.0.1:443", Token: "t1", conn: c1}, {Addr: "10.0.0.3:1", conn: c3}, {Addr: "10.0.0.2:10250", Token: "t2", Part: []byte{0, 9, 1}, conn: c2}}
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	list, err := newSocketList()
+	files, err := newNextImageFiles()
 	if err != nil {
 		t.Fatal(err)
 	}
 	fds := openFDs(t)
-	env := list.write(Hand("test entries", items, func(e *entry) net.Conn { return e.conn }), log)
+	env := files.write(Hand("test entries", items, func(e *entry) net.Conn { return e.conn }), map[string]any{"admitted": []string{"a", "b"}}, log)
 	if now := openFDs(t); now != fds {
 		t.Errorf("%d descriptors open after the sockets were handed over, %d before: want no second descriptor per socket", now, fds)
 	}
-	if len(env) != 1 || !strings.HasPrefix(env[0], socketsEnv+"=") {
+	if len(env) != 2 || !strings.HasPrefix(env[0], socketsEnv+"=") || !strings.HasPrefix(env[1], stateEnv+"=") {
 		t.Fatalf("environment %q", env)
+	}
+	t.Setenv(stateEnv, strings.TrimPrefix(env[1], stateEnv+"="))
+	if st := InheritedState(log); string(st["admitted"]) != `["a","b"]` {
+		t.Errorf("state read back as %q", st)
 	}
 	for i, c := range []net.Conn{c1, c2} {
 		rc, err := c.(syscall.Conn).SyscallConn()
@@ -121,11 +125,11 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 
 	// A list naming a descriptor that is not a socket drops that entry.
 	f4, _ := socketPair(t)
-	list, err = newSocketList()
+	files, err = newNextImageFiles()
 	if err != nil {
 		t.Fatal(err)
 	}
-	env = list.write(Hand("test entries", []*entry{{Addr: "x:1", conn: conn(t, f4)}}, func(e *entry) net.Conn { return e.conn }), log)
+	env = files.write(Hand("test entries", []*entry{{Addr: "x:1", conn: conn(t, f4)}}, func(e *entry) net.Conn { return e.conn }), nil, log)
 	spec := strings.TrimPrefix(env[0], socketsEnv+"=")
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
