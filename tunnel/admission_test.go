@@ -21,6 +21,7 @@ import (
 
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/internal/promtext"
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 )
@@ -604,7 +605,7 @@ func TestHostileRefusedFrontendPeerClosed(t *testing.T) {
 		}
 	})
 	sock := e.grpcSocket(t)
-	call := openGRPC(t, sock, grpcProxyMethod)
+	call := openGRPC(t, sock, grpcwire.ProxyMethod)
 	if st := call.status(); st != fmt.Sprint(grpcPermissionDenied) {
 		t.Fatalf("refused peer's call: status %q, want %d", st, grpcPermissionDenied)
 	}

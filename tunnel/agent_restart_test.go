@@ -1,15 +1,11 @@
 package tunnel
 
 import (
-	"bufio"
-	"context"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"net/url"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -73,7 +69,7 @@ type echoPace struct {
 // every byte that comes back against the same pattern.
 func startEchoCall(t *testing.T, sock, dest string, seed byte, pace echoPace) *echoCall {
 	t.Helper()
-	k := &echoCall{c: openGRPC(t, sock, grpcProxyMethod), stop: make(chan struct{}), done: make(chan struct{}), readErr: make(chan error, 1)}
+	k := &echoCall{c: openGRPC(t, sock, grpcwire.ProxyMethod), stop: make(chan struct{}), done: make(chan struct{}), readErr: make(chan error, 1)}
 	k.c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(seed)})
 	rsp, err := k.c.read()
 	if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {
@@ -300,75 +296,6 @@ func TestAgentRestartSeveralServers(t *testing.T) {
 	if n := accepted.Load(); n != 3 {
 		t.Errorf("destination accepted %d connections, want 3", n)
 	}
-}
-
-// TestAgentRestartOnlyToServersThatSaySo: the server's answer names
-// agent-restart, and an answer without it (an older server) gets no
-// restart-in line: the agent only drains there.
-func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
-	var b strings.Builder
-	if err := writeSwitching(&b, "s1", 2); err != nil {
-		t.Fatal(err)
-	}
-	r, err := readReply(bufio.NewReader(strings.NewReader(b.String())))
-	if err != nil || !r.AgentRestart || r.ServerID != "s1" || r.Count != 2 {
-		t.Fatalf("our server's answer read as %+v, %v; want agent-restart", r, err)
-	}
-	old := "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + upgradeToken + "\r\n" + hdrServerID + ": s1\r\n" + hdrServerCount + ": 1\r\n\r\n"
-	r, err = readReply(bufio.NewReader(strings.NewReader(old)))
-	if err != nil || r.AgentRestart {
-		t.Fatalf("an older server's answer read as %+v, %v; want no agent-restart", r, err)
-	}
-	// The control stream's drain for a restart, to each kind of server.
-	for _, tc := range []struct {
-		agentRestart bool
-		want         string
-	}{{true, controlRestartIn + " "}, {false, controlDrainIn + " "}} {
-		a, err := NewAgent(AgentConfig{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a1"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		a.Restarting()
-		a.beginDrain()
-		l := &serverConn{drain: make(chan struct{}), agentRestart: tc.agentRestart}
-		l.sendDrain()
-		ctx, cancel := context.WithCancel(context.Background())
-		w := &controlRecorder{h: http.Header{}}
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			a.serveControl(l, w, (&http.Request{Method: http.MethodGet, URL: &url.URL{Path: controlPath}}).WithContext(ctx))
-		}()
-		waitUntil(t, func() bool { return strings.Contains(w.String(), controlDrain+"\n") }, "the drain lines")
-		cancel()
-		<-done
-		if got := w.String(); !strings.HasPrefix(got, tc.want) || !strings.HasSuffix(got, controlDrain+"\n") {
-			t.Errorf("agent-restart %v: control stream %q, want it to begin with %q", tc.agentRestart, got, tc.want)
-		}
-	}
-}
-
-// controlRecorder is an http.ResponseWriter whose body a test reads while
-// the handler writes.
-type controlRecorder struct {
-	h  http.Header
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (r *controlRecorder) Header() http.Header { return r.h }
-func (r *controlRecorder) WriteHeader(int)     {}
-func (r *controlRecorder) Flush()              {}
-func (r *controlRecorder) Write(p []byte) (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.b.Write(p)
-}
-
-func (r *controlRecorder) String() string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.b.String()
 }
 
 // TestAgentRestartDrainsWhatCannotMove: a tunnel whose destination already

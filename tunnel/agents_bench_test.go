@@ -189,3 +189,16 @@ func selfCPU() time.Duration {
 	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+// TestMain lets the test binary double as the agent swarm of the agent
+// benchmarks (see runAgentSwarm) and as the caller of the gRPC front
+// door's (see runGRPCCaller).
+func TestMain(m *testing.M) {
+	if os.Getenv(swarmEnv) != "" {
+		os.Exit(runAgentSwarm())
+	}
+	if os.Getenv(grpcCallerEnv) != "" {
+		os.Exit(runGRPCCaller())
+	}
+	os.Exit(m.Run())
+}

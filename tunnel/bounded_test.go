@@ -114,7 +114,7 @@ func (r *rawGRPC) open(body []byte) uint32 {
 	id := r.next
 	r.next += 2
 	r.hbuf.Reset()
-	for _, hf := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", grpcProxyMethod}, {":authority", "konnectivity"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
+	for _, hf := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", grpcwire.ProxyMethod}, {":authority", "konnectivity"}, {"content-type", "application/grpc"}, {"te", "trailers"}} {
 		r.enc.WriteField(hpack.HeaderField{Name: hf[0], Value: hf[1]})
 	}
 	if err := r.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: r.hbuf.Bytes(), EndHeaders: true}); err != nil {
@@ -244,7 +244,7 @@ func TestGRPCAnnouncedDataMessageBounded(t *testing.T) {
 		peak = max(peak, int64(heapInuse())-int64(before))
 	}
 	var served atomic.Bool
-	c := openGRPC(t, sock, grpcProxyMethod)
+	c := openGRPC(t, sock, grpcwire.ProxyMethod)
 	c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: 1})
 	if rsp, err := c.read(); err == nil && rsp.Type == grpcwire.DialRsp && rsp.Error == "" {
 		served.Store(true)

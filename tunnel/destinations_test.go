@@ -296,7 +296,7 @@ func TestGRPCZonedDestinationRefused(t *testing.T) {
 	e.waitAgents(1)
 	sock := e.grpcSocket(t)
 	for _, addr := range []string{"[fd00:ec2::254%1]:80", "[::1%lo]:" + strconv.Itoa(80), "[fe80::1]:80", "0.0.0.0:1"} {
-		c := openGRPC(t, sock, grpcProxyMethod)
+		c := openGRPC(t, sock, grpcwire.ProxyMethod)
 		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: addr, Random: 7})
 		p, err := c.read()
 		if err != nil || p.Type != grpcwire.DialRsp || p.Random != 7 || p.Error == "" {

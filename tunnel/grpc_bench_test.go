@@ -97,7 +97,7 @@ func runGRPCCaller() int {
 // the call stays open until the process exits.
 func openEchoedCall(ctx context.Context, tr *http2.Transport, echo string, i int) error {
 	pr, pw := io.Pipe()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://konnectivity"+grpcProxyMethod, pr)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://konnectivity"+grpcwire.ProxyMethod, pr)
 	req.Header.Set("Content-Type", "application/grpc")
 	req.Header.Set("Te", "trailers")
 	respc := make(chan *http.Response, 1)

@@ -23,7 +23,6 @@ import (
 // bidirectional stream on /ProxyService/Proxy carrying konnectivity
 // Packets; it is mapped onto the same CONNECT stream to an agent as the
 // HTTP CONNECT front door, so both share one data path.
-const grpcProxyMethod = "/ProxyService/Proxy"
 
 // gRPC status codes used here.
 const (
@@ -290,7 +289,7 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 		io.WriteString(w, "konnectivity gRPC frontend: requests must be gRPC (POST, content-type application/grpc)\n")
 		return nil
 	}
-	if r.Method != http.MethodPost || r.URL.Path != grpcProxyMethod {
+	if r.Method != http.MethodPost || r.URL.Path != grpcwire.ProxyMethod {
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
 		return nil
 	}

@@ -149,7 +149,7 @@ func TestGRPCFrontendEcho(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c := openGRPC(t, sock, grpcProxyMethod)
+			c := openGRPC(t, sock, grpcwire.ProxyMethod)
 			c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(100 + i)})
 			rsp, err := c.read()
 			if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Random != int64(100+i) || rsp.ConnectID == 0 || rsp.Error != "" {
@@ -190,7 +190,7 @@ func TestGRPCFrontendDialFailureAndBadInput(t *testing.T) {
 	e.waitAgents(1)
 	sock := e.grpcSocket(t)
 
-	c := openGRPC(t, sock, grpcProxyMethod)
+	c := openGRPC(t, sock, grpcwire.ProxyMethod)
 	c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: "127.0.0.1:1", Random: 5})
 	rsp, err := c.read()
 	if err != nil || rsp.Type != grpcwire.DialRsp || !strings.Contains(rsp.Error, "connection refused") {
@@ -204,12 +204,12 @@ func TestGRPCFrontendDialFailureAndBadInput(t *testing.T) {
 	if s := c.status(); s != "12" {
 		t.Fatalf("unknown method: status %q, want 12", s)
 	}
-	c = openGRPC(t, sock, grpcProxyMethod)
+	c = openGRPC(t, sock, grpcwire.ProxyMethod)
 	c.send.Write([]byte{0, 0, 0, 0, 3, 0xff, 0xff, 0xff})
 	if s := c.status(); s != "3" {
 		t.Fatalf("malformed protobuf: status %q, want 3", s)
 	}
-	c = openGRPC(t, sock, grpcProxyMethod)
+	c = openGRPC(t, sock, grpcwire.ProxyMethod)
 	c.write(grpcwire.Packet{Type: grpcwire.Data, ConnectID: 1, Data: []byte("x")})
 	if s := c.status(); s != "3" {
 		t.Fatalf("DATA before DIAL_REQ: status %q, want 3", s)
@@ -232,7 +232,7 @@ func TestGRPCDialCancelReachesAgent(t *testing.T) {
 	})
 	e.waitAgents(1)
 	sock := e.grpcSocket(t)
-	c := openGRPC(t, sock, grpcProxyMethod)
+	c := openGRPC(t, sock, grpcwire.ProxyMethod)
 	c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: "192.0.2.1:443", Random: 9})
 	<-started
 	c.write(grpcwire.Packet{Type: grpcwire.DialCls, Random: 9})
@@ -261,7 +261,7 @@ func TestIdleGRPCCallsParkOnlyTheirWaiter(t *testing.T) {
 	const n = 20
 	calls, ids := make([]*grpcCall, n), make([]int64, n)
 	for i := range calls {
-		c := openGRPCOn(t, tr, grpcProxyMethod)
+		c := openGRPCOn(t, tr, grpcwire.ProxyMethod)
 		calls[i] = c
 		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(i)})
 		rsp, err := c.read()

@@ -238,7 +238,7 @@ func TestHandOverLeavesSharedGRPCConn(t *testing.T) {
 	tr := grpcTransport(e.grpcSocket(t))
 	var calls []*grpcCall
 	for i := range 2 {
-		c := openGRPCOn(t, tr, grpcProxyMethod)
+		c := openGRPCOn(t, tr, grpcwire.ProxyMethod)
 		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: dest, Random: int64(i + 1)})
 		rsp, err := c.read()
 		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {

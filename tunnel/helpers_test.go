@@ -65,12 +65,21 @@ func testLogger(t testing.TB) *slog.Logger {
 	return slog.New(slog.DiscardHandler)
 }
 
-// env is one server with its frontend socket and agent listener, all on
-// loopback, torn down by t.Cleanup.
-type env struct {
+// frontServer is what the harness needs of a server: its two listeners'
+// loops, its end, and its count of connected agents.
+type frontServer interface {
+	ServeFrontend(net.Listener) error
+	ServeAgents(net.Listener) error
+	Close() error
+	AgentCount() int
+}
+
+// ends is one server with its frontend socket and agent listener, all on
+// loopback, torn down by t.Cleanup; agents reach it at agentAddr.
+type ends struct {
 	t         testing.TB
 	pki       *pki
-	srv       *Server
+	srvEnds   frontServer
 	uds       string
 	agentAddr string
 	wg        sync.WaitGroup
@@ -78,34 +87,15 @@ type env struct {
 	stopOnce  func()
 }
 
-func newEnv(t testing.TB, mutate func(*ServerConfig)) *env {
+// serveEnds serves srv's front door on a Unix socket and its agents on
+// agentAddr until the test ends.
+func serveEnds(t testing.TB, p *pki, agentAddr string, srv frontServer) *ends {
 	t.Helper()
-	return newEnvOn(t, newPKI(t), "127.0.0.1:0", mutate)
-}
-
-// newEnvOn starts a server whose agent listener is on agentAddr, with the
-// given PKI, so several servers can share one CA.
-func newEnvOn(t testing.TB, p *pki, agentAddr string, mutate func(*ServerConfig)) *env {
-	t.Helper()
-	cfg := ServerConfig{
-		ID:          "s1",
-		AgentTLS:    &tls.Config{Certificates: []tls.Certificate{p.serverCert}, ClientCAs: p.pool, ClientAuth: tls.RequireAndVerifyClientCert},
-		AgentWait:   500 * time.Millisecond,
-		DialTimeout: 3 * time.Second,
-		Logger:      testLogger(t),
-	}
-	if mutate != nil {
-		mutate(&cfg)
-	}
-	srv, err := NewServer(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
 	dir, err := os.MkdirTemp("", "tun")
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &env{t: t, pki: p, srv: srv, uds: filepath.Join(dir, "s.sock")}
+	e := &ends{t: t, pki: p, srvEnds: srv, uds: filepath.Join(dir, "s.sock")}
 	udsLn, err := net.Listen("unix", e.uds)
 	if err != nil {
 		t.Fatal(err)
@@ -128,78 +118,49 @@ func newEnvOn(t testing.TB, p *pki, agentAddr string, mutate func(*ServerConfig)
 }
 
 // stop closes the server at once, as a crash would look to its agents.
-func (e *env) stop() {
+func (e *ends) stop() {
 	e.once.Do(e.stopOnce)
 }
 
-// testAgent is an in-process agent and the means to stop it.
-type testAgent struct {
-	*Agent
+// running is an in-process agent's run and the means to stop it.
+type running struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 }
 
-func (a *testAgent) stop() {
-	a.cancel()
-	<-a.done
-}
-
-// kill drops the agent's connections abruptly, then stops it.
-func (a *testAgent) kill() {
-	a.closeConns()
-	a.stop()
-}
-
-func (e *env) startAgent(id, identifiers string, mutate func(*AgentConfig)) *testAgent {
-	e.t.Helper()
-	return startAgentTo(e.t, e.pki, []string{e.agentAddr}, id, identifiers, mutate)
-}
-
-func startAgentTo(t testing.TB, p *pki, addrs []string, id, identifiers string, mutate func(*AgentConfig)) *testAgent {
-	t.Helper()
-	return startAgentWith(t, p, addrs, id, identifiers, mutate, nil)
-}
-
-// startAgentWith is startAgentTo with before run on the agent before it
-// runs (what the next image of a restarting agent does first).
-func startAgentWith(t testing.TB, p *pki, addrs []string, id, identifiers string, mutate func(*AgentConfig), before func(*Agent)) *testAgent {
-	t.Helper()
-	cfg := AgentConfig{
-		ServerAddrs:  addrs,
-		ID:           id,
-		Identifiers:  identifiers,
-		DrainTimeout: 2 * time.Second,
-		SyncInterval: 20 * time.Millisecond,
-		SyncCap:      100 * time.Millisecond,
-		Logger:       testLogger(t),
-		TLS: func(name string) (*tls.Config, error) {
-			return &tls.Config{RootCAs: p.pool, ServerName: name, Certificates: []tls.Certificate{p.agentCert}}, nil
-		},
-	}
-	if mutate != nil {
-		mutate(&cfg)
-	}
-	a, err := NewAgent(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if before != nil {
-		before(a)
-	}
+// runAgent runs a until the test ends or stop is called.
+func runAgent(t testing.TB, run func(context.Context) error) *running {
 	ctx, cancel := context.WithCancel(context.Background())
-	ta := &testAgent{Agent: a, cancel: cancel, done: make(chan struct{})}
-	go func() { defer close(ta.done); a.Run(ctx) }()
-	t.Cleanup(ta.stop)
-	return ta
+	r := &running{cancel: cancel, done: make(chan struct{})}
+	go func() { defer close(r.done); run(ctx) }()
+	t.Cleanup(r.stop)
+	return r
+}
+
+func (r *running) stop() {
+	r.cancel()
+	<-r.done
+}
+
+// agentTLS is an agent's TLS configuration for the server name, with the
+// agent certificate of p.
+func (p *pki) agentTLS(name string) (*tls.Config, error) {
+	return &tls.Config{RootCAs: p.pool, ServerName: name, Certificates: []tls.Certificate{p.agentCert}}, nil
+}
+
+// serverTLS is a server's agent listener TLS configuration, requiring an
+// agent certificate of p.
+func (p *pki) serverTLS() *tls.Config {
+	return &tls.Config{Certificates: []tls.Certificate{p.serverCert}, ClientCAs: p.pool, ClientAuth: tls.RequireAndVerifyClientCert}
 }
 
 // waitAgents waits until the server has n agents.
-func (e *env) waitAgents(n int) {
+func (e *ends) waitAgents(n int) {
 	e.t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for e.srv.AgentCount() != n {
+	for e.srvEnds.AgentCount() != n {
 		if time.Now().After(deadline) {
-			e.t.Fatalf("server has %d agents, want %d", e.srv.AgentCount(), n)
+			e.t.Fatalf("server has %d agents, want %d", e.srvEnds.AgentCount(), n)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -207,7 +168,7 @@ func (e *env) waitAgents(n int) {
 
 // connect sends a CONNECT the way kube-apiserver does and returns the
 // connection, the reader positioned after the answer, and its status.
-func (e *env) connect(addr string) (net.Conn, *bufio.Reader, *http.Response) {
+func (e *ends) connect(addr string) (net.Conn, *bufio.Reader, *http.Response) {
 	e.t.Helper()
 	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
 	if err != nil {
@@ -224,18 +185,9 @@ func (e *env) connect(addr string) (net.Conn, *bufio.Reader, *http.Response) {
 	return conn, br, resp
 }
 
-// newEchoEnv is a server with one agent and an echo destination, whose
-// address it returns. The caller stops the env.
-func newEchoEnv(tb testing.TB) (*env, string) {
-	e := newEnv(tb, nil)
-	e.startAgent("a1", "", nil)
-	e.waitAgents(1)
-	return e, echoServer(tb)
-}
-
 // echoOne opens a tunnel to an echo destination and sends one byte there
 // and back; it returns the open tunnel.
-func (e *env) echoOne(addr string) net.Conn {
+func (e *ends) echoOne(addr string) net.Conn {
 	e.t.Helper()
 	c, br, resp := e.connect(addr)
 	if resp.StatusCode != 200 {
@@ -455,19 +407,6 @@ func waitStalled(t *testing.T, what string, counters ...*atomic.Int64) {
 	}
 }
 
-// TestMain lets the test binary double as the agent swarm of the agent
-// benchmarks (see runAgentSwarm) and as the caller of the gRPC front
-// door's (see runGRPCCaller).
-func TestMain(m *testing.M) {
-	if os.Getenv(swarmEnv) != "" {
-		os.Exit(runAgentSwarm())
-	}
-	if os.Getenv(grpcCallerEnv) != "" {
-		os.Exit(runGRPCCaller())
-	}
-	os.Exit(m.Run())
-}
-
 // isTimeout reports whether err is a deadline expiry.
 func isTimeout(err error) bool {
 	var ne net.Error
@@ -484,7 +423,7 @@ func heapInuse() uint64 {
 }
 
 // echoOnce checks that a fresh tunnel to echo carries a round trip.
-func (e *env) echoOnce(echo string) error {
+func (e *ends) echoOnce(echo string) error {
 	conn, err := net.DialTimeout("unix", e.uds, 5*time.Second)
 	if err != nil {
 		return err
@@ -508,5 +447,3 @@ func (e *env) echoOnce(echo string) error {
 	return nil
 }
 
-// refusals is the server's count of identity refusals for reason.
-func refusals(e *env, reason string) uint64 { return e.srv.identity.refused[reason].Value() }

@@ -532,3 +532,6 @@ func TestIdentityUpstreamAgent(t *testing.T) {
 	}
 	t.Logf("upstream agent's link closed %s after its token was revoked (recheck 100ms)", time.Since(start).Round(time.Millisecond))
 }
+
+// refusals is the server's count of identity refusals for reason.
+func refusals(e *env, reason string) uint64 { return e.srv.identity.refused[reason].Value() }

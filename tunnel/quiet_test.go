@@ -157,7 +157,7 @@ func dialGRPCTunnel(ctx context.Context, sock, addr string) (net.Conn, error) {
 	}
 	pr, pw := io.Pipe()
 	cctx, cancel := context.WithCancel(context.Background())
-	req, _ := http.NewRequestWithContext(cctx, http.MethodPost, "http://konnectivity"+grpcProxyMethod, pr)
+	req, _ := http.NewRequestWithContext(cctx, http.MethodPost, "http://konnectivity"+grpcwire.ProxyMethod, pr)
 	req.Header.Set("Content-Type", "application/grpc")
 	req.Header.Set("Te", "trailers")
 	go pw.Write(grpcwire.AppendMessage(nil, grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: addr, Random: 1}))

@@ -78,7 +78,7 @@ func TestIdleGRPCTunnelsHoldNoBuffer(t *testing.T) {
 	const n = 100
 	payload := make([]byte, 8<<10) // fills a small buffer: the copies take large ones
 	for i := range n {
-		c := openGRPCOn(t, tr, grpcProxyMethod)
+		c := openGRPCOn(t, tr, grpcwire.ProxyMethod)
 		c.write(grpcwire.Packet{Type: grpcwire.DialReq, Protocol: "tcp", Address: echo, Random: int64(i)})
 		rsp, err := c.read()
 		if err != nil || rsp.Type != grpcwire.DialRsp || rsp.Error != "" {

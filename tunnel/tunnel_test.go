@@ -387,7 +387,19 @@ func TestStalledTunnelDoesNotBlockOthers(t *testing.T) {
 func TestAgentLossEndsTunnelsAndFailsOver(t *testing.T) {
 	checkNoLeaks(t)
 	e := newEnv(t, nil)
-	a1 := e.startAgent("a1", "", nil)
+	var mu sync.Mutex
+	var toServer []net.Conn
+	a1 := e.startAgent("a1", "", func(c *AgentConfig) {
+		c.ServerDialer = func(ctx context.Context, addr string) (net.Conn, error) {
+			conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+			if err == nil {
+				mu.Lock()
+				toServer = append(toServer, conn)
+				mu.Unlock()
+			}
+			return conn, err
+		}
+	})
 	e.waitAgents(1)
 	echo := echoServer(t)
 	conn, br, resp := e.connect(echo)
@@ -395,7 +407,12 @@ func TestAgentLossEndsTunnelsAndFailsOver(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatal(resp.Status)
 	}
-	a1.kill() // abrupt: the agent's connection drops
+	mu.Lock()
+	for _, c := range toServer { // abrupt: the agent's connection drops
+		c.Close()
+	}
+	mu.Unlock()
+	a1.stop()
 	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := br.ReadByte(); err == nil {
 		t.Fatal("tunnel still open after its agent went away")
