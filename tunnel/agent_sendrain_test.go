@@ -78,4 +78,3 @@ func (r *controlRecorder) String() string {
 	defer r.mu.Unlock()
 	return r.b.String()
 }
-

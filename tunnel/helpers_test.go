@@ -446,4 +446,3 @@ func (e *ends) echoOnce(echo string) error {
 	}
 	return nil
 }
-

@@ -88,4 +88,3 @@ func newEchoEnv(tb testing.TB) (*env, string) {
 	e.waitAgents(1)
 	return e, echoServer(tb)
 }
-
