@@ -13,7 +13,8 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/agent"
+	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // runStatus prints a server's or an agent's /debug/tunnels as a table, so
@@ -77,7 +78,7 @@ func printStatus(w io.Writer, body []byte, now time.Time) error {
 	defer tw.Flush()
 	switch role.Role {
 	case "server":
-		var st tunnel.ServerStatus
+		var st server.Status
 		if err := json.Unmarshal(body, &st); err != nil {
 			return fmt.Errorf("decode server status: %w", err)
 		}
@@ -92,7 +93,7 @@ func printStatus(w io.Writer, body []byte, now time.Time) error {
 				bytesHuman(a.BytesToAgent), bytesHuman(a.BytesFromAgent), yesNo(a.Draining), dashIfEmpty(a.Node), dashIfEmpty(a.Identifiers))
 		}
 	case "agent":
-		var st tunnel.AgentSideStatus
+		var st agent.Status
 		if err := json.Unmarshal(body, &st); err != nil {
 			return fmt.Errorf("decode agent status: %w", err)
 		}

@@ -16,8 +16,10 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
 	"golang.org/x/sys/unix"
+
+	"github.com/spinifex/konnectivity/tunnel/agent"
+	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // Self-restart: the process re-executes itself in place (same PID, so
@@ -344,8 +346,8 @@ func restartRequests(ctx context.Context, onBinaryChange bool, every time.Durati
 
 // tunnelsEnv names a memory file, inherited across exec, that lists what
 // a restart hands on with a socket, also inherited: the server's paused
-// tunnels (tunnel.PausedTunnel, the client's socket), the agent's held
-// destinations (tunnel.HeldDest, the destination's socket). Each as JSON
+// tunnels (server.PausedTunnel, the client's socket), the agent's held
+// destinations (agent.HeldDest, the destination's socket). Each as JSON
 // with the socket's descriptor.
 const tunnelsEnv = "KONNECTIVITY_INHERITED_TUNNELS"
 
@@ -360,26 +362,26 @@ type handed[T any] struct {
 
 // TunnelsForNextImage hands the server's paused tunnels to the next image
 // (handOnSockets).
-func TunnelsForNextImage(paused []*tunnel.PausedTunnel, log *slog.Logger) []string {
-	return handOnSockets(paused, func(p *tunnel.PausedTunnel) *os.File { return p.File }, "paused tunnels", log)
+func TunnelsForNextImage(paused []*server.PausedTunnel, log *slog.Logger) []string {
+	return handOnSockets(paused, func(p *server.PausedTunnel) *os.File { return p.File }, "paused tunnels", log)
 }
 
 // HeldForNextImage hands the agent's held destinations to the next image
 // (handOnSockets).
-func HeldForNextImage(held []*tunnel.HeldDest, log *slog.Logger) []string {
-	return handOnSockets(held, func(h *tunnel.HeldDest) *os.File { return h.File }, "held destinations", log)
+func HeldForNextImage(held []*agent.HeldDest, log *slog.Logger) []string {
+	return handOnSockets(held, func(h *agent.HeldDest) *os.File { return h.File }, "held destinations", log)
 }
 
 // InheritedTunnels reads (and clears) the paused tunnels a previous image
 // of the server handed over.
-func InheritedTunnels(log *slog.Logger) []*tunnel.PausedTunnel {
-	return inheritSockets(func(p *tunnel.PausedTunnel, f *os.File) { p.File = f }, "paused tunnels", log)
+func InheritedTunnels(log *slog.Logger) []*server.PausedTunnel {
+	return inheritSockets(func(p *server.PausedTunnel, f *os.File) { p.File = f }, "paused tunnels", log)
 }
 
 // InheritedHeld reads (and clears) the held destinations a previous image
 // of the agent handed over.
-func InheritedHeld(log *slog.Logger) []*tunnel.HeldDest {
-	return inheritSockets(func(h *tunnel.HeldDest, f *os.File) { h.File = f }, "held destinations", log)
+func InheritedHeld(log *slog.Logger) []*agent.HeldDest {
+	return inheritSockets(func(h *agent.HeldDest, f *os.File) { h.File = f }, "held destinations", log)
 }
 
 // handOnSockets duplicates each item's socket without close-on-exec,

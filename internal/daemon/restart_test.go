@@ -12,8 +12,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/spinifex/konnectivity/tunnel"
 	"golang.org/x/sys/unix"
+
+	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // socketPair returns both ends of a connected Unix socket, the first as a
@@ -41,9 +42,9 @@ func socketPair(t *testing.T) (*os.File, net.Conn) {
 func TestTunnelsHandedToNextImage(t *testing.T) {
 	f1, peer1 := socketPair(t)
 	f2, peer2 := socketPair(t)
-	paused := []*tunnel.PausedTunnel{
+	paused := []*server.PausedTunnel{
 		{File: f1, Addr: "10.0.0.1:443", Agent: "node-a", Token: "t1"},
-		{File: f2, Addr: "10.0.0.2:10250", Agent: "node-b", Token: "t2", GRPC: &tunnel.PausedGRPC{ConnectID: 7, Partial: []byte{0, 0, 0, 0, 9, 1}}},
+		{File: f2, Addr: "10.0.0.2:10250", Agent: "node-b", Token: "t2", GRPC: &server.PausedGRPC{ConnectID: 7, Partial: []byte{0, 0, 0, 0, 9, 1}}},
 	}
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
@@ -82,7 +83,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 
 	// A list naming a descriptor that is not a socket drops that entry.
 	f3, _ := socketPair(t)
-	env = TunnelsForNextImage([]*tunnel.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
+	env = TunnelsForNextImage([]*server.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
 	spec := strings.TrimPrefix(env[0], tunnelsEnv+"=")
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
@@ -92,7 +93,7 @@ func TestTunnelsHandedToNextImage(t *testing.T) {
 	// Point the entry's descriptor at /dev/null.
 	data := make([]byte, 4096)
 	n, _ := unix.Pread(mustAtoi(t, spec), data, 0)
-	var list []handed[*tunnel.PausedTunnel]
+	var list []handed[*server.PausedTunnel]
 	if err := json.Unmarshal(data[:n], &list); err != nil || len(list) != 1 {
 		t.Fatalf("tunnel list %q: %v", data[:n], err)
 	}
