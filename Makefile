@@ -7,19 +7,26 @@
 #   make e2e-loaded   the e2e suite likewise
 #   make bench      the benchmark table
 #   make bench-scale  one server, 5,000 agents, 50,000 tunnels (not part of make test)
+#   make bench-fairness  a probe tunnel beside bulk ones on shaped and long links (root; not part of make test)
 #   make install    install into $(DESTDIR)$(PREFIX)/bin with the upstream names as symlinks
 
 GO        ?= go
 PREFIX    ?= /usr/local
 DESTDIR   ?=
-VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-BIN       := bin/konnectivity
-LDFLAGS   := -s -w -X main.version=$(VERSION)
+# What `konnectivity version` prints. VERSION: the newest release tag
+# (v1.2.3, or v1.2.3-N-gHASH past it), else the newest version CHANGELOG.md
+# names with -dev.HASH; BUILD_DATE: the commit's time, so the same source
+# builds the same bytes.
+VERSION    ?= $(shell git describe --tags --match 'v[0-9]*' --dirty 2>/dev/null || echo "$$(sed -n 's/^\#\# \(v[0-9][0-9.]*\).*/\1/p' CHANGELOG.md | head -1)-dev.$$(git describe --always --dirty 2>/dev/null || echo unknown)")
+REVISION   ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+BUILD_DATE ?= $(shell TZ=UTC git log -1 --date=format-local:%Y-%m-%dT%H:%M:%SZ --format=%cd 2>/dev/null)
+BIN        := bin/konnectivity
+LDFLAGS    := -s -w -X main.version=$(VERSION) -X main.commit=$(REVISION) -X main.buildDate=$(BUILD_DATE)
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube h2spec fuzz bench bench-quick bench-compare bench-scale soak install clean tools image-overlay test-images test-openrc agent-image
+.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness soak install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -69,7 +76,6 @@ h2spec: build
 OVERLAY          ?= bin/eks-node-overlay.tar.gz
 AGENT_IMAGE      ?= bin/konnectivity-agent-image.tar
 AGENT_IMAGE_REPO ?= spinifex/konnectivity-agent
-REVISION         ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 
 # An OCI image archive of the agent, written without Docker (images/ociimage).
 agent-image: build
@@ -146,6 +152,15 @@ AGENTS  ?= 5000
 TUNNELS ?= 50000
 bench-scale: build
 	cd e2e && $(GO) run ./scale --bin $(CURDIR)/$(BIN) --agents $(AGENTS) --tunnels $(TUNNELS) $(if $(OTHER),--other $(abspath $(OTHER))) $(SCALEFLAGS)
+
+# A probe tunnel's 64-byte echoes, alone and beside bulk tunnels, on a veth
+# between two network namespaces shaped with tc tbf and through a relay that
+# holds every byte 10 or 25 ms each way (docs/slow-links.md). OTHER= runs the
+# same against another build in the same run: a directory holding upstream's
+# proxy-server and proxy-agent, or the path of another konnectivity binary.
+# Needs root.
+bench-fairness: build
+	cd e2e && $(GO) run ./fairness --bin $(CURDIR)/$(BIN) $(if $(OTHER),--other $(abspath $(OTHER))) $(FAIRFLAGS)
 
 # A bounded mixed workload (short dials, long checksummed streams, server
 # SIGHUPs, agent churn) that fails on any lost byte or leak.

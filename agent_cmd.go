@@ -83,9 +83,9 @@ func (d *deprecatedAlias) Set(v string) error {
 	return nil
 }
 
-func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
+func newAgentFlags() (*agentOptions, *commandFlags) {
 	o := &agentOptions{}
-	cf := newCommandFlags("konnectivity agent", stderr)
+	cf := newCommandFlags("konnectivity agent")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-server-host", healthPort: "health-server-port", adminPort: "admin-server-port",
 		healthDefault: 8093, adminDefault: 8094,
@@ -126,8 +126,9 @@ func newAgentFlags(stderr io.Writer) (*agentOptions, *commandFlags) {
 }
 
 func runAgent(args []string, stdout, stderr io.Writer) int {
-	o, cf := newAgentFlags(stderr)
-	return runDaemon("agent", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
+	o, cf := newAgentFlags()
+	o.checkArgs = append([]string{"check", "agent"}, args...)
+	return runDaemon("agent", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 func (o *agentOptions) complete(cf *commandFlags) error {
@@ -265,7 +266,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
-	held := daemon.InheritedHeld(log) // before anything can fail: their sockets close with the process
+	held := daemon.Inherit("held destinations", func(h *agent.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
 	a, err := agent.New(cfg)
 	if err != nil {
 		return err
@@ -314,15 +315,17 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return stop()
 		},
-		Drain: func(trigger string) []string {
+		Drain: func(trigger string) []daemon.Handed {
 			// Servers that can pause the tunnels for the next image do;
 			// the rest drain.
 			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			a.Restarting()
 			stop()
-			return daemon.HeldForNextImage(a.HeldForNextImage(), log)
+			return daemon.Hand("held destinations", a.HeldForNextImage(), func(h *agent.HeldDest) net.Conn { return h.Socket })
 		},
-		MemoryReady: func() bool { ok, _ := a.ReadyAll(); return ok },
+		MemoryReady:  func() bool { ok, _ := a.ReadyAll(); return ok },
+		Metrics:      metrics,
+		MetricPrefix: "konnectivity_network_proxy_agent_",
 	}))
 }
 

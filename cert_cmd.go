@@ -1,8 +1,6 @@
 package main
 
 import (
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"path/filepath"
@@ -17,8 +15,7 @@ import (
 // one line, "minted PATH: REASON" or "reused PATH: REASON", so init scripts
 // can run it on every start.
 func runCert(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("cert", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("konnectivity cert")
 	dir := fs.String("dir", "", "output directory for tls.crt and tls.key (created if missing)")
 	caCert := fs.String("ca-cert", "", "CA certificate, PEM (a bundle is searched for the certificate matching -ca-key)")
 	caKey := fs.String("ca-key", "", "CA private key, PEM (PKCS#1 RSA, SEC1 EC or PKCS#8)")
@@ -30,16 +27,10 @@ func runCert(args []string, stdout, stderr io.Writer) int {
 	outCert := fs.String("out-cert", "", "certificate path (default DIR/tls.crt)")
 	outKey := fs.String("out-key", "", "private key path, written mode 0600 (default DIR/tls.key)")
 	keyType := fs.String("key-type", certs.KeyECDSAP256, "key type: ecdsa-p256, rsa-2048 or ed25519")
-	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: konnectivity cert -ca-cert FILE -ca-key FILE (-dir DIR | -out-cert FILE -out-key FILE) [flags]\n\n"+
-			"Reuses the existing pair when it is still valid for the request, otherwise mints a new one.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	usage := "Usage: konnectivity cert -ca-cert FILE -ca-key FILE (-dir DIR | -out-cert FILE -out-key FILE) [flags]\n\n" +
+		"Reuses the existing pair when it is still valid for the request, otherwise mints a new one.\n"
+	if code, done := flagsParsed(fs, fs.Parse(args), usage, stdout, stderr); done {
+		return code
 	}
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "konnectivity cert: "+format+"\n", a...)

@@ -76,7 +76,7 @@ func TestRunCertBadInput(t *testing.T) {
 		{"bad key type", with("-key-type", "dsa"), 1, `unknown key type "dsa"`},
 		{"missing CA file", with("-ca-cert", filepath.Join(dir, "nope.crt")), 1, "read CA certificate"},
 		{"key is not the CA's", with("-ca-key", filepath.Join(dir, "ca.cnf")), 1, "no private key PEM block"},
-		{"unknown flag", with("-bogus"), 2, "flag provided but not defined"},
+		{"unknown flag", with("-bogus"), 2, "unknown flag --bogus; 'konnectivity cert --help' lists the flags"},
 		{"bad duration", with("-renew-before", "soon"), 2, "invalid value"},
 		{"stray argument", with("extra"), 2, "unexpected arguments"},
 	}
@@ -89,7 +89,7 @@ func TestRunCertBadInput(t *testing.T) {
 	if _, err := os.Stat(out); err == nil {
 		t.Error("a failed run created the output directory")
 	}
-	if code, _, stderr := runCertArgs("-h"); code != 0 || !strings.Contains(stderr, "-renew-before") {
-		t.Errorf("-h: exit %d, %q", code, stderr)
+	if code, stdout, _ := runCertArgs("-h"); code != 0 || !strings.Contains(stdout, "-renew-before") || !strings.HasPrefix(stdout, "Usage: konnectivity cert") {
+		t.Errorf("-h: exit %d, %q", code, stdout)
 	}
 }

@@ -26,6 +26,9 @@ type daemonOptions struct {
 	restartCheckInterval       time.Duration
 	kubeconfig                 string
 	leaseNamespace             string
+	// checkArgs is the configuration check of this command line
+	// (runCheck), which a restart runs with the next image's executable.
+	checkArgs []string
 }
 
 // daemonFlagNames is what upstream names or means differently in the two
@@ -84,6 +87,7 @@ func (o *daemonOptions) services(s daemon.Services) daemon.Services {
 // restarts fills in w when the executable's replacement restarts it.
 func (o *daemonOptions) restarts(w daemon.Work) daemon.Work {
 	w.RestartOnBinaryChange, w.RestartCheckInterval = o.restartOnBinaryChange, o.restartCheckInterval
+	w.Check = o.checkArgs
 	return w
 }
 

@@ -5,8 +5,6 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -27,17 +25,13 @@ import (
 // small HTTP backend, all on loopback, with a few dials made the way
 // kube-apiserver makes them.
 func runDemo(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("konnectivity demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("konnectivity demo")
 	once := fs.Bool("once", false, "run the checks and exit instead of waiting for Ctrl-C")
 	requests := fs.Int("requests", 5, "how many requests to send through the tunnel")
 	connectPort := fs.Int("connect-port", 8190, "loopback port of a plain CONNECT listener for curl -p -x (0 picks one)")
 	verbose := fs.Bool("verbose", false, "print the server's and agent's log lines")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, done := parseFlags(fs, args, stdout, stderr); done {
+		return code
 	}
 	log := slog.New(slog.DiscardHandler)
 	if *verbose {

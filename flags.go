@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -57,9 +56,8 @@ func (cf *commandFlags) warn(msg string, args ...any) {
 	cf.warnings = append(cf.warnings, startWarning{msg, args})
 }
 
-func newCommandFlags(name string, stderr io.Writer) *commandFlags {
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
+func newCommandFlags(name string) *commandFlags {
+	fs := newFlagSet(name)
 	cf := &commandFlags{FlagSet: fs, log: daemon.LogSettings{StderrThreshold: daemon.SeverityError}}
 	fs.IntVar(&cf.log.Verbosity, "v", 0, "log verbosity: 0 logs events that matter, 4 and up add per-dial debug lines (upstream's default is 4)")
 	fs.StringVar(&cf.log.Format, "log-format", "text", "log format: text or json")
@@ -165,14 +163,20 @@ func isBoolFlag(f *flag.Flag) bool {
 	return ok && b.IsBoolFlag()
 }
 
-// parse parses args and returns a logger built from the logging flags. It
-// warns, one line each, about upstream flags that were given but have no
-// effect here, and about positional arguments (ignored, as upstream does).
+// parse parses args and returns a logger built from the logging flags
+// (parseArgs, then startLogging).
 func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, error) {
 	stray, err := cf.parseArgs(args)
 	if err != nil {
 		return nil, err
 	}
+	return cf.startLogging(stray, stderr)
+}
+
+// startLogging returns a logger built from the logging flags. It warns,
+// one line each, about upstream flags that were given but have no effect
+// here, and about positional arguments (stray: ignored, as upstream does).
+func (cf *commandFlags) startLogging(stray []string, stderr io.Writer) (*slog.Logger, error) {
 	cf.log.FileMaxSizeSet = cf.wasSet("log-file-max-size")
 	log, err := daemon.NewLogger(cf.log, stderr, cf.warn)
 	if err != nil {
@@ -223,17 +227,16 @@ func (m *fileMode) Set(s string) error {
 	return nil
 }
 
-// flagHelp is flag.ErrHelp: -h or --help was asked for and usage was printed.
-var flagHelp = flag.ErrHelp
-
 // runDaemon parses a daemon's flags, checks them with complete and runs it
-// until a signal ends it: exit 2 for bad flags, 1 when it fails, 0 otherwise.
-func runDaemon(name string, cf *commandFlags, args []string, stderr io.Writer, complete func() error, run func(context.Context, *slog.Logger) error) int {
-	log, err := cf.parse(args, stderr)
+// until a signal ends it: exit 2 for bad flags, 1 when it fails, 0
+// otherwise. --help and --version answer and exit before anything starts.
+func runDaemon(name string, cf *commandFlags, args []string, stdout, stderr io.Writer, complete func() error, run func(context.Context, *slog.Logger) error) int {
+	stray, err := cf.parseArgs(args)
+	if code, done := flagsParsed(cf.FlagSet, err, "", stdout, stderr); done {
+		return code
+	}
+	log, err := cf.startLogging(stray, stderr)
 	if err != nil {
-		if errors.Is(err, flagHelp) {
-			return 0
-		}
 		fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
 		return 2
 	}

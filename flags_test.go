@@ -176,7 +176,7 @@ func TestUpstreamValuesWarn(t *testing.T) {
 			t.Errorf("%s %v: exit %d, %q; want 2 and %q", tc.cmd, tc.args, code, stderr, tc.want)
 		}
 	}
-	o, cf := newServerFlags(io.Discard)
+	o, cf := newServerFlags()
 	if _, err := cf.parse(serverArgs("--backend-dial-timeout=0"), io.Discard); err != nil || o.complete(cf) != nil || o.backendDialTimeout != 30*time.Second {
 		t.Errorf("--backend-dial-timeout=0 gives %v", o.backendDialTimeout)
 	}

@@ -98,10 +98,10 @@ func parseLogs(t *testing.T, cmd string, args []string) (stderr string, code int
 	var complete func() error
 	switch cmd {
 	case "server":
-		o, f := newServerFlags(&errb)
+		o, f := newServerFlags()
 		cf, complete = f, func() error { return o.complete(f) }
 	default:
-		o, f := newAgentFlags(&errb)
+		o, f := newAgentFlags()
 		cf, complete = f, func() error { return o.complete(f) }
 	}
 	log, err := cf.parse(args, &errb)

@@ -57,7 +57,7 @@ func TestAgentLeaseFlags(t *testing.T) {
 		{[]string{"--server-count-source=", "--lease-label=tier=cp"}, "tier=cp", agent.CountLeases},
 		{[]string{"--server-count-source=max"}, "k8s-app=konnectivity-server", agent.CountMax},
 	} {
-		o, cf := newAgentFlags(io.Discard)
+		o, cf := newAgentFlags()
 		if _, err := cf.parse(append([]string{"--agent-id=a"}, c.args...), io.Discard); err != nil {
 			t.Fatal(err)
 		}

@@ -5,12 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"runtime/debug"
-	"strings"
 )
-
-// version is set at build time with -ldflags "-X main.version=...".
-var version = "dev"
 
 // commands maps subcommand names to their entry points. Each returns the
 // process exit code.
@@ -18,6 +13,7 @@ var commands = map[string]func(args []string, stdout, stderr io.Writer) int{
 	"server":  runServer,
 	"agent":   runAgent,
 	"cert":    runCert,
+	"check":   runCheck,
 	"demo":    runDemo,
 	"status":  runStatus,
 	"version": runVersion,
@@ -69,32 +65,14 @@ Usage:
   konnectivity server [flags]   run the server (kube-apiserver frontend + agent listener)
   konnectivity agent [flags]    run an agent (dials the server, serves its dials)
   konnectivity cert [flags]     mint or reuse a certificate signed by a cluster CA
+  konnectivity check server|agent [flags]
+                                load the configuration a start would load, serve nothing
   konnectivity demo             run server, agent and a backend on loopback with a throwaway CA
   konnectivity status           show a server's agents or an agent's servers (from the admin port)
-  konnectivity version          print the version
+  konnectivity version          print the version, commit, build date and Go version
 
 Invoked as konnectivity-server, konnectivity-agent or eks-konnectivity-cert it runs
-that command. "konnectivity COMMAND --help" lists a command's flags.
+that command. "konnectivity COMMAND --help" lists a command's flags; every
+command takes --version.
 `)
-}
-
-func runVersion(args []string, stdout, _ io.Writer) int {
-	fmt.Fprintln(stdout, versionString())
-	return 0
-}
-
-func versionString() string {
-	rev := ""
-	if info, ok := debug.ReadBuildInfo(); ok {
-		for _, s := range info.Settings {
-			if s.Key == "vcs.revision" {
-				rev = s.Value
-			}
-		}
-	}
-	v := "konnectivity " + version
-	if rev != "" {
-		v += " (" + strings.TrimSpace(rev) + ")"
-	}
-	return v
 }

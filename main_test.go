@@ -36,20 +36,65 @@ func TestDispatchByName(t *testing.T) {
 	}
 }
 
-func TestUnknownFlagFailsWithUsage(t *testing.T) {
-	var errb bytes.Buffer
-	if code := dispatch([]string{"konnectivity", "server", "--no-such-flag"}, io.Discard, &errb); code != 2 {
-		t.Fatalf("exit %d, want 2", code)
+// TestMistypedFlagOneLine: a flag that does not exist is one line on
+// stderr, naming it, the flag most likely meant and where the flags are
+// listed; exit 2, and nothing starts.
+func TestMistypedFlagOneLine(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"konnectivity", "server", "--uds-nme=/x"}, "konnectivity server: unknown flag --uds-nme (did you mean --uds-name?); 'konnectivity server --help' lists the flags\n"},
+		{[]string{"konnectivity-agent", "--proxy-server-prot=8132"}, "konnectivity agent: unknown flag --proxy-server-prot (did you mean --proxy-server-port?); 'konnectivity agent --help' lists the flags\n"},
+		{[]string{"konnectivity", "server", "--no-such-flag"}, "konnectivity server: unknown flag --no-such-flag; 'konnectivity server --help' lists the flags\n"},
+		{[]string{"konnectivity", "cert", "-ca-crt=x"}, "konnectivity cert: unknown flag --ca-crt (did you mean --ca-cert?); 'konnectivity cert --help' lists the flags\n"},
+		{[]string{"konnectivity", "status", "--admin-adress=x"}, "konnectivity status: unknown flag --admin-adress (did you mean --admin-address?); 'konnectivity status --help' lists the flags\n"},
 	}
-	if !strings.Contains(errb.String(), "no-such-flag") || !strings.Contains(errb.String(), "-uds-name") {
-		t.Fatalf("stderr does not name the flag and show usage:\n%s", errb.String())
+	for _, c := range cases {
+		var out, errb bytes.Buffer
+		if code := dispatch(c.args, &out, &errb); code != 2 {
+			t.Errorf("%v: exit %d, want 2", c.args, code)
+		}
+		if errb.String() != c.want || out.Len() != 0 {
+			t.Errorf("%v: stderr %q, stdout %q; want stderr %q only", c.args, errb.String(), out.String(), c.want)
+		}
+	}
+}
+
+// TestVersionEverywhere: every command, under each of its names, answers
+// --version with the version block on stdout and exits 0 before anything
+// starts (the server's flags here would otherwise fail on its missing
+// certificate, exit 1).
+func TestVersionEverywhere(t *testing.T) {
+	var want bytes.Buffer
+	writeVersion(&want)
+	for _, line := range []string{"konnectivity ", "\ncommit:     ", "\nbuild date: ", "\ngo:         go"} {
+		if !strings.Contains(want.String(), line) {
+			t.Fatalf("version block %q lacks %q", want.String(), line)
+		}
+	}
+	for _, argv := range [][]string{
+		{"konnectivity", "version"},
+		{"konnectivity", "--version"},
+		{"konnectivity", "server", "--version"},
+		{"konnectivity-server", "--mode=http-connect", "--uds-name=/nonexistent/s", "--cluster-cert=/nonexistent/c", "--cluster-key=/nonexistent/k", "--version"},
+		{"proxy-agent", "--version"},
+		{"konnectivity", "agent", "-version"},
+		{"eks-konnectivity-cert", "--version"},
+		{"konnectivity", "status", "--version"},
+		{"konnectivity", "demo", "--version"},
+	} {
+		var out, errb bytes.Buffer
+		if code := dispatch(argv, &out, &errb); code != 0 || out.String() != want.String() || errb.Len() != 0 {
+			t.Errorf("%v: exit %d, stdout %q, stderr %q; want 0 and the version block", argv, code, out.String(), errb.String())
+		}
 	}
 }
 
 // Upstream flags that have no effect here are accepted with one warning
 // line each, never silently.
 func TestCompatFlagsWarn(t *testing.T) {
-	_, cf := newServerFlags(io.Discard)
+	_, cf := newServerFlags()
 	var logs bytes.Buffer
 	_, err := cf.parse([]string{"--xfr-channel-size=150", "--logtostderr=true", "--v", "2", "--uds-name", "/x"}, &logs)
 	if err != nil {
@@ -104,7 +149,7 @@ func TestServerAndAgentCommands(t *testing.T) {
 	uds := filepath.Join(dir, "run", "k.sock")
 	agentPort, healthPort, agentHealth, adminPort, agentAdmin := freePort(t), freePort(t), freePort(t), freePort(t), freePort(t)
 
-	so, scf := newServerFlags(io.Discard)
+	so, scf := newServerFlags()
 	if err := scf.Parse([]string{"--mode=http-connect", "--uds-name=" + uds, "--uds-mode=0660",
 		"--agent-port=" + agentPort, "--agent-bind-address=127.0.0.1", "--cluster-cert=" + serverCert, "--cluster-key=" + serverKey,
 		"--cluster-ca-cert=" + caFile, "--health-port=" + healthPort, "--health-bind-address=127.0.0.1", "--admin-port=" + adminPort,
@@ -114,7 +159,7 @@ func TestServerAndAgentCommands(t *testing.T) {
 	if err := so.complete(scf); err != nil {
 		t.Fatal(err)
 	}
-	ao, acf := newAgentFlags(io.Discard)
+	ao, acf := newAgentFlags()
 	if err := acf.Parse([]string{"--proxy-server-host=127.0.0.1", "--proxy-server-port=" + agentPort, "--ca-cert=" + caFile,
 		"--agent-cert=" + agentCert, "--agent-key=" + agentKey, "--agent-id=a1", "--health-server-host=127.0.0.1",
 		"--health-server-port=" + agentHealth, "--admin-server-port=" + agentAdmin, "--drain-timeout=1s", "--sync-interval=50ms"}); err != nil {

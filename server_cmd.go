@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -29,6 +30,9 @@ import (
 
 type serverOptions struct {
 	daemonOptions
+	// reviewer checks agents' tokens (token auth), once agentAuthenticator
+	// made it; its accepted reviews cross a restart (reviewedTokens).
+	reviewer              *auth.TokenReviewer
 	alpnProto             string // --alpn-proto: what the agent port accepts besides h2
 	kubeCtx               string
 	mode                  string
@@ -87,9 +91,9 @@ type serverLeaseOptions struct {
 	duration, renew, cull time.Duration
 }
 
-func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
+func newServerFlags() (*serverOptions, *commandFlags) {
 	o := &serverOptions{udsMode: fileMode{0o600}}
-	cf := newCommandFlags("konnectivity server", stderr)
+	cf := newCommandFlags("konnectivity server")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-bind-address", healthPort: "health-port", adminPort: "admin-port",
 		healthDefault: 8092, adminDefault: 8095,
@@ -160,8 +164,9 @@ func newServerFlags(stderr io.Writer) (*serverOptions, *commandFlags) {
 }
 
 func runServer(args []string, stdout, stderr io.Writer) int {
-	o, cf := newServerFlags(stderr)
-	return runDaemon("server", cf, args, stderr, func() error { return o.complete(cf) }, o.run)
+	o, cf := newServerFlags()
+	o.checkArgs = append([]string{"check", "server"}, args...)
+	return runDaemon("server", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 // complete checks flag combinations and fills derived defaults.
@@ -279,7 +284,8 @@ func (o *serverOptions) tokenAuth() bool {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := daemon.InheritedTunnels(log) // before anything can fail: their sockets close with the process
+	inherited := daemon.Inherit("paused tunnels", func(p *server.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
+	state := daemon.InheritedState(log)
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -298,6 +304,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	o.trustReviewed(state[reviewedTokens], log)
 	if nodes, err := o.nodeMap(log); err != nil {
 		return err
 	} else if nodes != nil {
@@ -318,10 +325,9 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		serving.Add(1)
 		go func() { defer serving.Done(); done <- f() }()
 	}
-	if err := o.listen(d, srv, minTLS, metrics, serve, log); err != nil {
+	if err := o.listenPorts(d, srv, minTLS, metrics, serve, log); err != nil {
 		return err
 	}
-	srv.Resume(inherited)
 	if err := d.StartServices(o.services(daemon.Services{
 		Ready:   o.readyChecks(srv),
 		Metrics: metrics,
@@ -329,6 +335,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	})); err != nil {
 		return err
 	}
+	sock, err := o.listenSocket(d, srv, serve, log)
+	if err != nil {
+		return err
+	}
+	srv.Resume(inherited)
 	stopLeases := o.startLeases(context.WithoutCancel(ctx), metrics, log)
 	defer stopLeases(true)
 
@@ -343,7 +354,13 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return nil
 		},
-		Drain: func(trigger string) []string {
+		Keep: func() map[string]any {
+			if o.reviewer == nil {
+				return nil
+			}
+			return map[string]any{reviewedTokens: o.reviewer.Reviewed()}
+		},
+		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
 			paused := stopServing(srv, o.restartGrace, true, &serving, log)
 			// With a fixed server ID the new image renews the same Lease,
@@ -351,10 +368,12 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return daemon.TunnelsForNextImage(paused, log)
+			return daemon.Hand("paused tunnels", paused, func(p *server.PausedTunnel) net.Conn { return p.Socket })
 		},
-		Exited:      o.removeSocket(log),
-		MemoryReady: func() bool { return srv.AgentCount() > 0 },
+		Exited:       removeSocket(sock, log),
+		MemoryReady:  func() bool { return srv.AgentCount() > 0 },
+		Metrics:      metrics,
+		MetricPrefix: "konnectivity_network_proxy_server_",
 	}))
 }
 
@@ -449,33 +468,9 @@ func addCertificateMetric(m *promtext.Registry, listener string, cert *certs.Rel
 		[]string{"listener"}, []string{listener}, func() float64 { return float64(cert.NotAfter().Unix()) })
 }
 
-// listen opens (or adopts) the frontends and the agent listener and has
-// serve run an accept loop on each.
-func (o *serverOptions) listen(d *daemon.Daemon, srv *server.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error), log *slog.Logger) error {
-	// One data path, two front doors: HTTP CONNECT or gRPC.
-	serveFrontend := srv.ServeFrontend
-	if o.mode == "grpc" {
-		serveFrontend = srv.ServeGRPC
-	}
-	if o.udsName != "" {
-		ln, err := d.Listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
-			ln, err := daemon.ListenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
-			if err != nil {
-				return nil, fmt.Errorf("frontend socket (--delete-existing-uds-file=%t): %w", o.deleteExistingUDS, err)
-			}
-			return ln, nil
-		})
-		if err != nil {
-			return err
-		}
-		if o.udsOwner != "" || o.udsGroup != "" {
-			if err := auth.ApplySocketOwnership(o.udsName, o.udsMode.mode, o.udsOwner, o.udsGroup); err != nil {
-				return fmt.Errorf("frontend socket %s: %w", o.udsName, err)
-			}
-		}
-		log.Info("listening", "service", "frontend", "mode", o.mode, "uds", o.udsName, "uds_mode", o.udsMode.String())
-		serve(func() error { return serveFrontend(ln) })
-	}
+// listenPorts opens (or adopts) the TCP frontend and the agent listener
+// and has serve run an accept loop on each.
+func (o *serverOptions) listenPorts(d *daemon.Daemon, srv *server.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error), log *slog.Logger) error {
 	if o.serverPort != 0 {
 		tcfg, frontCert, err := o.frontendTLSConfig(minTLS, log)
 		if err != nil {
@@ -487,7 +482,7 @@ func (o *serverOptions) listen(d *daemon.Daemon, srv *server.Server, minTLS uint
 		}
 		log.Info("listening", "service", "frontend", "mode", o.mode, "addr", ln.Addr().String(), "tls", "mTLS", "not_after", frontCert.NotAfter().UTC().Format(time.RFC3339))
 		addCertificateMetric(metrics, "frontend", frontCert)
-		serve(func() error { return serveFrontend(tls.NewListener(ln, tcfg)) })
+		serve(func() error { return o.serveFrontend(srv)(tls.NewListener(ln, tcfg)) })
 	}
 	ln, err := d.ListenTCP("agents", hostPort(o.agentBindAddress, o.agentPort))
 	if err != nil {
@@ -498,14 +493,53 @@ func (o *serverOptions) listen(d *daemon.Daemon, srv *server.Server, minTLS uint
 	return nil
 }
 
-// removeSocket returns what an exit does to the frontend socket: an
-// adopted socket does not unlink itself on close, so it is removed here.
-func (o *serverOptions) removeSocket(log *slog.Logger) func() {
-	return func() {
-		if o.udsName == "" {
-			return
+// listenSocket opens (or adopts) the frontend socket, once every port is
+// bound: a second server started by mistake fails on a port before it
+// comes near the first one's socket, and a socket is taken over only when
+// nothing listens on it (daemon.ListenUnix). It returns what an exit
+// removes.
+func (o *serverOptions) listenSocket(d *daemon.Daemon, srv *server.Server, serve func(func() error), log *slog.Logger) (daemon.SocketFile, error) {
+	if o.udsName == "" {
+		return daemon.SocketFile{}, nil
+	}
+	ln, err := d.Listen("frontend-uds", "unix", o.udsName, func() (net.Listener, error) {
+		ln, err := daemon.ListenUnix(o.udsName, o.udsMode.mode, o.deleteExistingUDS)
+		if err != nil {
+			return nil, fmt.Errorf("frontend socket (--delete-existing-uds-file=%t): %w", o.deleteExistingUDS, err)
 		}
-		if err := os.Remove(o.udsName); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return ln, nil
+	})
+	if err != nil {
+		return daemon.SocketFile{}, err
+	}
+	if o.udsOwner != "" || o.udsGroup != "" {
+		if err := auth.ApplySocketOwnership(o.udsName, o.udsMode.mode, o.udsOwner, o.udsGroup); err != nil {
+			return daemon.SocketFile{}, fmt.Errorf("frontend socket %s: %w", o.udsName, err)
+		}
+	}
+	sock, err := daemon.OwnSocketFile(o.udsName)
+	if err != nil {
+		return daemon.SocketFile{}, err
+	}
+	log.Info("listening", "service", "frontend", "mode", o.mode, "uds", o.udsName, "uds_mode", o.udsMode.String())
+	serve(func() error { return o.serveFrontend(srv)(ln) })
+	return sock, nil
+}
+
+// serveFrontend is the front door of --mode: HTTP CONNECT or gRPC, one
+// data path behind both.
+func (o *serverOptions) serveFrontend(srv *server.Server) func(net.Listener) error {
+	if o.mode == "grpc" {
+		return srv.ServeGRPC
+	}
+	return srv.ServeFrontend
+}
+
+// removeSocket returns what an exit does to the frontend socket: it is
+// removed while it is still the one this process listens on.
+func removeSocket(sock daemon.SocketFile, log *slog.Logger) func() {
+	return func() {
+		if err := sock.Remove(); err != nil {
 			log.Warn("remove frontend socket", "err", err)
 		}
 	}
@@ -598,6 +632,7 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 		if err != nil {
 			return nil, nil, fmt.Errorf("token auth: %w", err)
 		}
+		o.reviewer = reviewer
 		if o.bindAgentIdentity {
 			nodes, err := auth.NewNodeLookup(rc, o.tokenReviewTimeout, time.Minute)
 			if err != nil {
@@ -747,4 +782,24 @@ func (o *serverOptions) startLeases(ctx context.Context, metrics *promtext.Regis
 			log.Info("server lease deleted", "lease", o.leaseNamespace+"/"+ctl.Name())
 		})
 	}
+}
+
+// reviewedTokens names, in the state a restart hands over, the token
+// reviews the running image accepted (auth.Reviewed): the next image
+// re-admits those agents while the apiserver cannot review their tokens
+// (docs/security.md).
+const reviewedTokens = "reviewed-tokens"
+
+// trustReviewed takes over the accepted token reviews a previous image
+// handed over, if any.
+func (o *serverOptions) trustReviewed(data json.RawMessage, log *slog.Logger) {
+	if o.reviewer == nil || data == nil {
+		return
+	}
+	var list []auth.Reviewed
+	if err := json.Unmarshal(data, &list); err != nil {
+		log.Warn("token reviews from the previous image unreadable; agents are reviewed again", "err", err)
+		return
+	}
+	log.Info("token reviews taken over from the previous image", "tokens", o.reviewer.Trust(list), "of", len(list))
 }

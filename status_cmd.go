@@ -3,13 +3,13 @@ package main
 import (
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"maps"
 	"net/http"
 	"slices"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -17,40 +17,55 @@ import (
 	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
+// defaultAdminAddrs are where `konnectivity status` looks without
+// --admin-address: the server's admin port as the Kubernetes docs, the
+// OpenRC service and the static pod set it (8133) and as upstream's default
+// (8095), and the agent's (8094, upstream's default and the DaemonSet's).
+var defaultAdminAddrs = []string{"127.0.0.1:8133", "127.0.0.1:8095", "127.0.0.1:8094"}
+
 // runStatus prints a server's or an agent's /debug/tunnels as a table, so
-// an operator on the node sees the fan-out at a glance.
+// an operator on the node sees the fan-out at a glance. Without
+// --admin-address it shows every server and agent found on the default
+// admin ports (a control-plane node runs both), each under the address it
+// came from.
 func runStatus(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("konnectivity status", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	addr := fs.String("admin-address", "", "admin address of a server or agent (default: try 127.0.0.1:8095, then 127.0.0.1:8094)")
-	asJSON := fs.Bool("json", false, "print the raw JSON")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	fs := newFlagSet("konnectivity status")
+	addr := fs.String("admin-address", "", "admin address of a server or agent (default: each of "+strings.Join(defaultAdminAddrs, ", ")+" that answers)")
+	asJSON := fs.Bool("json", false, "print the raw JSON (of the first one found)")
+	if code, done := parseFlags(fs, args, stdout, stderr); done {
+		return code
 	}
 	addrs := []string{*addr}
 	if *addr == "" {
-		addrs = []string{"127.0.0.1:8095", "127.0.0.1:8094"}
+		addrs = defaultAdminAddrs
 	}
-	var body []byte
-	var err error
+	var failed []string
+	shown := 0
 	for _, a := range addrs {
-		if body, err = fetchStatus(a); err == nil {
-			break
+		body, err := fetchStatus(a)
+		if err != nil {
+			failed = append(failed, err.Error())
+			continue
 		}
+		if *asJSON {
+			stdout.Write(body)
+			return 0
+		}
+		if shown > 0 {
+			fmt.Fprintln(stdout)
+		}
+		if err := printStatus(stdout, a, body, time.Now()); err != nil {
+			failed = append(failed, fmt.Sprintf("%s: %v", a, err))
+			continue
+		}
+		shown++
 	}
-	if err != nil {
-		fmt.Fprintf(stderr, "konnectivity status: %v\n", err)
-		return 1
-	}
-	if *asJSON {
-		stdout.Write(body)
-		return 0
-	}
-	if err := printStatus(stdout, body, time.Now()); err != nil {
-		fmt.Fprintf(stderr, "konnectivity status: %v\n", err)
+	if shown == 0 {
+		hint := ""
+		if *addr == "" {
+			hint = " (--admin-address names another admin port)"
+		}
+		fmt.Fprintf(stderr, "konnectivity status: no server or agent answers%s: %s\n", hint, strings.Join(failed, "; "))
 		return 1
 	}
 	return 0
@@ -59,21 +74,30 @@ func runStatus(args []string, stdout, stderr io.Writer) int {
 func fetchStatus(addr string) ([]byte, error) {
 	c := http.Client{Timeout: 5 * time.Second}
 	resp, err := c.Get("http://" + addr + "/debug/tunnels")
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		return nil, fmt.Errorf("%s: nothing listens", addr)
+	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%s: %w", addr, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("%s/debug/tunnels: %s", addr, resp.Status)
+		return nil, fmt.Errorf("%s/debug/tunnels: %s (not a konnectivity admin port?)", addr, resp.Status)
 	}
 	return io.ReadAll(io.LimitReader(resp.Body, 16<<20))
 }
 
-func printStatus(w io.Writer, body []byte, now time.Time) error {
+// printStatus writes the status body from the admin port at addr, under
+// a line naming what answered there.
+func printStatus(w io.Writer, addr string, body []byte, now time.Time) error {
 	var role struct{ Role string }
 	if err := json.Unmarshal(body, &role); err != nil {
-		return fmt.Errorf("decode status: %w", err)
+		return fmt.Errorf("not a konnectivity status: %w", err)
 	}
+	if role.Role != "server" && role.Role != "agent" {
+		return fmt.Errorf("unknown status role %q", role.Role)
+	}
+	fmt.Fprintf(w, "the %s on %s:\n", role.Role, addr)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	defer tw.Flush()
 	switch role.Role {
@@ -102,8 +126,6 @@ func printStatus(w io.Writer, body []byte, now time.Time) error {
 		for _, l := range st.Servers {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\n", l.ServerID, l.Addr, age(now, l.Since), l.Count, l.OpenStreams)
 		}
-	default:
-		return fmt.Errorf("unknown status role %q", role.Role)
 	}
 	return nil
 }

@@ -36,7 +36,7 @@ func TestCipherSuitesFlag(t *testing.T) {
 
 // The agent's TLS offers --alpn-proto and only the --cipher-suites.
 func TestAgentTLSConfigFromFlags(t *testing.T) {
-	o, cf := newAgentFlags(nil)
+	o, cf := newAgentFlags()
 	if _, err := cf.parse([]string{"--alpn-proto=x-one, x-two,x-three", "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256", "--agent-id=a"}, &strings.Builder{}); err != nil {
 		t.Fatal(err)
 	}

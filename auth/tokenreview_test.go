@@ -151,6 +151,7 @@ func TestAuthenticateUnavailable(t *testing.T) {
 			}
 			r.mu.Lock()
 			clear(r.cache)
+			clear(r.trusted) // the acceptance would answer the next mode (TestTrustDuringOutage)
 			r.order.Init()
 			r.mu.Unlock()
 		})

@@ -17,12 +17,16 @@
 //     configurations the commands build from their flags, so that every
 //     listener reloads the same way and refuses the same suites.
 //
-// File replacement order: [Ensure] writes the new key first and the new
-// certificate second, each with [WriteFileAtomic]; [Reloader] reads the
-// certificate first and the key second. A reader can therefore observe
-// (old cert, old key), (old cert, new key) or (new cert, new key), but never a
-// new certificate with the old key. The middle state is a key mismatch, which
-// the Reloader refuses (keeping the previous pair) and [Ensure] repairs by
-// minting again; the certificate rename that follows changes the file's
-// identity, so the Reloader retries on its next check.
+// File replacement order: [Ensure] writes the new key and certificate whole
+// beside the old pair (temporary files, fsynced) and keeps the old key under
+// a second name; only then does it rename the key into place, then the
+// certificate, and if the certificate's rename fails it renames the old key
+// back. A full disk or any failure before the renames leaves the old pair
+// as it was. [Reloader] reads the certificate first and the key second, so
+// a reader can observe (old cert, old key), (old cert, new key) or (new
+// cert, new key), never a new certificate with the old key. The middle state
+// lasts between two renames (or for good after a crash there); it is a key
+// mismatch, which the Reloader refuses (keeping the previous pair), which
+// [NewReloader] waits out while the files are fresh, and which [Ensure]
+// repairs by minting again.
 package certs

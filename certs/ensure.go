@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -47,8 +48,9 @@ func (r Result) String() string {
 // pair is reused when both files parse, the key matches the certificate, it
 // is signed by opts.CA, its CN, SAN set (order-insensitive), usage and key
 // type equal the request and it does not expire within RenewBefore.
-// Otherwise a new pair is minted and written key first, certificate second
-// (see the package documentation for why).
+// Otherwise a new pair is minted and written whole beside the old one
+// before either is put in place (writePair); on any failure the old pair is
+// left as it was.
 func Ensure(opts EnsureOptions) (Result, error) {
 	if opts.CertFile == "" || opts.KeyFile == "" {
 		return Result{}, errors.New("ensure certificate: certificate and key paths are required")
@@ -91,11 +93,8 @@ func Ensure(opts EnsureOptions) (Result, error) {
 			return Result{}, fmt.Errorf("ensure certificate: %w", err)
 		}
 	}
-	if err := WriteFileAtomic(opts.KeyFile, keyPEM, 0o600); err != nil {
-		return Result{}, fmt.Errorf("ensure certificate: write key: %w", err)
-	}
-	if err := WriteFileAtomic(opts.CertFile, certPEM, 0o644); err != nil {
-		return Result{}, fmt.Errorf("ensure certificate: write certificate: %w", err)
+	if err := writePair(opts.CertFile, certPEM, opts.KeyFile, keyPEM); err != nil {
+		return Result{}, fmt.Errorf("ensure certificate: %w", err)
 	}
 	if cert.NotAfter.Equal(opts.CA.Cert.NotAfter) {
 		reason += fmt.Sprintf("; validity capped at CA expiry %s, rotate the CA", formatTime(cert.NotAfter))
@@ -236,11 +235,24 @@ func formatTime(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 // file in the same directory, fsyncs it, sets mode, renames it over path and
 // fsyncs the directory. A leftover temporary file from an interrupted run
 // (".<name>.tmp-*") is harmless and never read.
-func WriteFileAtomic(path string, data []byte, mode os.FileMode) (err error) {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+func WriteFileAtomic(path string, data []byte, mode os.FileMode) error {
+	tmp, err := stageFile(path, data, mode)
 	if err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
 		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return syncDir(path)
+}
+
+// stageFile writes data, fsynced and with mode, to a new temporary file
+// beside path and returns its name; on failure nothing is left behind.
+func stageFile(path string, data []byte, mode os.FileMode) (_ string, err error) {
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return "", fmt.Errorf("write %s: %w", path, err)
 	}
 	tmp := f.Name()
 	defer func() {
@@ -252,23 +264,24 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode) (err error) {
 	// CreateTemp makes the file 0600, so key bytes are never readable by
 	// others; Chmod (unlike the open mode) is not reduced by the umask.
 	if err := f.Chmod(mode); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
+		return "", fmt.Errorf("write %s: %w", path, err)
 	}
 	if _, err := f.Write(data); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
+		return "", fmt.Errorf("write %s: %w", path, err)
 	}
 	if err := f.Sync(); err != nil {
-		return fmt.Errorf("write %s: sync: %w", path, err)
+		return "", fmt.Errorf("write %s: sync: %w", path, err)
 	}
 	if err := f.Close(); err != nil {
-		return fmt.Errorf("write %s: close: %w", path, err)
+		return "", fmt.Errorf("write %s: close: %w", path, err)
 	}
-	if err := os.Rename(tmp, path); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	// Persist the rename itself; without this a crash can bring back the
-	// old directory entry (or none).
-	d, err := os.Open(dir)
+	return tmp, nil
+}
+
+// syncDir persists the renames in path's directory; without it a crash can
+// bring back the old directory entry (or none).
+func syncDir(path string) error {
+	d, err := os.Open(filepath.Dir(path))
 	if err != nil {
 		return fmt.Errorf("write %s: open directory: %w", path, err)
 	}
@@ -277,4 +290,87 @@ func WriteFileAtomic(path string, data []byte, mode os.FileMode) (err error) {
 		return fmt.Errorf("write %s: sync directory: %w", path, err)
 	}
 	return nil
+}
+
+// writePair puts a new certificate and key in place of the old pair, or
+// leaves the old pair exactly as it was. Both new files are written whole
+// and fsynced beside the old ones first, and the old key is kept under a
+// second name, so a full disk or any other failure before the renames
+// costs nothing. Then the key is renamed into place and the certificate
+// after it; if the certificate's rename fails, the old key is renamed
+// back. Readers (Reloader) read the certificate before the key, so the
+// only mixed state one can see is the old certificate with the new key, a
+// key mismatch that every loader refuses; a new certificate is never seen
+// with the old key.
+func writePair(certFile string, certPEM []byte, keyFile string, keyPEM []byte) (err error) {
+	var tmps []string // removed on return; a rename takes its name out
+	defer func() {
+		for _, t := range tmps {
+			if t != "" {
+				_ = os.Remove(t)
+			}
+		}
+	}()
+	keyTmp, err := stageFile(keyFile, keyPEM, 0o600)
+	if err != nil {
+		return fmt.Errorf("write key: %w", err)
+	}
+	tmps = append(tmps, keyTmp)
+	certTmp, err := stageFile(certFile, certPEM, 0o644)
+	if err != nil {
+		return fmt.Errorf("write certificate: %w", err)
+	}
+	tmps = append(tmps, certTmp)
+	oldKey, err := keepOldKey(keyFile)
+	if err != nil {
+		return fmt.Errorf("write key: keep the old key: %w", err)
+	}
+	tmps = append(tmps, oldKey)
+	if err := os.Rename(keyTmp, keyFile); err != nil {
+		return fmt.Errorf("write key: %w", err)
+	}
+	tmps[0] = ""
+	if err := os.Rename(certTmp, certFile); err != nil {
+		// Put the old key back: the old pair again, as it was.
+		if oldKey != "" {
+			if rerr := os.Rename(oldKey, keyFile); rerr != nil {
+				return fmt.Errorf("write certificate: %w; and restoring the old key %s failed: %v", err, keyFile, rerr)
+			}
+			tmps[2] = ""
+		} else {
+			_ = os.Remove(keyFile) // there was no pair: leave none
+		}
+		_ = syncDir(keyFile)
+		return fmt.Errorf("write certificate: %w", err)
+	}
+	tmps[1] = ""
+	if err := syncDir(keyFile); err != nil {
+		return err
+	}
+	if filepath.Dir(certFile) != filepath.Dir(keyFile) {
+		return syncDir(certFile)
+	}
+	return nil
+}
+
+// keepOldKey gives the key now at keyFile a second name beside it (a hard
+// link, or where links are not allowed a copy), so that writePair can put
+// it back; "" when there is no old key.
+func keepOldKey(keyFile string) (string, error) {
+	fi, err := os.Stat(keyFile)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", nil
+	}
+	if err != nil {
+		return "", err
+	}
+	name := filepath.Join(filepath.Dir(keyFile), "."+filepath.Base(keyFile)+".old-"+strconv.FormatInt(time.Now().UnixNano(), 36))
+	if os.Link(keyFile, name) == nil {
+		return name, nil
+	}
+	data, err := os.ReadFile(keyFile)
+	if err != nil {
+		return "", err
+	}
+	return stageFile(keyFile, data, fi.Mode().Perm())
 }

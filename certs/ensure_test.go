@@ -1,11 +1,17 @@
 package certs
 
 import (
+	"bytes"
+	"crypto"
 	"crypto/tls"
+	"errors"
+	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -261,6 +267,115 @@ func TestWriteFileAtomic(t *testing.T) {
 	for _, en := range entries {
 		if strings.Contains(en.Name(), ".tmp-") {
 			t.Fatalf("temporary file %s left behind after failure", en.Name())
+		}
+	}
+}
+
+// TestEnsureFailedRenameKeepsOldPair makes the certificate's rename fail
+// after the key's went through (the certificate's path is a directory):
+// the old key is put back, and no temporary file or second name is left.
+func TestEnsureFailedRenameKeepsOldPair(t *testing.T) {
+	e := newEnsureEnv(t)
+	o := e.opts()
+	e.ensure(t, o)
+	oldKey := readFile(t, e.keyFile)
+	if err := os.Remove(e.certFile); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Join(e.certFile, "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Ensure(o); err == nil || !strings.Contains(err.Error(), "write certificate") {
+		t.Fatalf("Ensure with a directory in the certificate's place: %v, want a write certificate error", err)
+	}
+	if got := readFile(t, e.keyFile); !bytes.Equal(got, oldKey) {
+		t.Fatal("the old key was not put back after the certificate's rename failed")
+	}
+	fi, err := os.Stat(e.keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode().Perm() != 0o600 {
+		t.Fatalf("restored key mode %v", fi.Mode().Perm())
+	}
+	noLeftovers(t, filepath.Dir(e.keyFile))
+
+	// No pair before: a failure leaves none, not a lone key.
+	e2 := newEnsureEnv(t)
+	if err := os.MkdirAll(filepath.Join(e2.certFile, "x"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Ensure(e2.opts()); err == nil {
+		t.Fatal("Ensure with a directory in the certificate's place succeeded")
+	}
+	if _, err := os.Stat(e2.keyFile); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("a failed first mint left a key: %v", err)
+	}
+	noLeftovers(t, filepath.Dir(e2.keyFile))
+}
+
+// TestEnsureRenewalNeverMismatched renews a pair again and again while
+// readers load it as a daemon does at start (NewReloader) and as a running
+// one does (a Reloader's refresh): every load succeeds and serves a
+// certificate with its own key.
+func TestEnsureRenewalNeverMismatched(t *testing.T) {
+	e := newEnsureEnv(t)
+	o := e.opts()
+	e.ensure(t, o)
+	r, err := NewReloader(e.certFile, e.keyFile, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.t.interval = 0 // check the files on every handshake
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := NewReloader(e.certFile, e.keyFile, nil); err != nil {
+				errs <- fmt.Errorf("fresh load during a renewal: %w", err)
+				return
+			}
+			c := r.current()
+			if !publicKeysEqual(c.Leaf.PublicKey, c.PrivateKey.(crypto.Signer).Public()) {
+				errs <- errors.New("the Reloader serves a certificate with another key")
+				return
+			}
+		}
+	}()
+	for i := range 30 {
+		oi := o
+		oi.Request.DNSNames = []string{"konnectivity.example", fmt.Sprintf("renewal-%d.example", i)}
+		if _, err := Ensure(oi); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	select {
+	case err := <-errs:
+		t.Fatal(err)
+	default:
+	}
+	noLeftovers(t, filepath.Dir(e.keyFile))
+}
+
+func noLeftovers(t *testing.T, dir string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, en := range entries {
+		if strings.HasPrefix(en.Name(), ".") {
+			t.Fatalf("%s left behind in %s", en.Name(), dir)
 		}
 	}
 }

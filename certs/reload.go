@@ -93,7 +93,13 @@ type Reloader struct {
 	keyStamp  fileStamp
 }
 
-// NewReloader loads the pair and fails if it is unusable.
+// loadRetry is how often NewReloader reads a fresh pair again that does
+// not load.
+const loadRetry = 100 * time.Millisecond
+
+// NewReloader loads the pair and fails if it is unusable. A pair that does
+// not load while either file is younger than settleTime is read again
+// until it loads or settles: it may be half way through its replacement.
 func NewReloader(certFile, keyFile string, logger *slog.Logger) (*Reloader, error) {
 	r := &Reloader{
 		certFile: certFile,
@@ -101,17 +107,30 @@ func NewReloader(certFile, keyFile string, logger *slog.Logger) (*Reloader, erro
 		logger:   orDiscard(logger),
 		t:        throttle{now: time.Now, interval: checkInterval},
 	}
-	cs, ks, err := r.stamps()
-	if err != nil {
-		return nil, err
-	}
-	certPEM, keyPEM, err := readPair(certFile, keyFile)
-	if err != nil {
-		return nil, err
-	}
-	c, err := parsePair(certFile, keyFile, certPEM, keyPEM)
-	if err != nil {
-		return nil, err
+	var (
+		cs, ks          fileStamp
+		certPEM, keyPEM []byte
+		c               *tls.Certificate
+		err             error
+	)
+	for tries := 0; ; tries++ {
+		if cs, ks, err = r.stamps(); err != nil {
+			return nil, err
+		}
+		if certPEM, keyPEM, err = readPair(certFile, keyFile); err != nil {
+			return nil, err
+		}
+		c, err = parsePair(certFile, keyFile, certPEM, keyPEM)
+		if err == nil {
+			break
+		}
+		// A pair being replaced (Ensure renames the key, then the
+		// certificate) is a mismatch for an instant; a fresh file is given
+		// until it settles to become whole.
+		if tries >= int(settleTime/loadRetry) || (cs.settled() && ks.settled()) {
+			return nil, err
+		}
+		time.Sleep(loadRetry)
 	}
 	r.cert, r.certPEM, r.keyPEM, r.certStamp, r.keyStamp = c, certPEM, keyPEM, cs, ks
 	r.t.lastCheck = r.t.now()

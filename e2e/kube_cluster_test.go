@@ -34,9 +34,11 @@ const (
 	// kubeModuleDir is the nested module that pins k8s.io/kubernetes and
 	// etcd; its dependencies never meet the e2e module's or the product's.
 	kubeModuleDir = "kube"
-	// shippedEgressConfig is the file kube-apiserver reads on a node image.
-	shippedEgressConfig = "../images/eks-node/etc/rancher/k3s/egress-selector-config.yaml"
-	shippedSocket       = "/run/konnectivity/konnectivity-server.socket"
+	// shippedEgressConfig is the file kube-apiserver reads on a node image;
+	// controlPlaneEgressConfig the one beside the server's static pod.
+	shippedEgressConfig      = "../images/eks-node/etc/rancher/k3s/egress-selector-config.yaml"
+	controlPlaneEgressConfig = "../images/control-plane/egress-selector-configuration.yaml"
+	shippedSocket            = "/run/konnectivity/konnectivity-server.socket"
 	// kubeBuildTimeout bounds a cold build of kube-apiserver on a loaded
 	// 2-core machine.
 	kubeBuildTimeout = 60 * time.Minute
@@ -358,18 +360,24 @@ func (c *kubeCluster) writeKubeconfig(t *testing.T, path, certFile, keyFile stri
 	writeKubeconfigFile(t, path, c.url, c.pki.caFile, fmt.Sprintf("{client-certificate: %q, client-key: %q}", certFile, keyFile))
 }
 
-// egressConfigFor copies the shipped egress selector file with only the
+// egressConfigFor copies a shipped egress selector file with only the
 // socket path changed (and, for --mode=grpc, the matching proxyProtocol),
-// failing if the shipped file no longer has what is replaced.
+// failing if the shipped file no longer has what is replaced: the node
+// image's for http-connect, the control-plane node's for grpc, so
+// kube-apiserver reads each.
 func egressConfigFor(t *testing.T, dir, sock, mode string) string {
 	t.Helper()
-	b, err := os.ReadFile(shippedEgressConfig)
+	shipped := shippedEgressConfig
+	if mode == "grpc" {
+		shipped = controlPlaneEgressConfig
+	}
+	b, err := os.ReadFile(shipped)
 	if err != nil {
 		t.Fatalf("shipped egress config: %v", err)
 	}
 	s := string(b)
 	if strings.Count(s, shippedSocket) != 1 || strings.Count(s, "proxyProtocol: HTTPConnect") != 1 {
-		t.Fatalf("%s: want exactly one %s and one proxyProtocol: HTTPConnect (the cluster selection):\n%s", shippedEgressConfig, shippedSocket, s)
+		t.Fatalf("%s: want exactly one %s and one proxyProtocol: HTTPConnect (the cluster selection):\n%s", shipped, shippedSocket, s)
 	}
 	s = strings.Replace(s, shippedSocket, sock, 1)
 	if mode == "grpc" {

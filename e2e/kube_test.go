@@ -125,6 +125,7 @@ func kubeInNamespace(t *testing.T) {
 		t.Run(mode, func(t *testing.T) { kubeMode(t, apiserver, etcd, mode) })
 	}
 	t.Run("node-routing", func(t *testing.T) { kubeNodeRouting(t, apiserver, etcd) })
+	t.Run("manifests-dry-run", func(t *testing.T) { kubeDryRunShipped(t, apiserver, etcd) })
 }
 
 // kubeEnv is one mode's control plane, konnectivity pair and backends.

@@ -372,7 +372,7 @@ func TestRestartRefused(t *testing.T) {
 
 	t.Run("exec-fails", func(t *testing.T) {
 		tmp := bin + ".tmp"
-		if err := os.WriteFile(tmp, []byte("#!/bin/sh\necho broken >&2\nexit 3\n"), 0o755); err != nil {
+		if err := os.WriteFile(tmp, []byte("#!/bin/sh\n[ \"$1\" = check ] && exit 0 # passes the configuration check, fails to start\necho broken >&2\nexit 3\n"), 0o755); err != nil {
 			t.Fatal(err)
 		}
 		if err := os.Rename(tmp, bin); err != nil {

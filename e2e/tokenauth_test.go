@@ -39,6 +39,9 @@ type fakeAPIServer struct {
 	// other serves every request that is not a TokenReview, when set
 	// (TestUpstreamManifests: Leases on the same apiserver).
 	other atomic.Pointer[http.Handler]
+	// down makes every TokenReview fail: the connection is reset, as a
+	// restarting apiserver's is.
+	down atomic.Bool
 }
 
 func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
@@ -46,6 +49,19 @@ func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
 	f := &fakeAPIServer{}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /apis/authentication.k8s.io/v1/tokenreviews", func(w http.ResponseWriter, r *http.Request) {
+		if f.down.Load() {
+			if c, _, err := http.NewResponseController(w).Hijack(); err == nil {
+				if tc, ok := c.(*tls.Conn); ok {
+					if nc, ok := tc.NetConn().(*net.TCPConn); ok {
+						nc.SetLinger(0) // a reset
+					}
+				}
+				c.Close()
+				return
+			}
+			http.Error(w, `{"kind":"Status","code":429}`, http.StatusTooManyRequests) // HTTP/2: no reset to make
+			return
+		}
 		if r.TLS == nil || len(r.TLS.VerifiedChains) == 0 {
 			f.noCert.Add(1)
 			http.Error(w, `{"kind":"Status","code":401}`, http.StatusUnauthorized)

@@ -168,6 +168,8 @@ chmod 755 /etc/init.d/fakenet
 	echo 'retry="TERM/10/KILL/5"'
 	echo 'KONNECTIVITY_WAIT_SECONDS=2'
 	echo 'KONNECTIVITY_SERVER_OPTS="--v=4 --graceful-shutdown-timeout=2s --route-agents=node1"'
+	# Below the sandbox's hard limit, which it may lower but not raise.
+	echo 'KONNECTIVITY_NOFILE=16384'
 } >/etc/conf.d/$srv
 cp /etc/conf.d/$srv "$work/server.confd"
 {
@@ -177,6 +179,7 @@ cp /etc/conf.d/$srv "$work/server.confd"
 	echo 'KONNECTIVITY_AGENT_ID=node1'
 	echo "KONNECTIVITY_AGENT_IDENTIFIERS='host=node1&ipv4=127.0.0.1&default-route=true'"
 	echo 'KONNECTIVITY_AGENT_OPTS="--sync-interval-cap=2s --drain-timeout=2s"'
+	echo 'KONNECTIVITY_NOFILE=16000'
 	echo 'respawn_delay=1'
 	echo 'retry="TERM/10/KILL/5"'
 } >/etc/conf.d/$agt
@@ -259,6 +262,7 @@ alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 healthz() { curl -fsS -m 2 -o /dev/null "http://127.0.0.1:$1/healthz" 2>/dev/null; }
 readyz() { curl -fsS -m 2 -o /dev/null "http://127.0.0.1:8134/readyz" 2>/dev/null; }
 uds_up() { [ -S $uds ]; }
+nofile() { awk '/^Max open files/ { print $4 "/" $5 }' "/proc/$1/limits"; }
 server_up() { uds_up && healthz 8134; }
 dial() { "$OPENRC_TEST_HELPER" connect -uds $uds -target 127.0.0.1:18080 2>/run/test/dial.err | grep -qx backend-ok; }
 respawned() { # respawned OLD_PID OLD_START_COUNT
@@ -300,6 +304,7 @@ check "/healthz answers on 8134" wait_for healthz 8134
 check "admin port 8133 answers" wait_for healthz 8133
 check "status started (0)" test "$(status_rc $srv)" = 0
 check "socket is 0600" test "$(stat -c %a $uds)" = 600
+check "server's descriptor limit is KONNECTIVITY_NOFILE ($(nofile "$(child)"))" test "$(nofile "$(child)")" = 16384/16384
 check "/run/konnectivity is 0750" test "$(stat -c %a /run/konnectivity)" = 750
 check "serving cert minted" test -s /var/lib/konnectivity/tls/tls.crt
 check "serving key is 0600" test "$(stat -c %a /var/lib/konnectivity/tls/tls.key)" = 600
@@ -337,6 +342,7 @@ step "server started"
 # --- agent service, TokenReview, a dial through the UDS ----------------------
 out=$(rc-service $agt start 2>&1) && ok "$agt start" || fail "$agt start: $out"
 check "agent /healthz answers on 8093" wait_for healthz 8093
+check "agent's descriptor limit is KONNECTIVITY_NOFILE ($(nofile "$(opt $agt child_pid)"))" test "$(nofile "$(opt $agt child_pid)")" = 16000/16000
 check "server /readyz passes once the agent is in" wait_for readyz
 check "TokenReview accepted the agent's token" grep -q "authenticated=true" /run/test/helper-api.log
 agent_args=$(tr '\0' ' ' <"/proc/$(opt $agt child_pid)/cmdline")

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime"
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/promtext"
@@ -27,6 +28,7 @@ type Daemon struct {
 	listeners *listenerSet
 	services  []*httpService
 	exec      func(exe string, env []string, log *slog.Logger) error // execSelf; tests replace it
+	refused   map[string]*promtext.Counter                           // restarts refused, by reason (countRefusals); nil: not counted
 }
 
 // New adopts the listeners a previous image of this process handed over,
@@ -104,10 +106,15 @@ type Work struct {
 	// Done reported cause (ended), and returns the command's error.
 	Shutdown func(ended bool, cause error) error
 	// Drain stops the command before a restart, within its restart grace,
-	// and releases what the next image must not find held. It returns
-	// environment entries that hand the next image what it keeps (the
-	// server's paused tunnels, TunnelsForNextImage), if any.
-	Drain func(trigger string) (env []string)
+	// and releases what the next image must not find held. It returns the
+	// sockets it hands the next image (the server's paused tunnels, the
+	// agent's held destinations: Hand), if any; the next image reads them
+	// with Inherit.
+	Drain func(trigger string) []Handed
+	// Keep, if set, is called after Drain: what the command hands the
+	// next image besides sockets, by name, each written as JSON; the next
+	// image reads it with InheritedState.
+	Keep func() map[string]any
 	// Exited, if set, removes what an exit (not a restart) must not leave
 	// behind; it runs after Shutdown, and after a drain that a stop signal
 	// interrupted.
@@ -120,6 +127,15 @@ type Work struct {
 	// replaced, looked at every RestartCheckInterval; SIGHUP always does.
 	RestartOnBinaryChange bool
 	RestartCheckInterval  time.Duration
+
+	// Check is the command line (after the program name) of the command's
+	// configuration check; a restart runs it with the executable the
+	// restart would run, and is refused when it fails. Nil: no check.
+	Check []string
+	// Metrics, when set, counts refused restarts as
+	// MetricPrefix+"restarts_refused_total".
+	Metrics      *promtext.Registry
+	MetricPrefix string
 }
 
 // Run serves until ctx ends (SIGTERM, SIGINT) or the command stops on its
@@ -130,6 +146,7 @@ type Work struct {
 // only when the process exits or an exec failed.
 func (d *Daemon) Run(ctx context.Context, w Work) error {
 	d.listeners.closeUnused()
+	d.countRefusals(w)
 	stopMemory := startMemoryUpkeep(ctx, w.MemoryReady, d.log)
 	defer stopMemory()
 
@@ -145,19 +162,27 @@ func (d *Daemon) Run(ctx context.Context, w Work) error {
 		case cause = <-w.Done:
 			ended = true
 		case trigger := <-restart:
-			exe, env, ok := d.listeners.prepareRestart(trigger)
+			plan, ok := d.prepareRestart(trigger, w)
 			if !ok {
 				continue
 			}
-			kept := w.Drain(trigger)
+			handed := w.Drain(trigger)
 			d.stopServices()
 			if ctx.Err() != nil {
 				d.log.Info("stop requested while draining for a restart: exiting instead of re-executing")
+				plan.files.discard()
 				d.exited(w)
 				return nil
 			}
+			var state map[string]any
+			if w.Keep != nil {
+				state = w.Keep()
+			}
+			env := append([]string{plan.listeners}, plan.files.write(handed, state, d.log)...)
 			// Only a failed exec returns; the supervisor's respawn takes over.
-			return d.exec(exe, append([]string{env}, kept...), d.log)
+			err := d.exec(plan.exe, env, d.log)
+			runtime.KeepAlive(handed) // their descriptors are what the exec keeps
+			return err
 		}
 		err := w.Shutdown(ended, cause)
 		d.exited(w)

@@ -6,8 +6,14 @@
 //   - listeners are opened by name and handed across a self-restart as
 //     inherited descriptors (restart.go), so a socket keeps its path and
 //     inode and a port never closes (ListenUnix makes a socket with its
-//     final mode from the start); the server's paused tunnels travel the
-//     same way (TunnelsForNextImage, InheritedTunnels);
+//     final mode from the start); the sockets the command hands over
+//     (the server's paused tunnels, the agent's held destinations) travel
+//     the same way, each as the descriptor already held, with an entry
+//     the command wrote (handover.go: Hand, Inherit);
+//   - a restart is refused before anything stops unless the next image
+//     would start: its executable, its configuration checked by that
+//     executable (Work.Check), the descriptors the handover needs
+//     (check.go);
 //   - a restart (SIGHUP, or a replaced executable) re-executes the binary
 //     in place, keeping the PID, after the command has drained; a stop
 //     signal (SIGTERM, SIGINT) shuts the command down gracefully, a second
@@ -26,7 +32,7 @@
 // opens its listeners through Listen, says in Work how to shut down, drain
 // and clean up, and gives the readiness checks, the metrics registry and
 // the status that the services show. It reads no flags and knows nothing of
-// the data path but the paused tunnels' descriptor list.
+// the data path: what a handed socket's entry says is the command's.
 //
 // Goroutines: every one the package starts has an owner that waits for it
 // to end: Close (the services), Run's return (memory upkeep, the restart

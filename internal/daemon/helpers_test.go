@@ -92,7 +92,7 @@ func (f *fakeWork) work() Work {
 			f.shutdownCause = cause
 			return f.shutdownOK
 		},
-		Drain: func(string) []string {
+		Drain: func(string) []Handed {
 			f.drains.Add(1)
 			if f.onDrain != nil {
 				f.onDrain()

@@ -2,14 +2,11 @@ package daemon
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,9 +14,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/spinifex/konnectivity/tunnel/agent"
-	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // Self-restart: the process re-executes itself in place (same PID, so
@@ -101,39 +95,6 @@ func (ls *listenerSet) closeUnused() {
 	ls.inherited = nil
 }
 
-// ListenUnix creates a Unix socket at path with its final mode from the
-// start (no window in which it is more open than asked), making its
-// directory if needed: what Listen's create does for a socket. A stale
-// socket at path is removed when replace is set; any other file there is
-// never removed.
-func ListenUnix(path string, mode os.FileMode, replace bool) (*net.UnixListener, error) {
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
-		}
-		if !replace {
-			return nil, fmt.Errorf("%s already exists", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("remove stale socket: %w", err)
-		}
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("socket directory: %w", err)
-	}
-	old := unix.Umask(0o777 &^ int(mode.Perm()))
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	unix.Umask(old)
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(path, mode.Perm()); err != nil {
-		ln.Close()
-		return nil, fmt.Errorf("socket mode: %w", err)
-	}
-	return ln, nil
-}
-
 func sameAddr(have net.Addr, network, want string) bool {
 	if network == "unix" {
 		return have.Network() == "unix" && have.String() == want
@@ -200,20 +161,6 @@ func (ls *listenerSet) handOver() (string, error) {
 	return inheritEnv + "=" + strings.Join(parts, ","), nil
 }
 
-// prepareRestart checks the restart target and hands the listeners over;
-// when either fails the restart is refused (logged) and nothing has stopped.
-func (ls *listenerSet) prepareRestart(why string) (exe, env string, ok bool) {
-	exe, err := restartTarget()
-	if err == nil {
-		env, err = ls.handOver()
-	}
-	if err != nil {
-		ls.log.Error("restart refused; still serving", "trigger", why, "err", err)
-		return "", "", false
-	}
-	return exe, env, true
-}
-
 // restartTarget is the executable a restart would run, refused early when
 // it is missing or not executable, so nothing is stopped for nothing.
 func restartTarget() (string, error) {
@@ -240,7 +187,7 @@ func restartTarget() (string, error) {
 func execSelf(exe string, handOver []string, log *slog.Logger) error {
 	env := handOver
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, tunnelsEnv+"=") {
+		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, socketsEnv+"=") && !strings.HasPrefix(kv, stateEnv+"=") {
 			env = append(env, kv)
 		}
 	}
@@ -342,143 +289,4 @@ func restartRequests(ctx context.Context, onBinaryChange bool, every time.Durati
 		}
 	}()
 	return out, func() { cancel(); owned.Wait() }
-}
-
-// tunnelsEnv names a memory file, inherited across exec, that lists what
-// a restart hands on with a socket, also inherited: the server's paused
-// tunnels (server.PausedTunnel, the client's socket), the agent's held
-// destinations (agent.HeldDest, the destination's socket). Each as JSON
-// with the socket's descriptor.
-const tunnelsEnv = "KONNECTIVITY_INHERITED_TUNNELS"
-
-// maxTunnelsList bounds the list the next image reads.
-const maxTunnelsList = 64 << 20
-
-// handed is one entry as the next image reads it.
-type handed[T any] struct {
-	FD     int `json:"fd"`
-	Tunnel T   `json:"tunnel"` // all but its socket's file
-}
-
-// TunnelsForNextImage hands the server's paused tunnels to the next image
-// (handOnSockets).
-func TunnelsForNextImage(paused []*server.PausedTunnel, log *slog.Logger) []string {
-	return handOnSockets(paused, func(p *server.PausedTunnel) *os.File { return p.File }, "paused tunnels", log)
-}
-
-// HeldForNextImage hands the agent's held destinations to the next image
-// (handOnSockets).
-func HeldForNextImage(held []*agent.HeldDest, log *slog.Logger) []string {
-	return handOnSockets(held, func(h *agent.HeldDest) *os.File { return h.File }, "held destinations", log)
-}
-
-// InheritedTunnels reads (and clears) the paused tunnels a previous image
-// of the server handed over.
-func InheritedTunnels(log *slog.Logger) []*server.PausedTunnel {
-	return inheritSockets(func(p *server.PausedTunnel, f *os.File) { p.File = f }, "paused tunnels", log)
-}
-
-// InheritedHeld reads (and clears) the held destinations a previous image
-// of the agent handed over.
-func InheritedHeld(log *slog.Logger) []*agent.HeldDest {
-	return inheritSockets(func(h *agent.HeldDest, f *os.File) { h.File = f }, "held destinations", log)
-}
-
-// handOnSockets duplicates each item's socket without close-on-exec,
-// writes the list to a memory file the exec keeps, and returns the
-// environment entry that names it. Nothing is handed over when any step
-// fails: the sockets are closed and logged, as a drain would. Each item's
-// own file is closed either way.
-func handOnSockets[T any](items []T, file func(T) *os.File, what string, log *slog.Logger) []string {
-	if len(items) == 0 {
-		return nil
-	}
-	var list []handed[T]
-	var fds []int
-	fail := func(err error) []string {
-		log.Warn(what+" not handed to the next image; closed", "tunnels", len(items), "err", err)
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
-		for _, it := range items {
-			file(it).Close()
-		}
-		return nil
-	}
-	for _, it := range items {
-		rc, err := file(it).SyscallConn()
-		if err != nil {
-			return fail(err)
-		}
-		dup, dupErr := -1, error(nil)
-		if err := rc.Control(func(fd uintptr) { dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD, 3) }); err != nil {
-			return fail(err)
-		}
-		if dupErr != nil {
-			return fail(os.NewSyscallError("fcntl", dupErr))
-		}
-		fds = append(fds, dup)
-		list = append(list, handed[T]{FD: dup, Tunnel: it})
-	}
-	data, err := json.Marshal(list)
-	if err != nil {
-		return fail(err)
-	}
-	mfd, err := unix.MemfdCreate("konnectivity-tunnels", 0) // no MFD_CLOEXEC: the exec keeps it
-	if err != nil {
-		return fail(os.NewSyscallError("memfd_create", err))
-	}
-	fds = append(fds, mfd)
-	for off := 0; off < len(data); {
-		n, err := unix.Pwrite(mfd, data[off:], int64(off))
-		if err != nil {
-			return fail(os.NewSyscallError("pwrite", err))
-		}
-		off += n
-	}
-	for _, it := range items {
-		file(it).Close() // the duplicates above are what the exec keeps
-	}
-	log.Info(what+" handed to the next image", "tunnels", len(list))
-	return []string{fmt.Sprintf("%s=%d", tunnelsEnv, mfd)}
-}
-
-// inheritSockets reads (and clears) the list a previous image handed
-// over (handOnSockets), giving each item its socket with setFile. An entry
-// whose descriptor is not a socket is dropped.
-func inheritSockets[T any](setFile func(*T, *os.File), what string, log *slog.Logger) []*T {
-	spec, ok := os.LookupEnv(tunnelsEnv)
-	os.Unsetenv(tunnelsEnv)
-	if !ok {
-		return nil
-	}
-	mfd, err := strconv.Atoi(spec)
-	if err != nil || mfd < 3 {
-		log.Warn("ignoring malformed inherited "+what+" list", "entry", spec)
-		return nil
-	}
-	f := os.NewFile(uintptr(mfd), "inherited-tunnels")
-	data, err := io.ReadAll(io.LimitReader(f, maxTunnelsList))
-	f.Close()
-	var list []handed[*T]
-	if err == nil {
-		err = json.Unmarshal(data, &list)
-	}
-	if err != nil {
-		log.Warn("inherited "+what+" list unreadable; those tunnels are lost", "err", err)
-		return nil
-	}
-	var out []*T
-	for _, h := range list {
-		var st unix.Stat_t
-		if h.FD < 3 || unix.Fstat(h.FD, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK || h.Tunnel == nil {
-			log.Warn("ignoring inherited tunnel without a socket", "what", what, "fd", h.FD)
-			continue
-		}
-		unix.CloseOnExec(h.FD)
-		setFile(h.Tunnel, os.NewFile(uintptr(h.FD), "tunnel"))
-		out = append(out, h.Tunnel)
-	}
-	log.Info("resuming "+what+" handed over by the previous image", "tunnels", len(out))
-	return out
 }

@@ -6,15 +6,13 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // socketPair returns both ends of a connected Unix socket, the first as a
@@ -35,76 +33,133 @@ func socketPair(t *testing.T) (*os.File, net.Conn) {
 	return os.NewFile(uintptr(fds[0]), "tunnel"), c
 }
 
-// TestTunnelsHandedToNextImage: the paused tunnels written for the next
-// image (a memory file and inherited descriptors, named in the
-// environment) read back as they were, and each socket still talks to its
-// peer. Entries without a socket are dropped with a warning.
+// entry stands for what a command hands over with a socket.
+type entry struct {
+	Addr  string `json:"addr"`
+	Token string `json:"token"`
+	Part  []byte `json:"part,omitempty"`
+	conn  net.Conn
+}
+
+// conn makes f a connection, as a command holds its sockets.
+func conn(t *testing.T, f *os.File) net.Conn {
+	t.Helper()
+	c, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// TestTunnelsHandedToNextImage: the sockets written for the next image (a
+// memory file and inherited descriptors, named in the environment) read
+// back with their entries, each socket still talks to its peer, and no
+// socket took a second descriptor: each crosses as the descriptor held,
+// its close-on-exec cleared. A socket that cannot be handed over is
+// closed alone; an entry without a socket is dropped with a warning.
 func TestTunnelsHandedToNextImage(t *testing.T) {
 	f1, peer1 := socketPair(t)
 	f2, peer2 := socketPair(t)
-	paused := []*server.PausedTunnel{
-		{File: f1, Addr: "10.0.0.1:443", Agent: "node-a", Token: "t1"},
-		{File: f2, Addr: "10.0.0.2:10250", Agent: "node-b", Token: "t2", GRPC: &server.PausedGRPC{ConnectID: 7, Partial: []byte{0, 0, 0, 0, 9, 1}}},
-	}
+	f3, peer3 := socketPair(t)
+	c1, c2, c3 := conn(t, f1), conn(t, f2), conn(t, f3)
+	c3.Close() // its descriptor is gone: only it is lost
+	items := []*entry{{Addr: "10.0.0.1:443", Token: "t1", conn: c1}, {Addr: "10.0.0.3:1", conn: c3}, {Addr: "10.0.0.2:10250", Token: "t2", Part: []byte{0, 9, 1}, conn: c2}}
 	var logs strings.Builder
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	env := TunnelsForNextImage(paused, log)
-	if len(env) != 1 || !strings.HasPrefix(env[0], tunnelsEnv+"=") {
+	files, err := newNextImageFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds := openFDs(t)
+	env := files.write(Hand("test entries", items, func(e *entry) net.Conn { return e.conn }), map[string]any{"admitted": []string{"a", "b"}}, log)
+	if now := openFDs(t); now != fds {
+		t.Errorf("%d descriptors open after the sockets were handed over, %d before: want no second descriptor per socket", now, fds)
+	}
+	if len(env) != 2 || !strings.HasPrefix(env[0], socketsEnv+"=") || !strings.HasPrefix(env[1], stateEnv+"=") {
 		t.Fatalf("environment %q", env)
 	}
-	t.Setenv(tunnelsEnv, strings.TrimPrefix(env[0], tunnelsEnv+"="))
-	got := InheritedTunnels(log)
-	if _, set := os.LookupEnv(tunnelsEnv); set {
-		t.Error("the entry is still in the environment: children would inherit it")
+	t.Setenv(stateEnv, strings.TrimPrefix(env[1], stateEnv+"="))
+	if st := InheritedState(log); string(st["admitted"]) != `["a","b"]` {
+		t.Errorf("state read back as %q", st)
 	}
-	if len(got) != 2 {
-		t.Fatalf("%d tunnels read back, want 2; log:\n%s", len(got), logs.String())
-	}
-	for i, want := range paused {
-		g := got[i]
-		if g.Addr != want.Addr || g.Agent != want.Agent || g.Token != want.Token || !reflect.DeepEqual(g.GRPC, want.GRPC) {
-			t.Errorf("tunnel %d read back as %+v, want %+v", i, g, want)
-		}
-		c, err := net.FileConn(g.File)
-		g.File.Close()
+	for i, c := range []net.Conn{c1, c2} {
+		rc, err := c.(syscall.Conn).SyscallConn()
 		if err != nil {
 			t.Fatal(err)
 		}
+		flags := 0
+		rc.Control(func(fd uintptr) { flags, err = unix.FcntlInt(fd, unix.F_GETFD, 0) })
+		if err != nil || flags&unix.FD_CLOEXEC != 0 {
+			t.Errorf("socket %d: close-on-exec still set (%d, %v): the exec would close it", i, flags, err)
+		}
+	}
+	t.Setenv(socketsEnv, strings.TrimPrefix(env[0], socketsEnv+"="))
+	got := Inherit("test entries", func(e *entry, c net.Conn) { e.conn = c }, log)
+	if _, set := os.LookupEnv(socketsEnv); set {
+		t.Error("the entry is still in the environment: children would inherit it")
+	}
+	if len(got) != 2 {
+		t.Fatalf("%d entries read back, want 2 (the closed socket lost alone); log:\n%s", len(got), logs.String())
+	}
+	_ = peer3
+	for i, want := range []*entry{items[0], items[2]} {
+		g := got[i]
+		if g.Addr != want.Addr || g.Token != want.Token || !reflect.DeepEqual(g.Part, want.Part) {
+			t.Errorf("entry %d read back as %+v, want %+v", i, g, want)
+		}
+		c := g.conn
 		peer := []net.Conn{peer1, peer2}[i]
 		if _, err := c.Write([]byte("ping")); err != nil {
 			t.Fatal(err)
 		}
 		b := make([]byte, 4)
 		if _, err := io.ReadFull(peer, b); err != nil || string(b) != "ping" {
-			t.Errorf("tunnel %d's socket: %q %v", i, b, err)
+			t.Errorf("entry %d's socket: %q %v", i, b, err)
 		}
 		c.Close()
 	}
+	if !strings.Contains(logs.String(), "test entries: socket not handed to the next image; closed") {
+		t.Errorf("no warning for the lost socket; log:\n%s", logs.String())
+	}
 
 	// A list naming a descriptor that is not a socket drops that entry.
-	f3, _ := socketPair(t)
-	env = TunnelsForNextImage([]*server.PausedTunnel{{File: f3, Addr: "x:1", Agent: "a", Token: "t"}}, log)
-	spec := strings.TrimPrefix(env[0], tunnelsEnv+"=")
+	f4, _ := socketPair(t)
+	files, err = newNextImageFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	env = files.write(Hand("test entries", []*entry{{Addr: "x:1", conn: conn(t, f4)}}, func(e *entry) net.Conn { return e.conn }), nil, log)
+	spec := strings.TrimPrefix(env[0], socketsEnv+"=")
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer devnull.Close()
-	// Point the entry's descriptor at /dev/null.
 	data := make([]byte, 4096)
 	n, _ := unix.Pread(mustAtoi(t, spec), data, 0)
-	var list []handed[*server.PausedTunnel]
-	if err := json.Unmarshal(data[:n], &list); err != nil || len(list) != 1 {
-		t.Fatalf("tunnel list %q: %v", data[:n], err)
+	var raw []handedEntry
+	if err := json.Unmarshal(data[:n], &raw); err != nil || len(raw) != 1 {
+		t.Fatalf("socket list %q: %v", data[:n], err)
 	}
-	unix.Dup2(int(devnull.Fd()), list[0].FD)
-	t.Setenv(tunnelsEnv, spec)
-	if got := InheritedTunnels(log); len(got) != 0 {
+	unix.Dup2(int(devnull.Fd()), raw[0].FD) // the entry's descriptor now is /dev/null
+	t.Setenv(socketsEnv, spec)
+	if got := Inherit("test entries", func(e *entry, c net.Conn) { e.conn = c }, log); len(got) != 0 {
 		t.Errorf("an entry on /dev/null was adopted: %+v", got[0])
 	}
 	if !strings.Contains(logs.String(), "ignoring inherited tunnel without a socket") {
 		t.Errorf("no warning for it; log:\n%s", logs.String())
 	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
 }
 
 func mustAtoi(t *testing.T, s string) int {
@@ -114,37 +169,4 @@ func mustAtoi(t *testing.T, s string) int {
 		t.Fatal(err)
 	}
 	return n
-}
-
-// TestListenUnix: the socket has the mode asked for, in a directory made
-// for it; a stale socket is replaced only when asked, another file never.
-func TestListenUnix(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "run", "s.sock")
-	ln, err := ListenUnix(path, 0o660, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o660 {
-		t.Fatalf("socket: %v, mode %v; want 0660", err, fi.Mode().Perm())
-	}
-	ln.SetUnlinkOnClose(false)
-	ln.Close() // leaves a stale socket behind
-	if _, err := ListenUnix(path, 0o600, false); err == nil {
-		t.Fatal("a stale socket was replaced without being asked to")
-	}
-	ln, err = ListenUnix(path, 0o600, true)
-	if err != nil {
-		t.Fatalf("replacing a stale socket: %v", err)
-	}
-	ln.Close()
-	file := filepath.Join(t.TempDir(), "not-a-socket")
-	if err := os.WriteFile(file, []byte("x"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ListenUnix(file, 0o600, true); err == nil {
-		t.Fatal("a regular file was replaced by a socket")
-	}
-	if _, err := os.Stat(file); err != nil {
-		t.Fatalf("the regular file is gone: %v", err)
-	}
 }

@@ -548,6 +548,10 @@ type headRecorder struct {
 	done bool
 }
 
+// NetConn is the connection under the recorder: the link finds its TCP
+// socket through it (h2link bounds the socket's unsent bytes).
+func (h *headRecorder) NetConn() net.Conn { return h.Conn }
+
 func (h *headRecorder) Read(p []byte) (int, error) {
 	n, err := h.Conn.Read(p)
 	if !h.done && len(h.head) < 512 {

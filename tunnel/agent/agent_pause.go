@@ -18,14 +18,8 @@ import (
 
 // The agent's half of a handover (handover.go has the protocol): it pauses
 // a tunnel when its server asks, keeps the destination connection open for
-// resumeWindow under the token the server chose, and gives it to the
+// wire.ResumeWindow under the token the server chose, and gives it to the
 // CONNECT stream that names that token.
-
-// resumeWindow is how long a paused destination connection waits for its
-// tunnel to resume: long enough for a server to re-execute and the agent to
-// log in again (about a second), short enough that a server that never
-// comes back does not hold a kubelet's or webhook's connection for long.
-const resumeWindow = 30 * time.Second
 
 // pauseWait bounds how long the agent waits for the upload bytes the server
 // says it sent to reach the destination before it gives the pause up.
@@ -153,7 +147,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		fail(http.StatusConflict, errors.New("the destination ended the tunnel"))
 		return
 	}
-	a.holdPaused(token, &pausedDest{conn: dup}, resumeWindow)
+	a.holdPaused(token, &pausedDest{conn: dup}, wire.ResumeWindow)
 	t.paused = true
 	close(t.settled)
 	w.Header().Set(wire.HdrPauseSent, strconv.FormatInt(t.downSent, 10))

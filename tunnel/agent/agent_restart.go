@@ -2,7 +2,6 @@ package agent
 
 import (
 	"net"
-	"os"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/wire"
@@ -29,19 +28,18 @@ func (a *Agent) isRestarting() bool {
 }
 
 // HeldDest is a destination connection the agent holds for a paused
-// tunnel, as it travels to the agent's next image. All but File travel as
-// JSON.
+// tunnel, as it travels to the agent's next image. All but Socket travel
+// as JSON.
 type HeldDest struct {
-	File  *os.File  `json:"-"`     // a duplicate of the destination socket, close-on-exec set
-	Token string    `json:"token"` // the resume token the server will name
-	Dest  string    `json:"dest"`  // the destination's address, for logs
-	Until time.Time `json:"until"` // when the hold ends
+	Socket net.Conn  `json:"-"`     // the destination socket the agent held
+	Token  string    `json:"token"` // the resume token the server will name
+	Dest   string    `json:"dest"`  // the destination's address, for logs
+	Until  time.Time `json:"until"` // when the hold ends
 }
 
 // HeldForNextImage takes every destination held for a resume, for the
 // next image of the process: call it once Run returned after Restarting.
-// A destination whose socket cannot be duplicated is closed, with a
-// reset, and logged.
+// Each socket goes on as it is, no second descriptor (docs/restart.md).
 func (a *Agent) HeldForNextImage() []*HeldDest {
 	a.mu.Lock()
 	held := a.held.byToken
@@ -51,15 +49,7 @@ func (a *Agent) HeldForNextImage() []*HeldDest {
 	out := make([]*HeldDest, 0, len(held))
 	for token, p := range held {
 		p.timer.Stop()
-		f, err := wire.DupSocketFile(p.conn)
-		dest := p.conn.RemoteAddr().String()
-		if err != nil {
-			abortConn(p.conn)
-			a.log.Warn("held destination cannot go to the next image; closed", "dest", dest, "err", err)
-			continue
-		}
-		p.conn.Close() // the duplicate goes on
-		out = append(out, &HeldDest{File: f, Token: token, Dest: dest, Until: p.until})
+		out = append(out, &HeldDest{Socket: p.conn, Token: token, Dest: p.conn.RemoteAddr().String(), Until: p.until})
 	}
 	if len(out) > 0 {
 		a.log.Info("destinations of paused tunnels handed to the next image", "held", len(out))
@@ -73,13 +63,9 @@ func (a *Agent) HeldForNextImage() []*HeldDest {
 func (a *Agent) AdoptHeld(held []*HeldDest) {
 	adopted := 0
 	for _, h := range held {
-		c, err := net.FileConn(h.File)
-		h.File.Close()
+		c := h.Socket
 		left := time.Until(h.Until)
 		switch {
-		case err != nil:
-			a.log.Warn("held destination from the previous image unusable; its tunnel is lost", "dest", h.Dest, "err", err)
-			continue
 		case left <= 0 || !validToken(h.Token) || len(h.Token) > wire.MaxResumeToken:
 			abortConn(c)
 			a.log.Warn("held destination from the previous image expired; closed", "dest", h.Dest)

@@ -247,7 +247,7 @@ func TestAgentRestartTokenUnknown(t *testing.T) {
 	defer c.Close()
 	held := stopForRestart(t, ag)
 	for _, h := range held {
-		h.File.Close()
+		h.Socket.Close()
 	}
 	if len(held) != 1 {
 		t.Fatalf("%d destinations held, want 1", len(held))

@@ -76,8 +76,9 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 		}
 		s.metrics.httpConns.Add(-1)
 		s.Stats.FrontendOpen.Add(-1)
-		s.leave(t)
-		conn.Close()
+		if !s.leave(t) {
+			conn.Close()
+		}
 	}()
 	if !s.openFrontendTunnel(t, conn, pd) {
 		return

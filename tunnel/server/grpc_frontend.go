@@ -59,7 +59,15 @@ type grpcConn struct {
 	refused error        // why the peer was refused, if it was
 
 	calls     atomic.Int32 // calls whose handler runs; a connection with more than one is not handed over
+	kept      atomic.Bool  // the socket went to a handover (grpcFront.pause): closeSocket leaves it open
 	goingAway sync.Once
+}
+
+// closeSocket closes the connection's socket unless a handover kept it.
+func (c *grpcConn) closeSocket() {
+	if !c.kept.Load() {
+		c.socket.Close()
+	}
 }
 
 // serveGRPCConn serves one kube-apiserver connection; pd counts its first
@@ -72,10 +80,11 @@ func (s *Server) serveGRPCConn(conn net.Conn, pd *pendingDial) {
 		conn.Close()
 		return
 	}
-	stop := context.AfterFunc(s.baseCtx, func() { conn.Close() }) // Close ends the connection
+	c := &grpcConn{s: s, socket: conn, pend: pd}
+	stop := context.AfterFunc(s.baseCtx, c.closeSocket) // Close ends the connection
 	defer func() {
 		stop()
-		conn.Close()
+		c.closeSocket()
 		s.leaveGRPCConn()
 	}()
 	if tc, ok := conn.(*tls.Conn); ok {
@@ -87,7 +96,6 @@ func (s *Server) serveGRPCConn(conn net.Conn, pd *pendingDial) {
 			return
 		}
 	}
-	c := &grpcConn{s: s, socket: conn, pend: pd}
 	// A refused peer is told so on each of its streams (PERMISSION_DENIED)
 	// rather than by a reset connection it could not tell from a crash;
 	// it keeps the connection only for the header timeout, with small

@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -39,11 +38,11 @@ import (
 //     tunnel, and a resume token it chose.
 //  3. The agent waits until those bytes reached the destination, stops
 //     reading the destination, sends what it read, keeps the destination
-//     connection under the token (resumeWindow) and answers 200 with the
+//     connection under the token (wire.ResumeWindow) and answers 200 with the
 //     bytes it sent.
 //  4. The server waits until those bytes reached the client, ends the old
-//     stream, and keeps a duplicate of the client's socket for the next
-//     image. Bytes either side sends meanwhile wait in the kernel.
+//     stream, and keeps the client's socket for the next image (the
+//     tunnel's goroutine leaves it open). Bytes either side sends meanwhile wait in the kernel.
 //  5. The next image sends CONNECT to the same agent once it is back,
 //     naming the token (hdrResumeToken); the agent answers with the held
 //     connection, and the tunnel goes on.
@@ -65,7 +64,9 @@ import (
 // handshake.go, with the rest of what both sides speak.
 
 // resumeWait bounds how long the next image waits for a paused tunnel's
-// agent to log in again; less than the agent's resumeWindow.
+// agent to log in again when the tunnel does not say how long its resume
+// can succeed (PausedTunnel.Until: one from an image that did not write
+// it); less than the agent's wire.ResumeWindow.
 const resumeWait = 20 * time.Second
 
 // pauseTimeout bounds one tunnel's pause.
@@ -80,7 +81,7 @@ const pauseTimeout = 5 * time.Second
 // destination and no token, only the bytes read so far (Head), and the
 // next image serves it as a new connection.
 type PausedTunnel struct {
-	File    *os.File    `json:"-"`                 // a duplicate of the client's socket, close-on-exec set
+	Socket  net.Conn    `json:"-"`                 // the client's socket, the front door's own: no second descriptor (docs/restart.md)
 	Addr    string      `json:"addr"`              // the destination, as the client asked for it
 	Agent   string      `json:"agent"`             // the agent holding the destination connection
 	Token   string      `json:"token"`             // the resume token the agent holds it under
@@ -91,6 +92,32 @@ type PausedTunnel struct {
 	// paused, so that a drain of the next image finds an idle keep-alive
 	// connection idle; 0: the last bytes came from the client.
 	Quiet time.Duration `json:"quiet,omitempty"`
+	// Until is how long a resume can succeed, which the next image waits
+	// for the agent: the agent holds the destination for wire.ResumeWindow
+	// from the pause, and its credential must still be trusted (a token's
+	// expiry; docs/security.md). Zero: resumeWait.
+	Until time.Time `json:"until,omitzero"`
+}
+
+// resumeUntil is PausedTunnel.Until of a tunnel through a paused now.
+func resumeUntil(a *agentConn) time.Time {
+	until := time.Now().Add(wire.ResumeWindow)
+	if a.cred != nil {
+		a.cred.mu.Lock()
+		if exp := a.cred.expires; !exp.IsZero() && exp.Before(until) {
+			until = exp
+		}
+		a.cred.mu.Unlock()
+	}
+	return until
+}
+
+// waitFor is how long the next image waits for p's agent.
+func (p *PausedTunnel) waitFor() time.Duration {
+	if p.Until.IsZero() {
+		return resumeWait
+	}
+	return max(0, time.Until(p.Until))
 }
 
 // PausedGRPC is what resuming a gRPC front door call needs besides the
@@ -162,23 +189,19 @@ func (s *Server) asked(t *tunnel, pd *pendingDial) bool {
 
 // passUnasked passes t, taken by a handover before its client asked for
 // anything (passing), on to the next image with the bytes read from it:
-// a plain socket is duplicated and t left held, for the handover to
-// collect; a TLS one is closed (its handshake cannot move), which loses
-// nothing its client asked for.
+// a plain socket is left held, for the handover to collect (its goroutine
+// leaves it open: leave); a TLS one is closed (its handshake cannot
+// move), which loses nothing its client asked for.
 func (s *Server) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
-	file, err := wire.DupSocketFile(conn)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	defer s.moved.Broadcast()
-	if err != nil || s.closed {
-		if file != nil {
-			file.Close()
-		}
+	if wire.RawSocket(conn) == nil || s.closed {
 		t.moveLocked(tunnelClosed)
-		s.log.Debug("front-door connection that asked for nothing closed by the restart", "err", err)
+		s.log.Debug("front-door connection that asked for nothing closed by the restart")
 		return
 	}
-	t.handed = &PausedTunnel{File: file, Unasked: true, Head: seen}
+	t.handed = &PausedTunnel{Socket: conn, Unasked: true, Head: seen}
 	t.moveLocked(tunnelHeld)
 }
 
@@ -271,7 +294,7 @@ func (s *Server) holdLocked(p *PausedTunnel) *tunnel {
 // table: the server closes without a next image. Server.mu is held.
 func (s *Server) dropHeldLocked(t *tunnel) {
 	p := t.handed
-	p.File.Close()
+	p.Socket.Close()
 	t.moveLocked(tunnelClosed)
 	if !p.Unasked {
 		s.resumeFailed(p, resultFailed, errors.New("server closed before the agent was back"))
@@ -279,7 +302,7 @@ func (s *Server) dropHeldLocked(t *tunnel) {
 }
 
 // heldFront is the front of a held tunnel's entry that holdLocked made:
-// its socket is the PausedTunnel's File, which only dropHeldLocked and the
+// its socket is the PausedTunnel's Socket, which only dropHeldLocked and the
 // resume close, and nothing else reaches it, as a held tunnel is neither
 // open nor served.
 type heldFront struct{}
@@ -371,18 +394,11 @@ func (f *httpFront) pausable(t *tunnel) bool {
 }
 
 // pause pauses an HTTP CONNECT tunnel (steps 1 to 4 above). On failure
-// the tunnel is closed.
+// the tunnel is closed. The socket itself goes on: once paused, the
+// tunnel's goroutine leaves it open (leave).
 func (f *httpFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err error) {
-	// The duplicate is taken first: once the stream ends, the tunnel's
-	// goroutine closes its own descriptor.
-	file, err := wire.DupSocketFile(f.conn)
-	if err != nil {
-		f.closeQuiet(t)
-		return nil, err
-	}
 	defer func() {
 		if err != nil {
-			file.Close()
 			f.closeQuiet(t)
 		}
 	}()
@@ -405,9 +421,10 @@ func (f *httpFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 	if err := t.down.Load().WaitWritten(ctx, agentSent); err != nil {
 		return nil, fmt.Errorf("to the client: %w", err)
 	}
+	p = &PausedTunnel{Socket: f.conn, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.QuietFor(), Until: resumeUntil(t.agent)}
 	t.move(tunnelPaused)
 	t.endStream()
-	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.QuietFor()}, nil
+	return p, nil
 }
 
 // pausable: a call on a plain socket, alone on its connection
@@ -419,17 +436,16 @@ func (f *grpcFront) pausable(t *tunnel) bool {
 // pause pauses a gRPC front door call: the same steps as an HTTP CONNECT
 // tunnel, with the client's HTTP/2 connection stopped at a frame boundary
 // (step 1), and frozen once the call let its stream go (step 4).
+//
+// The socket goes on as it is: the connection's goroutine leaves it open
+// once kept (grpcConn.closeSocket).
 func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err error) {
 	link := f.conn.link
-	file, err := wire.DupSocketFile(f.conn.socket)
-	if err != nil {
-		link.Close()
-		return nil, err
-	}
 	defer func() {
 		if err != nil {
-			file.Close()
+			f.conn.kept.Store(false)
 			link.Close() // the call ends with the connection, as a drain's deadline would end it
+			f.conn.socket.Close()
 		}
 	}()
 	token, err := newResumeToken()
@@ -460,12 +476,13 @@ func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 	if err := link.WaitAtRest(ctx); err != nil {
 		return nil, err
 	}
+	f.conn.kept.Store(true) // before the freeze ends the connection's goroutine
 	frozen, err := link.Freeze()
 	if err != nil {
 		return nil, err
 	}
 	partial := append([]byte(nil), f.in.mr.Partial()...)
-	return &PausedTunnel{File: file, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.QuietFor(),
+	return &PausedTunnel{Socket: f.conn.socket, Addr: t.addr, Agent: t.agent.id, Token: token, Quiet: t.act.QuietFor(), Until: resumeUntil(t.agent),
 		GRPC: &PausedGRPC{ConnectID: f.connectID, Partial: partial, Link: frozen}}, nil
 }
 
@@ -554,12 +571,8 @@ func (s *Server) Resume(paused []*PausedTunnel) {
 // resumeUnasked serves a connection the previous image took before its
 // client asked for anything, as a new one that has already sent p.Head.
 func (s *Server) resumeUnasked(p *PausedTunnel) {
-	c, err := net.FileConn(p.File)
-	p.File.Close()
-	if err != nil {
-		s.log.Warn("front-door connection handed over unusable; closed", "err", err)
-		return
-	}
+	c := p.Socket
+	c.SetDeadline(time.Time{}) // a pause may have left one
 	t := newHTTPTunnel(c)
 	t.state, t.handed = tunnelReading, p
 	pd := &pendingDial{s: s}
@@ -571,7 +584,8 @@ func (s *Server) resumeUnasked(p *PausedTunnel) {
 // as a new tunnel once the agent is back.
 func (s *Server) resumeTunnel(h *tunnel) {
 	p := h.handed
-	a := s.waitAgentID(p.Agent, nil, resumeWait)
+	wait := p.waitFor()
+	a := s.waitAgentID(p.Agent, nil, wait)
 	s.mu.Lock()
 	if h.state != tunnelHeld || s.shutting {
 		// A handover passes it on, or Close drops it.
@@ -584,19 +598,15 @@ func (s *Server) resumeTunnel(h *tunnel) {
 	}
 	s.mu.Unlock()
 	if a == nil {
-		p.File.Close()
-		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", resumeWait))
+		p.Socket.Close()
+		s.resumeFailed(p, resultTimeout, fmt.Errorf("agent not back within %s", wait.Round(time.Millisecond)))
 		return
 	}
 	pd := &pendingDial{s: s}
 	pd.v.Store(dialCounted)
 	defer pd.release()
-	c, err := net.FileConn(p.File)
-	p.File.Close()
-	if err != nil {
-		s.resumeFailed(p, resultFailed, fmt.Errorf("socket unusable: %w", err))
-		return
-	}
+	c := p.Socket
+	c.SetDeadline(time.Time{}) // a pause may have left one
 	if p.GRPC != nil {
 		s.resumeGRPC(c, p, pd)
 		return
@@ -622,13 +632,13 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 		conn.Close()
 		return
 	}
-	stop := context.AfterFunc(s.baseCtx, func() { conn.Close() })
+	c := &grpcConn{s: s, socket: conn, pend: pd}
+	stop := context.AfterFunc(s.baseCtx, c.closeSocket)
 	defer func() {
 		stop()
-		conn.Close()
+		c.closeSocket()
 		s.leaveGRPCConn()
 	}()
-	c := &grpcConn{s: s, socket: conn, pend: pd}
 	resumed := func(w http.ResponseWriter, r *http.Request) {
 		if s.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
@@ -716,8 +726,8 @@ func (s *Server) resumeStream(t *tunnel) error {
 		if !agentLeaving(err) || tries == maxAgentRestarts {
 			break
 		}
-		if a = s.waitAgentID(p.Agent, a, resumeWait); a == nil {
-			err, result = fmt.Errorf("agent restarted and not back within %s", resumeWait), resultTimeout
+		if a = s.waitAgentID(p.Agent, a, p.waitFor()); a == nil {
+			err, result = errors.New("agent restarted and not back while the tunnel could resume"), resultTimeout
 		}
 	}
 	if err != nil {

@@ -119,7 +119,7 @@ func (s *Server) waitForAgent(paused []*PausedTunnel) {
 	if s.closed {
 		s.mu.Unlock()
 		for _, p := range paused {
-			p.File.Close()
+			p.Socket.Close()
 			s.resumeFailed(p, resultFailed, errors.New("server closed while the agent restarted"))
 		}
 		return

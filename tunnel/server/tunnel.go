@@ -166,13 +166,16 @@ func (s *Server) enterLocked(t *tunnel) {
 
 // leave ends t's time in the table: the goroutine serving it returns. A
 // tunnel it left held stays, served by none, until it is passed on or
-// dropped.
-func (s *Server) leave(t *tunnel) {
+// dropped. handedOn reports a tunnel paused or held: its socket went to
+// a handover, and its goroutine leaves it open.
+func (s *Server) leave(t *tunnel) (handedOn bool) {
 	s.mu.Lock()
+	handedOn = t.state == tunnelPaused || t.state == tunnelHeld
 	if t.state != tunnelHeld {
 		t.moveLocked(tunnelClosed)
 	}
 	s.mu.Unlock()
+	return handedOn
 }
 
 // leftLocked takes a closed tunnel off the table. Server.mu is held.

@@ -221,3 +221,9 @@ const (
 func OurHello(id, identifiers string, held []string) AgentHello {
 	return AgentHello{ID: id, Identifiers: identifiers, Held: held, CanPause: true}
 }
+
+// ResumeWindow is how long a paused destination connection waits for its
+// tunnel to resume: long enough for a server to re-execute and the agent to
+// log in again (about a second), short enough that a server that never
+// comes back does not hold a kubelet's or webhook's connection for long.
+const ResumeWindow = 30 * time.Second

@@ -13,14 +13,16 @@ const (
 	// system call.
 	MaxFrameSize = 64 << 10
 
-	// DefaultStreamWindow is the receive window a stream gets. It bounds
-	// what one stalled tunnel can hold in memory; 1 MiB keeps loopback and
-	// LAN streams at full speed (window/RTT).
+	// DefaultStreamWindow is the receive window a stream starts with and
+	// the least it gets: 1 MiB keeps loopback and LAN streams at full
+	// speed (window/RTT) through a busy machine's pauses. A long link's
+	// streams get more (bdp.go). It bounds what one stalled tunnel holds.
 	DefaultStreamWindow = 1 << 20
 
-	// DefaultConnWindow is the connection's receive window. Connection
-	// credit is returned as frames arrive (the stream windows are what
-	// bound memory), so it only has to be large enough never to stall.
+	// DefaultConnWindow is the most the connection's receive window
+	// grows to. Connection credit is returned as frames arrive (the
+	// stream windows are what bound memory), so the window bounds the
+	// bytes on their way; it follows the link (bdp.go).
 	DefaultConnWindow = 1 << 30
 
 	// maxWindow is the largest flow-control window RFC 9113 §6.9.1 allows.
@@ -49,8 +51,9 @@ type Config struct {
 	// Default 100.
 	MaxConcurrentStreams uint32
 
-	// StreamWindow and ConnWindow are the receive windows this end gives
-	// each stream and the connection. Defaults DefaultStreamWindow and
+	// StreamWindow is the least receive window this end gives a stream,
+	// and ConnWindow the most it gives the connection; between them the
+	// windows follow the link (bdp.go). Defaults DefaultStreamWindow and
 	// DefaultConnWindow; at most 2^31-1.
 	StreamWindow int32
 	ConnWindow   int32
@@ -59,7 +62,7 @@ type Config struct {
 	// end, are the windows it starts with instead: what a peer that has
 	// not logged in yet may make this end hold. The owner calls
 	// (*Conn).RaiseWindows once it has admitted the peer, which raises
-	// them to StreamWindow and ConnWindow.
+	// them to StreamWindow and the window that follows the link.
 	PreAdmitStreamWindow int32
 	PreAdmitConnWindow   int32
 

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -23,9 +24,9 @@ import (
 // (NewClient), whose RoundTrip opens streams, or the serving end
 // (NewServer), which runs a handler for each stream the peer opens.
 //
-// Lock order, outermost first: wmu, mu, a stream's rmu, ctlMu. The
-// Batcher's lock is taken only inside a write, under wmu, and takes no
-// other. No lock is held across a read from the connection; only wmu is
+// Lock order, outermost first: wmu, mu, a stream's rmu, ctlMu. wmu is a
+// writeLock, handed over in turn (sched.go); its own lock and the
+// Batcher's are leaves, the Batcher's taken only inside a write, under wmu. No lock is held across a read from the connection; only wmu is
 // held across a write to it. The read loop takes no lock that is held
 // across a write (wmu), so a peer that does not read cannot stall it:
 // the frames it must answer with go through the control queue.
@@ -33,15 +34,20 @@ type Conn struct {
 	// Immutable after the constructor.
 	conn     net.Conn
 	cfg      Config
-	serving  bool          // the serving end: the peer opens the streams
-	handler  http.Handler  // the serving end: serves each stream
-	batch    *Batcher      // gathers a write's records into one system call; may be nil
-	writeTTL time.Duration // a write that makes no progress this long breaks the connection
+	serving  bool            // the serving end: the peer opens the streams
+	handler  http.Handler    // the serving end: serves each stream
+	batch    *Batcher        // gathers a write's records into one system call; may be nil
+	writeTTL time.Duration   // a write that makes no progress this long breaks the connection
+	tcp      syscall.RawConn // the TCP socket under conn, for its unsent bound; nil if none
+
+	// turn is the most a bulk turn writes (sched.go): set under wmu, read
+	// by writers before they take it.
+	turn atomic.Int64
 
 	// fr reads on the read loop only; it writes under wmu.
 	fr *http2.Framer
 
-	wmu  sync.Mutex     // held for every frame written, and across a header block's encoding
+	wmu  writeLock      // held for every frame written, and across a header block's encoding (sched.go)
 	henc *hpack.Encoder // under wmu
 	hbuf bytes.Buffer   // under wmu: the header block being encoded
 
@@ -66,13 +72,19 @@ type Conn struct {
 	// capacityChangedLocked whenever a field it depends on changes, so that
 	// a caller choosing among thousands of links reads it without mu.
 	canTake      atomic.Bool
-	peerWindow   int32  // under mu: the peer's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame uint32 // under mu: the peer's SETTINGS_MAX_FRAME_SIZE
-	sendWindow   window // under mu: the connection's send window
-	recvWindow   window // under mu: what the peer may still send on the connection
-	recvUnacked  int64  // under mu: connection credit not yet returned
-	recvTarget   int32  // under mu: the connection window this end wants the peer to have
-	streamWindow int32  // under mu: the receive window each new stream gets
+	peerWindow   int32        // under mu: the peer's SETTINGS_INITIAL_WINDOW_SIZE
+	peerMaxFrame uint32       // under mu: the peer's SETTINGS_MAX_FRAME_SIZE
+	sendWindow   window       // under mu: the connection's send window
+	recvWindow   window       // under mu: what the peer may still send on the connection
+	recvUnacked  int64        // under mu: connection credit not yet returned
+	recvTarget   int32        // under mu: the connection window this end wants the peer to have (bdp.go)
+	streamWindow int32        // under mu: the receive window each new stream gets (SETTINGS_INITIAL_WINDOW_SIZE)
+	sendPeak     int64        // under mu: the largest connection send window seen: see connAvailLocked
+	bdp          bdpEstimator // under mu: the link's measurement, which sets recvTarget
+
+	// streamTarget is the receive window streams move to as their credit
+	// goes back (bdp.go): written under mu, read under a stream's rmu.
+	streamTarget atomic.Int32
 
 	// The client end only; under mu.
 	nextID uint32 // the next stream this end opens
@@ -188,10 +200,18 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 		streamWindow:   cfg.StreamWindow,
 		readerDone:     make(chan struct{}),
 	}
-	if serving {
+	preAdmit := serving && (cfg.PreAdmitConnWindow < cfg.ConnWindow || cfg.PreAdmitStreamWindow < cfg.StreamWindow)
+	if preAdmit {
 		l.recvTarget, l.streamWindow = cfg.PreAdmitConnWindow, cfg.PreAdmitStreamWindow
+	} else {
+		l.recvTarget = min(cfg.ConnWindow, startConnWindow)
+		l.bdp.on = true
 	}
+	l.streamTarget.Store(l.streamWindow)
 	l.windowCond = sync.NewCond(&l.mu)
+	l.turn.Store(maxTurn)
+	l.tcp = tcpSocket(conn, cfg.Batch)
+	l.setUnsentBound(unsentBound(maxTurn))
 	if serving && cfg.Freezable {
 		l.fread = &frameReader{conn: conn}
 		l.readParked, l.frozen = make(chan struct{}), make(chan struct{})
@@ -232,10 +252,11 @@ func (l *Conn) writeSettings() error {
 	return nil
 }
 
-// RaiseWindows gives a peer the full receive windows (Config.StreamWindow
-// and ConnWindow) on a serving end that started with the pre-admission
-// ones: SETTINGS_INITIAL_WINDOW_SIZE, and a WINDOW_UPDATE for the
-// connection and for each open stream. The owner calls it once it has
+// RaiseWindows gives a peer the full receive windows (Config.StreamWindow,
+// and the connection's starting window, which then follows the link:
+// bdp.go) on a serving end that started with the pre-admission ones:
+// SETTINGS_INITIAL_WINDOW_SIZE, and a WINDOW_UPDATE for the connection and
+// for each open stream. The owner calls it once it has
 // admitted the peer; again, or without pre-admission windows, it does
 // nothing. A handler may call it: NewServer returns before any handler
 // runs (they start with Serve), so the handler can use the *Conn its
@@ -246,10 +267,17 @@ func (l *Conn) RaiseWindows() {
 		l.mu.Unlock()
 		return
 	}
-	connDelta := int64(l.cfg.ConnWindow - l.recvTarget)
+	if l.bdp.on {
+		l.mu.Unlock()
+		return
+	}
+	start := min(l.cfg.ConnWindow, startConnWindow)
+	connDelta := int64(start - l.recvTarget)
 	streamDelta := int64(l.cfg.StreamWindow - l.streamWindow)
-	l.recvTarget, l.streamWindow = l.cfg.ConnWindow, l.cfg.StreamWindow
+	l.recvTarget, l.streamWindow = start, l.cfg.StreamWindow
 	l.recvWindow.add(connDelta)
+	l.bdp.on = true
+	l.streamTarget.Store(l.streamWindow)
 	open := make([]*stream, 0, len(l.streams))
 	for _, st := range l.streams {
 		open = append(open, st)
@@ -383,9 +411,14 @@ func (l *Conn) batched(write func() error) error {
 }
 
 // writeFrames writes p as DATA frames of at most frame bytes, the last with
-// END_STREAM when end is set. Under a Batcher the frames leave in one write.
-func (l *Conn) writeFrames(id uint32, p []byte, frame int, end bool) error {
-	l.lockWrite()
+// END_STREAM when end is set, in one turn of the write lock (sched.go):
+// bulk turns wait behind small writes, and their time paces the next.
+// Under a Batcher the frames leave in one write.
+func (l *Conn) writeFrames(id uint32, p []byte, frame int, end, bulk bool) error {
+	l.wmu.lock(bulk)
+	l.armWrite()
+	start := time.Now()
+	n := int64(len(p))
 	err := l.batched(func() error {
 		for first := true; first || len(p) > 0; first = false {
 			n := min(len(p), frame)
@@ -396,6 +429,9 @@ func (l *Conn) writeFrames(id uint32, p []byte, frame int, end bool) error {
 		}
 		return l.flushControlWLocked() // queued WINDOW_UPDATEs ride along
 	})
+	if err == nil && bulk {
+		l.paceWLocked(n, time.Since(start))
+	}
 	l.wmu.Unlock()
 	return err
 }

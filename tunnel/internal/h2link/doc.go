@@ -16,6 +16,15 @@
 //     queue is bounded (Config.MaxQueuedControl) and a peer that fills it
 //     without reading is dropped with ENHANCE_YOUR_CALM.
 //   - Every frame write is one call on the connection.
+//   - Writers take turns (sched.go): the write lock is handed over in
+//     the order writers asked, control frames, header blocks and small
+//     writes ahead of bulk turns; a bulk turn writes what the link sends
+//     in about 2 ms, and the TCP socket's unsent bytes are bounded to a
+//     turn, so a small write waits behind little.
+//   - Receive windows follow the link (bdp.go): the receiving end
+//     measures round trips and bytes delivered with a PING; the
+//     connection window is what the link needs plus a short queue, a
+//     stream's twice the link's bandwidth-delay product (1 to 16 MiB).
 //   - A stream has the states of RFC 9113 §5.1 (stream.go); it leaves the
 //     connection's map once closed, and, on the serving end, counts
 //     against Config.MaxConcurrentStreams until its handler has returned

@@ -145,7 +145,9 @@ func (l *Conn) handle(f http2.Frame) error {
 			return nil
 		}
 		l.mu.Lock()
-		if l.pingOut && f.Data == l.pingData {
+		if f.Data == bdpPingData {
+			l.bdpAckLocked(time.Now())
+		} else if l.pingOut && f.Data == l.pingData {
 			l.pingOut = false
 			if l.pingTimer != nil {
 				l.pingTimer.Reset(l.cfg.KeepAlive)
@@ -232,6 +234,7 @@ func (l *Conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 		if !l.sendWindow.add(inc) {
 			return flowError(0)
 		}
+		l.sendPeak = max(l.sendPeak, l.sendWindow.avail())
 	} else if st := l.streams[f.StreamID]; st != nil {
 		if !st.sendWindow.add(inc) {
 			return flowError(f.StreamID)
@@ -274,8 +277,10 @@ func (l *Conn) onData(f *http2.DataFrame) error {
 		l.mu.Unlock()
 		return flowError(0)
 	}
-	// Connection credit goes back as it arrives: the stream windows are
-	// what bound the memory a peer can fill.
+	// Connection credit goes back as it arrives (the stream windows are
+	// what bound the memory a peer can fill), as much as keeps the peer's
+	// window at recvTarget (bdp.go).
+	measure := l.bdpDataLocked(n, time.Now())
 	l.recvUnacked += n
 	refill := l.recvUnacked
 	if refill >= refillAt(l.recvTarget) {
@@ -293,6 +298,9 @@ func (l *Conn) onData(f *http2.DataFrame) error {
 	l.mu.Unlock()
 	if refill > 0 {
 		l.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(0, uint32(refill)) })
+	}
+	if measure {
+		l.sendBDPPing()
 	}
 	switch {
 	case idle:

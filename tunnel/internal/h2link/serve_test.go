@@ -449,7 +449,7 @@ func TestServePreAdmitWindows(t *testing.T) {
 				sawSettings = true
 			}
 		case *http2.WindowUpdateFrame:
-			if f.StreamID == 0 && f.Increment == DefaultConnWindow-64<<10 {
+			if f.StreamID == 0 && f.Increment == startConnWindow-64<<10 {
 				sawConnUpdate = true
 			}
 		}

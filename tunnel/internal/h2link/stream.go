@@ -311,18 +311,19 @@ func (w streamWriter) Write(p []byte) (int, error) {
 // last one with END_STREAM when end is set.
 func (st *stream) writeData(p []byte, end bool) error {
 	l := st.l
+	bulk := len(p) > smallWrite // a small write goes ahead of bulk turns (sched.go)
 	for {
 		l.mu.Lock()
-		for st.state != stateClosed && !l.closed && len(p) > 0 && (st.sendWindow.avail() <= 0 || l.sendWindow.avail() <= 0) {
+		for st.state != stateClosed && !l.closed && len(p) > 0 && (st.sendWindow.avail() <= 0 || l.connAvailLocked(bulk) <= 0) {
 			l.windowCond.Wait()
 		}
 		if l.closed || st.sentEndLocked() {
 			l.mu.Unlock()
 			return ErrStreamReset
 		}
-		// Take what the windows allow now, up to two frames, and send it
-		// in one system call (see writeFrames).
-		n := max(0, min(int64(len(p)), st.sendWindow.avail(), l.sendWindow.avail(), 2*int64(l.peerMaxFrame)))
+		// Take what the windows allow now, up to two frames and one turn,
+		// and send it in one system call (see writeFrames).
+		n := max(0, min(int64(len(p)), st.sendWindow.avail(), l.connAvailLocked(bulk), 2*int64(l.peerMaxFrame), l.turnBytes()))
 		st.sendWindow.take(n)
 		l.sendWindow.take(n)
 		last := end && n == int64(len(p))
@@ -333,7 +334,7 @@ func (st *stream) writeData(p []byte, end bool) error {
 		frame := int(l.peerMaxFrame)
 		l.mu.Unlock()
 
-		if err := l.writeFrames(st.id, p[:n], frame, last); err != nil {
+		if err := l.writeFrames(st.id, p[:n], frame, last, bulk); err != nil {
 			l.closeWith(fmt.Errorf("write: %w", err))
 			return err
 		}
@@ -470,6 +471,12 @@ func (st *stream) dropQueueRLocked() {
 // refillRLocked returns consumed credit to the peer in batches; the caller
 // holds rmu.
 func (st *stream) refillRLocked() {
+	if t := st.l.streamTarget.Load(); t != st.recvSize {
+		// The link's speed moved the window (bdp.go): more credit goes
+		// back now, or less until the peer's window is down to it.
+		st.unacked += int64(t - st.recvSize)
+		st.recvSize = t
+	}
 	if st.unacked < int64(st.recvSize)/4 { // a quarter: fewer WINDOW_UPDATEs, three quarters still in flight
 		return
 	}

@@ -1,0 +1,259 @@
+package h2link
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// slowConn is a link of rate bytes per second: each write waits as long
+// as its bytes take to send.
+type slowConn struct {
+	net.Conn
+	rate float64
+}
+
+func (c slowConn) Write(p []byte) (int, error) {
+	time.Sleep(time.Duration(float64(len(p)) / c.rate * float64(time.Second)))
+	return c.Conn.Write(p)
+}
+
+// zeros is an endless upload.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+func (zeros) Close() error               { return nil }
+
+// TestSmallWriteGoesBeforeBulkTurns: on a slow link (8 MB/s) carrying
+// four bulk uploads, a 64-byte write on another stream goes out ahead of
+// the bulk streams' waiting turns: the bulk bytes that reach the peer
+// between the small write and its arrival are at most the turn in
+// progress, not a turn of every bulk stream. Counted in bytes, not time,
+// so a busy machine does not change the answer.
+func TestSmallWriteGoesBeforeBulkTurns(t *testing.T) {
+	checkNoLeaks(t)
+	near, far := connPair(t, "tcp", "127.0.0.1:0")
+	var wg sync.WaitGroup
+	spawn := func(f func()) { wg.Add(1); go func() { defer wg.Done(); f() }() }
+	var bulkIn atomic.Int64
+	arrived := make(chan int64, 16)
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		buf := make([]byte, MaxFrameSize)
+		for {
+			n, err := r.Body.Read(buf)
+			if r.Host == "probe:1" && n > 0 {
+				arrived <- bulkIn.Load()
+			} else {
+				bulkIn.Add(int64(n))
+			}
+			if err != nil {
+				return
+			}
+		}
+	})
+	served := make(chan *Conn, 1)
+	go func() {
+		s, err := NewServer(far, Config{Spawn: spawn}, handler)
+		if err != nil {
+			t.Error(err)
+			served <- nil
+			return
+		}
+		served <- s
+		s.Serve()
+	}()
+	c, err := NewClient(slowConn{Conn: near, rate: 8e6}, Config{Spawn: spawn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := <-served
+	defer func() { c.Close(); s.Close(); wg.Wait() }()
+	open := func(host string, body io.ReadCloser) {
+		t.Helper()
+		req := (&http.Request{Method: http.MethodConnect, URL: &url.URL{Host: host}, Host: host, Header: http.Header{}, Body: body}).WithContext(context.Background())
+		if _, err := c.RoundTrip(req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	open("probe:1", pr)
+	for range 4 {
+		open("bulk:1", zeros{})
+	}
+	for bulkIn.Load() < 1<<20 { // the bulk streams are under way
+		time.Sleep(5 * time.Millisecond)
+	}
+	var ahead []int64
+	for range 10 {
+		before := bulkIn.Load()
+		if _, err := pw.Write(make([]byte, 64)); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case at := <-arrived:
+			ahead = append(ahead, at-before)
+		case <-time.After(10 * time.Second):
+			t.Fatal("the small write did not arrive")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	slices.Sort(ahead)
+	t.Logf("bulk bytes that arrived before each small write: %v", ahead)
+	// The turn in progress is at most one copy buffer (64 KiB) of one
+	// bulk stream; waiting behind the other three's turns too would be
+	// four times that.
+	if median := ahead[len(ahead)/2]; median > 2*MaxFrameSize {
+		t.Errorf("median %d bulk bytes went before a small write, want at most %d (the turn in progress)", median, 2*MaxFrameSize)
+	}
+}
+
+// TestWriteLockServesSmallWritesFirst: a held write lock goes next to the
+// oldest urgent waiter, then bulk turns in the order they asked.
+func TestWriteLockServesSmallWritesFirst(t *testing.T) {
+	var w writeLock
+	w.Lock()
+	var order []string
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	waiters := func() int { w.mu.Lock(); defer w.mu.Unlock(); return len(w.urgent) + len(w.bulk) }
+	start := func(name string, bulk bool) {
+		n := waiters()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w.lock(bulk)
+			mu.Lock()
+			order = append(order, name)
+			mu.Unlock()
+			w.Unlock()
+		}()
+		for waiters() == n { // queued before the next one asks
+			time.Sleep(time.Millisecond)
+		}
+	}
+	start("bulk1", true)
+	start("bulk2", true)
+	start("small1", false)
+	start("bulk3", true)
+	start("small2", false)
+	w.Unlock()
+	wg.Wait()
+	want := []string{"small1", "small2", "bulk1", "bulk2", "bulk3"}
+	if !slices.Equal(order, want) {
+		t.Fatalf("turns went %v, want %v", order, want)
+	}
+	if w.held || w.urgent != nil || w.bulk != nil {
+		t.Fatalf("after the last turn: held %v, %d urgent, %d bulk waiting; want a free lock holding no queue", w.held, len(w.urgent), len(w.bulk))
+	}
+}
+
+// TestTurnsFollowTheLink: a turn that takes longer than turnTime makes
+// the next smaller, down to minTurn, and the socket's unsent bound with
+// it; turns that go at once grow back to maxTurn.
+func TestTurnsFollowTheLink(t *testing.T) {
+	near, far := connPair(t, "tcp", "127.0.0.1:0")
+	defer far.Close()
+	l, err := NewClient(near, Config{Batch: NewBatcher(near)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	lowat := func() int {
+		var v int
+		l.tcp.Control(func(fd uintptr) { v, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT) })
+		return v
+	}
+	if l.turnBytes() != maxTurn || lowat() != 4*maxTurn {
+		t.Fatalf("a new link: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, 4*maxTurn)
+	}
+	l.wmu.Lock()
+	l.paceWLocked(maxTurn, 32*time.Millisecond) // 4 MB/s: 8 KiB in 2 ms
+	got, bound := l.turnBytes(), lowat()
+	l.paceWLocked(minTurn, 4*time.Millisecond) // slower still: no smaller than minTurn
+	floor := l.turnBytes()
+	for range 8 {
+		l.paceWLocked(l.turnBytes(), 100*time.Microsecond)
+	}
+	l.wmu.Unlock()
+	if got != minTurn || bound != minTurn || floor != minTurn {
+		t.Errorf("on a 4 MB/s link: turn %d, unsent bound %d, then %d; want %d", got, bound, floor, minTurn)
+	}
+	if l.turnBytes() != maxTurn || lowat() != 4*maxTurn {
+		t.Errorf("after quick turns: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, 4*maxTurn)
+	}
+}
+
+// TestWindowsFollowTheLink drives the measurement with round trips and
+// byte counts of a link: the connection window doubles while it is the
+// limit and the link shows no queue, comes down to what the link carries
+// in its shortest round trip plus queueTarget once a queue builds, and
+// stays within its bounds; the stream window is twice the link's
+// bandwidth-delay product, within its bounds.
+func TestWindowsFollowTheLink(t *testing.T) {
+	near, far := connPair(t, "tcp", "127.0.0.1:0")
+	defer far.Close()
+	l, err := NewClient(near, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	now := time.Now()
+	// trip measures one round trip of rtt that brought in n bytes.
+	trip := func(rtt time.Duration, n int64) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.bdp.acked = time.Time{}
+		if !l.bdpDataLocked(n, now) {
+			t.Fatal("no measurement started")
+		}
+		now = now.Add(rtt)
+		l.bdpAckLocked(now)
+	}
+	target := func() int64 { l.mu.Lock(); defer l.mu.Unlock(); return int64(l.recvTarget) }
+	if target() != startConnWindow {
+		t.Fatalf("start: %d, want %d", target(), startConnWindow)
+	}
+	// A long link (50 ms) the window limits: it doubles each trip.
+	for i := range 4 {
+		w := target()
+		trip(50*time.Millisecond, w)
+		if target() != 2*w {
+			t.Fatalf("trip %d, window-limited: %d, want %d", i, target(), 2*w)
+		}
+	}
+	// 100 MB/s on that link: the stream window is twice 5 MB.
+	trip(50*time.Millisecond, 5e6)
+	if got := l.streamTarget.Load(); got != 10e6 {
+		t.Errorf("stream window %d, want %d", got, int(10e6))
+	}
+	// A queue builds: 100 ms trips carrying 10 MB (100 MB/s). The window
+	// comes down to 100 MB/s × 55 ms, at most halving each trip.
+	for range 6 {
+		trip(100*time.Millisecond, 10e6)
+	}
+	if got, want := target(), int64(100e6*0.055); got != want {
+		t.Errorf("after a queue: %d, want %d", got, want)
+	}
+	// A slow link: bounds.
+	for range 20 {
+		trip(400*time.Millisecond, 1000)
+	}
+	if got := target(); got != minConnWindow {
+		t.Errorf("a slow link: %d, want the floor %d", got, minConnWindow)
+	}
+	if got := l.streamTarget.Load(); got != DefaultStreamWindow {
+		t.Errorf("a slow link's stream window %d, want %d", got, DefaultStreamWindow)
+	}
+}
