@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -116,7 +117,7 @@ func newAgentFlags() (*agentOptions, *commandFlags) {
 	f.StringVar(&o.openDestinations, "open-destinations", "", "comma list of rules (same syntax, with an address) that open parts of the built-in denied ranges: 169.254.0.0/16, fe80::/10 and the cloud metadata addresses; --deny-destinations still wins and --allow-destinations still limits")
 
 	cf.tolerate("probe-interval", false, "not needed: HTTP/2 PING (--keepalive-time, --ping-timeout) checks each connection")
-	f.StringVar(&o.alpnProto, "alpn-proto", "", "ALPN protocols to offer the server (comma list), for a port an ALPN router shares; the server's --alpn-proto must accept one")
+	f.StringVar(&o.alpnProto, "alpn-proto", "", "ALPN protocols to offer the server besides the agent's own (comma list), for a port an ALPN router shares")
 	f.BoolVar(&o.leases.count, "count-server-leases", false, "count the servers' coordination.k8s.io/v1 Leases (servers run --enable-lease-controller) and want a tunnel to that many servers")
 	f.StringVar(&o.leases.selector, "lease-label-selector", "k8s-app=konnectivity-server", "label selector of the server Leases to count")
 	f.Var(&deprecatedAlias{target: &o.leases.selector, set: &o.leases.deprecatedLabel}, "lease-label", "deprecated: use --lease-label-selector")
@@ -152,7 +153,15 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if len(o.serverAddrs()) == 0 {
 		return fmt.Errorf("--proxy-server-host is empty")
 	}
-	o.alpnProtos = splitList(o.alpnProto)
+	// As upstream's agent offers its own protocol (h2) after the given
+	// ones, ours offers its own after them: HTTP/1.1, which it speaks until
+	// the Upgrade. A server that knows none of the given ones settles on
+	// it (Go's servers, which offer h2, accept an http/1.1 client without
+	// ALPN), so the flag carried over from upstream's manifests never
+	// stops an agent from connecting.
+	if o.alpnProtos = splitList(o.alpnProto); len(o.alpnProtos) > 0 && !slices.Contains(o.alpnProtos, "http/1.1") {
+		o.alpnProtos = append(o.alpnProtos, "http/1.1")
+	}
 	o.serverDialer = proxydial.FromEnvironment()
 	for _, addr := range o.serverAddrs() {
 		if _, err := o.serverDialer.Proxy(addr); err != nil {

@@ -112,10 +112,11 @@ const (
 	identityRouteUntrusted    = "route_untrusted"      // cidr=/default-route from an agent not trusted for them
 	identityCertMismatch      = "certificate_mismatch" // ID or identifiers not in the certificate
 	identityInUse             = "id_in_use"            // ID connected with another credential
-	identityTokenInvalid      = "token_invalid"        // a live link's token failed its review
+	identityTokenInvalid      = "token_invalid"        // a live link's token failed two reviews in a row (or expired): closed
+	identityTokenDoubted      = "token_doubted"        // a live link's token failed one review: no new dials until the next
 )
 
-var identityReasons = []string{identityNodeMismatch, identityAddressUnbacked, identityAddressUnverified, identityRouteUntrusted, identityCertMismatch, identityInUse, identityTokenInvalid}
+var identityReasons = []string{identityNodeMismatch, identityAddressUnbacked, identityAddressUnverified, identityRouteUntrusted, identityCertMismatch, identityInUse, identityTokenInvalid, identityTokenDoubted}
 
 // minTokenRefresh bounds how often an admitted agent can make the server
 // review a new token it sends on its control stream.
@@ -135,6 +136,10 @@ type connCredential struct {
 	lastNew time.Time   // when the agent last sent a token; guarded by mu
 	timer   *time.Timer // next review; guarded by mu
 	ended   bool        // the link is gone: no more reviews; guarded by mu
+	// doubted is when a review of the link's token last came back
+	// negative, zero while the last one that was done passed; guarded by
+	// mu. The agent's doubted flag mirrors it for the dial path.
+	doubted time.Time
 }
 
 func (c *connCredential) currentToken() string {
@@ -389,9 +394,13 @@ func (a *agentConn) endCredential() {
 	}
 }
 
-// reviewLink reviews a live link's latest token again. A token that is no
-// longer valid (or now names another pod) drains and closes the link; a
-// review that could not be done leaves it alone until the next one.
+// reviewLink reviews a live link's latest token again. A negative answer
+// is not trusted alone: kube-apiserver answers a lookup it could not do
+// (etcd, a webhook) as it answers a revoked token. The first one stops new
+// dials to the agent (doubted) and the next review, a recheck interval
+// later, decides: a pass takes dials again, a second negative answer, or
+// one after the token's exp, drains and closes the link. A review that
+// could not be done (503) changes nothing until the next one.
 func (s *Server) reviewLink(a *agentConn) {
 	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
 	p, err := s.authenticate(ctx, AgentCredentials{AgentID: a.id, Token: a.cred.currentToken(), TLS: a.cred.tls})
@@ -400,6 +409,7 @@ func (s *Server) reviewLink(a *agentConn) {
 	case err == nil && p.Credential == a.principal.Credential:
 		a.cred.mu.Lock()
 		a.cred.expires = p.Expires
+		s.trustAgainLocked(a)
 		s.scheduleReviewLocked(a)
 		a.cred.mu.Unlock()
 		return
@@ -414,6 +424,18 @@ func (s *Server) reviewLink(a *agentConn) {
 	if err != nil {
 		why = wire.ErrMsg(err)
 	}
+	a.cred.mu.Lock()
+	exp := a.cred.expires
+	if a.cred.doubted.IsZero() && (exp.IsZero() || time.Now().Before(exp)) {
+		a.cred.doubted = time.Now()
+		a.doubted.Store(true)
+		s.scheduleReviewLocked(a)
+		a.cred.mu.Unlock()
+		s.identity.refused[identityTokenDoubted].Inc()
+		s.log.Warn("agent token review negative: no new dials to the agent until the next review confirms it; its open tunnels stay", "agent", a.id, "remote", a.remote, "reason", why, "next_review", s.recheckInterval())
+		return
+	}
+	a.cred.mu.Unlock()
 	s.identity.refused[identityTokenInvalid].Inc()
 	s.log.Warn("agent token no longer valid: draining and closing its link", "agent", a.id, "remote", a.remote, "reason", why)
 	a.endCredential()
@@ -452,6 +474,18 @@ func (s *Server) newToken(a *agentConn, token string) {
 	}
 	a.cred.mu.Lock()
 	a.cred.token, a.cred.expires = token, p.Expires
+	s.trustAgainLocked(a)
 	a.cred.mu.Unlock()
 	s.log.Debug("agent presented a rotated token", "agent", a.id)
+}
+
+// trustAgainLocked ends a doubt: a review of the link's token passed, so
+// the agent takes dials again. a.cred.mu is held.
+func (s *Server) trustAgainLocked(a *agentConn) {
+	if a.cred.doubted.IsZero() {
+		return
+	}
+	s.log.Info("agent token review passed again: the agent takes dials again", "agent", a.id, "doubted_for", time.Since(a.cred.doubted).Round(time.Millisecond))
+	a.cred.doubted = time.Time{}
+	a.doubted.Store(false)
 }

@@ -539,3 +539,57 @@ func TestIdentityUpstreamAgent(t *testing.T) {
 
 // refusals is the server's count of identity refusals for reason.
 func refusals(e *env, reason string) uint64 { return e.srv.identity.refused[reason].Value() }
+
+// A single negative review of a live link's token (kube-apiserver answers
+// a lookup it could not do as it answers a revoked token) stops new dials
+// to the agent and keeps its open tunnel; the next review passes and the
+// agent takes dials again. A token that fails two reviews in a row closes
+// the link (TestIdentityTokenRecheck).
+func TestIdentityTokenDoubtNotActedOnAlone(t *testing.T) {
+	tunneltest.CheckNoLeaks(t)
+	f := newFakeTokens()
+	f.add("tok-a", "node-a", "uid-a")
+	var log lockedBuf
+	const recheck = 300 * time.Millisecond
+	e := tokenEnv(t, f, &log, func(c *Config) { c.Identity.Recheck = recheck; c.AgentWait = 50 * time.Millisecond })
+	noCert := func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.PKI.Pool, ServerName: name}, nil }
+	e.startAgent("node-a", "host=node-a", func(c *agent.Config) {
+		c.TLS = noCert
+		c.Token = func() (string, error) { return "tok-a", nil }
+	})
+	e.WaitAgents(1)
+	link := findAgent(e, "node-a")
+	echo := tunneltest.EchoServer(t)
+	open := e.EchoOne(echo)
+	defer open.Close()
+
+	// One review answers no.
+	f.revoke("tok-a")
+	tunneltest.WaitUntil(t, link.doubted.Load, "the negative review marks the agent doubted")
+	f.add("tok-a", "node-a", "uid-a")
+	if err := e.EchoOnce(echo); err == nil {
+		t.Fatal("a dial went to an agent whose token's last review was negative")
+	}
+	if _, err := open.Write([]byte("x")); err != nil {
+		t.Fatalf("the open tunnel was cut by one negative review: %v", err)
+	}
+	buf := make([]byte, 1)
+	open.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(open, buf); err != nil {
+		t.Fatalf("the open tunnel was cut by one negative review: %v", err)
+	}
+	// The next review passes: dials again, same link.
+	tunneltest.WaitUntil(t, func() bool { return !link.doubted.Load() }, "the next review trusts the agent again")
+	if got := findAgent(e, "node-a"); got != link {
+		t.Fatal("the link was replaced")
+	}
+	if err := e.EchoOnce(echo); err != nil {
+		t.Fatalf("dial after the review passed again: %v", err)
+	}
+	if n := refusals(e, identityTokenInvalid); n != 0 {
+		t.Errorf("token_invalid counted %d times", n)
+	}
+	if n := refusals(e, identityTokenDoubted); n != 1 {
+		t.Errorf("token_doubted counted %d times, want 1", n)
+	}
+}

@@ -65,6 +65,7 @@ type agentConn struct {
 	streams            atomic.Int64 // open tunnels
 	draining           atomic.Bool  // the agent announced a drain
 	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
+	doubted            atomic.Bool  // its token's last review was negative: it takes no new tunnel (identity.go, reviewLink)
 	bytesTo, bytesFrom atomic.Int64
 }
 
@@ -102,7 +103,7 @@ func (a *agentConn) shutdown(ctx context.Context) {
 // usable reports whether a takes a new tunnel now. It takes no lock (the
 // link keeps its answer in an atomic), so a dial may ask it of many agents.
 func (a *agentConn) usable(maxStreams int64) bool {
-	if a.streams.Load() >= maxStreams {
+	if a.streams.Load() >= maxStreams || a.doubted.Load() {
 		return false
 	}
 	if a.up != nil {

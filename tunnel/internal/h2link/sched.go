@@ -3,6 +3,7 @@ package h2link
 import (
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -50,6 +51,9 @@ type writeLock struct {
 	held   bool          // under mu
 	urgent []*turnWaiter // under mu: control frames, header blocks, small writes, oldest first
 	bulk   []*turnWaiter // under mu: bulk turns, oldest first
+	// since is when the holder got the lock (unix nanoseconds), 0 while it
+	// is free; written under mu, read by anyone (heldFor, wlock.go).
+	since atomic.Int64
 }
 
 // turnWaiter is one writer waiting: the lock is handed to it on ready.
@@ -68,6 +72,7 @@ func (w *writeLock) lock(bulk bool) {
 	w.mu.Lock()
 	if !w.held {
 		w.held = true
+		w.since.Store(time.Now().UnixNano())
 		w.mu.Unlock()
 		return
 	}
@@ -94,6 +99,11 @@ func (w *writeLock) Unlock() {
 		next, w.bulk = pop(w.bulk)
 	default:
 		w.held = false
+	}
+	if next != nil {
+		w.since.Store(time.Now().UnixNano())
+	} else {
+		w.since.Store(0)
 	}
 	w.mu.Unlock()
 	if next != nil {

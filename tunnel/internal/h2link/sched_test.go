@@ -2,6 +2,7 @@ package h2link
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -256,4 +257,58 @@ func TestWindowsFollowTheLink(t *testing.T) {
 	if got := l.streamTarget.Load(); got != DefaultStreamWindow {
 		t.Errorf("a slow link's stream window %d, want %d", got, DefaultStreamWindow)
 	}
+}
+
+// TestWriteLockGiveUp: a waiter with a deadline leaves the queue when it
+// ends, and the holders after it are served in order; one handed the
+// lock as it gave up passes it on.
+func TestWriteLockGiveUp(t *testing.T) {
+	var w writeLock
+	w.Lock()
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := w.lockContext(ctx, 0); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("lockContext on a held lock: %v, want the deadline", err)
+	}
+	if w.heldFor(time.Now()) <= 0 {
+		t.Fatal("held lock reports no holder")
+	}
+	got := make(chan struct{})
+	go func() { w.Lock(); close(got) }()
+	waitUntil(t, 5*time.Second, "the second waiter queues", func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.urgent) == 1
+	})
+	w.Unlock()
+	<-got
+	if err := w.lockContext(context.Background(), 10*time.Millisecond); err == nil {
+		t.Fatal("lockContext with a stall bound got a lock held past it")
+	} else if !errors.Is(err, ErrStalled) {
+		t.Fatalf("lockContext with a stall bound: %v, want ErrStalled", err)
+	}
+	w.Unlock()
+	if w.heldFor(time.Now()) != 0 {
+		t.Fatal("a free lock reports a holder")
+	}
+	if err := w.lockContext(context.Background(), time.Second); err != nil {
+		t.Fatalf("lockContext on a free lock: %v", err)
+	}
+	w.Unlock()
+	// Handed over while giving up: the lock goes on, not lost.
+	w.Lock()
+	tw := turnWaiters.Get().(*turnWaiter)
+	w.mu.Lock()
+	w.urgent = append(w.urgent, tw)
+	w.mu.Unlock()
+	w.Unlock() // hands it to tw
+	if err := w.giveUp(tw, context.Canceled); !errors.Is(err, context.Canceled) {
+		t.Fatal(err)
+	}
+	ctx2, cancel2 := context.WithTimeout(context.Background(), time.Second)
+	defer cancel2()
+	if err := w.lockContext(ctx2, 0); err != nil {
+		t.Fatalf("the lock was lost by a waiter that gave up as it was handed it: %v", err)
+	}
+	w.Unlock()
 }
