@@ -27,6 +27,7 @@ import (
 
 type agentOptions struct {
 	daemonOptions
+	warned                 *onceWarnings // the process's one-time warnings
 	serverHost, caCert     string
 	serverPort             int
 	agentCert, agentKey    string
@@ -85,7 +86,7 @@ func (d *deprecatedAlias) Set(v string) error {
 }
 
 func newAgentFlags() (*agentOptions, *commandFlags) {
-	o := &agentOptions{}
+	o := &agentOptions{warned: newOnceWarnings()}
 	cf := newCommandFlags("konnectivity agent")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-server-host", healthPort: "health-server-port", adminPort: "admin-server-port",
@@ -129,7 +130,7 @@ func newAgentFlags() (*agentOptions, *commandFlags) {
 func runAgent(args []string, stdout, stderr io.Writer) int {
 	o, cf := newAgentFlags()
 	o.checkArgs = append([]string{"check", "agent"}, args...)
-	return runDaemon("agent", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
+	return runDaemon("agent", cf, o.warned, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 func (o *agentOptions) complete(cf *commandFlags) error {
@@ -248,6 +249,8 @@ func (o *agentOptions) token() (string, error) {
 }
 
 func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
+	held := daemon.Inherit("held destinations", func(h *agent.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
+	o.warned.start(daemon.InheritedState(log)[warnedState], log)
 	cfg := agent.Config{
 		ServerAddrs:     o.serverAddrs(),
 		ExpandDNS:       o.expandDNS,
@@ -275,7 +278,6 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
-	held := daemon.Inherit("held destinations", func(h *agent.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
 	a, err := agent.New(cfg)
 	if err != nil {
 		return err
@@ -332,6 +334,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			stop()
 			return daemon.Hand("held destinations", a.HeldForNextImage(), func(h *agent.HeldDest) net.Conn { return h.Socket })
 		},
+		Keep:         func() map[string]any { return map[string]any{warnedState: o.warned.keep()} },
 		MemoryReady:  func() bool { ok, _ := a.ReadyAll(); return ok },
 		Metrics:      metrics,
 		MetricPrefix: "konnectivity_network_proxy_agent_",
@@ -361,14 +364,16 @@ func (o *agentOptions) followOwnNode(rules *agent.DestinationRules) error {
 // agent until ctx ends; stop waits for it. An agent that cannot reach the
 // apiserver warns once and goes on with the count the servers announce.
 func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *agent.Agent, metrics *promtext.Registry, log *slog.Logger) (stop func()) {
-	if o.leases.deprecatedLabel {
+	if o.leases.deprecatedLabel && o.warned.first("lease-label deprecated") {
 		log.Warn("--lease-label is deprecated on the agent: use --lease-label-selector")
 	}
 	if !o.leases.count {
 		return func() {}
 	}
 	fail := func(err error) func() {
-		log.Warn("cannot count server leases: using the server count the servers announce", "err", err)
+		if o.warned.first("cannot count server leases") {
+			log.Warn("cannot count server leases: using the server count the servers announce", "err", err)
+		}
 		return func() {}
 	}
 	rc, err := auth.LoadKubeconfig(o.kubeconfig, "")

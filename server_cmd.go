@@ -30,6 +30,7 @@ import (
 
 type serverOptions struct {
 	daemonOptions
+	warned *onceWarnings // the process's one-time warnings
 	// reviewer checks agents' tokens (token auth), once agentAuthenticator
 	// made it; its accepted reviews cross a restart (reviewedTokens).
 	reviewer              *auth.TokenReviewer
@@ -92,7 +93,7 @@ type serverLeaseOptions struct {
 }
 
 func newServerFlags() (*serverOptions, *commandFlags) {
-	o := &serverOptions{udsMode: fileMode{0o600}}
+	o := &serverOptions{udsMode: fileMode{0o600}, warned: newOnceWarnings()}
 	cf := newCommandFlags("konnectivity server")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-bind-address", healthPort: "health-port", adminPort: "admin-port",
@@ -166,7 +167,7 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 func runServer(args []string, stdout, stderr io.Writer) int {
 	o, cf := newServerFlags()
 	o.checkArgs = append([]string{"check", "server"}, args...)
-	return runDaemon("server", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
+	return runDaemon("server", cf, o.warned, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 // complete checks flag combinations and fills derived defaults.
@@ -286,6 +287,7 @@ func (o *serverOptions) tokenAuth() bool {
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	inherited := daemon.Inherit("paused tunnels", func(p *server.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
 	state := daemon.InheritedState(log)
+	o.warned.start(state[warnedState], log)
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -355,10 +357,11 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			return nil
 		},
 		Keep: func() map[string]any {
-			if o.reviewer == nil {
-				return nil
+			keep := map[string]any{warnedState: o.warned.keep()}
+			if o.reviewer != nil {
+				keep[reviewedTokens] = o.reviewer.Reviewed()
 			}
-			return map[string]any{reviewedTokens: o.reviewer.Reviewed()}
+			return keep
 		},
 		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
