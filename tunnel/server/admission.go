@@ -618,7 +618,7 @@ func (s *Server) admit(ctx context.Context, h wire.AgentHello, tlsState tls.Conn
 	}
 	if held, ok := s.agents.credRoom(credKey(p, remote), h.ID, s.cfg.MaxAgentsPerCredential); !ok {
 		s.metrics.agentsRefusedCred.Inc()
-		return Principal{}, Identifiers{}, statusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
+		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
 	}
 	return p, ids, nil
 }

@@ -493,7 +493,7 @@ func (s *Server) refuseForDescriptors(c net.Conn) {
 	s.Stats.AgentsRefused.Add(1)
 	s.metrics.agentsRefusedFD.Inc()
 	refuseBusy(c, agentFDRetry)
-	s.quiet.log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
+	s.quiet.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
 }
 
 // agentFDRetry is when an agent refused for descriptors is told to come back.
