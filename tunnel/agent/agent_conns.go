@@ -376,7 +376,11 @@ func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
 	}
 	a.releaseStream(l)
 	a.metrics.streamsRefused.Inc()
-	http.Error(w, fmt.Sprintf("agent carries its most tunnels (%d from this server, %d in all); try another agent", a.cfg.MaxStreams, a.cfg.MaxStreamsTotal), http.StatusServiceUnavailable)
+	why := fmt.Sprintf("%d in all (--max-streams-total; by default from the descriptor limit)", a.cfg.MaxStreamsTotal)
+	if total <= int64(a.cfg.MaxStreamsTotal) {
+		why = fmt.Sprintf("%d from this server (--max-streams)", a.cfg.MaxStreams)
+	}
+	http.Error(w, "agent carries its most tunnels: "+why+"; try another agent", http.StatusServiceUnavailable)
 	return false
 }
 
