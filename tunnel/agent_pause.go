@@ -14,7 +14,7 @@ import (
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
-// The agent's half of a handover (handover.go has the protocol): it pauses
+// The agent's half of a handover (docs/restart.md has the protocol): it pauses
 // a tunnel when its server asks, keeps the destination connection open for
 // resumeWindow under the token the server chose, and gives it to the
 // CONNECT stream that names that token.

@@ -2,7 +2,6 @@ package tunnel
 
 import (
 	"bufio"
-	"context"
 	"io"
 	"log/slog"
 	"net"
@@ -97,7 +96,7 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 // returns before the tunnel parks: see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) bool {
 	if t.handed != nil && !t.handed.Unasked {
-		return s.openHanded(t, conn)
+		return s.hand.handedIn(t, conn)
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
@@ -108,15 +107,14 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	}
 	br := headReaders.Get().(*bufio.Reader) // back to the pool once drained: see sendBuffered
 	br.Reset(lim)
-	stop := context.AfterFunc(s.leaving, func() { s.interruptUnasked(t, conn) })
+	stop := s.hand.headStarted(t, conn)
 	addr, err := readConnect(br)
 	stop()
-	if !s.asked(t, pd) {
-		s.passUnasked(t, conn, lim.seen)
+	if !s.hand.headRead(t, pd, conn, lim.seen) {
 		return false
 	}
 	// The head's own bytes, kept while the dial may still move to the next
-	// image (passDialing); bytes read past it are in br.
+	// image (dialWaiting); bytes read past it are in br.
 	head := lim.seen[:max(0, len(lim.seen)-br.Buffered())]
 	if lim.replay == 0 {
 		lim.seen = nil
@@ -152,7 +150,7 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	t.addr = addr
 	s.initFrontendUpload(t, conn, br)
 	if err := s.open(t); err != nil {
-		if failureReason(err) == reasonShutdown && s.passDialing(t, conn, head, br) {
+		if failureReason(err) == reasonShutdown && s.hand.dialWaiting(t, conn, head, br) {
 			return false
 		}
 		s.Stats.DialsFailed.Add(1)
@@ -250,7 +248,7 @@ func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body, pd *pe
 	})
 	t.down.Store(down)
 	pd.release()
-	s.pauseIfAgentRestarting(t)
+	s.hand.opened(t)
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.

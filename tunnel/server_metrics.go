@@ -23,7 +23,6 @@ type serverMetrics struct {
 	nodeRoutes    map[string]*promtext.Counter // by result; only with the node strategy on
 	packets       packetCounts
 	streamErrs    streamErrors
-	restarts      restartMetrics
 }
 
 func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
@@ -38,7 +37,6 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
 		failures:      map[string]*promtext.Counter{},
-		restarts:      newRestartMetrics(m),
 	}
 	m.GaugeFunc(serverPrefix+"stalled_tunnel_bytes", "Bytes the agents sent that wait in the server for clients that do not read them yet; past --stalled-tunnel-memory-budget new dials are refused (dial_failure_count{reason=\"stalled_budget\"}).", nil, nil,
 		func() float64 { return float64(s.queued.Load()) })
