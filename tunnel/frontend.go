@@ -95,16 +95,14 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 // it on. On failure it answers the error itself and returns false. It
 // returns before the tunnel parks: see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) bool {
-	if t.handed != nil && !t.handed.Unasked {
-		return s.hand.handedIn(t, conn)
+	if ok, carried := s.hand.handedIn(t, conn); carried {
+		return ok
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
 	lim := &headLimiter{r: conn, remaining: maxConnectHead, limited: true}
-	if t.handed != nil { // a connection the previous image took before its head ended
-		lim.seen, lim.replay = t.handed.Head, len(t.handed.Head)
-		t.handed = nil
-	}
+	lim.seen = s.hand.headSoFar(t)
+	lim.replay = len(lim.seen)
 	br := headReaders.Get().(*bufio.Reader) // back to the pool once drained: see sendBuffered
 	br.Reset(lim)
 	stop := s.hand.headStarted(t, conn)

@@ -13,7 +13,8 @@ import (
 // (docs/restart.md):
 //
 //   - a connection that asked for nothing yet: headStarted while its
-//     CONNECT head is read, headRead once it is;
+//     CONNECT head is read, headRead once it is (headSoFar: what it sent
+//     before a previous image passed it on);
 //   - a dial in flight that no agent took yet: dialWaiting;
 //   - a tunnel just opened, whose agent may be restarting: opened;
 //   - a tunnel a previous image handed over, carried on: handedIn.
@@ -107,15 +108,30 @@ func (h *handover) dialWaiting(t *tunnel, conn net.Conn, head []byte, br *bufio.
 	return true
 }
 
-// handedIn opens the stream that carries on t, a tunnel a previous
-// image paused, through its agent; on failure it logs and returns false,
-// and the client's connection is closed.
-func (h *handover) handedIn(t *tunnel, conn net.Conn) bool {
+// handedIn carries on t when it is a tunnel a previous image paused
+// (carried): it opens the stream that carries it on through its agent;
+// on failure it logs and returns false, and the client's connection is
+// closed. Any other tunnel is not carried.
+func (h *handover) handedIn(t *tunnel, conn net.Conn) (ok, carried bool) {
+	if t.handed == nil || t.handed.Unasked {
+		return false, false
+	}
 	s := h.s
 	br := headReaders.Get().(*bufio.Reader)
 	br.Reset(conn)
 	s.initFrontendUpload(t, conn, br)
 	t.addr = t.handed.Addr
 	t.act.carryQuiet(t.handed.Quiet)
-	return h.resumeStream(t) == nil && t.move(tunnelOpen)
+	return h.resumeStream(t) == nil && t.move(tunnelOpen), true
+}
+
+// headSoFar is what a connection the previous image took before its head
+// ended had sent, to be read again first; nil for any other connection.
+func (h *handover) headSoFar(t *tunnel) []byte {
+	if t.handed == nil {
+		return nil
+	}
+	head := t.handed.Head
+	t.handed = nil
+	return head
 }
