@@ -26,7 +26,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 
-.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness soak install clean tools image-overlay test-images test-openrc agent-image
+.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube e2e-cluster h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness soak install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -44,6 +44,7 @@ lint: tools
 		if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) mod tidy -diff
 	cd e2e && $(GO) mod tidy -diff
+	cd e2e/upstream && $(GO) mod tidy -diff
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
 	cd e2e && $(GO) vet ./...
@@ -55,12 +56,12 @@ lint: tools
 
 unit: build
 	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/... ./internal/...
-	$(GO) test -count=1 -timeout 2m -run 'TestIdleTunnelStacksShrink|TestIdleGRPCTunnelsHoldNoBuffer' ./tunnel/
+	$(GO) test -count=1 -timeout 2m -run 'TestIdleTunnelStacksShrink|TestIdleGRPCTunnelsHoldNoBuffer' ./tunnel/server/
 	$(GO) test -count=1 -timeout 5m .
 	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m ./images/ociimage/
 
 e2e: build
-	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 10m -skip '^TestKubeAPIServer$$' ./...
+	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 10m -skip '^(TestKubeAPIServer|TestRealCluster)$$' ./...
 
 # The server under a real kube-apiserver and etcd (built from e2e/kube, a
 # nested module; the first build takes minutes, later ones reuse the Go
@@ -68,6 +69,15 @@ e2e: build
 # iproute2; .ci/run installs them.
 e2e-kube: build
 	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 75m -run '^TestKubeAPIServer$$' -v .
+
+# The server on the host and as a static pod, the agent as the shipped
+# DaemonSet, webhooks and workloads in pods: a real kubelet, containerd,
+# runc and bridge CNI with kube-scheduler and kube-controller-manager (built
+# from e2e/kube like kube-apiserver), all in one private mount, network and
+# PID namespace. Needs root, containerd, runc, containernetworking-plugins
+# and iproute2; .ci/run installs them.
+e2e-cluster: agent-image
+	cd e2e && KONNECTIVITY_BIN=$(CURDIR)/$(BIN) AGENT_IMAGE=$(CURDIR)/$(AGENT_IMAGE) $(GO) test -count=1 -timeout 75m -run '^TestRealCluster$$' -v .
 
 # HTTP/2 conformance of the link's serving end (also part of e2e): RELIABILITY.md, "HTTP/2 conformance".
 h2spec: build
@@ -93,7 +103,7 @@ test-images: agent-image
 test-openrc: build
 	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) openrc/test.sh
 
-test: lint unit e2e e2e-kube test-images test-openrc agent-image
+test: lint unit e2e e2e-kube e2e-cluster test-images test-openrc agent-image
 
 # A test must pass on a busy machine (a shared CI runner, a laptop doing
 # other work): one that fails only there found a race in the product or
@@ -117,7 +127,7 @@ e2e-loaded:
 
 FUZZTIME ?= 20s
 fuzz:
-	@for pkg in ./tunnel/ ./tunnel/internal/h2link/ ./tunnel/internal/grpcwire/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+	@for pkg in ./tunnel/wire/ ./tunnel/agent/ ./tunnel/server/ ./tunnel/internal/h2link/ ./tunnel/internal/grpcwire/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s $$pkg || exit 1; done; done
 	@for pkg in ./auth/ ./certs/ ./images/ociimage/ ./internal/lease/ ./internal/nodemap/ ./internal/yamlnode/ ./internal/proxydial/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
@@ -125,7 +135,7 @@ fuzz:
 bench: build
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) $(BENCHFLAGS)
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) --frontend grpc --bytes 268435456 --phases latency,throughput
-	$(GO) test -run '^$$' -bench 'FullMesh|IdleAgents' -benchtime 1x -timeout 10m ./tunnel/
+	$(GO) test -run '^$$' -bench 'FullMesh|IdleAgents' -benchtime 1x -timeout 10m ./tunnel/server/
 
 # Runs the same bench against another implementation taking the upstream flags:
 # OTHER=dir holding proxy-server and proxy-agent (upstream's binaries), or

@@ -32,6 +32,21 @@ type Error struct {
 	Status int    // http.StatusUnauthorized, StatusForbidden or StatusServiceUnavailable
 	Reason string // human-readable, never contains the token
 	err    error  // cause, for 503s
+	// unsure marks a refusal that came with status.error: kube-apiserver
+	// reports a lookup it could not do (etcd, a webhook) the same way as a
+	// revoked token, so the answer is not cached and a second review is
+	// what confirms it (see Unsure).
+	unsure bool
+}
+
+// Unsure reports whether err is a refusal the apiserver gave with an error
+// of its own (TokenReview status.error): a revoked token or a lookup that
+// failed, which the answer cannot tell apart. It is never cached; callers
+// that can wait (a re-review of a live connection) confirm it with a
+// second review before acting on it.
+func Unsure(err error) bool {
+	var e *Error
+	return errors.As(err, &e) && e.unsure
 }
 
 func (e *Error) Error() string {
@@ -99,7 +114,8 @@ type ReviewOptions struct {
 	// Timeout bounds one TokenReview call. Default 5s.
 	Timeout time.Duration
 	// CacheTTL is how long a 200/401/403 outcome is reused for the same
-	// token (never past the token's exp claim). Default 10s; negative
+	// token (never past the token's exp claim); a refusal that came with
+	// status.error is never reused (Unsure). Default 10s; negative
 	// disables caching. A revoked token may thus be accepted for CacheTTL.
 	CacheTTL time.Duration
 	// Now is the clock used for the cache; default time.Now.
@@ -272,7 +288,7 @@ func (r *TokenReviewer) run(ctx context.Context, key [32]byte, token string, f *
 	if r.inflight[key] == f {
 		delete(r.inflight, key)
 	}
-	if StatusOf(err) != http.StatusServiceUnavailable {
+	if StatusOf(err) != http.StatusServiceUnavailable && !Unsure(err) {
 		r.store(key, id, err, id.Expires)
 	}
 	f.id, f.err = r.trustLocked(key, id, err)
@@ -429,7 +445,8 @@ func (r *TokenReviewer) review(ctx context.Context, token string) (Identity, err
 	}
 	st := out.Status
 	if st.Error != "" {
-		return Identity{}, unauthorized("token rejected: %s", snippet([]byte(st.Error), token))
+		return Identity{}, &Error{Status: http.StatusUnauthorized, unsure: true,
+			Reason: "token rejected: " + snippet([]byte(st.Error), token)}
 	}
 	if !st.Authenticated {
 		return Identity{}, unauthorized("token not authenticated")

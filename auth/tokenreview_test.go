@@ -498,3 +498,45 @@ func TestReviewRateBound(t *testing.T) {
 		t.Errorf("%d TokenReviews sent, want 4", got)
 	}
 }
+
+// TestUnsureRefusalNotCached: kube-apiserver answers a lookup it could not
+// do with authenticated=false and status.error, as it answers a revoked
+// token. Such a refusal is a 401 marked Unsure and is not cached: the next
+// review asks the apiserver again and, the lookup working again, admits.
+// A refusal without status.error is cached and not Unsure.
+func TestUnsureRefusalNotCached(t *testing.T) {
+	f, r := newReviewSetup(t, ReviewOptions{CacheTTL: time.Minute})
+	f.addToken(sampleToken, identity{agentUser, []string{testAudience}})
+	ctx := testCtx(t)
+	var failed atomic.Bool
+	f.setOverride(func(req reviewRequest) (int, any) {
+		if failed.CompareAndSwap(false, true) {
+			return http.StatusCreated, map[string]any{"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+				"status": map[string]any{"authenticated": false, "error": "etcdserver: request timed out"}}
+		}
+		return http.StatusCreated, map[string]any{"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+			"status": map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}, "audiences": []string{testAudience}}}
+	})
+	err := r.Authenticate(ctx, sampleToken)
+	if StatusOf(err) != http.StatusUnauthorized || !Unsure(err) {
+		t.Fatalf("a refusal with status.error: %v (unsure %v), want an unsure 401", err, Unsure(err))
+	}
+	if err := r.Authenticate(ctx, sampleToken); err != nil {
+		t.Fatalf("the review after an unsure refusal: %v, want a new review that admits", err)
+	}
+	if n := f.requests.Load(); n != 2 {
+		t.Fatalf("apiserver saw %d reviews, want 2", n)
+	}
+	f.setOverride(func(req reviewRequest) (int, any) {
+		return http.StatusCreated, map[string]any{"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+			"status": map[string]any{"authenticated": false}}
+	})
+	err = r.Authenticate(ctx, "other-token")
+	if StatusOf(err) != http.StatusUnauthorized || Unsure(err) {
+		t.Fatalf("a plain refusal: %v (unsure %v), want a sure 401", err, Unsure(err))
+	}
+	r.Authenticate(ctx, "other-token")
+	if n := f.requests.Load(); n != 3 {
+		t.Fatalf("apiserver saw %d reviews, want 3 (the plain refusal cached)", n)
+	}
+}

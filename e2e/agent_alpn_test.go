@@ -312,3 +312,69 @@ func TestCipherSuites(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentALPNRoutedServerDefaults: behind an ALPN router, with the
+// server at its defaults (no --alpn-proto), as upstream's server runs: an
+// agent given --alpn-proto offers that protocol for the router and its own
+// after it, as upstream's agent does, so both ours and upstream's
+// proxy-agent connect through the router and carry a tunnel.
+func TestAgentALPNRoutedServerDefaults(t *testing.T) {
+	const proto = "konnectivity-e2e"
+	s := startServer(t)
+	backend := startHTTPBackend(t, "127.0.0.1", "b1")
+	otherLn, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{loadPair(t, s.pki)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := &http.Server{Handler: http.NotFoundHandler(), ReadHeaderTimeout: 5 * time.Second}
+	go other.Serve(otherLn)
+	t.Cleanup(func() { other.Close() })
+	router := startALPNRouter(t, proto, "127.0.0.1:"+strconv.Itoa(s.agentPort), otherLn.Addr().String())
+	_, routerPort, _ := net.SplitHostPort(router.ln.Addr().String())
+	reach := func(t *testing.T) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		body, err := get(ctx, s.egressDialer(t).httpClient(false, nil), "http://"+backend+"/hello?i=1")
+		if err != nil || body != "hello b1 1" {
+			t.Fatalf("request through the tunnel: %q, %v", body, err)
+		}
+	}
+
+	t.Run("ours", func(t *testing.T) {
+		a := s.launchAgent(t, s.pki, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=500ms",
+			"--proxy-server-port="+routerPort, "--alpn-proto="+proto)
+		waitHTTP(t, a.proc, a.healthURL("/readyz"), http.StatusOK)
+		if router.toMatch.Load() == 0 {
+			t.Fatal("agent connected, but not through the router")
+		}
+		reach(t)
+		a.proc.stop(t)
+		s.waitAgents(t, 0, 10*time.Second)
+	})
+
+	t.Run("upstream-proxy-agent", func(t *testing.T) {
+		before := router.toMatch.Load()
+		startProcEnv(t, upstreamAgentBin(t), "upstream-proxy-agent", nil,
+			"--proxy-server-host=127.0.0.1", "--proxy-server-port="+routerPort,
+			"--ca-cert="+s.pki.caCert, "--agent-cert="+s.pki.agentCert, "--agent-key="+s.pki.agentKey,
+			"--alpn-proto="+proto,
+			"--health-server-port="+strconv.Itoa(freePort(t)), "--admin-server-port="+strconv.Itoa(freePort(t)),
+			"--sync-interval=100ms", "--sync-interval-cap=500ms", "--logtostderr=true")
+		s.waitAgents(t, 1, startTimeout)
+		if router.toMatch.Load() == before {
+			t.Fatal("upstream's agent connected, but not through the router")
+		}
+		reach(t)
+	})
+}
+
+// loadPair is the server certificate of p, for another TLS service.
+func loadPair(t *testing.T, p *pki) tls.Certificate {
+	t.Helper()
+	cert, err := tls.LoadX509KeyPair(p.serverCert, p.serverKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cert
+}

@@ -43,6 +43,9 @@ func kubeDryRunShipped(t *testing.T, apiserverBin, etcdBin string) {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	c := startKubeCluster(t, apiserverBin, etcdBin, egressConfigFor(t, dir, filepath.Join(dir, "konnectivity-server.socket"), "grpc"), net.ParseIP(kubeNodeIP))
+	// What a controller-manager makes: the namespace's default
+	// ServiceAccount, which admission gives a pod that names none.
+	c.create(t, "/api/v1/namespaces/kube-system/serviceaccounts", obj("ServiceAccount", "v1", "default", "kube-system"))
 	n := 0
 	for _, file := range shippedManifests {
 		data, err := os.ReadFile(file)

@@ -653,9 +653,16 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 }
 
 // webhookLoop sends webhook-checked creates from two goroutines until
-// the returned stop is called, which reports the creates that passed and
-// failed, and the first failures.
+// the returned stop is called (webhookCreateLoop).
 func (e *kubeEnv) webhookLoop(prefix string) (stop func() (ok, failed int64, errs []string)) {
+	return webhookCreateLoop(e.c, kubeNS, prefix+"-"+strings.ReplaceAll(e.mode, "-", ""))
+}
+
+// webhookCreateLoop creates ConfigMaps in ns (each checked by a webhook)
+// from two goroutines, one call at a time each, until the returned stop is
+// called, which reports the creates that passed and failed, and the first
+// failures.
+func webhookCreateLoop(c *kubeCluster, ns, prefix string) (stop func() (ok, failed int64, errs []string)) {
 	var (
 		okN, failedN atomic.Int64
 		mu           sync.Mutex
@@ -673,8 +680,8 @@ func (e *kubeEnv) webhookLoop(prefix string) (stop func() (ok, failed int64, err
 					return
 				default:
 				}
-				name := fmt.Sprintf("%s-%s-%d-%d", prefix, strings.ReplaceAll(e.mode, "-", ""), w, i)
-				code, body, err := e.c.do(http.MethodPost, "/api/v1/namespaces/"+kubeNS+"/configmaps", obj("ConfigMap", "v1", name, kubeNS))
+				name := fmt.Sprintf("%s-%d-%d", prefix, w, i)
+				code, body, err := c.do(http.MethodPost, "/api/v1/namespaces/"+ns+"/configmaps", obj("ConfigMap", "v1", name, ns))
 				if err == nil && code == http.StatusCreated {
 					okN.Add(1)
 					continue
@@ -781,11 +788,14 @@ func (e *kubeEnv) checkExecWebSocket(int) error {
 }
 
 // restConfig is the admin's client-go configuration.
-func (e *kubeEnv) restConfig() *rest.Config {
+func (e *kubeEnv) restConfig() *rest.Config { return e.c.restConfig() }
+
+// restConfig is the admin's client-go configuration.
+func (c *kubeCluster) restConfig() *rest.Config {
 	return &rest.Config{
-		Host: e.c.url,
+		Host: c.url,
 		TLSClientConfig: rest.TLSClientConfig{
-			CAFile: e.c.pki.caFile, CertFile: e.c.adminCert, KeyFile: e.c.adminKey,
+			CAFile: c.pki.caFile, CertFile: c.adminCert, KeyFile: c.adminKey,
 		},
 	}
 }
@@ -795,17 +805,24 @@ func (e *kubeEnv) restConfig() *rest.Config {
 // connection on to the kubelet stand-in through the tunnel) and echoes
 // 128 KiB through it.
 func (e *kubeEnv) checkPortForwardWebSocket(int) error {
-	u, err := url.Parse(e.c.url + "/api/v1/namespaces/" + kubeNS + "/pods/" + kubeForwardPod + "/portforward")
+	return portForwardEcho(e.restConfig(), e.c.url+"/api/v1/namespaces/"+kubeNS+"/pods/"+kubeForwardPod+"/portforward", 8080, 128<<10)
+}
+
+// portForwardEcho forwards a local port to port of the pod at podURL (its
+// portforward subresource) as kubectl 1.37 does and checks that n bytes
+// written come back unchanged.
+func portForwardEcho(cfg *rest.Config, podURL string, port, n int) error {
+	u, err := url.Parse(podURL)
 	if err != nil {
 		return err
 	}
-	d, err := portforward.NewSPDYOverWebsocketDialer(u, e.restConfig())
+	d, err := portforward.NewSPDYOverWebsocketDialer(u, cfg)
 	if err != nil {
 		return err
 	}
 	stop, ready := make(chan struct{}), make(chan struct{})
 	var errOut bytes.Buffer
-	pf, err := portforward.NewOnAddresses(d, []string{"127.0.0.1"}, []string{"0:8080"}, stop, ready, io.Discard, &errOut)
+	pf, err := portforward.NewOnAddresses(d, []string{"127.0.0.1"}, []string{"0:" + strconv.Itoa(port)}, stop, ready, io.Discard, &errOut)
 	if err != nil {
 		return err
 	}
@@ -833,7 +850,7 @@ func (e *kubeEnv) checkPortForwardWebSocket(int) error {
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
-	want := pattern(128 << 10)
+	want := pattern(n)
 	werr := make(chan error, 1)
 	go func() {
 		_, err := c.Write(want)

@@ -27,7 +27,9 @@ func TestStatusFindsDefaultAdminPorts(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	p := newPKI(t, dir)
-	inNS := func(args ...string) []string { return append([]string{"netns", "exec", ns.name, konnectivityBin}, args...) }
+	inNS := func(args ...string) []string {
+		return append([]string{"netns", "exec", ns.name, konnectivityBin}, args...)
+	}
 	startProcEnv(t, "ip", "server", nil, inNS("server", "--mode=http-connect",
 		"--uds-name="+filepath.Join(dir, "k.sock"), "--agent-bind-address=127.0.0.1", "--agent-port=8132",
 		"--cluster-cert="+p.serverCert, "--cluster-key="+p.serverKey, "--cluster-ca-cert="+p.caCert,

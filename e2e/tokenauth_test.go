@@ -39,9 +39,36 @@ type fakeAPIServer struct {
 	// other serves every request that is not a TokenReview, when set
 	// (TestUpstreamManifests: Leases on the same apiserver).
 	other atomic.Pointer[http.Handler]
+	// With unsureFor set (answerUnsure), the reviews from the first one
+	// after it for that long are answered as kube-apiserver answers a
+	// lookup it could not do: 201, authenticated=false, and the cause in
+	// status.error. unsureGiven counts those answers.
+	unsureFor, unsureFrom, unsureGiven atomic.Int64
 	// down makes every TokenReview fail: the connection is reset, as a
 	// restarting apiserver's is.
 	down atomic.Bool
+}
+
+// answerUnsure makes f answer every review "unsure" for d, counted from
+// the next review.
+func (f *fakeAPIServer) answerUnsure(d time.Duration) {
+	f.unsureFrom.Store(0)
+	f.unsureFor.Store(int64(d))
+}
+
+// unsureNow reports whether a review arriving now is answered unsure.
+func (f *fakeAPIServer) unsureNow() bool {
+	d := f.unsureFor.Load()
+	if d <= 0 {
+		return false
+	}
+	now := time.Now().UnixNano()
+	f.unsureFrom.CompareAndSwap(0, now)
+	if now-f.unsureFrom.Load() >= d {
+		return false
+	}
+	f.unsureGiven.Add(1)
+	return true
 }
 
 func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
@@ -88,8 +115,12 @@ func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
 			Authenticated bool     `json:"authenticated"`
 			User          user     `json:"user"`
 			Audiences     []string `json:"audiences,omitempty"`
+			Error         string   `json:"error,omitempty"`
 		}{}
-		if req.Spec.Token == goodToken {
+		switch {
+		case f.unsureNow():
+			status.Error = "[invalid bearer token, etcdserver: request timed out]"
+		case req.Spec.Token == goodToken:
 			status.Authenticated = true
 			status.User.Username = agentSAUser
 			status.Audiences = []string{agentAudience}

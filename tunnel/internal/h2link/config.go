@@ -44,6 +44,12 @@ type Config struct {
 	KeepAlive   time.Duration
 	PingTimeout time.Duration
 
+	// StallAfter marks a connection stalled when one write has been under
+	// way this long (a peer that does not read): it takes no new stream
+	// (CanTakeNewRequest), and a RoundTrip waiting to write its headers
+	// gives up with ErrStalled. Default DefaultStallAfter; negative: never.
+	StallAfter time.Duration
+
 	// MaxConcurrentStreams is, on the serving end, how many streams the
 	// peer may have at once (SETTINGS_MAX_CONCURRENT_STREAMS). A stream
 	// counts until both its halves ended and its handler returned, so a
@@ -121,10 +127,16 @@ const (
 	DefaultMaxQueuedControl     = 10000
 	DefaultMaxHeaderListSize    = 64 << 10
 	DefaultMaxPeerResets        = 1000
+	// DefaultStallAfter is long enough for a write of two full frames
+	// over a link of 256 kbit/s.
+	DefaultStallAfter = 5 * time.Second
 )
 
 // withDefaults returns c with every unset field at its default.
 func (c Config) withDefaults() Config {
+	if c.StallAfter == 0 {
+		c.StallAfter = DefaultStallAfter
+	}
 	if c.MaxConcurrentStreams == 0 {
 		c.MaxConcurrentStreams = DefaultMaxConcurrentStreams
 	}

@@ -43,11 +43,12 @@ type Conn struct {
 	// turn is the most a bulk turn writes (sched.go): set under wmu, read
 	// by writers before they take it.
 	turn atomic.Int64
+	pace pacing // under wmu: how long turns take, which sets turn
 
 	// fr reads on the read loop only; it writes under wmu.
 	fr *http2.Framer
 
-	wmu  writeLock      // held for every frame written, and across a header block's encoding (sched.go)
+	wmu  writeLock      // held for every frame written, and across a header block's encoding (sched.go, wlock.go)
 	henc *hpack.Encoder // under wmu
 	hbuf bytes.Buffer   // under wmu: the header block being encoded
 
@@ -464,9 +465,18 @@ func (l *Conn) retire() {
 	})
 }
 
-// CanTakeNewRequest reports whether a new stream may be opened now. It
-// takes no lock: a server's agent choice asks it of many links per dial.
-func (l *Conn) CanTakeNewRequest() bool { return l.canTake.Load() }
+// CanTakeNewRequest reports whether a new stream may be opened now: not
+// on a connection that is closed, going away or full, nor on one whose
+// writes have not drained for Config.StallAfter (Stalled). It takes no
+// lock: a server's agent choice asks it of many links per dial.
+func (l *Conn) CanTakeNewRequest() bool { return l.canTake.Load() && !l.Stalled() }
+
+// Stalled reports whether a write to the connection has been under way
+// for longer than Config.StallAfter: the peer does not read. The write
+// deadline (KeepAlive + PingTimeout) closes such a connection.
+func (l *Conn) Stalled() bool {
+	return l.cfg.StallAfter > 0 && l.wmu.heldFor(time.Now()) > l.cfg.StallAfter
+}
 
 // capacityChangedLocked recomputes canTake; every change to closed, goAway,
 // nextID, streams or peerMaxStreams calls it, under mu.
@@ -475,7 +485,9 @@ func (l *Conn) capacityChangedLocked() {
 }
 
 // Shutdown sends GOAWAY, lets the open streams finish, then closes. It
-// returns ctx's error if they had not finished in time (the caller closes).
+// returns ctx's error if they had not finished in time, and ErrStalled as
+// soon as the connection is stalled (Stalled: its streams cannot finish
+// while the peer does not read); the caller closes.
 func (l *Conn) Shutdown(ctx context.Context) error {
 	l.mu.Lock()
 	if l.closed {
@@ -488,14 +500,31 @@ func (l *Conn) Shutdown(ctx context.Context) error {
 	last := l.lastPeerID
 	l.mu.Unlock()
 	l.writeControl(func(fr *http2.Framer) error { return fr.WriteGoAway(last, http2.ErrCodeNo, nil) })
-	select {
-	case <-idle:
-		l.Close()
-		return nil
-	case <-l.readerDone:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
+	for {
+		var stall <-chan time.Time
+		var t *time.Timer
+		if l.cfg.StallAfter > 0 {
+			left := l.cfg.StallAfter - l.wmu.heldFor(time.Now())
+			if left <= 0 {
+				return ErrStalled
+			}
+			t = time.NewTimer(left)
+			stall = t.C
+		}
+		var err error
+		select {
+		case <-idle:
+			l.Close()
+		case <-l.readerDone:
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-stall:
+			continue // look again: the write may have drained meanwhile
+		}
+		if t != nil {
+			t.Stop()
+		}
+		return err
 	}
 }
 
@@ -578,6 +607,12 @@ func (l *Conn) closeWith(err error) {
 	// connection's Close (its close_notify waits for the writer): release
 	// it first.
 	l.conn.SetWriteDeadline(time.Now())
+	if l.batch != nil && l.wmu.heldFor(time.Now()) > 0 {
+		// A write was under way: the socket's buffer is likely full, and
+		// TLS's close_notify would wait up to 5 s for a peer that does not
+		// read. The socket under TLS goes first, so it fails at once.
+		l.batch.Conn.Close()
+	}
 	l.conn.Close()
 	for _, st := range streams {
 		st.fail(l.closeErr)

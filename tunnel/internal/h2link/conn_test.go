@@ -613,3 +613,102 @@ func TestLinkPingFloodWithoutReading(t *testing.T) {
 	}
 	t.Logf("dropped after %d PINGs", n)
 }
+
+// stallLink makes the link's writer block: the fake agent sends PINGs
+// without reading until a write of their acknowledgements has held the
+// write lock for 50 ms (a Unix socket's buffers are small and fixed).
+func stallLink(t *testing.T, l *Conn, a *fakeAgent) {
+	t.Helper()
+	a.conn.SetDeadline(time.Time{})
+	deadline := time.Now().Add(10 * time.Second)
+	for n := 0; l.wmu.heldFor(time.Now()) < 50*time.Millisecond; n++ {
+		if time.Now().After(deadline) {
+			t.Fatalf("the link's writer did not block after %d PINGs", n)
+		}
+		if n%64 == 0 {
+			time.Sleep(5 * time.Millisecond)
+		}
+		if err := a.fr.WritePing(false, [8]byte{byte(n)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestLinkStalledPeerTakesNoStreams: a peer that stops reading after
+// making the link queue PING acknowledgements holds the write lock. A
+// RoundTrip waits for it no longer than its context, and once the write
+// has been under way for StallAfter the link takes no new stream and a
+// RoundTrip gives up at once with ErrStalled, so a dial goes elsewhere.
+func TestLinkStalledPeerTakesNoStreams(t *testing.T) {
+	checkNoLeaks(t)
+	t.Run("deadline", func(t *testing.T) {
+		l, a := newLinkPairOn(t, "unix", filepath.Join(t.TempDir(), "s"), 0, 0)
+		l.cfg.StallAfter = -1
+		stallLink(t, l, a)
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		r := <-roundTripAsync(t, l, connectRequest(ctx, nil))
+		if !errors.Is(r.err, context.DeadlineExceeded) {
+			t.Fatalf("RoundTrip on a stalled link: %v, want the context's deadline", r.err)
+		}
+		if el := time.Since(start); el > 2*time.Second {
+			t.Fatalf("RoundTrip returned after %v, its deadline was 200 ms", el)
+		}
+		if !l.CanTakeNewRequest() {
+			t.Fatal("StallAfter < 0 marked the link stalled")
+		}
+	})
+	t.Run("stall-after", func(t *testing.T) {
+		l, a := newLinkPairOn(t, "unix", filepath.Join(t.TempDir(), "s"), 0, 0)
+		l.cfg.StallAfter = 300 * time.Millisecond
+		if !l.CanTakeNewRequest() {
+			t.Fatal("a fresh link takes no stream")
+		}
+		stallLink(t, l, a)
+		waitUntil(t, 5*time.Second, "the link is marked stalled", func() bool { return !l.CanTakeNewRequest() })
+		if !l.Stalled() {
+			t.Fatal("CanTakeNewRequest false but not Stalled")
+		}
+		start := time.Now()
+		r := <-roundTripAsync(t, l, connectRequest(context.Background(), nil))
+		if !errors.Is(r.err, ErrStalled) {
+			t.Fatalf("RoundTrip on a stalled link: %v, want ErrStalled", r.err)
+		}
+		if el := time.Since(start); el > time.Second {
+			t.Fatalf("ErrStalled after %v", el)
+		}
+	})
+}
+
+func waitUntil(t *testing.T, bound time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(bound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, bound)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestLinkShutdownDoesNotWaitForStalledPeer: Shutdown waits for the open
+// streams, but not on a connection whose writes do not drain: those
+// streams cannot finish.
+func TestLinkShutdownDoesNotWaitForStalledPeer(t *testing.T) {
+	checkNoLeaks(t)
+	l, a := newLinkPairOn(t, "unix", filepath.Join(t.TempDir(), "s"), 0, 0)
+	l.cfg.StallAfter = 300 * time.Millisecond
+	openAnswered(t, l, a) // a stream that stays open
+	stallLink(t, l, a)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	err := l.Shutdown(ctx)
+	if !errors.Is(err, ErrStalled) {
+		t.Fatalf("Shutdown of a stalled link: %v, want ErrStalled", err)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("Shutdown returned after %v; the stall bound is 300 ms", el)
+	}
+}

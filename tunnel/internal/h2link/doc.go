@@ -38,6 +38,12 @@
 //     lock guards it or which goroutine owns it. A method whose name ends
 //     in Locked expects its caller to hold Conn.mu; RLocked, the stream's
 //     rmu; WLocked, Conn.wmu.
+//   - Conn.wmu is a writeLock (wlock.go): its holders only write, so one
+//     held longer than Config.StallAfter is a peer that does not read.
+//     Such a connection takes no new stream; RoundTrip waits for the lock
+//     no longer than its context, and gives up on a stalled connection
+//     with ErrStalled (the peer saw nothing: try elsewhere). The write
+//     deadline (KeepAlive + PingTimeout) closes it.
 //
 // Roles: NewClient is the end that opens streams (RoundTrip); NewServer
 // is the end that serves the streams its peer opens with an http.Handler

@@ -161,7 +161,11 @@ func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	noBody := req.Body == nil
 
-	l.wmu.Lock()
+	// The dial's deadline bounds the wait for the write lock too; a lock
+	// held by a write that does not drain sends the dial elsewhere.
+	if err := l.wmu.lockContext(ctx, l.cfg.StallAfter); err != nil {
+		return nil, err
+	}
 	l.mu.Lock()
 	switch {
 	case l.closed:
