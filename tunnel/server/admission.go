@@ -567,7 +567,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID)}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	if err := s.register(a, hello.Token, tlsState); err != nil {
 		stopControl()
 		a.endCredential()
@@ -615,6 +615,10 @@ func (s *Server) admit(ctx context.Context, h wire.AgentHello, tlsState tls.Conn
 	})
 	if err != nil {
 		return Principal{}, wire.Identifiers{}, err
+	}
+	if held, ok := s.agents.credRoom(credKey(p, remote), h.ID, s.cfg.MaxAgentsPerCredential); !ok {
+		s.metrics.agentsRefusedCred.Inc()
+		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
 	}
 	return p, ids, nil
 }

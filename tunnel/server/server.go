@@ -77,6 +77,17 @@ type Config struct {
 	// 1 MiB window); past it a new dial gets 503, so that stalled readers
 	// cannot grow the process without end (default 1 GiB).
 	StalledBudget int64
+	// MaxAgentsPerCredential bounds the agent connections (and so agent
+	// IDs, one per connection) one credential holds from one address: a
+	// login past it is refused 429 naming the bound. A real node's agent
+	// holds one per server. 0: no bound.
+	MaxAgentsPerCredential int
+	// MaxAgentConns bounds the agent-port connections the server holds
+	// (registered agents plus MaxUnadmitted), so that the descriptors
+	// above it stay for the front door and the health and admin ports:
+	// past it an agent-port connection is refused at once (503 with when
+	// to come back). 0: no bound.
+	MaxAgentConns int
 
 	// Metrics receives the server's metrics; nil makes a private registry.
 	Metrics *promtext.Registry
@@ -336,6 +347,13 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			return fmt.Errorf("accept on %s: %w", ln.Addr(), err)
 		}
 		tempDelay = 0
+		if frontDoor {
+			s.keepSpare()
+		}
+		if !frontDoor && s.cfg.MaxAgentConns > 0 && s.agents.len()+s.cfg.MaxUnadmitted >= s.cfg.MaxAgentConns {
+			s.goroutine(func() { s.refuseForDescriptors(c) })
+			continue
+		}
 		if !frontDoor {
 			// Counted here, before the next waitRoom looks at the count.
 			pc := s.gate.enter(c, s.cfg.HeaderTimeout)
@@ -448,6 +466,30 @@ func (s *Server) refuseWithSpare(ln net.Listener) bool {
 	s.mu.Unlock()
 	return err == nil
 }
+
+// keepSpare takes the spare descriptor back once descriptors are free
+// again, if a refusal could not (it was taken meanwhile): the next
+// descriptor storm is answered as the last one was.
+func (s *Server) keepSpare() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.spareFD == nil && !s.closed {
+		s.spareFD, _ = os.Open(os.DevNull)
+	}
+}
+
+// refuseForDescriptors answers an agent-port connection accepted while the
+// agents hold MaxAgentConns connections: the descriptors above stay for
+// the front door and the health and admin ports.
+func (s *Server) refuseForDescriptors(c net.Conn) {
+	s.Stats.AgentsRefused.Add(1)
+	s.metrics.agentsRefusedFD.Inc()
+	refuseBusy(c, agentFDRetry)
+	s.quiet.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
+}
+
+// agentFDRetry is when an agent refused for descriptors is told to come back.
+const agentFDRetry = 5 * time.Second
 
 func (s *Server) isShutting() bool {
 	s.mu.Lock()

@@ -152,7 +152,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID)}
+	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	ua.agent = a
 	defer a.endCredential()
 	if err := s.register(a, hello.Token, tlsState); err != nil {
