@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -114,7 +113,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	if err == nil {
 		// The stream's context: a reset stream or a closed connection
 		// (the header deadline included) cancels the review.
-		principal, ids, err = s.admit(r.Context(), hello, tlsState, remote)
+		principal, ids, err = s.admit(r.Context(), &hello, tlsState, remote)
 	}
 	if err != nil {
 		s.Stats.AgentsRefused.Add(1)
@@ -127,7 +126,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		case http.StatusBadRequest:
 			code = grpcInvalidArgument
 		}
-		s.quiet.Log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "protocol", "grpc", "reason", wire.ErrMsg(err))
+		s.logRefusal(hello.ID, remote, err, "protocol", "grpc")
 		grpcTrailersOnly(w, code, wire.ErrMsg(err))
 		return false
 	}
@@ -153,7 +152,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
+	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	ua.agent = a
 	defer a.endCredential()
 	if err := s.register(a, hello.Token, tlsState); err != nil {
@@ -165,7 +164,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		}
 		return false
 	}
-	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
+	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 
 	readDone := make(chan error, 1)
 	go func() { readDone <- ua.readLoop(r.Body) }()
