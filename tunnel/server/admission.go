@@ -722,7 +722,7 @@ func (s *Server) controlLine(a *agentConn, line string, cutIn *time.Duration) {
 		return
 	}
 	if _, ok := strings.CutPrefix(line, wire.ControlRestartIn+" "); ok {
-		s.agentRestarting(a)
+		s.hand.agentRestarting(a)
 		return
 	}
 	if v, ok := strings.CutPrefix(line, wire.ControlDrainIn+" "); ok {

@@ -40,7 +40,7 @@ type AgentStatus struct {
 func (s *Server) Status() Status {
 	st := Status{Role: "server", ServerID: s.cfg.ID, ServerCount: s.cfg.Count, Agents: []AgentStatus{},
 		Tunnels:  map[string]int{},
-		Restarts: s.restartStatus(),
+		Restarts: s.hand.restartStatus(),
 	}
 	s.mu.Lock()
 	for _, state := range shownStates {

@@ -145,6 +145,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 
 	ua := &upstreamAgent{
 		s:       s,
+		link:    l,
 		out:     g,
 		pending: map[int64]chan grpcwire.Packet{},
 		conns:   map[int64]*upstreamTunnel{},
@@ -194,6 +195,7 @@ type upstreamAgent struct {
 	// Immutable.
 	s     *Server
 	agent *agentConn
+	link  *h2link.Conn  // the agent's connection (nil in index tests); a stalled one takes no dial
 	out   *grpcStream   // its own lock: the packets written to the agent
 	done  chan struct{} // closed by close
 	stop  chan struct{} // closed, once by stopOnce, to end the stream after a drain
@@ -224,7 +226,7 @@ type upstreamTunnel struct {
 func (ua *upstreamAgent) usable() bool {
 	ua.mu.Lock()
 	defer ua.mu.Unlock()
-	return !ua.closed && !ua.stopping
+	return !ua.closed && !ua.stopping && (ua.link == nil || !ua.link.Stalled())
 }
 
 // readLoop handles the agent's packets until the stream ends.
