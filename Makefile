@@ -56,7 +56,7 @@ lint: tools
 
 unit: build
 	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/... ./internal/...
-	$(GO) test -count=1 -timeout 2m -run 'TestIdleTunnelStacksShrink|TestIdleGRPCTunnelsHoldNoBuffer' ./tunnel/
+	$(GO) test -count=1 -timeout 2m -run 'TestIdleTunnelStacksShrink|TestIdleGRPCTunnelsHoldNoBuffer' ./tunnel/server/
 	$(GO) test -count=1 -timeout 5m .
 	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m ./images/ociimage/
 
@@ -127,15 +127,15 @@ e2e-loaded:
 
 FUZZTIME ?= 20s
 fuzz:
-	@for pkg in ./tunnel/ ./tunnel/internal/h2link/ ./tunnel/internal/grpcwire/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+	@for pkg in ./tunnel/wire/ ./tunnel/agent/ ./tunnel/server/ ./tunnel/internal/h2link/ ./tunnel/internal/grpcwire/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s $$pkg || exit 1; done; done
-	@for pkg in ./auth/ ./certs/ ./images/ociimage/ ./internal/lease/ ./internal/nodemap/ ./internal/yamlnode/ ./internal/proxydial/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+	@for pkg in ./auth/ ./certs/ ./images/ociimage/ ./internal/lease/ ./internal/nodemap/ ./internal/proxydial/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
 
 bench: build
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) $(BENCHFLAGS)
 	cd e2e && $(GO) run ./bench --bin $(CURDIR)/$(BIN) --frontend grpc --bytes 268435456 --phases latency,throughput
-	$(GO) test -run '^$$' -bench 'FullMesh|IdleAgents' -benchtime 1x -timeout 10m ./tunnel/
+	$(GO) test -run '^$$' -bench 'FullMesh|IdleAgents' -benchtime 1x -timeout 10m ./tunnel/server/
 
 # Runs the same bench against another implementation taking the upstream flags:
 # OTHER=dir holding proxy-server and proxy-agent (upstream's binaries), or

@@ -21,11 +21,13 @@ import (
 	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/internal/proxydial"
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/agent"
+	"github.com/spinifex/konnectivity/tunnel/wire"
 )
 
 type agentOptions struct {
 	daemonOptions
+	warned                 *onceWarnings // the process's one-time warnings
 	serverHost, caCert     string
 	serverPort             int
 	agentCert, agentKey    string
@@ -42,7 +44,7 @@ type agentOptions struct {
 	allowDestinations      string
 	denyDestinations       string
 	openDestinations       string
-	destinations           *tunnel.DestinationPolicy
+	destinations           *agent.DestinationPolicy
 	nodeName               string
 	ownNode                *nodemap.Watcher // follows the agent's Node and its pods for --allow-destinations=node; nil without
 	leases                 agentLeaseOptions
@@ -59,7 +61,7 @@ type agentLeaseOptions struct {
 	selector    string
 	source      string
 	parsed      lease.Selector
-	countSource tunnel.CountSource
+	countSource agent.CountSource
 
 	deprecatedLabel bool // --lease-label was given
 }
@@ -84,7 +86,7 @@ func (d *deprecatedAlias) Set(v string) error {
 }
 
 func newAgentFlags() (*agentOptions, *commandFlags) {
-	o := &agentOptions{}
+	o := &agentOptions{warned: newOnceWarnings()}
 	cf := newCommandFlags("konnectivity agent")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-server-host", healthPort: "health-server-port", adminPort: "admin-server-port",
@@ -128,7 +130,7 @@ func newAgentFlags() (*agentOptions, *commandFlags) {
 func runAgent(args []string, stdout, stderr io.Writer) int {
 	o, cf := newAgentFlags()
 	o.checkArgs = append([]string{"check", "agent"}, args...)
-	return runDaemon("agent", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
+	return runDaemon("agent", cf, o.warned, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 func (o *agentOptions) complete(cf *commandFlags) error {
@@ -142,7 +144,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 		}
 		o.agentID = host
 	}
-	ids, err := tunnel.ParseIdentifiers(o.identifiers)
+	ids, err := wire.ParseIdentifiers(o.identifiers)
 	if err != nil {
 		return fmt.Errorf("--agent-identifiers: %w", err)
 	}
@@ -173,13 +175,13 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	if err := o.daemonOptions.complete(cf); err != nil {
 		return err
 	}
-	rules := tunnel.DestinationRules{Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations}
-	if tunnel.HasNodeRule(o.allowDestinations) {
+	rules := agent.DestinationRules{Allow: o.allowDestinations, Deny: o.denyDestinations, Open: o.openDestinations}
+	if agent.HasNodeRule(o.allowDestinations) {
 		if err := o.followOwnNode(&rules); err != nil {
 			return fmt.Errorf("--allow-destinations=node: %w", err)
 		}
 	}
-	if o.destinations, err = tunnel.NewDestinationPolicy(rules); err != nil {
+	if o.destinations, err = agent.NewDestinationPolicy(rules); err != nil {
 		return err
 	}
 	if o.leases.parsed, err = lease.ParseSelector(o.leases.selector); err != nil {
@@ -187,9 +189,9 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	}
 	switch o.leases.source {
 	case "max":
-		o.leases.countSource = tunnel.CountMax
+		o.leases.countSource = agent.CountMax
 	case "default", "":
-		o.leases.countSource = tunnel.CountLeases
+		o.leases.countSource = agent.CountLeases
 	default:
 		return fmt.Errorf("--server-count-source=%q: want default or max", o.leases.source)
 	}
@@ -247,7 +249,9 @@ func (o *agentOptions) token() (string, error) {
 }
 
 func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
-	cfg := tunnel.AgentConfig{
+	held := daemon.Inherit("held destinations", func(h *agent.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
+	o.warned.start(daemon.InheritedState(log)[warnedState], log)
+	cfg := agent.Config{
 		ServerAddrs:     o.serverAddrs(),
 		ExpandDNS:       o.expandDNS,
 		SyncForever:     o.syncForever,
@@ -274,16 +278,15 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	metrics := promtext.NewRegistry()
 	daemon.AddProcessMetrics(metrics, "konnectivity_network_proxy_agent_", versionString())
 	cfg.Metrics = metrics
-	held := daemon.Inherit("held destinations", func(h *tunnel.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
-	agent, err := tunnel.NewAgent(cfg)
+	a, err := agent.New(cfg)
 	if err != nil {
 		return err
 	}
-	agent.AdoptHeld(held)
+	a.AdoptHeld(held)
 	d := daemon.New(log)
 	defer d.Close()
-	ready := []daemon.Check{{Name: "server-connected", Run: agent.Ready}}
-	readyAll := []daemon.Check{{Name: "all-servers-connected", Run: agent.ReadyAll}}
+	ready := []daemon.Check{{Name: "server-connected", Run: a.Ready}}
+	readyAll := []daemon.Check{{Name: "all-servers-connected", Run: a.ReadyAll}}
 	if o.readyzAll {
 		ready = readyAll
 	}
@@ -291,11 +294,11 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 		Ready:    ready,
 		ReadyAll: readyAll,
 		Metrics:  metrics,
-		Status:   func() any { return agent.Status() },
+		Status:   func() any { return a.Status() },
 	})); err != nil {
 		return err
 	}
-	stopCounting := o.startLeaseCounter(ctx, agent, metrics, log)
+	stopCounting := o.startLeaseCounter(ctx, a, metrics, log)
 	defer stopCounting()
 	if o.ownNode != nil {
 		o.ownNode.SetLogger(log)
@@ -313,7 +316,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	runCtx, stopRun := context.WithCancel(ctx)
 	defer stopRun()
 	runDone := make(chan error, 1)
-	go func() { runDone <- agent.Run(runCtx) }()
+	go func() { runDone <- a.Run(runCtx) }()
 	stop := func() error { stopRun(); return <-runDone }
 	return d.Run(ctx, o.restarts(daemon.Work{
 		Done: runDone,
@@ -327,11 +330,12 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			// Servers that can pause the tunnels for the next image do;
 			// the rest drain.
 			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
-			agent.Restarting()
+			a.Restarting()
 			stop()
-			return daemon.Hand("held destinations", agent.HeldForNextImage(), func(h *tunnel.HeldDest) net.Conn { return h.Socket })
+			return daemon.Hand("held destinations", a.HeldForNextImage(), func(h *agent.HeldDest) net.Conn { return h.Socket })
 		},
-		MemoryReady:  func() bool { ok, _ := agent.ReadyAll(); return ok },
+		Keep:         func() map[string]any { return map[string]any{warnedState: o.warned.keep()} },
+		MemoryReady:  func() bool { ok, _ := a.ReadyAll(); return ok },
 		Metrics:      metrics,
 		MetricPrefix: "konnectivity_network_proxy_agent_",
 	}))
@@ -340,7 +344,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 // followOwnNode makes the watcher of the agent's own Node and pods, read
 // with its own credential (--kubeconfig, else in-cluster), that the node
 // rule checks destinations against.
-func (o *agentOptions) followOwnNode(rules *tunnel.DestinationRules) error {
+func (o *agentOptions) followOwnNode(rules *agent.DestinationRules) error {
 	if o.nodeName == "" {
 		return errors.New("the agent's node is not known: set --node-name or $NODE_NAME (spec.nodeName)")
 	}
@@ -359,15 +363,17 @@ func (o *agentOptions) followOwnNode(rules *tunnel.DestinationRules) error {
 // startLeaseCounter counts the server Leases and hands the count to the
 // agent until ctx ends; stop waits for it. An agent that cannot reach the
 // apiserver warns once and goes on with the count the servers announce.
-func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *tunnel.Agent, metrics *promtext.Registry, log *slog.Logger) (stop func()) {
-	if o.leases.deprecatedLabel {
+func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *agent.Agent, metrics *promtext.Registry, log *slog.Logger) (stop func()) {
+	if o.leases.deprecatedLabel && o.warned.first("lease-label deprecated") {
 		log.Warn("--lease-label is deprecated on the agent: use --lease-label-selector")
 	}
 	if !o.leases.count {
 		return func() {}
 	}
 	fail := func(err error) func() {
-		log.Warn("cannot count server leases: using the server count the servers announce", "err", err)
+		if o.warned.first("cannot count server leases") {
+			log.Warn("cannot count server leases: using the server count the servers announce", "err", err)
+		}
 		return func() {}
 	}
 	rc, err := auth.LoadKubeconfig(o.kubeconfig, "")

@@ -17,7 +17,8 @@ import (
 
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/agent"
+	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // runDemo is the embedded default: a throwaway CA, a server, an agent and a
@@ -134,8 +135,8 @@ func startDemoBackend() (addr string, stop func(), err error) {
 
 // startDemoServer starts a server with its HTTP CONNECT frontend on a
 // socket in dir and its agent listener on loopback; srv.Close ends both.
-func startDemoServer(dir string, pki *demoPKI, log *slog.Logger) (srv *tunnel.Server, uds, agentAddr string, err error) {
-	srv, err = tunnel.NewServer(tunnel.ServerConfig{
+func startDemoServer(dir string, pki *demoPKI, log *slog.Logger) (srv *server.Server, uds, agentAddr string, err error) {
+	srv, err = server.New(server.Config{
 		ID:       "demo-server",
 		AgentTLS: &tls.Config{Certificates: []tls.Certificate{pki.server}, ClientCAs: pki.pool, ClientAuth: tls.RequireAndVerifyClientCert},
 		Logger:   log,
@@ -162,7 +163,7 @@ func startDemoServer(dir string, pki *demoPKI, log *slog.Logger) (srv *tunnel.Se
 // startDemoAgent runs an agent connected to the server at addr until ctx
 // ends or stop, which waits for it.
 func startDemoAgent(ctx context.Context, addr string, pki *demoPKI, log *slog.Logger) (stop func(), err error) {
-	agent, err := tunnel.NewAgent(tunnel.AgentConfig{
+	a, err := agent.New(agent.Config{
 		ServerAddrs: []string{addr},
 		ID:          "demo-agent",
 		TLS: func(name string) (*tls.Config, error) {
@@ -174,7 +175,7 @@ func startDemoAgent(ctx context.Context, addr string, pki *demoPKI, log *slog.Lo
 	if err != nil {
 		return nil, err
 	}
-	return goUntilStopped(ctx, func(ctx context.Context) { agent.Run(ctx) }), nil
+	return goUntilStopped(ctx, func(ctx context.Context) { a.Run(ctx) }), nil
 }
 
 // demoRequests makes requests dials through the socket the way
@@ -200,7 +201,7 @@ func demoRequests(out io.Writer, uds, target string, requests int) error {
 }
 
 // demoByHand opens a plain CONNECT listener for curl and waits for Ctrl-C.
-func demoByHand(ctx context.Context, out io.Writer, srv *tunnel.Server, uds, target string, connectPort int) error {
+func demoByHand(ctx context.Context, out io.Writer, srv *server.Server, uds, target string, connectPort int) error {
 	connectLn, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", connectPort))
 	if err != nil {
 		return fmt.Errorf("CONNECT listener: %w", err)

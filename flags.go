@@ -164,18 +164,23 @@ func isBoolFlag(f *flag.Flag) bool {
 }
 
 // parse parses args and returns a logger built from the logging flags
-// (parseArgs, then startLogging).
+// (parseArgs, then startLogging), with the warnings so far logged.
 func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, error) {
 	stray, err := cf.parseArgs(args)
 	if err != nil {
 		return nil, err
 	}
-	return cf.startLogging(stray, stderr)
+	log, err := cf.startLogging(stray, stderr)
+	if err == nil {
+		cf.flushWarnings(log)
+	}
+	return log, err
 }
 
-// startLogging returns a logger built from the logging flags. It warns,
-// one line each, about upstream flags that were given but have no effect
-// here, and about positional arguments (stray: ignored, as upstream does).
+// startLogging returns a logger built from the logging flags. It queues
+// warnings (cf.warn), one line each, about upstream flags that were given
+// but have no effect here, and about positional arguments (stray:
+// ignored, as upstream does).
 func (cf *commandFlags) startLogging(stray []string, stderr io.Writer) (*slog.Logger, error) {
 	cf.log.FileMaxSizeSet = cf.wasSet("log-file-max-size")
 	log, err := daemon.NewLogger(cf.log, stderr, cf.warn)
@@ -183,15 +188,14 @@ func (cf *commandFlags) startLogging(stray []string, stderr io.Writer) (*slog.Lo
 		return nil, err
 	}
 	if len(stray) > 0 {
-		log.Warn("positional arguments ignored, as upstream ignores them", "args", strings.Join(stray, " "))
+		cf.warn("positional arguments ignored, as upstream ignores them", "args", strings.Join(stray, " "))
 	}
 	sort.Slice(cf.compat, func(i, j int) bool { return cf.compat[i].name < cf.compat[j].name })
 	for _, f := range cf.compat {
 		if f.set && f.reason != "" {
-			log.Warn("flag accepted for compatibility but not honoured", "flag", "--"+f.name, "value", f.value, "reason", f.reason)
+			cf.warn("flag accepted for compatibility but not honoured", "flag", "--"+f.name, "value", f.value, "reason", f.reason)
 		}
 	}
-	cf.flushWarnings(log)
 	return log, nil
 }
 
@@ -230,7 +234,9 @@ func (m *fileMode) Set(s string) error {
 // runDaemon parses a daemon's flags, checks them with complete and runs it
 // until a signal ends it: exit 2 for bad flags, 1 when it fails, 0
 // otherwise. --help and --version answer and exit before anything starts.
-func runDaemon(name string, cf *commandFlags, args []string, stdout, stderr io.Writer, complete func() error, run func(context.Context, *slog.Logger) error) int {
+// The start warnings go to warned, which run logs once it knows what a
+// previous image of the process logged (onceWarnings.start).
+func runDaemon(name string, cf *commandFlags, warned *onceWarnings, args []string, stdout, stderr io.Writer, complete func() error, run func(context.Context, *slog.Logger) error) int {
 	stray, err := cf.parseArgs(args)
 	if code, done := flagsParsed(cf.FlagSet, err, "", stdout, stderr); done {
 		return code
@@ -241,6 +247,7 @@ func runDaemon(name string, cf *commandFlags, args []string, stdout, stderr io.W
 		return 2
 	}
 	if err := complete(); err != nil {
+		cf.flushWarnings(log)
 		if cf.log.ToStderr {
 			fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
 		} else {
@@ -249,7 +256,8 @@ func runDaemon(name string, cf *commandFlags, args []string, stdout, stderr io.W
 		}
 		return 2
 	}
-	cf.flushWarnings(log)
+	warned.hold(cf.warnings)
+	cf.warnings = nil
 	ctx, stop := daemon.SignalContext(log)
 	defer stop()
 	if err := run(ctx, log); err != nil {

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/auth"
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 func TestRouteAgentsFlag(t *testing.T) {
@@ -32,7 +32,7 @@ func TestRouteAgentsFlag(t *testing.T) {
 func TestTokenPrincipal(t *testing.T) {
 	exp := time.Unix(1900000000, 0)
 	bound := tokenPrincipal(auth.Identity{Username: "system:serviceaccount:kube-system:konnectivity-agent", Node: "node-a", Pod: "p1", PodUID: "uid-1", Expires: exp}, "kube-system/konnectivity-agent")
-	want := tunnel.Principal{Kind: tunnel.PrincipalToken, Credential: "pod:uid-1", Node: "node-a", Pod: "p1", Account: "kube-system/konnectivity-agent", Expires: exp}
+	want := server.Principal{Kind: server.PrincipalToken, Credential: "pod:uid-1", Node: "node-a", Pod: "p1", Account: "kube-system/konnectivity-agent", Expires: exp}
 	if bound.Kind != want.Kind || bound.Credential != want.Credential || bound.Node != want.Node || bound.Pod != want.Pod || bound.Account != want.Account || !bound.Expires.Equal(exp) {
 		t.Errorf("bound token: %+v, want %+v", bound, want)
 	}

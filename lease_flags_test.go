@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/agent"
 )
 
 // Lease flags that cannot work fail at start with exit 2 and say why,
@@ -50,12 +50,12 @@ func TestAgentLeaseFlags(t *testing.T) {
 	for _, c := range []struct {
 		args     []string
 		selector string
-		source   tunnel.CountSource
+		source   agent.CountSource
 	}{
-		{nil, "k8s-app=konnectivity-server", tunnel.CountMax},
-		{[]string{"--server-count-source=default", "--lease-label-selector=app in (a,b)"}, "app in (a,b)", tunnel.CountLeases},
-		{[]string{"--server-count-source=", "--lease-label=tier=cp"}, "tier=cp", tunnel.CountLeases},
-		{[]string{"--server-count-source=max"}, "k8s-app=konnectivity-server", tunnel.CountMax},
+		{nil, "k8s-app=konnectivity-server", agent.CountMax},
+		{[]string{"--server-count-source=default", "--lease-label-selector=app in (a,b)"}, "app in (a,b)", agent.CountLeases},
+		{[]string{"--server-count-source=", "--lease-label=tier=cp"}, "tier=cp", agent.CountLeases},
+		{[]string{"--server-count-source=max"}, "k8s-app=konnectivity-server", agent.CountMax},
 	} {
 		o, cf := newAgentFlags()
 		if _, err := cf.parse(append([]string{"--agent-id=a"}, c.args...), io.Discard); err != nil {

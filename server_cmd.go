@@ -18,17 +18,21 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/internal/lease"
 	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/internal/promtext"
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/server"
+	"github.com/spinifex/konnectivity/tunnel/wire"
 )
 
 type serverOptions struct {
 	daemonOptions
+	warned *onceWarnings // the process's one-time warnings
 	// reviewer checks agents' tokens (token auth), once agentAuthenticator
 	// made it; its accepted reviews cross a restart (reviewedTokens).
 	reviewer              *auth.TokenReviewer
@@ -64,6 +68,8 @@ type serverOptions struct {
 	gracefulShutdown      time.Duration
 	maxStreamsPerAgent    int
 	maxUnadmitted         int
+	maxAgentsPerCred      int
+	reservedFDs           int
 	maxAgentReviews       int
 	stalledBudgetMiB      int64
 	readyzRequiresAgent   bool
@@ -91,7 +97,7 @@ type serverLeaseOptions struct {
 }
 
 func newServerFlags() (*serverOptions, *commandFlags) {
-	o := &serverOptions{udsMode: fileMode{0o600}}
+	o := &serverOptions{udsMode: fileMode{0o600}, warned: newOnceWarnings()}
 	cf := newCommandFlags("konnectivity server")
 	cf.defineDaemonFlags(&o.daemonOptions, daemonFlagNames{
 		healthHost: "health-bind-address", healthPort: "health-port", adminPort: "admin-port",
@@ -137,6 +143,8 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 	f.DurationVar(&o.backendDialTimeout, "backend-dial-timeout", 10*time.Second, "bound from CONNECT to the agent's dial answer (504 after it); below kube-apiserver's 30s")
 	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
 	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
+	f.IntVar(&o.maxAgentsPerCred, "max-agent-connections-per-credential", 32, "agent connections (each with its own agent ID) one certificate or token may hold from one address; past it a login is refused 429; 0 no bound")
+	f.IntVar(&o.reservedFDs, "reserved-file-descriptors", 0, "file descriptors agent connections may never take, kept for the front door and the health and admin ports; 0 a quarter of the descriptor limit, at most 1024; -1 none")
 	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.Int64Var(&o.stalledBudgetMiB, "stalled-tunnel-memory-budget", 1024, "MiB the server may hold, in all, of what agents sent for clients that do not read it yet (each tunnel up to its 1 MiB window); past it new dials get 503")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
@@ -165,7 +173,7 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 func runServer(args []string, stdout, stderr io.Writer) int {
 	o, cf := newServerFlags()
 	o.checkArgs = append([]string{"check", "server"}, args...)
-	return runDaemon("server", cf, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
+	return runDaemon("server", cf, o.warned, args, stdout, stderr, func() error { return o.complete(cf) }, o.run)
 }
 
 // complete checks flag combinations and fills derived defaults.
@@ -222,10 +230,13 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	if o.stalledBudgetMiB < 1 || o.stalledBudgetMiB > 1<<30 {
 		return fmt.Errorf("--stalled-tunnel-memory-budget=%d: want 1 to %d MiB", o.stalledBudgetMiB, 1<<30)
 	}
+	if o.maxAgentsPerCred < 0 || o.reservedFDs < -1 {
+		return fmt.Errorf("--max-agent-connections-per-credential=%d, --reserved-file-descriptors=%d: want at least 0 and -1", o.maxAgentsPerCred, o.reservedFDs)
+	}
 	if o.maxUnadmitted < 1 || o.maxAgentReviews < 1 {
 		return fmt.Errorf("--max-unadmitted-agent-connections=%d, --max-concurrent-agent-reviews=%d: want at least 1 each", o.maxUnadmitted, o.maxAgentReviews)
 	}
-	if _, err := tunnel.ParseStrategies(o.proxyStrategies); err != nil {
+	if _, err := server.ParseStrategies(o.proxyStrategies); err != nil {
 		return fmt.Errorf("--proxy-strategies: %w", err)
 	}
 	if o.tokenAuth() && (o.agentNamespace == "" || o.agentServiceAccount == "" || o.authAudience == "") {
@@ -283,8 +294,9 @@ func (o *serverOptions) tokenAuth() bool {
 }
 
 func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
-	inherited := daemon.Inherit("paused tunnels", func(p *tunnel.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
+	inherited := daemon.Inherit("paused tunnels", func(p *server.PausedTunnel, c net.Conn) { p.Socket = c }, log) // before anything can fail: their sockets close with the process
 	state := daemon.InheritedState(log)
+	o.warned.start(state[warnedState], log)
 	minTLS := o.minTLS()
 	stopMinting, err := o.startMinting(ctx, log)
 	if err != nil {
@@ -310,7 +322,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 		cfg.NodeOf = nodes.NodeOf
 		defer goUntilStopped(context.WithoutCancel(ctx), nodes.Run)()
 	}
-	srv, err := tunnel.NewServer(cfg)
+	srv, err := server.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -348,16 +360,17 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
 			stopServing(srv, o.gracefulShutdown, false, &serving, log)
 			stopLeases(true)
-			if cause != nil && !errors.Is(cause, tunnel.ErrServerClosed) {
+			if cause != nil && !errors.Is(cause, server.ErrClosed) {
 				return cause
 			}
 			return nil
 		},
 		Keep: func() map[string]any {
-			if o.reviewer == nil {
-				return nil
+			keep := map[string]any{warnedState: o.warned.keep()}
+			if o.reviewer != nil {
+				keep[reviewedTokens] = o.reviewer.Reviewed()
 			}
-			return map[string]any{reviewedTokens: o.reviewer.Reviewed()}
+			return keep
 		},
 		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())
@@ -367,7 +380,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			// server, and the old one's Lease goes now.
 			stopLeases(!o.serverIDFixed)
 			stopMinting()
-			return daemon.Hand("paused tunnels", paused, func(p *tunnel.PausedTunnel) net.Conn { return p.Socket })
+			return daemon.Hand("paused tunnels", paused, func(p *server.PausedTunnel) net.Conn { return p.Socket })
 		},
 		Exited:       removeSocket(sock, log),
 		MemoryReady:  func() bool { return srv.AgentCount() > 0 },
@@ -378,7 +391,7 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 
 // readyChecks is /readyz: an agent must be connected unless
 // --readyz-requires-agent=false, which reports without failing.
-func (o *serverOptions) readyChecks(srv *tunnel.Server) []daemon.Check {
+func (o *serverOptions) readyChecks(srv *server.Server) []daemon.Check {
 	if !o.readyzRequiresAgent {
 		return []daemon.Check{{Name: "agents", Run: func() (bool, string) { _, msg := srv.Ready(); return true, msg }}}
 	}
@@ -388,7 +401,7 @@ func (o *serverOptions) readyChecks(srv *tunnel.Server) []daemon.Check {
 // stopServing sends GOAWAY to agents, lets tunnels finish within grace and
 // waits for the accept loops to return. For a self-restart (handOver) the
 // tunnels that can move to the next image are paused and returned.
-func stopServing(srv *tunnel.Server, grace time.Duration, handOver bool, serving *sync.WaitGroup, log *slog.Logger) (paused []*tunnel.PausedTunnel) {
+func stopServing(srv *server.Server, grace time.Duration, handOver bool, serving *sync.WaitGroup, log *slog.Logger) (paused []*server.PausedTunnel) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	var err error
@@ -405,17 +418,17 @@ func stopServing(srv *tunnel.Server, grace time.Duration, handOver bool, serving
 }
 
 // serverConfig turns the flags into the tunnel server's configuration.
-func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Registry, log *slog.Logger) (tunnel.ServerConfig, error) {
-	strategies, _ := tunnel.ParseStrategies(o.proxyStrategies)
+func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Registry, log *slog.Logger) (server.Config, error) {
+	strategies, _ := server.ParseStrategies(o.proxyStrategies)
 	identify, nodeAddrs, err := o.agentAuthenticator(log, metrics)
 	if err != nil {
-		return tunnel.ServerConfig{}, err
+		return server.Config{}, err
 	}
 	recheck := o.tokenRecheck
 	if recheck <= 0 {
 		recheck = -1
 	}
-	cfg := tunnel.ServerConfig{
+	cfg := server.Config{
 		ID:                 o.serverID,
 		Count:              o.serverCount,
 		AgentTLS:           agentTLS,
@@ -432,8 +445,11 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 		StalledBudget:      o.stalledBudgetMiB << 20,
 		Metrics:            metrics,
 		Logger:             log,
+
+		MaxAgentsPerCredential: o.maxAgentsPerCred,
+		MaxAgentConns:          o.agentDescriptors(log),
 	}
-	cfg.Identity = tunnel.IdentityPolicy{
+	cfg.Identity = server.IdentityPolicy{
 		IgnoreNodeClaims: !o.bindAgentIdentity,
 		CertificateNames: o.agentIDFromCert,
 		RouteAgents:      splitList(o.routeAgents),
@@ -444,7 +460,7 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 		allowed := auth.DefaultAllowedUIDs()
 		if o.frontendAllowedUIDs != "" {
 			if allowed, err = auth.ParseUIDList(o.frontendAllowedUIDs); err != nil {
-				return tunnel.ServerConfig{}, fmt.Errorf("--frontend-allowed-uids: %w", err)
+				return server.Config{}, fmt.Errorf("--frontend-allowed-uids: %w", err)
 			}
 		}
 		cfg.CheckFrontendPeer = func(c net.Conn) error {
@@ -452,7 +468,7 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 				return nil // the TCP frontend is guarded by mTLS
 			}
 			if err := allowed.CheckConn(c); err != nil {
-				return &tunnel.StatusError{Code: http.StatusForbidden, Msg: err.Error()}
+				return &wire.StatusError{Code: http.StatusForbidden, Msg: err.Error()}
 			}
 			return nil
 		}
@@ -469,7 +485,7 @@ func addCertificateMetric(m *promtext.Registry, listener string, cert *certs.Rel
 
 // listenPorts opens (or adopts) the TCP frontend and the agent listener
 // and has serve run an accept loop on each.
-func (o *serverOptions) listenPorts(d *daemon.Daemon, srv *tunnel.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error), log *slog.Logger) error {
+func (o *serverOptions) listenPorts(d *daemon.Daemon, srv *server.Server, minTLS uint16, metrics *promtext.Registry, serve func(func() error), log *slog.Logger) error {
 	if o.serverPort != 0 {
 		tcfg, frontCert, err := o.frontendTLSConfig(minTLS, log)
 		if err != nil {
@@ -497,7 +513,7 @@ func (o *serverOptions) listenPorts(d *daemon.Daemon, srv *tunnel.Server, minTLS
 // comes near the first one's socket, and a socket is taken over only when
 // nothing listens on it (daemon.ListenUnix). It returns what an exit
 // removes.
-func (o *serverOptions) listenSocket(d *daemon.Daemon, srv *tunnel.Server, serve func(func() error), log *slog.Logger) (daemon.SocketFile, error) {
+func (o *serverOptions) listenSocket(d *daemon.Daemon, srv *server.Server, serve func(func() error), log *slog.Logger) (daemon.SocketFile, error) {
 	if o.udsName == "" {
 		return daemon.SocketFile{}, nil
 	}
@@ -527,7 +543,7 @@ func (o *serverOptions) listenSocket(d *daemon.Daemon, srv *tunnel.Server, serve
 
 // serveFrontend is the front door of --mode: HTTP CONNECT or gRPC, one
 // data path behind both.
-func (o *serverOptions) serveFrontend(srv *tunnel.Server) func(net.Listener) error {
+func (o *serverOptions) serveFrontend(srv *server.Server) func(net.Listener) error {
 	if o.mode == "grpc" {
 		return srv.ServeGRPC
 	}
@@ -610,7 +626,7 @@ func (o *serverOptions) startMinting(ctx context.Context, log *slog.Logger) (sto
 // TokenReview, either of the two when both are configured. It also returns
 // the lookup of a node's addresses that binds token agents' ipv4=/ipv6=
 // identifiers (nil without token auth or identity binding).
-func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.Registry) (identify func(context.Context, tunnel.AgentCredentials) (tunnel.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
+func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.Registry) (identify func(context.Context, server.AgentCredentials) (server.Principal, error), nodeAddrs func(context.Context, string) ([]netip.Addr, error), err error) {
 	mtls := o.clusterCACert != ""
 	var reviewer *auth.TokenReviewer
 	if o.tokenAuth() {
@@ -643,9 +659,9 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 				case err == nil:
 					return addrs, nil
 				case errors.Is(err, auth.ErrNodesForbidden):
-					return nil, fmt.Errorf("%w: %v", tunnel.ErrNodesForbidden, err)
+					return nil, fmt.Errorf("%w: %v", server.ErrNodesForbidden, err)
 				}
-				return nil, &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+				return nil, &wire.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
 			}
 		}
 		log.Info("agent token auth on", "apiserver", rc.Server(), "audience", o.authAudience, "service_account", o.agentNamespace+"/"+o.agentServiceAccount)
@@ -667,9 +683,9 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 	default:
 		log.Error("no agent authentication configured: every agent will be refused; set --cluster-ca-cert, the token flags, or --allow-unauthenticated-agents")
 	}
-	return func(ctx context.Context, c tunnel.AgentCredentials) (tunnel.Principal, error) {
+	return func(ctx context.Context, c server.AgentCredentials) (server.Principal, error) {
 		if mtls && len(c.TLS.VerifiedChains) > 0 {
-			return tunnel.CertificatePrincipal(c.TLS.VerifiedChains[0][0]), nil
+			return server.CertificatePrincipal(c.TLS.VerifiedChains[0][0]), nil
 		}
 		if reviewer != nil && c.Token != "" {
 			id, err := reviewer.Review(ctx, c.Token)
@@ -677,26 +693,26 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 				counter.Inc()
 			}
 			if err != nil {
-				return tunnel.Principal{}, &tunnel.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+				return server.Principal{}, &wire.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
 			}
 			return tokenPrincipal(id, o.agentNamespace+"/"+o.agentServiceAccount), nil
 		}
 		switch {
 		case mtls && reviewer != nil:
-			return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "present a client certificate or a ServiceAccount token"}
+			return server.Principal{}, &wire.StatusError{Code: http.StatusUnauthorized, Msg: "present a client certificate or a ServiceAccount token"}
 		case mtls:
-			return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a client certificate signed by the cluster CA is required"}
+			return server.Principal{}, &wire.StatusError{Code: http.StatusUnauthorized, Msg: "a client certificate signed by the cluster CA is required"}
 		case reviewer != nil:
-			return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "a ServiceAccount bearer token is required"}
+			return server.Principal{}, &wire.StatusError{Code: http.StatusUnauthorized, Msg: "a ServiceAccount bearer token is required"}
 		}
-		return tunnel.Principal{}, &tunnel.StatusError{Code: http.StatusUnauthorized, Msg: "this server has no agent authentication configured"}
+		return server.Principal{}, &wire.StatusError{Code: http.StatusUnauthorized, Msg: "this server has no agent authentication configured"}
 	}, nodeAddrs, nil
 }
 
 // tokenPrincipal is what a reviewed token proves: the pod and node it was
 // issued for when it is bound to a pod, else only its ServiceAccount.
-func tokenPrincipal(id auth.Identity, account string) tunnel.Principal {
-	p := tunnel.Principal{Kind: tunnel.PrincipalToken, Node: id.Node, Pod: id.Pod, Account: account, Expires: id.Expires, Credential: "sa:" + id.Username}
+func tokenPrincipal(id auth.Identity, account string) server.Principal {
+	p := server.Principal{Kind: server.PrincipalToken, Node: id.Node, Pod: id.Pod, Account: account, Expires: id.Expires, Credential: "sa:" + id.Username}
 	switch {
 	case id.PodUID != "":
 		p.Credential = "pod:" + id.PodUID
@@ -801,4 +817,31 @@ func (o *serverOptions) trustReviewed(data json.RawMessage, log *slog.Logger) {
 		return
 	}
 	log.Info("token reviews taken over from the previous image", "tokens", o.reviewer.Trust(list), "of", len(list))
+}
+
+// agentDescriptors is the bound on agent-port connections that keeps
+// --reserved-file-descriptors (and the descriptors open now) for the
+// front door and the health and admin ports; 0 for no bound.
+func (o *serverOptions) agentDescriptors(log *slog.Logger) int {
+	if o.reservedFDs < 0 {
+		return 0
+	}
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY || lim.Cur > 1<<30 {
+		return 0
+	}
+	reserve := o.reservedFDs
+	if reserve == 0 {
+		reserve = min(int(lim.Cur)/4, 1024)
+	}
+	open := 0
+	if fds, err := os.ReadDir("/proc/self/fd"); err == nil {
+		open = len(fds)
+	}
+	n := int(lim.Cur) - reserve - open
+	if n < 2*o.maxUnadmitted {
+		log.Warn("descriptor limit too low for --reserved-file-descriptors: agent connections not bounded by it", "limit", lim.Cur, "reserved", reserve, "open", open)
+		return 0
+	}
+	return n
 }

@@ -13,7 +13,8 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/agent"
+	"github.com/spinifex/konnectivity/tunnel/server"
 )
 
 // defaultAdminAddrs are where `konnectivity status` looks without
@@ -101,7 +102,7 @@ func printStatus(w io.Writer, addr string, body []byte, now time.Time) error {
 	defer tw.Flush()
 	switch role.Role {
 	case "server":
-		var st tunnel.ServerStatus
+		var st server.Status
 		if err := json.Unmarshal(body, &st); err != nil {
 			return fmt.Errorf("decode server status: %w", err)
 		}
@@ -116,7 +117,7 @@ func printStatus(w io.Writer, addr string, body []byte, now time.Time) error {
 				bytesHuman(a.BytesToAgent), bytesHuman(a.BytesFromAgent), yesNo(a.Draining), dashIfEmpty(a.Node), dashIfEmpty(a.Identifiers))
 		}
 	case "agent":
-		var st tunnel.AgentSideStatus
+		var st agent.Status
 		if err := json.Unmarshal(body, &st); err != nil {
 			return fmt.Errorf("decode agent status: %w", err)
 		}

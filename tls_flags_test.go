@@ -34,7 +34,8 @@ func TestCipherSuitesFlag(t *testing.T) {
 	}
 }
 
-// The agent's TLS offers --alpn-proto and only the --cipher-suites.
+// The agent's TLS offers --alpn-proto, then its own protocol (http/1.1),
+// and only the --cipher-suites.
 func TestAgentTLSConfigFromFlags(t *testing.T) {
 	o, cf := newAgentFlags()
 	if _, err := cf.parse([]string{"--alpn-proto=x-one, x-two,x-three", "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256", "--agent-id=a"}, &strings.Builder{}); err != nil {
@@ -47,8 +48,8 @@ func TestAgentTLSConfigFromFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := strings.Join(cfg.NextProtos, ","); got != "x-one,x-two,x-three" {
-		t.Errorf("NextProtos %q, want x-one,x-two,x-three", got)
+	if got := strings.Join(cfg.NextProtos, ","); got != "x-one,x-two,x-three,http/1.1" {
+		t.Errorf("NextProtos %q, want x-one,x-two,x-three,http/1.1", got)
 	}
 	if len(cfg.CipherSuites) != 1 || cfg.CipherSuites[0] != tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256 {
 		t.Errorf("CipherSuites %v, want only TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256", cfg.CipherSuites)

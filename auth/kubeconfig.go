@@ -1,6 +1,7 @@
 package auth
 
 import (
+	"bytes"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/base64"
@@ -12,10 +13,11 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
-	"github.com/spinifex/konnectivity/internal/yamlnode"
+	"go.yaml.in/yaml/v3"
 )
 
 const (
@@ -235,14 +237,13 @@ func certPool(pemData []byte) (*x509.CertPool, error) {
 	return pool, nil
 }
 
-// parseKubeconfig walks the YAML node tree by hand rather than unmarshalling
-// into structs so that every error can name the offending field, and so that
-// no error ever echoes a value (which might be a token or key).
+// parseKubeconfig walks the YAML node tree (package yaml's Node) by hand
+// rather than unmarshalling into structs so that every error can name the
+// offending field, and so that no error ever echoes a value (which might be
+// a token or key).
 func parseKubeconfig(data []byte, dir, context string, readFile func(string, int64) ([]byte, error)) (*RESTConfig, error) {
-	doc, err := yamlnode.Parse(data)
+	doc, err := parseYAML(data)
 	if err != nil {
-		// yamlnode's errors name a position, never a scalar's text, so they
-		// cannot leak a secret.
 		return nil, fmt.Errorf("not valid YAML: %w", err)
 	}
 	if doc == nil {
@@ -316,7 +317,7 @@ func parseKubeconfig(data []byte, dir, context string, readFile func(string, int
 	return cfg, nil
 }
 
-func parseCluster(cfg *RESTConfig, n *yamlnode.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
+func parseCluster(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
 	m, err := mapping(n, "cluster")
 	if err != nil {
 		return err
@@ -388,7 +389,7 @@ func serverURL(s string) (string, error) {
 	return u.String(), nil
 }
 
-func parseUser(cfg *RESTConfig, n *yamlnode.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
+func parseUser(cfg *RESTConfig, n *yaml.Node, dir string, readFile func(string, int64) ([]byte, error)) error {
 	m, err := mapping(n, "user")
 	if err != nil {
 		return err
@@ -451,7 +452,7 @@ func parseUser(cfg *RESTConfig, n *yamlnode.Node, dir string, readFile func(stri
 
 // dataOrFile returns the PEM from "<key>-data" (base64) or, if that is
 // unset, from the file named by "<key>", and which of the two it used.
-func dataOrFile(m map[string]*yamlnode.Node, key, dir string, readFile func(string, int64) ([]byte, error)) ([]byte, string, error) {
+func dataOrFile(m map[string]*yaml.Node, key, dir string, readFile func(string, int64) ([]byte, error)) ([]byte, string, error) {
 	dataKey := key + "-data"
 	b64, err := str(m, dataKey)
 	if err != nil {
@@ -491,20 +492,84 @@ func resolvePath(dir, p string) string {
 	return filepath.Join(dir, p)
 }
 
-func isNull(n *yamlnode.Node) bool { return n.IsNull() }
+// parseYAML reads data's one YAML document and returns its root (nil when
+// the document is empty). Its errors name a line and never a value: yaml's
+// own message is kept only when it quotes nothing of the input (a token,
+// a key) and is otherwise replaced by a fixed one.
+func parseYAML(data []byte) (*yaml.Node, error) {
+	if len(data) > maxKubeconfigSize {
+		return nil, fmt.Errorf("larger than %d bytes", maxKubeconfigSize)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, nil
+		}
+		return nil, yamlError(err)
+	}
+	var next yaml.Node
+	switch err := dec.Decode(&next); {
+	case errors.Is(err, io.EOF):
+	case err != nil:
+		return nil, yamlError(err)
+	default:
+		return nil, fmt.Errorf("line %d: a second document (a kubeconfig is one)", next.Line)
+	}
+	if len(doc.Content) == 0 {
+		return nil, nil
+	}
+	return doc.Content[0], nil
+}
+
+// yamlError rewrites a parse error of package yaml ("yaml: line 2: found
+// character that cannot start any token") as "line 2: found character that
+// cannot start any token", dropping what is wrong when it quotes the input.
+func yamlError(err error) error {
+	msg, _ := strings.CutPrefix(err.Error(), "yaml: ")
+	line := ""
+	if rest, ok := strings.CutPrefix(msg, "line "); ok {
+		if n, after, ok := strings.Cut(rest, ": "); ok {
+			if _, aerr := strconv.Atoi(n); aerr == nil {
+				line, msg = "line "+n, after
+			}
+		}
+	}
+	if strings.ContainsAny(msg, "'\"`") || len(msg) > 80 {
+		msg = "not YAML this reader accepts"
+	}
+	if line == "" {
+		return errors.New(msg)
+	}
+	return fmt.Errorf("%s: %s", line, msg)
+}
+
+// deref is the node an alias names, or n itself.
+func deref(n *yaml.Node) *yaml.Node {
+	if n != nil && n.Kind == yaml.AliasNode && n.Alias != nil {
+		return n.Alias
+	}
+	return n
+}
+
+func isNull(n *yaml.Node) bool {
+	n = deref(n)
+	return n == nil || n.Kind == yaml.ScalarNode && n.Tag == "!!null"
+}
 
 // mapping returns a YAML mapping's values by key; null counts as empty.
-func mapping(n *yamlnode.Node, what string) (map[string]*yamlnode.Node, error) {
-	m := map[string]*yamlnode.Node{}
+func mapping(n *yaml.Node, what string) (map[string]*yaml.Node, error) {
+	m := map[string]*yaml.Node{}
 	if isNull(n) {
 		return m, nil
 	}
-	if n.Kind != yamlnode.Mapping {
+	n = deref(n)
+	if n.Kind != yaml.MappingNode {
 		return nil, fmt.Errorf("%s: line %d: expected a mapping", what, n.Line)
 	}
 	for i := 0; i+1 < len(n.Content); i += 2 {
-		k := n.Content[i]
-		if k.Kind != yamlnode.Scalar {
+		k := deref(n.Content[i])
+		if k.Kind != yaml.ScalarNode {
 			continue // no kubeconfig field has a non-scalar key
 		}
 		if _, dup := m[k.Value]; dup {
@@ -516,26 +581,29 @@ func mapping(n *yamlnode.Node, what string) (map[string]*yamlnode.Node, error) {
 }
 
 // str returns a scalar field as a string ("" if absent or null).
-func str(m map[string]*yamlnode.Node, key string) (string, error) {
+func str(m map[string]*yaml.Node, key string) (string, error) {
 	n, ok := m[key]
 	if !ok || isNull(n) {
 		return "", nil
 	}
-	if n.Kind != yamlnode.Scalar {
+	n = deref(n)
+	if n.Kind != yaml.ScalarNode {
 		return "", fmt.Errorf("%s: line %d: expected a string", key, n.Line)
 	}
 	return n.Value, nil
 }
 
-func boolean(m map[string]*yamlnode.Node, key string) (bool, error) {
+func boolean(m map[string]*yaml.Node, key string) (bool, error) {
 	n, ok := m[key]
 	if !ok || isNull(n) {
 		return false, nil
 	}
-	if n.Kind == yamlnode.Scalar && (n.Tag == "" || n.Tag == "!!bool" || n.Tag == "!!str") {
-		// YAML's booleans when plain; like yaml.v3 decoding into a bool,
-		// YAML 1.1's yes/no/on/off also when quoted.
-		if n.Plain && n.Tag != "!!str" || n.Tag == "!!bool" {
+	n = deref(n)
+	if n.Kind == yaml.ScalarNode && (n.Tag == "!!bool" || n.Tag == "!!str") {
+		// YAML's booleans when plain (the library tags them !!bool); like
+		// yaml decoding into a bool, YAML 1.1's yes/no/on/off also when
+		// quoted.
+		if n.Tag == "!!bool" {
 			switch n.Value {
 			case "true", "True", "TRUE":
 				return true, nil
@@ -555,13 +623,14 @@ func boolean(m map[string]*yamlnode.Node, key string) (bool, error) {
 
 // named indexes a kubeconfig list such as clusters ([{name, cluster}]) by
 // name, returning each entry's inner field (here "cluster").
-func named(top map[string]*yamlnode.Node, list, inner string) (map[string]*yamlnode.Node, error) {
-	out := map[string]*yamlnode.Node{}
+func named(top map[string]*yaml.Node, list, inner string) (map[string]*yaml.Node, error) {
+	out := map[string]*yaml.Node{}
 	n, ok := top[list]
 	if !ok || isNull(n) {
 		return out, nil
 	}
-	if n.Kind != yamlnode.Sequence {
+	n = deref(n)
+	if n.Kind != yaml.SequenceNode {
 		return nil, fmt.Errorf("%s: line %d: expected a list", list, n.Line)
 	}
 	for i, item := range n.Content {
@@ -582,7 +651,7 @@ func named(top map[string]*yamlnode.Node, list, inner string) (map[string]*yamln
 		}
 		v, ok := m[inner]
 		if !ok {
-			v = &yamlnode.Node{Kind: yamlnode.Scalar, Tag: "!!null"}
+			v = &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!null"}
 		}
 		out[name] = v
 	}

@@ -1,6 +1,7 @@
 package auth
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net/http"
@@ -374,6 +375,8 @@ users:
 		{"empty", "", "", `kubeconfig ` + filepath.Join(dir, "kubeconfig") + `: empty`},
 		{"not yaml", "current-context: [\n", "", `not valid YAML: line 1`},
 		{"tabs", "a:\n\tb: c\n", "", `not valid YAML: line 2: found character that cannot start any token`},
+		{"alias to no anchor", "current-context: *tok-secret-value\n", "", `not valid YAML: not YAML this reader accepts`},
+		{"two documents", "current-context: a\n---\ncurrent-context: b\n", "", `not valid YAML: line 2: a second document`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -389,8 +392,12 @@ users:
 			if !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("error %q\ndoes not contain %q", err, tc.want)
 			}
-			noToken(t, err, key, string(otherKey[30:60]))
+			noToken(t, err, key, string(otherKey[30:60]), "tok-secret-value")
 		})
+	}
+	big := append([]byte("current-context: a\n#"), bytes.Repeat([]byte("x"), maxKubeconfigSize)...)
+	if _, err := ParseKubeconfig(big, dir, ""); err == nil || !strings.Contains(err.Error(), "larger than") {
+		t.Errorf("a kubeconfig past the size bound: %v", err)
 	}
 
 	// The exact shape promised in the docs.

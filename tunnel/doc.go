@@ -1,4 +1,5 @@
-// Package tunnel carries TCP connections from a kube-apiserver, through a
+// Package tunnel is the map of the tunnel's three packages (server,
+// agent and wire; see Packages): together they carry TCP connections from a kube-apiserver, through a
 // konnectivity server, over an agent-initiated TLS connection, to a
 // destination the agent can reach.
 //
@@ -42,32 +43,43 @@
 //     its agent logs in again (or, unasked, until the handover that took
 //     it passes it on): a state of the tunnel, like every other.
 //
+// # Packages
+//
+// The tunnel is three packages, so that the compiler holds the seam
+// between the two ends: tunnel/server (package server: server.Server,
+// server.Config, server.New), tunnel/agent (package agent: agent.Agent,
+// agent.Config, agent.New) and tunnel/wire (package wire), what both
+// speak. The server and the agent never import each other; both import
+// wire, tunnel/internal/h2link (the link) and tunnel/internal/grpcwire
+// (upstream's Packet wire format). This package holds no code: it is
+// the map of the three. tunnel/internal/tunneltest is the tests' harness:
+// it starts both ends through the small interfaces it declares, so the
+// tests inside either package can use it without an import cycle.
+//
 // # Files
 //
-// Server: server.go (lifecycle: Serve*, Shutdown, Close), tunnel.go (the
-// tunnel type, its states and the table Server.tunnels), frontend.go
-// (the HTTP CONNECT front door), grpc_frontend.go (the gRPC front door),
-// upload.go (a tunnel's upload), admission.go (an agent's connection until
-// it is admitted, the limits on it, and register, which puts admitted
-// agents of both kinds in the registry), dial.go (picking an agent and
-// opening a tunnel through it), upstream_agent.go (upstream's gRPC
-// agents), registry.go and registry_index.go (the agents by what a
+// Server (tunnel/server): server.go (lifecycle: Serve*, Shutdown, Close),
+// tunnel.go (the tunnel type, its states and the table Server.tunnels),
+// frontend.go (the HTTP CONNECT front door), grpc_frontend.go (the gRPC
+// front door), upload.go (a tunnel's upload), admission.go (an agent's
+// connection until it is admitted, the limits on it, and register, which
+// puts admitted agents of both kinds in the registry), dial.go (picking an
+// agent and opening a tunnel through it), upstream_agent.go (upstream's
+// gRPC agents), registry.go and registry_index.go (the agents by what a
 // strategy asks for), identity.go, quiet.go (the quiet close, for a
 // server's drain or one agent's), hangup.go (clients that left),
 // handover.go (the server's half of a restart's move), handover_agent.go
 // (the server's half of an agent's restart in place), server_metrics.go,
-// status.go.
-// Agent: agent.go (lifecycle and the tunnel's byte path), agent_conns.go
-// (a connection per server), agent_metrics.go (its metrics and status),
-// and the agent's half of that move in the last agent_*.go.
-// Shared, what both sides speak: handshake.go (the Upgrade request, the
-// control line and the move's requests), connect.go (a CONNECT head,
-// StatusError), identifiers.go, destinations.go (the destination policy),
-// packets.go (upstream's Packet counts, stream error codes, a tunnel's
-// activity), conn.go (sockets), buffers.go, loglimit.go, panics.go.
-// A server file uses no agent file's names and an agent file no server
-// file's: the two sides meet only in the shared files, as they would as
-// packages of their own.
+// status.go, panics.go.
+// Agent (tunnel/agent): agent.go (lifecycle and the tunnel's byte path),
+// agent_conns.go (a connection per server), destinations.go (the
+// destination policy), agent_metrics.go (its metrics and status), and the
+// agent's half of that move in agent_pause.go and agent_restart.go.
+// Wire (tunnel/wire), what both sides speak: handshake.go (the Upgrade
+// request, the control line and the move's requests), connect.go (a
+// CONNECT head, StatusError), identifiers.go, packets.go (upstream's
+// Packet counts, stream error codes, a tunnel's activity), conn.go
+// (sockets), buffers.go, loglimit.go.
 //
 // # Locks
 //
@@ -102,10 +114,10 @@
 // waits for all it started) or the Agent (Run returns after its
 // connections and tunnels ended). Package-level state is read-only (the
 // table of a tunnel's states among it), apart from sync.Pools of buffers.
-// The package imports tunnel/internal/h2link (the link),
+// The packages import tunnel/internal/h2link (the link),
 // tunnel/internal/grpcwire (upstream's Packet wire format) and
-// internal/promtext (metrics); it never imports package main, auth or certs:
-// authentication reaches it as functions in ServerConfig.
+// internal/promtext (metrics); they never import package main, auth or
+// certs: authentication reaches the server as functions in server.Config.
 //
 // # Parked stacks
 //

@@ -8,18 +8,18 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/promtext"
-	"github.com/spinifex/konnectivity/tunnel"
+	"github.com/spinifex/konnectivity/tunnel/agent"
 )
 
 // failureSeries is the agent's own count of failed connections to a
 // server.
 const failureSeries = "konnectivity_network_proxy_agent_server_connection_failure_count"
 
-// productAgent is the product's own agent code (tunnel.Agent) as a
+// productAgent is the product's own agent code (agent.Agent) as a
 // simulated agent: one per simulated node, each with its own TLS
 // connection and link.
 type productAgent struct {
-	a    *tunnel.Agent
+	a    *agent.Agent
 	fail *promtext.Counter
 }
 
@@ -29,7 +29,7 @@ type productAgent struct {
 // tunnels by then.
 func newProductAgent(f *fleet, i int) (simAgent, error) {
 	reg := promtext.NewRegistry()
-	a, err := tunnel.NewAgent(tunnel.AgentConfig{
+	a, err := agent.New(agent.Config{
 		ServerAddrs: []string{f.args.Server},
 		ID:          "scale-" + strconv.Itoa(i),
 		TLS: func(serverName string) (*tls.Config, error) {

@@ -7,6 +7,10 @@ import (
 	"io"
 )
 
+// ProxyMethod is the path of the bidirectional gRPC call that carries a
+// dial's Packets (proxyProtocol GRPC's ProxyService.Proxy).
+const ProxyMethod = "/ProxyService/Proxy"
+
 // Type is a Packet's type field: which payload it carries.
 type Type int32
 

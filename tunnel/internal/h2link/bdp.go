@@ -1,6 +1,7 @@
 package h2link
 
 import (
+	"math"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -16,17 +17,22 @@ import (
 // back as frames arrive, not as they are read, so it is what the link
 // holds in flight and in its queues. It is kept near what the link needs
 // to stay full, plus queueTarget of queue:
-//   - a round trip no longer than the shortest seen plus half the target,
-//     that brought in two thirds of the window or more: the window was the
-//     limit; it doubles (a long link reaches its speed in a few trips);
-//   - a round trip longer than the shortest plus the target: bytes wait in
-//     a queue of this end's making; the window comes down to what the link
-//     delivered per that shortest trip plus the target, at most halving;
+//   - a round trip longer than the shortest seen plus the target, at the
+//     link's full speed (at least three quarters of the fastest it went
+//     lately, where a trip carried 256 KiB or more to tell): bytes wait in
+//     a queue of this end's making; the window comes down to what the
+//     link delivered per that shortest trip plus the target, at most
+//     halving. A trip made long by a busy machine (the speed fell with
+//     it) is no such queue;
+//   - a round trip that brought in two thirds of the window or more, with
+//     no queue (no longer than the shortest plus half the target) or at a
+//     new fastest speed: the window was the limit; it doubles (a long link
+//     reaches its speed in a few trips);
 //   - anything else leaves it as it is.
 //
 // A smaller window is given back by returning less credit, never by
 // taking any back (RFC 9113 §6.9). A stream's window is twice what the
-// link delivers in its shortest round trip, between Config.StreamWindow
+// link delivers at its fastest in its shortest round trip, between Config.StreamWindow
 // and maxStreamWindow, so that one stream can fill a long link; it bounds
 // what a stalled reader holds. It moves as the stream's credit goes back
 // (refillRLocked), so a quiet stream costs nothing when the link's speed
@@ -43,6 +49,8 @@ const (
 	maxAutoWindow   = 64 << 20
 	bdpPingGap      = 5 * time.Millisecond // at most one measurement this often
 	rttEpoch        = time.Minute
+	rateHalfLife    = 10 * time.Second
+	rateSample      = 256 << 10 // the least a trip carries for its speed to count
 )
 
 // bdpPingData marks this end's measuring PING.
@@ -58,6 +66,8 @@ type bdpEstimator struct {
 	minRTT   time.Duration // the shortest round trip (0: none yet)
 	epochMin time.Duration // the shortest in this epoch
 	epoch    time.Time     // when this epoch began
+	maxRate  float64       // bytes per second: the fastest the link went lately
+	rateAt   time.Time     // when maxRate was last updated
 }
 
 // bdpDataLocked counts n bytes of DATA received and, if none is on its
@@ -100,16 +110,26 @@ func (l *Conn) bdpAckLocked(now time.Time) {
 		b.epochMin = min(b.epochMin, rtt)
 	}
 	rate := float64(b.bytes) / rtt.Seconds() // what the link delivered
+	// The fastest the link went lately, from trips that carried enough to
+	// say (a shaper's bucket lets a few frames through at any speed); it
+	// halves every rateHalfLife.
+	b.maxRate *= math.Exp2(-float64(now.Sub(b.rateAt)) / float64(rateHalfLife))
+	b.rateAt = now
+	sure := b.bytes >= rateSample
+	if sure {
+		b.maxRate = max(b.maxRate, rate)
+	}
 	cur := int64(l.recvTarget)
 	next := cur
 	switch limit := b.minRTT + queueTarget; {
-	case rtt > limit:
+	case rtt > limit && (!sure || rate >= 0.75*b.maxRate):
+		// A queue at the link's full speed: of this end's making.
 		next = max(int64(rate*limit.Seconds()), cur/2)
-	case rtt <= b.minRTT+queueTarget/2 && 3*b.bytes >= 2*cur:
+	case 3*b.bytes >= 2*cur && (rtt <= b.minRTT+queueTarget/2 || sure && rate >= b.maxRate):
 		next = 2 * cur
 	}
 	l.setRecvTargetLocked(next)
-	stream := int64(2 * rate * b.minRTT.Seconds())
+	stream := int64(2 * b.maxRate * b.minRTT.Seconds())
 	l.streamTarget.Store(int32(min(max(stream, int64(l.cfg.StreamWindow)), maxStreamWindow)))
 }
 

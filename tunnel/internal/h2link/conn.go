@@ -43,6 +43,7 @@ type Conn struct {
 	// turn is the most a bulk turn writes (sched.go): set under wmu, read
 	// by writers before they take it.
 	turn atomic.Int64
+	pace pacing // under wmu: how long turns take, which sets turn
 
 	// fr reads on the read loop only; it writes under wmu.
 	fr *http2.Framer

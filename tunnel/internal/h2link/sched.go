@@ -135,30 +135,63 @@ func (l *Conn) connAvailLocked(bulk bool) int64 {
 // turnBytes is the most a bulk turn writes now.
 func (l *Conn) turnBytes() int64 { return l.turn.Load() }
 
-// pace learns the link's speed from a turn that wrote n bytes in d, and
-// sets the next turn's size (and the socket's unsent bound) to what the
-// link sends in about turnTime. A turn that took long shrinks the next;
-// one that went at once doubles it. Sizes are powers of two, so the
-// socket option changes only when the link's speed does. The caller holds
-// wmu.
+// pace learns the link's speed from how long bulk turns take to write,
+// and sets the next turns' size (and the socket's unsent bound) to what
+// the link sends in about turnTime. Turns are timed together over a
+// pacePeriod or paceTurns of them, whichever comes first. A period that
+// allows larger turns takes them at once; smaller turns need paceSlow
+// slow periods in a row, so that a pause of a busy machine in one write
+// does not shrink the turns of a fast link, while a slow link shows in
+// its first few turns. Sizes are powers of two, so the socket option
+// changes only when the link's speed does. The caller holds wmu.
 func (l *Conn) paceWLocked(n int64, d time.Duration) {
+	p := &l.pace
+	p.bytes += n
+	p.time += d
+	if p.turns++; p.time < pacePeriod && p.turns < paceTurns {
+		return
+	}
+	rate := float64(p.bytes) / max(p.time, time.Microsecond).Seconds()
+	p.bytes, p.time, p.turns = 0, 0, 0
+	fits := int64(maxTurn)
+	for fits > minTurn && float64(fits) > rate*turnTime.Seconds() {
+		fits /= 2
+	}
 	cur := l.turn.Load()
 	next := cur
 	switch {
-	case d > turnTime && n >= minTurn:
-		// The link took d for n: it sends n*turnTime/d in turnTime.
-		want := int64(float64(n) * float64(turnTime) / float64(d))
-		for next > minTurn && next > want {
-			next /= 2
-		}
-	case d < turnTime/2 && n >= cur/2:
-		next = min(cur*2, maxTurn)
+	case fits >= cur:
+		p.slow, p.slowFits = 0, 0
+		next = fits
+	case p.slow+1 < paceSlow:
+		p.slow++
+		p.slowFits = max(p.slowFits, fits)
+		return
+	default:
+		next = max(p.slowFits, fits)
+		p.slow, p.slowFits = 0, 0
 	}
 	if next != cur {
 		l.turn.Store(next)
 		l.setUnsentBound(unsentBound(next))
 	}
 }
+
+// pacing is the timing of a link's bulk turns; under Conn.wmu.
+type pacing struct {
+	bytes    int64         // written by the turns of this period
+	time     time.Duration // that they took
+	turns    int
+	slow     int   // periods in a row that wanted smaller turns
+	slowFits int64 // the largest turn they wanted
+}
+
+// A pacing period.
+const (
+	pacePeriod = 20 * time.Millisecond
+	paceTurns  = 16
+	paceSlow   = 3
+)
 
 // unsentBound is the kernel's share of a link whose turns are turn bytes:
 // one turn; four on a link fast enough for the largest turn, where that

@@ -160,9 +160,10 @@ func TestWriteLockServesSmallWritesFirst(t *testing.T) {
 	}
 }
 
-// TestTurnsFollowTheLink: a turn that takes longer than turnTime makes
-// the next smaller, down to minTurn, and the socket's unsent bound with
-// it; turns that go at once grow back to maxTurn.
+// TestTurnsFollowTheLink: a turn that takes long on a slow link makes
+// the next ones smaller, down to minTurn, and the socket's unsent bound
+// with them; one long pause among quick turns does not; quick turns grow
+// back to maxTurn.
 func TestTurnsFollowTheLink(t *testing.T) {
 	near, far := connPair(t, "tcp", "127.0.0.1:0")
 	defer far.Close()
@@ -180,28 +181,37 @@ func TestTurnsFollowTheLink(t *testing.T) {
 		t.Fatalf("a new link: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, 4*maxTurn)
 	}
 	l.wmu.Lock()
-	l.paceWLocked(maxTurn, 32*time.Millisecond) // 4 MB/s: 8 KiB in 2 ms
-	got, bound := l.turnBytes(), lowat()
-	l.paceWLocked(minTurn, 4*time.Millisecond) // slower still: no smaller than minTurn
-	floor := l.turnBytes()
+	defer l.wmu.Unlock()
+	quick := func(turns int) {
+		for range turns {
+			l.paceWLocked(l.turnBytes(), 100*time.Microsecond)
+		}
+	}
+	quick(4 * paceTurns)
+	l.paceWLocked(maxTurn, 30*time.Millisecond) // a pause of the machine
+	quick(4 * paceTurns)
+	if l.turnBytes() != maxTurn {
+		t.Errorf("after one pause among quick turns: turn %d, want %d", l.turnBytes(), maxTurn)
+	}
 	for range 8 {
-		l.paceWLocked(l.turnBytes(), 100*time.Microsecond)
+		l.paceWLocked(l.turnBytes(), time.Duration(float64(l.turnBytes())/4e6*float64(time.Second))) // 4 MB/s: 8 KiB in 2 ms
 	}
-	l.wmu.Unlock()
-	if got != minTurn || bound != minTurn || floor != minTurn {
-		t.Errorf("on a 4 MB/s link: turn %d, unsent bound %d, then %d; want %d", got, bound, floor, minTurn)
+	if l.turnBytes() != minTurn || lowat() != minTurn {
+		t.Errorf("on a 4 MB/s link: turn %d, unsent bound %d; want %d", l.turnBytes(), lowat(), minTurn)
 	}
+	quick(40 * paceTurns)
 	if l.turnBytes() != maxTurn || lowat() != 4*maxTurn {
 		t.Errorf("after quick turns: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, 4*maxTurn)
 	}
 }
 
-// TestWindowsFollowTheLink drives the measurement with round trips and
-// byte counts of a link: the connection window doubles while it is the
-// limit and the link shows no queue, comes down to what the link carries
-// in its shortest round trip plus queueTarget once a queue builds, and
-// stays within its bounds; the stream window is twice the link's
-// bandwidth-delay product, within its bounds.
+// TestWindowsFollowTheLink drives the measurement with the round trips
+// and byte counts of a 100 MB/s link with a 50 ms round trip: the
+// connection window doubles while it is the limit, comes down to what the
+// link carries in its round trip plus queueTarget once a queue builds at
+// the link's speed, holds when a trip is long because the machine was
+// busy (the speed fell with it), and stays within its bounds; the stream
+// window is twice the link's bandwidth-delay product.
 func TestWindowsFollowTheLink(t *testing.T) {
 	near, far := connPair(t, "tcp", "127.0.0.1:0")
 	defer far.Close()
@@ -213,6 +223,7 @@ func TestWindowsFollowTheLink(t *testing.T) {
 	now := time.Now()
 	// trip measures one round trip of rtt that brought in n bytes.
 	trip := func(rtt time.Duration, n int64) {
+		t.Helper()
 		l.mu.Lock()
 		defer l.mu.Unlock()
 		l.bdp.acked = time.Time{}
@@ -226,28 +237,32 @@ func TestWindowsFollowTheLink(t *testing.T) {
 	if target() != startConnWindow {
 		t.Fatalf("start: %d, want %d", target(), startConnWindow)
 	}
-	// A long link (50 ms) the window limits: it doubles each trip.
-	for i := range 4 {
-		w := target()
+	// Below the link's 5 MB in flight the window is the limit: a trip
+	// brings in the whole window, and it doubles.
+	for w := target(); w < 5e6; w = target() {
 		trip(50*time.Millisecond, w)
 		if target() != 2*w {
-			t.Fatalf("trip %d, window-limited: %d, want %d", i, target(), 2*w)
+			t.Fatalf("window-limited at %d: %d, want %d", w, target(), 2*w)
 		}
 	}
-	// 100 MB/s on that link: the stream window is twice 5 MB.
-	trip(50*time.Millisecond, 5e6)
-	if got := l.streamTarget.Load(); got != 10e6 {
-		t.Errorf("stream window %d, want %d", got, int(10e6))
-	}
-	// A queue builds: 100 ms trips carrying 10 MB (100 MB/s). The window
-	// comes down to 100 MB/s × 55 ms, at most halving each trip.
-	for range 6 {
-		trip(100*time.Millisecond, 10e6)
-	}
+	// 8 MiB is past it: the trip takes 84 ms at 100 MB/s. The window
+	// comes down to 100 MB/s × (50 + 5) ms.
+	trip(84*time.Millisecond, 8.4e6)
 	if got, want := target(), int64(100e6*0.055); got != want {
 		t.Errorf("after a queue: %d, want %d", got, want)
 	}
-	// A slow link: bounds.
+	if got := l.streamTarget.Load(); got != 10e6 {
+		t.Errorf("stream window %d, want twice 5 MB", got)
+	}
+	// A busy machine: a 200 ms trip at a quarter of the speed.
+	w := target()
+	trip(200*time.Millisecond, 5e6)
+	if target() != w {
+		t.Errorf("after a trip long because of the machine: %d, want %d as it was", target(), w)
+	}
+	// Minutes later, a slow link: the window falls to its floor, the
+	// stream window to Config.StreamWindow.
+	now = now.Add(5 * time.Minute)
 	for range 20 {
 		trip(400*time.Millisecond, 1000)
 	}

@@ -1,0 +1,641 @@
+package agent
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"runtime/debug"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spinifex/konnectivity/tunnel/wire"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spinifex/konnectivity/internal/promtext"
+	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
+)
+
+// Config configures an Agent. Zero durations take the defaults below.
+type Config struct {
+	// ServerAddrs are host:port addresses of the server's agent listener.
+	// One address may be a load balancer in front of several servers: the
+	// agent then keeps dialling it until it holds a connection to as many
+	// distinct servers as they announce. Several addresses are each dialled
+	// and held directly.
+	ServerAddrs []string
+	// ExpandDNS resolves each address's host to all its A/AAAA records and
+	// holds a connection to each (the TLS server name stays the host name).
+	ExpandDNS bool
+	// SyncForever keeps probing a load-balanced address after the count is
+	// reached, so a server added behind it is found without a connection drop.
+	SyncForever bool
+	// CountSource says how a server count from Leases (SetLeaseCount)
+	// combines with the count servers announce. Without a lease count the
+	// announced count is used either way.
+	CountSource CountSource
+
+	ID          string
+	Identifiers string // upstream --agent-identifiers syntax, sent as is
+
+	// TLS returns the client TLS configuration for a new connection to a
+	// server whose certificate should carry serverName. It is called for
+	// every connection, so a rotated CA or client certificate on disk is
+	// picked up. Nil means plain TCP, for tests only.
+	TLS func(serverName string) (*tls.Config, error)
+	// Token returns the bearer token to present, read again on every
+	// connect (projected tokens rotate). Nil means no token.
+	Token func() (string, error)
+	// TokenRefresh is how often each connection reads the token again and, when
+	// it changed, presents it to its server on the control stream, so a
+	// rotated token never drops a connection (default 30s).
+	TokenRefresh time.Duration
+
+	DialTimeout  time.Duration // destination dial bound (default 5s)
+	KeepAlive    time.Duration // idle time before an HTTP/2 PING (default 30s)
+	PingTimeout  time.Duration // how long a PING may go unanswered (default 15s)
+	DrainTimeout time.Duration // on shutdown, how long open tunnels may finish (default 30s)
+	SyncInterval time.Duration // first reconnect delay (default 1s)
+	SyncCap      time.Duration // reconnect delay cap, and the re-probe/re-resolve period (default 10s)
+	// MaxStreams bounds the tunnels one server connection may open at
+	// once, MaxStreamsTotal those of all server connections together:
+	// past either a CONNECT is answered 503 (the connection's HTTP/2
+	// stream limit leaves room for each tunnel's pause request). Each tunnel takes a descriptor, and one more while it is held
+	// for a restarting server, so the defaults come from the descriptor
+	// limit (streamCaps): a server, however hostile, cannot take the
+	// agent out of descriptors, nor all of its streams.
+	MaxStreams      uint32
+	MaxStreamsTotal uint32
+
+	// ServerDialer connects to a server's address (host:port): directly,
+	// or through an egress proxy. ctx bounds the connection and the
+	// handshake after it. Nil dials directly.
+	ServerDialer func(ctx context.Context, addr string) (net.Conn, error)
+	// Dialer dials destinations; nil uses a net.Dialer.
+	Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
+	// Resolver looks up a server host for ExpandDNS; nil uses the system resolver.
+	Resolver func(ctx context.Context, host string) ([]netip.Addr, error)
+	// Metrics receives the agent's metrics; nil makes a private registry.
+	Metrics *promtext.Registry
+	// Destinations limits what the agent dials; nil denies only the
+	// built-in ranges (link-local, cloud metadata) and zoned addresses.
+	Destinations *DestinationPolicy
+
+	Logger *slog.Logger
+}
+
+func (c *Config) setDefaults() {
+	wire.DefaultDuration(&c.DialTimeout, 5*time.Second)
+	wire.DefaultDuration(&c.KeepAlive, 30*time.Second)
+	wire.DefaultDuration(&c.PingTimeout, 15*time.Second)
+	wire.DefaultDuration(&c.DrainTimeout, 30*time.Second)
+	wire.DefaultDuration(&c.SyncInterval, time.Second)
+	wire.DefaultDuration(&c.SyncCap, 10*time.Second)
+	wire.DefaultDuration(&c.TokenRefresh, 30*time.Second)
+	if c.SyncCap < c.SyncInterval {
+		c.SyncCap = c.SyncInterval
+	}
+	if c.MaxStreams == 0 || c.MaxStreamsTotal == 0 {
+		perConn, total := streamCaps(descriptorLimit())
+		if c.MaxStreamsTotal == 0 {
+			c.MaxStreamsTotal = total
+		}
+		if c.MaxStreams == 0 {
+			c.MaxStreams = min(perConn, c.MaxStreamsTotal)
+		}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Dialer == nil {
+		d := &net.Dialer{KeepAlive: 30 * time.Second}
+		c.Dialer = d.DialContext
+	}
+	if c.ServerDialer == nil {
+		d := &net.Dialer{KeepAlive: 30 * time.Second}
+		c.ServerDialer = func(ctx context.Context, addr string) (net.Conn, error) { return d.DialContext(ctx, "tcp", addr) }
+	}
+	if c.Metrics == nil {
+		c.Metrics = promtext.NewRegistry()
+	}
+	if c.Destinations == nil {
+		c.Destinations, _ = NewDestinationPolicy(DestinationRules{})
+	}
+	if c.Resolver == nil {
+		c.Resolver = func(ctx context.Context, host string) ([]netip.Addr, error) {
+			return net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+		}
+	}
+}
+
+// Agent keeps a connection to every server and serves the servers' CONNECT
+// streams by dialling their destinations.
+//
+// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a serverConn's
+// fields are immutable or atomic.
+type Agent struct {
+	// Immutable after NewAgent.
+	cfg     Config
+	log     *slog.Logger
+	metrics *agentMetrics
+	quiet   *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
+	// idle (capacity 1) is poked when the last open stream ends or the
+	// last held destination goes (pokeIdle): the drain waits on it.
+	idle chan struct{}
+
+	mu       sync.Mutex
+	conns    map[*serverConn]struct{} // guarded by mu
+	maxCount int                      // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
+	draining bool                     // guarded by mu
+	drainEnd time.Time                // guarded by mu: set with draining, when the drain cuts what is left
+	// restarting is guarded by mu: set before the drain by Restarting, for
+	// a restart in place (agent_restart.go); the held destinations then
+	// go to the next image instead of being waited for.
+	restarting bool
+	// Guarded by mu: the two counts maxCount combines.
+	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
+	leaseCount int // valid server Leases (at least 1); 0 while unknown
+	// held is what the agent holds for restarting servers: guarded by
+	// mu, but for its atomic count (agent_pause.go).
+	held heldDests
+
+	connWG  sync.WaitGroup // goroutines serving connections; Run waits for them
+	streams sync.WaitGroup // handlers in flight; Run waits for them
+	tunnels atomic.Int64   // CONNECT streams being served on every server connection (MaxStreamsTotal)
+	Stats   Stats          // atomic counters
+}
+
+// Stats are counters an operator reads through metrics and status.
+type Stats struct {
+	DialsOK, DialsFailed, OpenStreams atomic.Int64
+	BytesToDest, BytesFromDest        atomic.Int64
+}
+
+// Descriptors kept aside from tunnels: server connections, listeners,
+// DNS, logs and the rest of the process.
+const reservedDescriptors = 256
+
+// streamCaps derives the default stream bounds from the descriptor limit:
+// two descriptors per tunnel (its destination, and the duplicate held for
+// a restarting server) beside reservedDescriptors; one server connection
+// gets at most half of the total, and no more than a server lets one agent
+// carry by default (--max-streams-per-agent).
+func streamCaps(limit uint64) (perConn, total uint32) {
+	t := uint64(16)
+	if limit > reservedDescriptors+2*t {
+		t = (limit - reservedDescriptors) / 2
+	}
+	t = min(t, 1<<20)
+	return uint32(min(max(t/2, 1), 10000)), uint32(t)
+}
+
+// descriptorLimit is the process's limit on open descriptors (Go raises
+// the soft limit to the hard one at start).
+func descriptorLimit() uint64 {
+	var l unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &l); err != nil {
+		return 1024
+	}
+	return l.Cur
+}
+
+// CountSource is how the agent combines the server count from Leases with
+// the count servers announce (upstream's --server-count-source).
+type CountSource int
+
+const (
+	// CountMax wants the larger of the two counts ("max").
+	CountMax CountSource = iota
+	// CountLeases wants the lease count alone once it is known ("default"
+	// upstream, with --count-server-leases).
+	CountLeases
+)
+
+// SetLeaseCount gives the agent the number of valid server Leases (0: not
+// known). Seekers on a load-balanced address follow the new count at once.
+func (a *Agent) SetLeaseCount(n int) {
+	a.mu.Lock()
+	if n < 0 || n == a.leaseCount {
+		a.mu.Unlock()
+		return
+	}
+	was := a.maxCount
+	a.leaseCount = n
+	a.recountLocked()
+	held, want := len(a.conns), a.maxCount
+	a.mu.Unlock()
+	if want != was {
+		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", held, want), "lease_count", n, "was", was)
+	}
+}
+
+// New checks cfg and returns an Agent that is not yet running.
+func New(cfg Config) (*Agent, error) {
+	cfg.setDefaults()
+	if err := wire.ValidID(cfg.ID); err != nil {
+		return nil, fmt.Errorf("agent %w", err)
+	}
+	if _, err := wire.ParseIdentifiers(cfg.Identifiers); err != nil {
+		return nil, err
+	}
+	if len(cfg.ServerAddrs) == 0 {
+		return nil, fmt.Errorf("no server address")
+	}
+	for _, addr := range cfg.ServerAddrs {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return nil, fmt.Errorf("server address %q: %w", addr, err)
+		}
+	}
+	a := &Agent{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		conns:    make(map[*serverConn]struct{}),
+		maxCount: 1,
+		changed:  make(chan struct{}),
+		quiet:    wire.NewLogLimiter(10 * time.Second),
+		idle:     make(chan struct{}, 1),
+	}
+	a.announced = 1
+	a.metrics = newAgentMetrics(cfg.Metrics, a)
+	return a, nil
+}
+
+// Ready reports whether the agent holds a connection to at least one server;
+// the message says how many of the announced servers it holds.
+func (a *Agent) Ready() (bool, string) {
+	n, want := a.connected()
+	return n > 0, fmt.Sprintf("connected %d/%d servers", n, want)
+}
+
+// ReadyAll reports whether the agent holds a connection to every server.
+func (a *Agent) ReadyAll() (bool, string) {
+	n, want := a.connected()
+	return n >= want, fmt.Sprintf("connected %d/%d servers", n, want)
+}
+
+// connected returns how many servers the agent holds a connection to, and how
+// many it wants (the largest count a live server announced, combined with
+// the lease count by CountSource).
+func (a *Agent) connected() (held, want int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.conns), a.maxCount
+}
+
+// Run holds connections to the servers until ctx ends. A server that is away
+// never ends it: it is redialled with capped, jittered exponential backoff.
+// When ctx ends the agent drains: it tells every server (so new dials go to
+// other agents while any fit), lets open tunnels finish for up to
+// DrainTimeout, then closes its connections. After Restarting, the drain
+// is for a restart in place: servers pause what they can first, and the
+// destinations held for them stay for HeldForNextImage.
+func (a *Agent) Run(ctx context.Context) error {
+	connectCtx, stopConnecting := context.WithCancel(context.Background())
+	defer stopConnecting()
+	managers := a.startManagers(connectCtx)
+	<-ctx.Done()
+
+	deadline := a.BeginDrain()
+	restart := a.isRestarting()
+	a.waitIdle(deadline, restart)
+	// On a restart the held destinations go to the next image: only
+	// open streams are cut then.
+	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || !restart && held > 0 {
+		a.log.Warn("drain timeout: closing open tunnels", "open", n, "held", held)
+	}
+	stopConnecting()
+	managers.Wait()
+	// GOAWAY on every server connection, then close what is left.
+	a.goAwayLinks()
+	a.closeConns()
+	a.connWG.Wait()
+	a.streams.Wait()
+	if !restart {
+		a.releaseHeld()
+	}
+	return nil
+}
+
+// waitIdle waits until no stream is open and, but for a restart, no
+// destination is held, or until deadline. A destination held for a
+// restarting server is still a tunnel: the server's next image carries it
+// on through the connection the agent keeps redialling meanwhile. On the
+// agent's own restart it goes to the agent's next image instead
+// (HeldForNextImage).
+func (a *Agent) waitIdle(deadline time.Time, restart bool) {
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	for a.Stats.OpenStreams.Load() > 0 || !restart && a.heldCount() > 0 {
+		select {
+		case <-a.idle:
+		case <-t.C:
+			return
+		}
+	}
+}
+
+// pokeIdle wakes waitIdle; it never blocks, so it may be called under mu.
+func (a *Agent) pokeIdle() {
+	select {
+	case a.idle <- struct{}{}:
+	default:
+	}
+}
+
+// BeginDrain tells every server the agent drains, and returns when it
+// cuts what is left.
+func (a *Agent) BeginDrain() time.Time {
+	a.mu.Lock()
+	a.draining = true
+	a.drainEnd = time.Now().Add(a.cfg.DrainTimeout)
+	end := a.drainEnd
+	conns := make([]*serverConn, 0, len(a.conns))
+	for l := range a.conns {
+		conns = append(conns, l)
+	}
+	a.mu.Unlock()
+	for _, l := range conns {
+		l.sendDrain()
+	}
+	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.OpenStreams.Load())
+	return end
+}
+
+func (a *Agent) goAwayLinks() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for l := range a.conns {
+		if lk := l.link.Load(); lk != nil {
+			lk.GoAwayNow()
+		}
+	}
+}
+
+func (a *Agent) closeConns() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for l := range a.conns {
+		l.conn.Close()
+	}
+}
+
+// deniedError is a dial the destination policy refused.
+type deniedError struct{ err error }
+
+func (e *deniedError) Error() string { return e.err.Error() }
+
+// dialDestination checks addr against the destination policy and dials
+// it. A host name is resolved here and the allowed address itself is
+// dialled, so a name cannot be checked as one address and dialled as another.
+func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, error) {
+	host, portText, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, err
+	}
+	port, _ := strconv.Atoi(portText)
+	var ips []netip.Addr
+	if ip, err := netip.ParseAddr(host); err == nil {
+		ips = []netip.Addr{ip}
+	} else if ips, err = a.cfg.Resolver(ctx, host); err != nil {
+		return nil, fmt.Errorf("resolve %s: %w", host, err)
+	}
+	var firstDenial, lastErr error
+	for _, ip := range ips {
+		if err := a.cfg.Destinations.Check(ip, port); err != nil {
+			if firstDenial == nil {
+				firstDenial = err
+			}
+			continue
+		}
+		// Allowed addresses are tried in the resolver's order, as a
+		// plain dial of the name would.
+		// The checked address, as Check saw it, is the one dialled.
+		conn, err := a.cfg.Dialer(ctx, "tcp", netip.AddrPortFrom(dialAddr(ip), uint16(port)).String())
+		if err == nil {
+			return conn, nil
+		}
+		lastErr = err
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if lastErr != nil {
+		return nil, lastErr
+	}
+	if firstDenial == nil {
+		firstDenial = fmt.Errorf("%s resolved to no address", host)
+	}
+	return nil, &deniedError{firstDenial}
+}
+
+// serveStream answers one CONNECT stream from the server: it dials the
+// destination, answers 200 only once that worked, then carries bytes both
+// ways. A tunnel has one goroutine here (this one, reading the
+// destination) and its own HTTP/2 window.
+func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
+	a.streams.Add(1)
+	defer a.streams.Done()
+	defer a.recoverStream()
+	a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
+	dest := a.openDestination(w, r)
+	a.metrics.packets.Inc(wire.SegFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
+	if dest == nil {
+		return
+	}
+	a.Stats.OpenStreams.Add(1)
+	// When the stream ends from the server's side (reset, connection lost,
+	// drain timeout) the destination is closed, so a silent destination
+	// cannot hold this handler, and with it a shutdown, forever.
+	stopWatch := context.AfterFunc(r.Context(), func() { dest.Close() })
+	defer func() { // one deferred closure: see "Parked stacks" in doc.go
+		stopWatch()
+		dest.Close()
+		if a.Stats.OpenStreams.Add(-1) == 0 {
+			a.pokeIdle()
+		}
+	}()
+	w.WriteHeader(http.StatusOK)
+	a.carry(w, r, dest)
+}
+
+// recoverStream keeps a panic in one tunnel from ending the agent: the
+// stream is reset and the rest carry on.
+func (a *Agent) recoverStream() {
+	if e := recover(); e != nil {
+		if e != http.ErrAbortHandler {
+			a.metrics.panics.Inc()
+			a.log.Error("panic recovered; only this tunnel is affected", "where", "agent stream", "panic", e, "stack", string(debug.Stack()))
+		}
+		panic(http.ErrAbortHandler) // reset this stream, quietly
+	}
+}
+
+// openDestination checks the request and dials its destination; on
+// failure it answers the error itself and returns nil.
+func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
+	if r.Method != http.MethodConnect {
+		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
+		return nil
+	}
+	addr := r.Host
+	if _, err := wire.SplitDialAddress(addr); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return nil
+	}
+	if dest, handled := a.takeHeldFor(w, r); handled {
+		return dest // a tunnel a restarting server's next image carries on
+	}
+	dialStart := time.Now()
+	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
+	dest, err := a.dialDestination(dctx, addr)
+	cancel()
+	if err != nil {
+		a.Stats.DialsFailed.Add(1)
+		if r.Context().Err() != nil {
+			a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialCls) // the server gave the dial up (RST_STREAM)
+		}
+		code := http.StatusBadGateway
+		var ne net.Error
+		var denied *deniedError
+		if errors.As(err, &denied) {
+			code = http.StatusForbidden
+			a.metrics.dialDenied.Inc()
+			a.quiet.Log(a.log, slog.LevelWarn, "denied "+addr, "dial refused by destination policy", "addr", addr, "reason", denied.Error())
+		} else if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded) {
+			code = http.StatusGatewayTimeout
+			a.metrics.dialTimeout.Inc()
+		} else {
+			a.metrics.dialUnknown.Inc()
+		}
+		a.log.Debug("destination dial failed", "addr", addr, "err", err)
+		http.Error(w, fmt.Sprintf("dial %s: %v", addr, err), code)
+		return nil
+	}
+	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
+	a.Stats.DialsOK.Add(1)
+	return dest
+}
+
+// carry moves the tunnel's bytes once the destination answered: the link
+// delivers the upload to the destination (see deliverUpload) while this
+// goroutine sends what the destination says. An idle tunnel parks here:
+// see "Parked stacks" in doc.go.
+func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
+	flush := wire.FlusherOf(w)
+	up := a.deliverUpload(r.Body.(*h2link.Body), dest) // before the 200: a server's stop request finds it (Conn.Sink)
+	flush()
+	var n int64
+	var downErr error
+	// Each read from the destination is sent as one DATA Packet.
+	to := a.countingWriter(w)
+	if rc := wire.RawSocket(dest); rc != nil {
+		n, downErr = wire.CopyFromSocket(to, rc, flush) // not through copyStream: one frame less parked
+	} else {
+		n, downErr = wire.CopyStream(to, dest, flush)
+	}
+	wire.PutPacketWriter(to)
+	a.Stats.BytesFromDest.Add(n)
+	if a.downloadStopped(dest, n, downErr) {
+		a.heldEnd(r, up) // the destination is held for the server's next image
+	}
+	if downErr == nil {
+		a.metrics.packets.Inc(wire.SegFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM
+	}
+	select {
+	case <-up.Done():
+		if _, upErr := up.Result(); downErr == nil && upErr == nil {
+			a.countUpload(up)
+			return // both directions ended cleanly: END_STREAM
+		}
+	default:
+		if downErr == nil {
+			if closed, upErr := halfClose(w, up); closed {
+				if upErr == nil {
+					a.countUpload(up)
+					return // the client finished too
+				}
+				break // the upload broke after the half-close: reset
+			}
+		}
+		// No half-close (or a broken download): the rest of the upload is
+		// lost. Close the destination with a reset, so it sees an error and
+		// not a clean end of the upload.
+		if tc, ok := dest.(*net.TCPConn); ok {
+			tc.SetLinger(0)
+		}
+		dest.Close() // also ends a delivery stuck writing to it
+		r.Body.Close()
+		<-up.Done()
+		if downErr == nil {
+			a.countUpload(up)
+			return
+		}
+	}
+	a.countUpload(up)
+	r.Body.Close()
+	a.metrics.resets.Inc()
+	if downErr != nil {
+		a.metrics.streamErrs.Inc(wire.SegFromAgent, wire.StreamErrorCode(downErr), grpcwire.Data)
+	} else {
+		a.metrics.streamErrs.Inc(wire.SegToAgent, wire.CodeCanceled, grpcwire.Data)
+	}
+	// A destination reset or a broken stream: tell the server with
+	// RST_STREAM, so the client sees an abort rather than a clean end.
+	panic(http.ErrAbortHandler)
+}
+
+// countingWriter counts each write to w as a DATA Packet from the agent.
+func (a *Agent) countingWriter(w io.Writer) *wire.PacketWriter {
+	pw := wire.PacketWriters.Get().(*wire.PacketWriter)
+	pw.W, pw.C = w, wire.PacketCounter{&a.metrics.packets.N[wire.SegFromAgent][grpcwire.Data]}
+	return pw
+}
+
+// halfClose handles a destination that finished first while the client is
+// still sending: the response ends (END_STREAM, the client reads EOF) and
+// the upload goes on until the client ends it too, so a destination that
+// still reads loses nothing. closed is false when no half-close was
+// possible (the upload still runs); otherwise upErr is how the upload ended.
+func halfClose(w http.ResponseWriter, up *h2link.Delivery) (closed bool, upErr error) {
+	hc, ok := w.(wire.CloseWriter)
+	if !ok || hc.CloseWrite() != nil {
+		return false, nil
+	}
+	<-up.Done()
+	_, upErr = up.Result()
+	return true, upErr
+}
+
+func (a *Agent) countUpload(up *h2link.Delivery) {
+	n, _ := up.Result()
+	a.Stats.BytesToDest.Add(n)
+}
+
+// deliverUpload carries what the server sends on a stream to the
+// destination and passes the client's half-close on. A failed delivery
+// closes the destination, which ends the download side too.
+func (a *Agent) deliverUpload(body *h2link.Body, dest net.Conn) *h2link.Delivery {
+	// Each write to the destination is a DATA Packet received from the server.
+	toAgent := &a.metrics.packets.N[wire.SegToAgent][grpcwire.Data]
+	body.OnWrite(func(int) { toAgent.Add(1) })
+	return body.DeliverTo(dest, func(err error) error {
+		if err == nil {
+			a.metrics.packets.Inc(wire.SegToAgent, grpcwire.CloseReq) // END_STREAM from the server
+			err = wire.CloseWrite(dest)                               // the client half-closed: pass it on
+		}
+		if err != nil {
+			dest.Close()
+		}
+		return err
+	})
+}
