@@ -136,12 +136,40 @@ func TestFaultOneCredentialManyLogins(t *testing.T) {
 					}
 				}()
 			}
+			// /healthz is probed all through the logins.
+			probing, probed := make(chan struct{}), make(chan struct{})
+			var probes, probeFails int
+			go func() {
+				defer close(probed)
+				client := &http.Client{Timeout: 2 * time.Second}
+				for {
+					select {
+					case <-probing:
+						return
+					case <-time.After(100 * time.Millisecond):
+					}
+					probes++
+					resp, err := client.Get(s.healthURL("/healthz"))
+					if err != nil || resp.StatusCode != http.StatusOK {
+						probeFails++
+					}
+					if err == nil {
+						resp.Body.Close()
+					}
+				}
+			}()
 			start := time.Now()
 			for i := range logins {
 				ids <- i
 			}
 			close(ids)
 			wg.Wait()
+			close(probing)
+			<-probed
+			t.Logf("/healthz during the logins: %d of %d probes failed", probeFails, probes)
+			if probeFails > 0 {
+				t.Errorf("/healthz failed %d of %d times during the logins", probeFails, probes)
+			}
 			t.Logf("%d logins with one certificate in %v: %d admitted, answers %v, %d failed without an answer; refusals: %v",
 				logins, time.Since(start).Round(time.Millisecond), len(held), status, failed, bodies)
 			if failed > 0 {

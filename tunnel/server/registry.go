@@ -49,6 +49,7 @@ func ParseStrategies(s string) ([]Strategy, error) {
 type agentConn struct {
 	// Immutable once registered.
 	id          string
+	claimedID   string // the ID the agent asked for, when its credential gave it id instead (checkIdentity); "" otherwise
 	ids         wire.Identifiers
 	remote      string
 	since       time.Time
@@ -68,6 +69,15 @@ type agentConn struct {
 	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
 	doubted            atomic.Bool  // its token's last review was negative: it takes no new tunnel (identity.go, reviewLink)
 	bytesTo, bytesFrom atomic.Int64
+}
+
+// claimedAttr names the agent in a log line: its ID, and the ID it asked
+// for when that is another.
+func (a *agentConn) claimedAttr() []any {
+	if a.claimedID == "" {
+		return []any{"agent", a.id}
+	}
+	return []any{"agent", a.id, "claimed_id", a.claimedID}
 }
 
 // roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an

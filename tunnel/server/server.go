@@ -165,21 +165,13 @@ type Server struct {
 	inState   [numTunnelStates]int // guarded by mu: how many of tunnels are in each state; kept by moveLocked
 	grpcConns int                  // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	emptied   chan struct{}        // guarded by mu: closed when both are empty but for held tunnels (waitTunnels)
-	// moved is signalled, its L being &mu, when what a handover waits
-	// for moves on: a passing tunnel (passUnasked, for collectUnasked), a
-	// batch of pauses for an agent's restart (waitForAgent, for
-	// collectAgentPauses).
-	moved sync.Cond
-	// agentPausing is guarded by mu: batches of tunnels being paused for
-	// an agent's restart in place whose paused tunnels are not held yet
-	// (pauseForAgent).
-	agentPausing int
+	// hand is the restart handover (handover.go): its state is guarded
+	// by mu too.
+	hand *handover
 	// The server's state; guarded by mu.
-	shutting    bool     // no new connections are accepted
-	handingOver bool     // the shutdown is a handover: a dial no agent took yet moves too (passDialing)
-	collected   bool     // the handover collected the held unasked tunnels: no dial moves to passing any more (collectUnasked)
-	closed      bool     // everything is being torn down
-	spareFD     *os.File // guarded by mu: released to answer 503 when out of file descriptors
+	shutting bool     // no new connections are accepted
+	closed   bool     // everything is being torn down
+	spareFD  *os.File // guarded by mu: released to answer 503 when out of file descriptors
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
@@ -225,7 +217,7 @@ func New(cfg Config) (*Server, error) {
 		tunnels:     make(map[*tunnel]struct{}),
 		nodeRank:    nodeRank,
 	}
-	s.moved.L = &s.mu
+	s.hand = newHandover(s)
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
@@ -538,24 +530,19 @@ func (s *Server) Ready() (bool, string) {
 // GOAWAY to every agent and waits for open tunnels to finish until ctx
 // ends; then it closes what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
-	return s.shutdown(ctx, nil)
+	return s.shutdown(ctx, false)
 }
 
-// shutdown is Shutdown; move, when set, runs before the drain closes any
-// tunnel, and returns the work that runs while it does (a restart's:
-// HandOver).
-func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)) error {
+// shutdown is Shutdown, and with handOver a restart's (HandOver): the
+// handover's steps run at their places (handover.go).
+func (s *Server) shutdown(ctx context.Context, handOver bool) error {
 	s.mu.Lock()
 	s.shutting = true
-	s.handingOver = move != nil
 	for ln := range s.listeners {
 		(*ln).Close()
 	}
-	if move != nil {
-		// Connections whose client has not asked for anything yet go to
-		// the next image as they are, in the same instant as shutting:
-		// each has asked before (pending, waited for) or is taken here.
-		s.takeUnaskedLocked()
+	if handOver {
+		s.hand.beginLocked()
 	}
 	s.mu.Unlock()
 	s.stopLeaving() // unasked reads and idle gRPC connections let go (leaving)
@@ -563,9 +550,8 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 	s.acceptLoops.Wait()
 	// Agents still take new streams here, so accepted dials complete.
 	s.waitPending(ctx)
-	var moving func(context.Context)
-	if move != nil {
-		moving = move()
+	if handOver {
+		s.hand.take()
 	}
 	// Tunnels that would never end (keep-alive connections) close at a
 	// quiet moment, so their clients dial again and nothing is cut.
@@ -577,8 +563,8 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
 		}
 	}()
-	if moving != nil {
-		moving(ctx)
+	if handOver {
+		s.hand.pause(ctx)
 	}
 
 	var wg sync.WaitGroup
@@ -619,7 +605,7 @@ func (s *Server) Close() error {
 	}
 	for t := range s.tunnels {
 		if t.state == tunnelHeld {
-			s.dropHeldLocked(t)
+			s.hand.dropHeldLocked(t)
 			continue
 		}
 		t.front.closeSocket()

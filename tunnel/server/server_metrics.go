@@ -24,7 +24,6 @@ type serverMetrics struct {
 	nodeRoutes    map[string]*promtext.Counter // by result; only with the node strategy on
 	packets       wire.PacketCounts
 	streamErrs    wire.StreamErrors
-	restarts      restartMetrics
 	// Agent logins and connections refused by the bounds per credential
 	// and on the agents' descriptors.
 	agentsRefusedCred *promtext.Counter
@@ -45,7 +44,6 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		agentsRefusedCred: m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (MaxAgentsPerCredential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "per_credential"),
 		agentsRefusedFD:   m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (MaxAgentsPerCredential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "descriptors"),
 		failures:          map[string]*promtext.Counter{},
-		restarts:          newRestartMetrics(m),
 	}
 	m.GaugeFunc(serverPrefix+"stalled_tunnel_bytes", "Bytes the agents sent that wait in the server for clients that do not read them yet; past --stalled-tunnel-memory-budget new dials are refused (dial_failure_count{reason=\"stalled_budget\"}).", nil, nil,
 		func() float64 { return float64(s.queued.Load()) })
