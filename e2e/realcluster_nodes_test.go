@@ -14,7 +14,6 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -62,17 +61,7 @@ func clusterTwoNodes(t *testing.T, n *clusterNodeEnv) {
 	}
 	containerd2 := n.startRuntime(t, enter, t.TempDir(), clusterPodCIDR2)
 	root2 := n.cgroupRoot + "/" + clusterNode2
-	for _, m := range cgroupMounts() {
-		p := filepath.Join(m, root2)
-		if err := os.Mkdir(p, 0o755); err != nil {
-			t.Fatalf("cgroup root %s: %v", p, err)
-		}
-		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
-			if b, err := os.ReadFile(filepath.Join(m, n.cgroupRoot, f)); err == nil {
-				_ = os.WriteFile(filepath.Join(p, f), b, 0o644)
-			}
-		}
-	}
+	makeCgroupRoot(t, root2)
 	u, err := url.Parse(e.c.url)
 	if err != nil {
 		t.Fatal(err)

@@ -163,19 +163,7 @@ func TestRealCluster(t *testing.T) {
 		}
 	})
 
-	// The kubelet wants its cgroup root to exist; a cpuset cgroup starts
-	// with no CPUs or memory nodes, so it gets its parent's.
-	for _, m := range cgroupMounts() {
-		p := filepath.Join(m, cgroupRoot)
-		if err := os.Mkdir(p, 0o755); err != nil {
-			t.Fatalf("cgroup root %s: %v", p, err)
-		}
-		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
-			if b, err := os.ReadFile(filepath.Join(m, f)); err == nil {
-				_ = os.WriteFile(filepath.Join(p, f), b, 0o644)
-			}
-		}
-	}
+	makeCgroupRoot(t, cgroupRoot)
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -220,6 +208,24 @@ func buildNodeBinaries(t *testing.T, dir string) {
 			t.Fatalf("go build k8s.io/kubernetes/cmd/%s (in e2e/%s): %v\n%s", name, kubeModuleDir, err, b)
 		}
 		t.Logf("built k8s.io/kubernetes/cmd/%s in %v", name, time.Since(start).Round(100*time.Millisecond))
+	}
+}
+
+// makeCgroupRoot makes the cgroup root of a kubelet (which wants it to
+// exist) in every hierarchy. A cpuset cgroup starts with no CPUs or memory
+// nodes, so it gets its parent's.
+func makeCgroupRoot(t *testing.T, root string) {
+	t.Helper()
+	for _, m := range cgroupMounts() {
+		p := filepath.Join(m, root)
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatalf("cgroup root %s: %v", p, err)
+		}
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if b, err := os.ReadFile(filepath.Join(filepath.Dir(p), f)); err == nil {
+				_ = os.WriteFile(filepath.Join(p, f), b, 0o644)
+			}
+		}
 	}
 }
 
