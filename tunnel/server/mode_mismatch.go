@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -29,8 +28,7 @@ import (
 // so in terms it shows its operator, and the server logs one line naming
 // both modes (limited per interval): the HTTP CONNECT door answers a gRPC
 // client's call with a status and a GOAWAY whose texts say it, and the
-// gRPC door answers an HTTP/1.1 request with a status whose reason phrase
-// says it (kube-apiserver's HTTP CONNECT dialer reports the status line).
+// gRPC door answers an HTTP/1.1 request with a status that says it.
 
 const (
 	grpcMismatchText    = "konnectivity server runs --mode=http-connect; this client speaks gRPC (proxyProtocol: GRPC): set proxyProtocol: HTTPConnect, or run the server with --mode=grpc"
@@ -183,7 +181,7 @@ func (s *Server) refuseConnectClient(conn net.Conn) bool {
 	// reset the connection (a CONNECT has no body).
 	readHead(conn)
 	conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
-	fmt.Fprintf(conn, "HTTP/1.1 400 %s\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s\n", connectMismatchText, len(connectMismatchText)+1, connectMismatchText)
+	wire.WriteStatus(conn, http.StatusBadRequest, connectMismatchText)
 	return true
 }
 

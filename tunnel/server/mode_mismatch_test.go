@@ -153,7 +153,7 @@ func TestModeMismatchBounded(t *testing.T) {
 			}
 		}()
 		got, err := io.ReadAll(io.LimitReader(c, 4<<10))
-		if !bytes.Contains(got, []byte("400 konnectivity server runs --mode=grpc")) {
+		if !bytes.Contains(got, []byte("HTTP/1.1 400 Bad Request: konnectivity server runs --mode=grpc")) {
 			t.Errorf("answer %q (%v); want 400 naming the mode", got, err)
 		}
 	})

@@ -161,14 +161,20 @@ func CleanErr(err error) string {
 }
 
 // WriteStatus answers a frontend request with a short text body and asks the
-// client to close.
+// client to close. The reason phrase carries the message too (its first 240
+// printable bytes), because kube-apiserver's HTTP CONNECT dialer reports
+// the status line and never the body.
 func WriteStatus(w io.Writer, code int, msg string) error {
+	reason := http.StatusText(code)
+	msg = strings.TrimSpace(msg)
 	if msg == "" {
-		msg = http.StatusText(code)
+		msg = reason
+	} else if msg != reason {
+		reason += ": " + CleanErr(errors.New(msg))
 	}
-	msg = strings.TrimSpace(msg) + "\n"
+	msg += "\n"
 	_, err := fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
-		code, http.StatusText(code), len(msg), msg)
+		code, reason, len(msg), msg)
 	return err
 }
 
