@@ -318,8 +318,10 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	stopConnecting()
 	managers.Wait()
-	// GOAWAY on every server connection, then close what is left.
+	// GOAWAY on every server connection, then close what is left once
+	// the servers have what was sent.
 	a.goAwayLinks()
+	a.waitSent()
 	a.closeConns()
 	a.connWG.Wait()
 	a.streams.Wait()
@@ -338,13 +340,23 @@ func (a *Agent) Run(ctx context.Context) error {
 func (a *Agent) waitIdle(deadline time.Time, restart bool) {
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
-	for a.Stats.OpenStreams.Load() > 0 || !restart && a.heldCount() > 0 {
+	for a.busy(restart) {
 		select {
 		case <-a.idle:
 		case <-t.C:
 			return
 		}
 	}
+}
+
+// busy reports whether a tunnel is open or, but for a restart, a
+// destination is held. Both are read under mu, where a resume moves a
+// destination from held to open (takePaused): read apart, a drain could
+// see it in neither and cut it.
+func (a *Agent) busy(restart bool) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.Stats.OpenStreams.Load() > 0 || !restart && a.held.count > 0
 }
 
 // pokeIdle wakes waitIdle; it never blocks, so it may be called under mu.
@@ -381,6 +393,30 @@ func (a *Agent) goAwayLinks() {
 		if lk := l.link.Load(); lk != nil {
 			lk.GoAwayNow()
 		}
+	}
+}
+
+// lingerAfterGoAway bounds how long a stopping agent waits for its
+// servers to acknowledge what it sent: the ends of the last tunnels.
+const lingerAfterGoAway = 2 * time.Second
+
+// waitSent waits, for up to lingerAfterGoAway, until every server
+// connection's peer has acknowledged what the agent wrote: closing a
+// socket that has unread bytes resets it, and the reset throws away the
+// last bytes of the tunnels that ended just before (h2link.Conn.Sent).
+func (a *Agent) waitSent() {
+	ctx, cancel := context.WithTimeout(context.Background(), lingerAfterGoAway)
+	defer cancel()
+	a.mu.Lock()
+	links := make([]*h2link.Conn, 0, len(a.conns))
+	for l := range a.conns {
+		if lk := l.link.Load(); lk != nil {
+			links = append(links, lk)
+		}
+	}
+	a.mu.Unlock()
+	for _, lk := range links {
+		lk.Sent(ctx) // one deadline for all: the waits overlap
 	}
 }
 
@@ -455,7 +491,6 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	if dest == nil {
 		return
 	}
-	a.Stats.OpenStreams.Add(1)
 	// When the stream ends from the server's side (reset, connection lost,
 	// drain timeout) the destination is closed, so a silent destination
 	// cannot hold this handler, and with it a shutdown, forever.
@@ -483,8 +518,9 @@ func (a *Agent) recoverStream() {
 	}
 }
 
-// openDestination checks the request and dials its destination; on
-// failure it answers the error itself and returns nil.
+// openDestination checks the request and dials its destination, or
+// takes the one held for it, and counts it in OpenStreams; on failure it
+// answers the error itself and returns nil.
 func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
@@ -526,6 +562,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	}
 	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
 	a.Stats.DialsOK.Add(1)
+	a.Stats.OpenStreams.Add(1)
 	return dest
 }
 

@@ -267,12 +267,14 @@ func (a *Agent) holdPaused(token string, p *pausedDest, wait time.Duration) {
 	})
 }
 
-// takePaused removes and returns the connection held under token.
+// takePaused removes and returns the connection held under token, open
+// (counted in OpenStreams) from here on.
 func (a *Agent) takePaused(token string) (net.Conn, error) {
 	a.mu.Lock()
 	p := a.held.byToken[token]
 	if p != nil {
 		delete(a.held.byToken, token)
+		a.Stats.OpenStreams.Add(1) // open before no longer held: see busy
 		a.dropHeldLocked()
 	}
 	a.mu.Unlock()

@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"golang.org/x/sys/unix"
 )
 
 // Conn is one HTTP/2 connection in either role: the client end
@@ -560,6 +561,36 @@ func (l *Conn) GoAwayNow() {
 	l.unlockWrite()
 	if err != nil {
 		l.closeWith(fmt.Errorf("write: %w", err))
+	}
+}
+
+// Sent waits until the peer's TCP has acknowledged every byte this end
+// wrote (the socket's send queue is empty), or ctx ends, or the
+// connection closes. An owner that closes a connection at once may lose
+// the last bytes of its last streams: a socket closed while bytes it
+// received are unread is reset, and a reset throws away what the kernel
+// had not sent yet. Sockets other than TCP have no such queue: it returns
+// at once.
+func (l *Conn) Sent(ctx context.Context) {
+	if l.tcp == nil {
+		return
+	}
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+	for {
+		queued := 0
+		if err := l.tcp.Control(func(fd uintptr) {
+			queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
+		}); err != nil || queued == 0 {
+			return
+		}
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return
+		case <-l.readerDone:
+			return
+		}
 	}
 }
 
