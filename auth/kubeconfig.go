@@ -178,16 +178,6 @@ func LoadKubeconfig(path, context string) (*RESTConfig, error) {
 	return cfg, nil
 }
 
-// ParseKubeconfig is LoadKubeconfig for bytes already read; dir is the folder
-// that relative file names are resolved against.
-func ParseKubeconfig(data []byte, dir, context string) (*RESTConfig, error) {
-	cfg, err := parseKubeconfig(data, dir, context, readRegularFile)
-	if err != nil {
-		return nil, fmt.Errorf("kubeconfig: %w", err)
-	}
-	return cfg, nil
-}
-
 // InClusterConfig returns the config a pod uses to reach its apiserver:
 // KUBERNETES_SERVICE_HOST/PORT, the ServiceAccount token (re-read per
 // request, as the kubelet rotates it) and the cluster CA.

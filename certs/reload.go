@@ -143,11 +143,6 @@ func (r *Reloader) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error
 	return r.current(), nil
 }
 
-// GetClientCertificate implements tls.Config.GetClientCertificate.
-func (r *Reloader) GetClientCertificate(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
-	return r.current(), nil
-}
-
 // NotAfter is the expiry of the pair currently served.
 func (r *Reloader) NotAfter() time.Time {
 	r.mu.Lock()

@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -445,7 +444,7 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
-	defer a.recoverStream()
+	defer wire.RecoverTunnelPanic(a.log, a.metrics.panics, "agent stream", true)
 	a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
 	dest := a.openDestination(w, r)
 	a.metrics.packets.Inc(wire.SegFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
@@ -466,18 +465,6 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	}()
 	w.WriteHeader(http.StatusOK)
 	a.carry(w, r, dest)
-}
-
-// recoverStream keeps a panic in one tunnel from ending the agent: the
-// stream is reset and the rest carry on.
-func (a *Agent) recoverStream() {
-	if e := recover(); e != nil {
-		if e != http.ErrAbortHandler {
-			a.metrics.panics.Inc()
-			a.log.Error("panic recovered; only this tunnel is affected", "where", "agent stream", "panic", e, "stack", string(debug.Stack()))
-		}
-		panic(http.ErrAbortHandler) // reset this stream, quietly
-	}
 }
 
 // openDestination checks the request and dials its destination; on

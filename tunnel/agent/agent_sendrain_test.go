@@ -18,7 +18,7 @@ import (
 // restart-in line: the agent only drains there.
 func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
 	var b strings.Builder
-	if err := wire.WriteSwitching(&b, "s1", 2); err != nil {
+	if _, err := b.Write(wire.Switching("s1", 2)); err != nil {
 		t.Fatal(err)
 	}
 	r, err := wire.ReadReply(bufio.NewReader(strings.NewReader(b.String())))

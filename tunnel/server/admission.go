@@ -650,7 +650,7 @@ type controlWatch struct {
 // once a read would block (Notify starts it again) or the stream ended.
 func (w *controlWatch) run() {
 	for {
-		if b, ok := w.body.(*h2link.Body); ok && !b.Notify(func() { w.s.goroutineUnlessClosed(w.run) }) {
+		if b, ok := w.body.(*h2link.Body); ok && !b.Notify(func() { w.s.goroutineIfOpen(w.run) }) {
 			return
 		}
 		buf := make([]byte, 512)

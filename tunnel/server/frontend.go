@@ -68,14 +68,12 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 		conn.Close()
 		return
 	}
-	s.Stats.FrontendOpen.Add(1)
 	s.metrics.httpConns.Add(1)
 	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		if t.body != nil {
 			t.endStream()
 		}
 		s.metrics.httpConns.Add(-1)
-		s.Stats.FrontendOpen.Add(-1)
 		if !s.leave(t) {
 			conn.Close()
 		}
@@ -128,7 +126,6 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 		err = wire.StatusErrorf(http.StatusRequestTimeout, "request head not received in time")
 	}
 	if err != nil {
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("bad CONNECT request", "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
@@ -139,7 +136,6 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	// with unread data resets it, and the client would never see the 403.
 	if s.cfg.CheckFrontendPeer != nil {
 		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
-			s.Stats.DialsFailed.Add(1)
 			s.metrics.dialFailed(&wire.StatusError{Code: http.StatusForbidden})
 			s.quiet.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
@@ -157,7 +153,6 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 		if failureReason(err) == reasonShutdown && s.passDialing(t, conn, head, br) {
 			return false
 		}
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
 		if failureReason(err) == reasonFrontendClosed {
@@ -168,7 +163,6 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 		wire.WriteStatus(conn, wire.StatusCode(err), wire.ErrMsg(err))
 		return false
 	}
-	s.Stats.DialsOK.Add(1)
 	s.metrics.packets.Inc(wire.SegToClient, grpcwire.DialRsp)
 	written := time.Now()
 	_, err = io.WriteString(conn, wire.ConnectEstablished)

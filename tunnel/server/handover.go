@@ -661,7 +661,6 @@ func (s *Server) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 // is told as when the destination breaks (CLOSE_RSP with the error).
 func (s *Server) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
 	c.calls.Add(1)
-	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
 	held := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {
@@ -785,13 +784,6 @@ func newRestartMetrics(m *promtext.Registry) restartMetrics {
 type RestartStatus struct {
 	Paused  map[string]uint64 `json:"paused"`
 	Resumed map[string]uint64 `json:"resumed"`
-}
-
-func (h *RestartStatus) count(which, result string) uint64 {
-	if which == "resumed" {
-		return h.Resumed[result]
-	}
-	return h.Paused[result]
 }
 
 // restartStatus is RestartStatus now.

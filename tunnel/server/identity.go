@@ -367,18 +367,7 @@ func (s *Server) scheduleReviewLocked(a *agentConn) {
 		d = min(d, time.Until(exp)+time.Second)
 	}
 	d = max(d, minTokenRefresh)
-	a.cred.timer = time.AfterFunc(d, func() { s.goroutineUnlessClosed(func() { s.reviewLink(a) }) })
-}
-
-// goroutineUnlessClosed is goroutine for callers the server does not own
-// (a timer): once Close has begun waiting, f is not started.
-func (s *Server) goroutineUnlessClosed(f func()) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return
-	}
-	s.goroutine(f)
+	a.cred.timer = time.AfterFunc(d, func() { s.goroutineIfOpen(func() { s.reviewLink(a) }) })
 }
 
 // endCredential stops a link's reviews.

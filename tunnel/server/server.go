@@ -182,9 +182,9 @@ type Server struct {
 
 // Stats are counters an operator reads through metrics and status.
 type Stats struct {
-	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
-	BytesToAgent, BytesFromAgent                      atomic.Int64
-	ClosedQuiet                                       atomic.Int64 // tunnels a drain closed at a quiet moment
+	AgentsRefused                atomic.Int64
+	BytesToAgent, BytesFromAgent atomic.Int64
+	ClosedQuiet                  atomic.Int64 // tunnels a drain closed at a quiet moment
 }
 
 // New checks cfg and returns a Server that is not yet serving.
@@ -266,7 +266,7 @@ func (s *Server) track(ln *net.Listener, add bool) bool {
 }
 
 // goroutineIfOpen is goroutine for a caller the server does not own (a
-// context.AfterFunc): it starts f only while the server is not closed,
+// context.AfterFunc, a timer, a link's callback): it starts f only while the server is not closed,
 // deciding under mu, so its WaitGroup.Add comes before Close's Wait, which
 // sets closed under mu first. It reports whether f was started.
 func (s *Server) goroutineIfOpen(f func()) bool {
@@ -287,7 +287,7 @@ func (s *Server) goroutine(f func()) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		defer recoverTunnelPanic(s.log, s.metrics.panics, "server")
+		defer wire.RecoverTunnelPanic(s.log, s.metrics.panics, "server", false)
 		f()
 	}()
 }
