@@ -110,7 +110,7 @@ func newAgentFlags() (*agentOptions, *commandFlags) {
 	f.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long open tunnels may finish")
 	f.DurationVar(&o.syncInterval, "sync-interval", time.Second, "first reconnect delay")
 	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
-	f.UintVar(&o.maxStreams, "max-streams", 0, "concurrent tunnels accepted per server connection; 0: derived from the descriptor limit (RLIMIT_NOFILE): half of --max-streams-total, at most 10000")
+	f.UintVar(&o.maxStreams, "max-streams", 0, "concurrent tunnels accepted per server connection; 0: no bound of its own (--max-streams-total bounds them all)")
 	f.UintVar(&o.maxStreamsTotal, "max-streams-total", 0, "concurrent tunnels accepted from all servers together, past which a CONNECT gets 503; 0: derived from the descriptor limit, (limit - 256) / 2 (a tunnel takes a descriptor, and one more while held for a restarting server)")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
 	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")

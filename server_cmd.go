@@ -18,6 +18,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
@@ -66,6 +68,8 @@ type serverOptions struct {
 	gracefulShutdown      time.Duration
 	maxStreamsPerAgent    int
 	maxUnadmitted         int
+	maxAgentsPerCred      int
+	reservedFDs           int
 	maxAgentReviews       int
 	stalledBudgetMiB      int64
 	readyzRequiresAgent   bool
@@ -139,6 +143,8 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 	f.DurationVar(&o.backendDialTimeout, "backend-dial-timeout", 10*time.Second, "bound from CONNECT to the agent's dial answer (504 after it); below kube-apiserver's 30s")
 	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
 	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
+	f.IntVar(&o.maxAgentsPerCred, "max-agent-connections-per-credential", 32, "agent connections (each with its own agent ID) one certificate or token may hold from one address; past it a login is refused 429; 0 no bound")
+	f.IntVar(&o.reservedFDs, "reserved-file-descriptors", 0, "file descriptors agent connections may never take, kept for the front door and the health and admin ports; 0 a quarter of the descriptor limit, at most 1024; -1 none")
 	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.Int64Var(&o.stalledBudgetMiB, "stalled-tunnel-memory-budget", 1024, "MiB the server may hold, in all, of what agents sent for clients that do not read it yet (each tunnel up to its 1 MiB window); past it new dials get 503")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
@@ -223,6 +229,9 @@ func (o *serverOptions) complete(cf *commandFlags) error {
 	}
 	if o.stalledBudgetMiB < 1 || o.stalledBudgetMiB > 1<<30 {
 		return fmt.Errorf("--stalled-tunnel-memory-budget=%d: want 1 to %d MiB", o.stalledBudgetMiB, 1<<30)
+	}
+	if o.maxAgentsPerCred < 0 || o.reservedFDs < -1 {
+		return fmt.Errorf("--max-agent-connections-per-credential=%d, --reserved-file-descriptors=%d: want at least 0 and -1", o.maxAgentsPerCred, o.reservedFDs)
 	}
 	if o.maxUnadmitted < 1 || o.maxAgentReviews < 1 {
 		return fmt.Errorf("--max-unadmitted-agent-connections=%d, --max-concurrent-agent-reviews=%d: want at least 1 each", o.maxUnadmitted, o.maxAgentReviews)
@@ -436,6 +445,9 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 		StalledBudget:      o.stalledBudgetMiB << 20,
 		Metrics:            metrics,
 		Logger:             log,
+
+		MaxAgentsPerCredential: o.maxAgentsPerCred,
+		MaxAgentConns:          o.agentDescriptors(log),
 	}
 	cfg.Identity = server.IdentityPolicy{
 		IgnoreNodeClaims: !o.bindAgentIdentity,
@@ -805,4 +817,31 @@ func (o *serverOptions) trustReviewed(data json.RawMessage, log *slog.Logger) {
 		return
 	}
 	log.Info("token reviews taken over from the previous image", "tokens", o.reviewer.Trust(list), "of", len(list))
+}
+
+// agentDescriptors is the bound on agent-port connections that keeps
+// --reserved-file-descriptors (and the descriptors open now) for the
+// front door and the health and admin ports; 0 for no bound.
+func (o *serverOptions) agentDescriptors(log *slog.Logger) int {
+	if o.reservedFDs < 0 {
+		return 0
+	}
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY || lim.Cur > 1<<30 {
+		return 0
+	}
+	reserve := o.reservedFDs
+	if reserve == 0 {
+		reserve = min(int(lim.Cur)/4, 1024)
+	}
+	open := 0
+	if fds, err := os.ReadDir("/proc/self/fd"); err == nil {
+		open = len(fds)
+	}
+	n := int(lim.Cur) - reserve - open
+	if n < 2*o.maxUnadmitted {
+		log.Warn("descriptor limit too low for --reserved-file-descriptors: agent connections not bounded by it", "limit", lim.Cur, "reserved", reserve, "open", open)
+		return 0
+	}
+	return n
 }

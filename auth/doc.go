@@ -6,8 +6,9 @@
 // against the kube-apiserver (TokenReviewer.Review), requiring the
 // configured audience and exactly the ServiceAccount
 // system:serviceaccount:<namespace>:<name>. Failures carry the HTTP status the
-// server should answer with (StatusOf): 401 for a missing or invalid token,
-// 403 for a valid token that belongs to the wrong audience or account, and
+// server should answer with (StatusOf): 401 for a missing or invalid token
+// or one for another audience (as kube-apiserver answers it), 403 for a
+// valid token that belongs to another ServiceAccount, and
 // 503 when the TokenReview itself could not be done, so the agent retries.
 // Results are cached briefly, keyed by the token's SHA-256, never beyond the
 // token's own expiry. Token values never appear in errors.

@@ -31,8 +31,8 @@ const (
 )
 
 // RESTConfig is what is needed to call the kube-apiserver: its URL, how to
-// verify it and how to authenticate to it. Build one with LoadKubeconfig,
-// ParseKubeconfig or InClusterConfig.
+// verify it and how to authenticate to it. Build one with LoadKubeconfig or
+// InClusterConfig.
 type RESTConfig struct {
 	server        string // base URL, no trailing slash
 	tlsServerName string

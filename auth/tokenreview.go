@@ -417,8 +417,10 @@ func (r *TokenReviewer) review(ctx context.Context, token string) (Identity, err
 	if !st.Authenticated {
 		return Identity{}, unauthorized("token not authenticated")
 	}
+	// A token for another audience is not a credential here at all:
+	// kube-apiserver answers it 401, as it answers a bad token.
 	if r.audience != "" && !contains(st.Audiences, r.audience) {
-		return Identity{}, forbidden("token is not for audience %q", r.audience)
+		return Identity{}, unauthorized("token is not for audience %q", r.audience)
 	}
 	if st.User.Username != r.username {
 		return Identity{}, forbidden("token user %q is not %q", snippet([]byte(st.User.Username), token), r.username)

@@ -79,8 +79,8 @@ func TestAuthenticateChecksStatus(t *testing.T) {
 		reason string
 	}{
 		{"ok", map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}, "audiences": []string{"x", testAudience}}, 200, ""},
-		{"wrong audience", map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}, "audiences": []string{"other"}}, 403, "audience"},
-		{"no audiences", map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}}, 403, "audience"},
+		{"wrong audience", map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}, "audiences": []string{"other"}}, 401, "audience"},
+		{"no audiences", map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}}, 401, "audience"},
 		{"error set", map[string]any{"authenticated": true, "user": map[string]any{"username": agentUser}, "audiences": []string{testAudience}, "error": "webhook said no"}, 401, "webhook said no"},
 		{"error echoes token", map[string]any{"authenticated": false, "error": "bad token " + sampleToken}, 401, "[redacted]"},
 		{"not authenticated", map[string]any{"authenticated": false, "user": map[string]any{"username": agentUser}, "audiences": []string{testAudience}}, 401, "not authenticated"},

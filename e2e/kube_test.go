@@ -67,6 +67,7 @@ func TestKubeAPIServer(t *testing.T) {
 		}
 	}
 	apiserver, etcd := buildKubeBinaries(t)
+	upstreamAgent := upstreamAgentBin(t)
 
 	// Run this test again, alone, as PID 1 of new network, PID and mount
 	// namespaces: when it ends, the kernel kills whatever it left behind.
@@ -90,6 +91,7 @@ func TestKubeAPIServer(t *testing.T) {
 		kubeNetnsEnv+"=1",
 		kubeAPIServerEnv+"="+apiserver,
 		kubeEtcdEnv+"="+etcd,
+		kubeUpstreamAgentEnv+"="+upstreamAgent,
 		"KONNECTIVITY_BIN="+konnectivityBin)
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -303,6 +305,10 @@ func kubeMode(t *testing.T, apiserverBin, etcdBin, mode string) {
 	// --- Agent rollouts (SIGTERM, then a new agent) in the middle of
 	// webhook calls.
 	t.Run("agent-rollout-webhook-loop", e.webhookLoopAcrossAgentRollouts)
+
+	// --- Upstream's proxy-agent as its DaemonSet runs it, with the
+	// pod-bound token.
+	t.Run("upstream-agent-pod-token", e.upstreamAgentPodToken)
 
 	// --- Orderly stop: kube-apiserver holds idle keep-alive connections
 	// through the tunnel; SIGTERM must still end agent and server within

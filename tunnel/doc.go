@@ -68,7 +68,9 @@
 // gRPC agents), registry.go and registry_index.go (the agents by what a
 // strategy asks for), identity.go, quiet.go (the quiet close, for a
 // server's drain or one agent's), hangup.go (clients that left),
-// handover.go (the server's half of a restart's move), handover_agent.go
+// handover.go and handover_*.go, handed.go (the server's half of a
+// restart's move: the handover type, its hooks, pause, held and resume
+// parts, what crosses execve), handover_agent.go
 // (the server's half of an agent's restart in place), server_metrics.go,
 // status.go, panics.go.
 // Agent (tunnel/agent): agent.go (lifecycle and the tunnel's byte path),
@@ -95,9 +97,9 @@
 // tunnel (tunnel.handed) and the counts by state, and the count of gRPC
 // front door connections; the quiet drain, the hang-up sweep and a
 // restart pick tunnels under it and act on them after it is released.
-// A handover waits for the connections it takes and for the pauses of
-// an agent's restart (Server.agentPausing) on Server.moved, whose lock is
-// Server.mu. registry.mu
+// Server.mu also guards the handover's state (handover): it waits for
+// the connections it takes and for the pauses of an agent's restart
+// (handover.agentPausing) on handover.moved, whose lock is Server.mu. registry.mu
 // (read-locked by a dial's pick) guards the connected agents and their
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and

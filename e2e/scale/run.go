@@ -374,7 +374,8 @@ func (d *doorRun) launch(ctx context.Context, tag string) (launched, error) {
 		"--admin-port=" + strconv.Itoa(l.adminPort),
 	}
 	if !d.upstreamServer {
-		args = append([]string{"server"}, args...)
+		// The fleet logs in from one address with one certificate.
+		args = append([]string{"server", "--max-agent-connections-per-credential=0"}, args...)
 	}
 	var err error
 	l.proc, err = benchproc.Start("server", d.serverBin, args, filepath.Join(s.dir, tag+"-server.log"))

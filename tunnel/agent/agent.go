@@ -67,11 +67,12 @@ type Config struct {
 	SyncCap      time.Duration // reconnect delay cap, and the re-probe/re-resolve period (default 10s)
 	// MaxStreams bounds the tunnels one server connection may open at
 	// once, MaxStreamsTotal those of all server connections together:
-	// past either a CONNECT is answered 503 (the connection's HTTP/2
-	// stream limit leaves room for each tunnel's pause request). Each tunnel takes a descriptor, and one more while it is held
-	// for a restarting server, so the defaults come from the descriptor
-	// limit (streamCaps): a server, however hostile, cannot take the
-	// agent out of descriptors, nor all of its streams.
+	// past either a CONNECT is answered 503 naming the flag (the
+	// connection's HTTP/2 stream limit leaves room for each tunnel's pause
+	// request). Each tunnel takes a descriptor, and one more while it is
+	// held for a restarting server, so the defaults come from the
+	// descriptor limit (streamCaps): a server, however hostile, cannot
+	// take the agent out of descriptors.
 	MaxStreams      uint32
 	MaxStreamsTotal uint32
 
@@ -186,16 +187,18 @@ const reservedDescriptors = 256
 
 // streamCaps derives the default stream bounds from the descriptor limit:
 // two descriptors per tunnel (its destination, and the duplicate held for
-// a restarting server) beside reservedDescriptors; one server connection
-// gets at most half of the total, and no more than a server lets one agent
-// carry by default (--max-streams-per-agent).
+// a restarting server) beside reservedDescriptors. One server connection
+// may use the whole of it: with one server the agent carries as many
+// tunnels as its descriptors allow, and with several the total is what
+// binds (each server bounds what it sends one agent itself,
+// --max-streams-per-agent).
 func streamCaps(limit uint64) (perConn, total uint32) {
 	t := uint64(16)
 	if limit > reservedDescriptors+2*t {
 		t = (limit - reservedDescriptors) / 2
 	}
 	t = min(t, 1<<20)
-	return uint32(min(max(t/2, 1), 10000)), uint32(t)
+	return uint32(t), uint32(t)
 }
 
 // descriptorLimit is the process's limit on open descriptors (Go raises

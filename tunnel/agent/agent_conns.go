@@ -266,8 +266,8 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 		tc := wire.TlsClient(head, tcfg)
 		if err := tc.HandshakeContext(hctx); err != nil {
 			raw.Close()
-			if se := head.busyAnswer(err); se != nil {
-				return nil, fmt.Errorf("server %s refused the connection: %w", t.addr, se)
+			if herr := head.httpAnswer(t.addr, err); herr != nil {
+				return nil, herr
 			}
 			return nil, fmt.Errorf("TLS handshake with %s: %w", t.addr, err)
 		}
@@ -365,7 +365,11 @@ func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
 	}
 	a.releaseStream(l)
 	a.metrics.streamsRefused.Inc()
-	http.Error(w, fmt.Sprintf("agent carries its most tunnels (%d from this server, %d in all); try another agent", a.cfg.MaxStreams, a.cfg.MaxStreamsTotal), http.StatusServiceUnavailable)
+	why := fmt.Sprintf("%d in all (--max-streams-total; by default from the descriptor limit)", a.cfg.MaxStreamsTotal)
+	if total <= int64(a.cfg.MaxStreamsTotal) {
+		why = fmt.Sprintf("%d from this server (--max-streams)", a.cfg.MaxStreams)
+	}
+	http.Error(w, "agent carries its most tunnels: "+why+"; try another agent", http.StatusServiceUnavailable)
 	return false
 }
 
@@ -549,19 +553,26 @@ func (h *headRecorder) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// busyAnswer reads the server's plain-text answer in place of a TLS
-// handshake, or returns nil if err is not one.
-func (h *headRecorder) busyAnswer(err error) *wire.StatusError {
+// httpAnswer reads a plain-HTTP answer in place of a TLS handshake, or
+// returns nil if err is not one. The server's unadmitted limit answers so,
+// with the time to come back (Konnectivity-Retry-After-Ms): a refusal to
+// retry. Any other plain-HTTP answer comes from something that is no agent
+// port (a health or metrics port, an HTTP proxy): named as such.
+func (h *headRecorder) httpAnswer(addr string, err error) error {
 	var rh tls.RecordHeaderError
 	if !errors.As(err, &rh) || string(rh.RecordHeader[:]) != "HTTP/" {
 		return nil
 	}
 	resp, rerr := http.ReadResponse(bufio.NewReader(bytes.NewReader(h.head)), nil)
 	if rerr != nil {
-		return nil
+		return fmt.Errorf("%s answered in plain HTTP, not TLS: not a konnectivity agent port? (--proxy-server-host, --proxy-server-port)", addr)
 	}
 	resp.Body.Close()
-	return &wire.StatusError{Code: resp.StatusCode, Msg: "too many connections waiting to be admitted", RetryAfter: wire.RetryAfterHeader(resp.Header)}
+	if resp.Header.Get(wire.HdrRetryAfterMs) == "" {
+		return fmt.Errorf("%s answered in plain HTTP (%s), not TLS: not a konnectivity agent port? (--proxy-server-host, --proxy-server-port)", addr, resp.Status)
+	}
+	se := &wire.StatusError{Code: resp.StatusCode, Msg: "too many connections waiting to be admitted", RetryAfter: wire.RetryAfterHeader(resp.Header)}
+	return fmt.Errorf("server %s refused the connection: %w", addr, se)
 }
 
 // backoff is capped exponential backoff with full jitter: each delay is

@@ -8,16 +8,17 @@ import (
 )
 
 // TestAgentStreamCaps: the default bounds come from the descriptor limit,
-// two descriptors per tunnel beside reservedDescriptors, one server
-// connection getting half the total and at most 10000.
+// two descriptors per tunnel beside reservedDescriptors, and one server
+// connection may use all of it.
 func TestAgentStreamCaps(t *testing.T) {
 	for _, c := range []struct {
 		limit          uint64
 		perConn, total uint32
 	}{
-		{1024, 192, 384},
-		{100, 8, 16},
-		{1 << 20, 10000, (1<<20 - 256) / 2},
+		{1024, 384, 384},
+		{20000, 9872, 9872},
+		{100, 16, 16},
+		{1 << 20, (1<<20 - 256) / 2, (1<<20 - 256) / 2},
 	} {
 		perConn, total := streamCaps(c.limit)
 		if perConn != c.perConn || total != c.total {

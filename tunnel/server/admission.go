@@ -507,7 +507,7 @@ func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	if err == nil {
 		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
 		stop := watchHangup(conn, cancel)
-		principal, ids, err = s.admit(ctx, hello, tlsState, remote)
+		principal, ids, err = s.admit(ctx, &hello, tlsState, remote)
 		if !stop() && err == nil {
 			err = wire.StatusErrorf(http.StatusBadRequest, "the agent hung up or sent data before the handshake answer")
 		}
@@ -540,11 +540,27 @@ func (s *Server) refuseAgent(conn net.Conn, id, remote string, err error) {
 		s.log.Debug("not an agent handshake", "remote", remote, "status", code, "reason", wire.ErrMsg(err))
 	default:
 		s.Stats.AgentsRefused.Add(1)
-		s.quiet.Log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", id, "remote", remote, "status", code, "reason", wire.ErrMsg(err))
+		s.logRefusal(id, remote, err, "status", code)
 	}
 	conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 	wire.WriteStatus(conn, code, wire.ErrMsg(err))
 	conn.Close()
+}
+
+// logRefusal logs a refused login at WARN, one line per source and reason
+// per interval (with the count of those suppressed), so a reconnect storm
+// yields a few lines and a second, different reason from the same source
+// is still seen.
+func (s *Server) logRefusal(id, remote string, err error, args ...any) {
+	reason := wire.ErrMsg(err)
+	key := reason
+	if se, ok := errors.AsType[*wire.StatusError](err); ok && se.Reason != "" {
+		key = se.Reason
+	}
+	if len(key) > 96 {
+		key = key[:96]
+	}
+	s.quiet.Log(s.log, slog.LevelWarn, "refused "+hostOf(remote)+" "+key, "agent refused", append([]any{"agent", id, "remote", remote, "reason", reason}, args...)...)
 }
 
 // startAgentLink answers an admitted agent's handshake, which br read,
@@ -567,7 +583,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID)}
+	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	if err := s.register(a, hello.Token, tlsState); err != nil {
 		stopControl()
 		a.endCredential()
@@ -575,7 +591,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		link.Close()
 		return
 	}
-	s.log.Info("agent connected", "agent", a.id, "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
+	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 	// No goroutine waits for the connection to end (an idle agent costs
 	// what it holds, not a parked stack): closing it unregisters the agent.
 	wc.OnClose(func() {
@@ -593,7 +609,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 // under one review slot (admission.go): the connection's deadline, or the
 // login stream's life. It returns the identifiers to register the agent
 // with: those the credential backs.
-func (s *Server) admit(ctx context.Context, h wire.AgentHello, tlsState tls.ConnectionState, remote string) (Principal, wire.Identifiers, error) {
+func (s *Server) admit(ctx context.Context, h *wire.AgentHello, tlsState tls.ConnectionState, remote string) (Principal, wire.Identifiers, error) {
 	if slices.Contains(h.Held, s.cfg.ID) {
 		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusConflict, "agent already holds a connection to server %s", s.cfg.ID)
 	}
@@ -610,11 +626,19 @@ func (s *Server) admit(ctx context.Context, h wire.AgentHello, tlsState tls.Conn
 		if p, err = s.authenticate(ctx, AgentCredentials{AgentID: h.ID, Token: h.Token, TLS: tlsState}); err != nil {
 			return err
 		}
-		ids, err = s.checkIdentity(ctx, p, h.ID, ids)
+		var id string
+		id, ids, err = s.checkIdentity(ctx, p, h.ID, ids)
+		if err == nil && id != h.ID {
+			h.ID, h.Claimed = id, h.ID
+		}
 		return err
 	})
 	if err != nil {
 		return Principal{}, wire.Identifiers{}, err
+	}
+	if held, ok := s.agents.credRoom(credKey(p, remote), h.ID, s.cfg.MaxAgentsPerCredential); !ok {
+		s.metrics.agentsRefusedCred.Inc()
+		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
 	}
 	return p, ids, nil
 }
@@ -698,7 +722,7 @@ func (s *Server) controlLine(a *agentConn, line string, cutIn *time.Duration) {
 		return
 	}
 	if _, ok := strings.CutPrefix(line, wire.ControlRestartIn+" "); ok {
-		s.agentRestarting(a)
+		s.hand.agentRestarting(a)
 		return
 	}
 	if v, ok := strings.CutPrefix(line, wire.ControlDrainIn+" "); ok {

@@ -106,7 +106,7 @@ func (s *Server) waitAgent(host string, exclude map[*agentConn]bool, up *upload)
 		}
 		if last {
 			// A leaving server admits no agent: none will come for this
-			// dial here (a handover passes it on: passDialing).
+			// dial here (a handover passes it on: dialWaiting).
 			return nil, wire.StatusErrorf(http.StatusServiceUnavailable, "server shutting down: no agent available for %s", host).WithReason(reasonShutdown)
 		}
 		if timer == nil {

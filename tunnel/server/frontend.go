@@ -2,7 +2,6 @@ package server
 
 import (
 	"bufio"
-	"context"
 	"io"
 	"log/slog"
 	"net"
@@ -96,27 +95,24 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 // it on. On failure it answers the error itself and returns false. It
 // returns before the tunnel parks: see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) bool {
-	if t.handed != nil && !t.handed.Unasked {
-		return s.openHanded(t, conn)
+	if ok, carried := s.hand.handedIn(t, conn); carried {
+		return ok
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
 	conn.SetDeadline(headDeadline)
 	lim := &wire.HeadLimiter{R: conn, Remaining: maxConnectHead, Limited: true}
-	if t.handed != nil { // a connection the previous image took before its head ended
-		lim.Seen, lim.Replay = t.handed.Head, len(t.handed.Head)
-		t.handed = nil
-	}
+	lim.Seen = s.hand.headSoFar(t)
+	lim.Replay = len(lim.Seen)
 	br := headReaders.Get().(*bufio.Reader) // back to the pool once drained: see sendBuffered
 	br.Reset(lim)
-	stop := context.AfterFunc(s.leaving, func() { s.interruptUnasked(t, conn) })
+	stop := s.hand.headStarted(t, conn)
 	addr, err := wire.ReadConnect(br)
 	stop()
-	if !s.asked(t, pd) {
-		s.passUnasked(t, conn, lim.Seen)
+	if !s.hand.headRead(t, pd, conn, lim.Seen) {
 		return false
 	}
 	// The head's own bytes, kept while the dial may still move to the next
-	// image (passDialing); bytes read past it are in br.
+	// image (dialWaiting); bytes read past it are in br.
 	head := lim.Seen[:max(0, len(lim.Seen)-br.Buffered())]
 	if lim.Replay == 0 {
 		lim.Seen = nil
@@ -150,7 +146,7 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	t.addr = addr
 	s.initFrontendUpload(t, conn, br)
 	if err := s.open(t); err != nil {
-		if failureReason(err) == reasonShutdown && s.passDialing(t, conn, head, br) {
+		if failureReason(err) == reasonShutdown && s.hand.dialWaiting(t, conn, head, br) {
 			return false
 		}
 		s.metrics.dialFailed(err)
@@ -246,7 +242,7 @@ func (s *Server) carryDirect(t *tunnel, conn net.Conn, body *h2link.Body, pd *pe
 	})
 	t.down.Store(down)
 	pd.release()
-	s.pauseIfAgentRestarting(t)
+	s.hand.opened(t)
 	body.SendUpload()
 	// The client finished sending (or the stream ended): wait for the
 	// destination's end.

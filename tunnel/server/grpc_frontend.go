@@ -552,7 +552,7 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	f.downCarrier.spawn = s.goroutine
 	f.downCarrier.wake()
 	f.upCarrier.wake()
-	s.pauseIfAgentRestarting(t)
+	s.hand.opened(t)
 	if f.end = h2link.Hold(f.g.w); f.end == nil {
 		ev, err := awaitGRPC(f)
 		return s.endGRPC(t, ev, err)

@@ -7,7 +7,7 @@ import (
 )
 
 // An agent's restart in place (SIGHUP) hands its tunnels to its next image
-// with the handover's protocol (handover.go), the roles of who restarts
+// with the handover's protocol (docs/restart.md), the roles of who restarts
 // swapped:
 //
 //  1. The agent tells each server that named featureAgentRestart that it
@@ -33,7 +33,7 @@ import (
 // within resumeWait is closed, as after a server restart, and a token the
 // next image does not hold is refused (404) and its tunnel closed. Rapid
 // restarts: a tunnel that becomes pausable on an agent after it announced
-// its restart is paused too (pauseIfAgentRestarting), and a resume that
+// its restart is paused too (opened), and a resume that
 // meets an agent image on its way out waits for the next one
 // (agentLeaving). The agent's half is in agent_restart.go.
 
@@ -59,23 +59,25 @@ func agentLeaving(err error) bool {
 // so every tunnel on its link that can move is paused for its next image
 // (steps 2 and 4 above); a's tunnels that cannot move drain with the
 // drain that follows. Once.
-func (s *Server) agentRestarting(a *agentConn) {
+func (h *handover) agentRestarting(a *agentConn) {
+	s := h.s
 	if !a.canPause || a.restarting.Swap(true) {
 		return
 	}
-	todo := s.takeMovable(a) // before the drain line is read: a drain takes only open tunnels
+	todo := h.takeMovable(a) // before the drain line is read: a drain takes only open tunnels
 	s.log.Info("agent restarting in place: pausing its tunnels for its next image", "agent", a.id, "remote", a.remote, "tunnels", len(todo))
-	s.pauseForAgent(todo)
+	h.pauseForAgent(todo)
 }
 
-// pauseIfAgentRestarting pauses t, a tunnel that has just become pausable,
+// opened pauses t, a tunnel that has just become pausable,
 // for its agent's next image when the agent already announced its
 // restart: one resumed or opened on it after agentRestarting took the
 // tunnels open then, which would otherwise drain. Whichever of the two
 // moves t to pausing (under Server.mu) pauses it; agentRestarting sets
 // restarting before it looks, and t is pausable before this looks, so
 // neither misses it.
-func (s *Server) pauseIfAgentRestarting(t *tunnel) {
+func (h *handover) opened(t *tunnel) {
+	s := h.s
 	if !t.agent.restarting.Load() {
 		return
 	}
@@ -83,7 +85,7 @@ func (s *Server) pauseIfAgentRestarting(t *tunnel) {
 	took := t.agent.canPause && t.front.pausable(t) && t.moveLocked(tunnelPausing)
 	s.mu.Unlock()
 	if took {
-		s.pauseForAgent([]*tunnel{t})
+		h.pauseForAgent([]*tunnel{t})
 	}
 }
 
@@ -92,7 +94,8 @@ func (s *Server) pauseIfAgentRestarting(t *tunnel) {
 // (waitForAgent). The batch counts in agentPausing until its tunnels are
 // held, so a handover that begins meanwhile waits for them and passes
 // them on (collectAgentPauses) instead of losing them.
-func (s *Server) pauseForAgent(todo []*tunnel) {
+func (h *handover) pauseForAgent(todo []*tunnel) {
+	s := h.s
 	if len(todo) == 0 {
 		return
 	}
@@ -101,9 +104,9 @@ func (s *Server) pauseForAgent(todo []*tunnel) {
 	if s.closed {
 		return // Close closed their sockets
 	}
-	s.agentPausing++
+	h.agentPausing++
 	s.goroutine(func() {
-		s.waitForAgent(s.pauseAll(s.baseCtx, todo, "tunnels paused for the agent's next image"))
+		h.waitForAgent(h.pauseAll(s.baseCtx, todo, "tunnels paused for the agent's next image"))
 	})
 }
 
@@ -112,22 +115,23 @@ func (s *Server) pauseForAgent(todo []*tunnel) {
 // paused, and ends their batch's count in agentPausing. While the server
 // shuts down they are held only: a handover passes them on
 // (collectAgentPauses), Close drops them; once it closed they are closed.
-func (s *Server) waitForAgent(paused []*PausedTunnel) {
+func (h *handover) waitForAgent(paused []*PausedTunnel) {
+	s := h.s
 	s.mu.Lock()
-	s.agentPausing--
-	s.moved.Broadcast()
+	h.agentPausing--
+	h.moved.Broadcast()
 	if s.closed {
 		s.mu.Unlock()
 		for _, p := range paused {
 			p.Socket.Close()
-			s.resumeFailed(p, resultFailed, errors.New("server closed while the agent restarted"))
+			h.resumeFailed(p, resultFailed, errors.New("server closed while the agent restarted"))
 		}
 		return
 	}
 	for _, p := range paused {
-		h := s.holdLocked(p)
+		ht := h.holdLocked(p)
 		if !s.shutting {
-			s.goroutine(func() { s.resumeTunnel(h) })
+			s.goroutine(func() { h.resumeTunnel(ht) })
 		}
 	}
 	s.mu.Unlock()

@@ -160,9 +160,9 @@ func handOverTo(t *testing.T, cur *env, want int) (*env, []*PausedTunnel) {
 // handedOver is a handover metric's count: of tunnels "paused" or
 // "resumed", with result.
 func handedOver(s *Server, which, result string) uint64 {
-	m := s.metrics.restarts.paused
+	m := s.hand.metrics.paused
 	if which == "resumed" {
-		m = s.metrics.restarts.resumed
+		m = s.hand.metrics.resumed
 	}
 	return m[result].Value()
 }

@@ -181,19 +181,22 @@ func (s *Server) authenticate(ctx context.Context, c AgentCredentials) (Principa
 	return Principal{}, nil
 }
 
-// checkIdentity refuses an agent whose ID or identifiers its credential
-// does not back, and a login under an ID that is connected with another
+// checkIdentity refuses an agent whose identifiers its credential does
+// not back, and a login under an ID that is connected with another
 // credential. Refusals are 403s carrying the reason; a node lookup that
-// could not be done is a 503 (retry). It returns the identifiers the agent
-// is registered with: ids, less the ipv4=/ipv6= a node-bound agent claims
-// when the server cannot read its Node (listed in Ignored).
+// could not be done is a 503 (retry). It returns the ID the agent is
+// registered under and its identifiers: ids, less the ipv4=/ipv6= a
+// node-bound agent claims when the server cannot read its Node (listed in
+// Ignored).
 //
 // A node-bound agent's ID may be its token's node or pod name: the ID
 // routes no dial (identifiers do), it names the link, and one credential
-// holds an ID at a time, so either name is as strong. Upstream's
-// DaemonSets pass no --agent-id and the agent's default is the host name:
-// the pod's name, or with hostNetwork the node's.
-func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids wire.Identifiers) (wire.Identifiers, error) {
+// holds an ID at a time, so either name is as strong. An ID that names
+// neither (upstream's agent, whose DaemonSet passes no --agent-id, takes a
+// random UUID) is not refused: the agent is registered under the identity
+// its token proves, its pod's name (the node's when the token names no
+// pod), and routed as the token's node; the ID it asked for stays a label.
+func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids wire.Identifiers) (string, wire.Identifiers, error) {
 	pol := &s.cfg.Identity
 	switch {
 	case p.Kind == PrincipalToken && p.Node == "" && !pol.IgnoreNodeClaims:
@@ -202,20 +205,20 @@ func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids 
 		})
 	case p.Kind == PrincipalToken && p.Node != "" && !pol.IgnoreNodeClaims:
 		if !strings.EqualFold(id, p.Node) && (p.Pod == "" || !strings.EqualFold(id, p.Pod)) {
-			if p.Pod == "" {
-				return ids, s.identityRefused(identityNodeMismatch, "agent ID %q is not the node %q its token was issued for", id, p.Node)
+			id = p.Pod
+			if id == "" {
+				id = p.Node
 			}
-			return ids, s.identityRefused(identityNodeMismatch, "agent ID %q is neither the node %q nor the pod %q its token was issued for", id, p.Node, p.Pod)
 		}
 		for _, h := range ids.Hosts {
 			if !strings.EqualFold(strings.TrimSuffix(h, "."), p.Node) {
-				return ids, s.identityRefused(identityNodeMismatch, "identifier host=%s is not the node %q the agent's token was issued for", h, p.Node)
+				return id, ids, s.identityRefused(identityNodeMismatch, "identifier host=%s is not the node %q the agent's token was issued for", h, p.Node)
 			}
 		}
 		if len(ids.Addrs) > 0 {
 			verified, err := s.checkNodeAddrs(ctx, p.Node, ids.Addrs)
 			if err != nil {
-				return ids, err
+				return id, ids, err
 			}
 			if !verified {
 				ids = s.dropUnverifiedAddrs(id, p.Node, ids)
@@ -223,26 +226,26 @@ func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids 
 		}
 	case p.Kind == PrincipalCertificate && pol.CertificateNames:
 		if !containsFold(p.Names, id) {
-			return ids, s.identityRefused(identityCertMismatch, "agent ID %q is not a name in its client certificate", id)
+			return id, ids, s.identityRefused(identityCertMismatch, "agent ID %q is not a name in its client certificate", id)
 		}
 		for _, h := range ids.Hosts {
 			if !containsFold(p.Names, strings.TrimSuffix(h, ".")) {
-				return ids, s.identityRefused(identityCertMismatch, "identifier host=%s is not a name in the agent's client certificate", h)
+				return id, ids, s.identityRefused(identityCertMismatch, "identifier host=%s is not a name in the agent's client certificate", h)
 			}
 		}
 		for _, a := range ids.Addrs {
 			if !slices.Contains(p.Addrs, a.Unmap()) {
-				return ids, s.identityRefused(identityAddressUnbacked, "identifier %s is not an IP address in the agent's client certificate", addrIdentifier(a))
+				return id, ids, s.identityRefused(identityAddressUnbacked, "identifier %s is not an IP address in the agent's client certificate", addrIdentifier(a))
 			}
 		}
 	}
 	if (len(ids.CIDRs) > 0 || ids.DefaultRoute) && !s.trustedForRoutes(p, id) {
-		return ids, s.identityRefused(identityRouteUntrusted, "cidr= and default-route identifiers are accepted only from agents listed in --route-agents (agent %q is not)", id)
+		return id, ids, s.identityRefused(identityRouteUntrusted, "cidr= and default-route identifiers are accepted only from agents listed in --route-agents (agent %q is not)", id)
 	}
 	if s.agents.heldByOther(id, p.Credential) {
-		return ids, s.identityRefused(identityInUse, "agent ID %q is connected with another credential", id)
+		return id, ids, s.identityRefused(identityInUse, "agent ID %q is connected with another credential", id)
 	}
-	return ids, nil
+	return id, ids, nil
 }
 
 // boundNode is the node an agent's credential binds it to, the node whose

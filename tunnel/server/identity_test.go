@@ -140,11 +140,11 @@ func TestIdentityBindsTokenToNode(t *testing.T) {
 		reason               string // "" admitted
 	}{
 		{"own node", "node-a", "host=node-a&ipv4=127.0.0.1&ipv6=::1", "tok-a", ""},
-		{"other ID", "node-b", "", "tok-a", identityNodeMismatch},
+		{"other ID: admitted as its node", "node-b", "", "tok-a", ""},
 		{"pod-bound token, the pod's name as ID", "konnectivity-agent-x7k2p", "host=node-a&ipv4=127.0.0.1", "tok-a-pod", ""},
 		{"pod-bound token, the pod's name in capitals", "Konnectivity-Agent-X7K2P", "", "tok-a-pod", ""},
 		{"pod-bound token, the node's name as ID", "node-a", "", "tok-a-pod", ""},
-		{"pod-bound token, another pod's name", "konnectivity-agent-zzzzz", "", "tok-a-pod", identityNodeMismatch},
+		{"pod-bound token, another pod's name: admitted as its pod", "konnectivity-agent-zzzzz", "", "tok-a-pod", ""},
 		{"pod-bound token, its pod's name as host=", "konnectivity-agent-x7k2p", "host=konnectivity-agent-x7k2p", "tok-a-pod", identityNodeMismatch},
 		{"pod-bound token, address not the node's", "konnectivity-agent-x7k2p", "ipv4=127.0.0.2", "tok-a-pod", identityAddressUnbacked},
 		{"other host", "node-a", "host=node-b", "tok-a", identityNodeMismatch},
@@ -182,11 +182,19 @@ func TestIdentityBindsTokenToNode(t *testing.T) {
 	if n := strings.Count(out, "agent identity binding is off"); n != 1 {
 		t.Errorf("the unbound-token notice was logged %d times, want once:\n%s", n, out)
 	}
-	if !strings.Contains(out, `is not the node \"node-a\" its token was issued for`) {
+	if !strings.Contains(out, `identifier host=konnectivity-agent-x7k2p is not the node \"node-a\" the agent's token was issued for`) {
 		t.Errorf("the refusal reason is not in the log:\n%s", out)
 	}
-	if err := rawLogin(t, e, "konnectivity-agent-zzzzz", "", "tok-a-pod", false); err == nil || !strings.Contains(err.Error(), `agent ID "konnectivity-agent-zzzzz" is neither the node "node-a" nor the pod "konnectivity-agent-x7k2p"`) {
-		t.Errorf("another pod's name: the refusal does not name the node and the pod: %v", err)
+	// Refusals from one source are limited per reason, not per source:
+	// each different reason is logged, as a warning.
+	for _, reason := range []string{"is not the node", "is not an address of node", "accepted only from agents listed in --route-agents"} {
+		found := false
+		for _, l := range strings.Split(out, "\n") {
+			found = found || strings.Contains(l, "agent refused") && strings.Contains(l, reason) && strings.Contains(l, "level=WARN")
+		}
+		if !found {
+			t.Errorf("no WARN line for the refusal %q from the same source:\n%s", reason, out)
+		}
 	}
 	// A Node lookup that failed (apiserver unreachable, 5xx) is a 503: the
 	// agent retries, nothing is counted as a refusal.
@@ -504,6 +512,40 @@ func upstreamLogin(t *testing.T, e *env, id, identifiers, token string) (*http.R
 		t.Fatal(err)
 	}
 	return resp, func() { cancel(); pw.Close(); resp.Body.Close(); cc.Close() }
+}
+
+// Upstream's agent, as its DaemonSet runs it, names itself with a random
+// UUID: with a pod-bound token it is admitted under its pod's name, routed
+// as the token's node, the UUID kept as a label in the status and the log.
+func TestIdentityForeignIDAdmittedAsPod(t *testing.T) {
+	tunneltest.CheckNoLeaks(t)
+	f := newFakeTokens()
+	f.addPod("tok-a-pod", "node-a", "konnectivity-agent-x7k2p", "uid-a-pod")
+	var log lockedBuf
+	e := tokenEnv(t, f, &log, nil)
+	const uuid = "7d3f1c2e-9b4a-4e7f-8c21-5a6b7c8d9e0f"
+	resp, end := upstreamLogin(t, e, uuid, "", "tok-a-pod")
+	defer end()
+	if resp.StatusCode != 200 || resp.Header.Get("grpc-status") != "" {
+		t.Fatalf("upstream agent with a UUID ID: %s %v", resp.Status, resp.Header)
+	}
+	// The answer's head goes out before the agent is registered.
+	st := e.srv.Status()
+	for deadline := time.Now().Add(5 * time.Second); len(st.Agents) == 0 && time.Now().Before(deadline); st = e.srv.Status() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if len(st.Agents) != 1 {
+		t.Fatalf("agents %+v, want one", st.Agents)
+	}
+	if a := st.Agents[0]; a.ID != "konnectivity-agent-x7k2p" || a.ClaimedID != uuid || a.Node != "node-a" {
+		t.Errorf("registered as %+v; want ID konnectivity-agent-x7k2p, ClaimedID %s, node node-a", a, uuid)
+	}
+	if out := log.String(); !strings.Contains(out, "agent=konnectivity-agent-x7k2p claimed_id="+uuid) {
+		t.Errorf("the login's log line does not name the pod and the claimed ID:\n%s", out)
+	}
+	if n := refusals(e, identityNodeMismatch); n != 0 {
+		t.Errorf("node_mismatch counted %d times, want 0", n)
+	}
 }
 
 // Upstream (gRPC) agents are bound and re-checked the same way.

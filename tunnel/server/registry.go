@@ -49,6 +49,7 @@ func ParseStrategies(s string) ([]Strategy, error) {
 type agentConn struct {
 	// Immutable once registered.
 	id          string
+	claimedID   string // the ID the agent asked for, when its credential gave it id instead (checkIdentity); "" otherwise
 	ids         wire.Identifiers
 	remote      string
 	since       time.Time
@@ -60,6 +61,7 @@ type agentConn struct {
 	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
 	canPause    bool               // it can hold its tunnels across a server restart; fixed at login
 	node        string             // the node its credential binds it to (boundNode); "" for none
+	credKey     string             // its credential and address (credKey), counted against MaxAgentsPerCredential
 
 	// Atomic: any goroutine.
 	streams            atomic.Int64 // open tunnels
@@ -67,6 +69,15 @@ type agentConn struct {
 	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
 	doubted            atomic.Bool  // its token's last review was negative: it takes no new tunnel (identity.go, reviewLink)
 	bytesTo, bytesFrom atomic.Int64
+}
+
+// claimedAttr names the agent in a log line: its ID, and the ID it asked
+// for when that is another.
+func (a *agentConn) claimedAttr() []any {
+	if a.claimedID == "" {
+		return []any{"agent", a.id}
+	}
+	return []any{"agent", a.id, "claimed_id", a.claimedID}
 }
 
 // roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an
@@ -130,11 +141,33 @@ type registry struct {
 	idx      agentIndex               // guarded by mu: the agents in agents, indexed
 	changed  chan struct{}            // guarded by mu
 	arrivals map[string]chan struct{} // guarded by mu: by agent ID, while someone waits for it
+	perCred  map[string]int           // guarded by mu: agents in agents by credKey
 	next     atomic.Uint64            // rotation among equal agents
 }
 
 func newRegistry() *registry {
-	return &registry{agents: make(map[string]*agentConn), idx: newAgentIndex(), changed: make(chan struct{}), arrivals: make(map[string]chan struct{})}
+	return &registry{agents: make(map[string]*agentConn), idx: newAgentIndex(), changed: make(chan struct{}), arrivals: make(map[string]chan struct{}), perCred: make(map[string]int)}
+}
+
+// credKey is what MaxAgentsPerCredential counts by: a credential from one
+// address (a fleet may share one certificate; each node's agent connects
+// from its own address).
+func credKey(p Principal, remote string) string { return p.Credential + "@" + hostOf(remote) }
+
+// credRoom reports whether one more agent with key may register under max
+// (0: no bound); a login that replaces the connection of its ID with the
+// same key takes no more room.
+func (r *registry) credRoom(key, id string, max int) (held int, ok bool) {
+	if max <= 0 {
+		return 0, true
+	}
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	held = r.perCred[key]
+	if old := r.agents[id]; old != nil && old.credKey == key {
+		held--
+	}
+	return held, held < max
 }
 
 // add registers a, returning the connection it replaces (same agent ID), if any.
@@ -144,8 +177,10 @@ func (r *registry) add(a *agentConn) (replaced *agentConn) {
 	replaced = r.agents[a.id]
 	if replaced != nil {
 		r.idx.remove(replaced)
+		r.uncountLocked(replaced)
 	}
 	r.agents[a.id] = a
+	r.perCred[a.credKey]++
 	r.idx.add(a)
 	close(r.changed)
 	r.changed = make(chan struct{})
@@ -192,6 +227,14 @@ func (r *registry) remove(a *agentConn) {
 	if r.agents[a.id] == a {
 		delete(r.agents, a.id)
 		r.idx.remove(a)
+		r.uncountLocked(a)
+	}
+}
+
+// uncountLocked takes a out of perCred; r.mu is held.
+func (r *registry) uncountLocked(a *agentConn) {
+	if r.perCred[a.credKey]--; r.perCred[a.credKey] <= 0 {
+		delete(r.perCred, a.credKey)
 	}
 }
 

@@ -77,6 +77,17 @@ type Config struct {
 	// 1 MiB window); past it a new dial gets 503, so that stalled readers
 	// cannot grow the process without end (default 1 GiB).
 	StalledBudget int64
+	// MaxAgentsPerCredential bounds the agent connections (and so agent
+	// IDs, one per connection) one credential holds from one address: a
+	// login past it is refused 429 naming the bound. A real node's agent
+	// holds one per server. 0: no bound.
+	MaxAgentsPerCredential int
+	// MaxAgentConns bounds the agent-port connections the server holds
+	// (registered agents plus MaxUnadmitted), so that the descriptors
+	// above it stay for the front door and the health and admin ports:
+	// past it an agent-port connection is refused at once (503 with when
+	// to come back). 0: no bound.
+	MaxAgentConns int
 
 	// Metrics receives the server's metrics; nil makes a private registry.
 	Metrics *promtext.Registry
@@ -154,21 +165,13 @@ type Server struct {
 	inState   [numTunnelStates]int // guarded by mu: how many of tunnels are in each state; kept by moveLocked
 	grpcConns int                  // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	emptied   chan struct{}        // guarded by mu: closed when both are empty but for held tunnels (waitTunnels)
-	// moved is signalled, its L being &mu, when what a handover waits
-	// for moves on: a passing tunnel (passUnasked, for collectUnasked), a
-	// batch of pauses for an agent's restart (waitForAgent, for
-	// collectAgentPauses).
-	moved sync.Cond
-	// agentPausing is guarded by mu: batches of tunnels being paused for
-	// an agent's restart in place whose paused tunnels are not held yet
-	// (pauseForAgent).
-	agentPausing int
+	// hand is the restart handover (handover.go): its state is guarded
+	// by mu too.
+	hand *handover
 	// The server's state; guarded by mu.
-	shutting    bool     // no new connections are accepted
-	handingOver bool     // the shutdown is a handover: a dial no agent took yet moves too (passDialing)
-	collected   bool     // the handover collected the held unasked tunnels: no dial moves to passing any more (collectUnasked)
-	closed      bool     // everything is being torn down
-	spareFD     *os.File // guarded by mu: released to answer 503 when out of file descriptors
+	shutting bool     // no new connections are accepted
+	closed   bool     // everything is being torn down
+	spareFD  *os.File // guarded by mu: released to answer 503 when out of file descriptors
 
 	wg          sync.WaitGroup // every goroutine the server starts
 	acceptLoops sync.WaitGroup
@@ -214,7 +217,7 @@ func New(cfg Config) (*Server, error) {
 		tunnels:     make(map[*tunnel]struct{}),
 		nodeRank:    nodeRank,
 	}
-	s.moved.L = &s.mu
+	s.hand = newHandover(s)
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
@@ -344,6 +347,13 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			return fmt.Errorf("accept on %s: %w", ln.Addr(), err)
 		}
 		tempDelay = 0
+		if frontDoor {
+			s.keepSpare()
+		}
+		if !frontDoor && s.cfg.MaxAgentConns > 0 && s.agents.len()+s.cfg.MaxUnadmitted >= s.cfg.MaxAgentConns {
+			s.goroutine(func() { s.refuseForDescriptors(c) })
+			continue
+		}
 		if !frontDoor {
 			// Counted here, before the next waitRoom looks at the count.
 			pc := s.gate.enter(c, s.cfg.HeaderTimeout)
@@ -457,6 +467,30 @@ func (s *Server) refuseWithSpare(ln net.Listener) bool {
 	return err == nil
 }
 
+// keepSpare takes the spare descriptor back once descriptors are free
+// again, if a refusal could not (it was taken meanwhile): the next
+// descriptor storm is answered as the last one was.
+func (s *Server) keepSpare() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.spareFD == nil && !s.closed {
+		s.spareFD, _ = os.Open(os.DevNull)
+	}
+}
+
+// refuseForDescriptors answers an agent-port connection accepted while the
+// agents hold MaxAgentConns connections: the descriptors above stay for
+// the front door and the health and admin ports.
+func (s *Server) refuseForDescriptors(c net.Conn) {
+	s.Stats.AgentsRefused.Add(1)
+	s.metrics.agentsRefusedFD.Inc()
+	refuseBusy(c, agentFDRetry)
+	s.quiet.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
+}
+
+// agentFDRetry is when an agent refused for descriptors is told to come back.
+const agentFDRetry = 5 * time.Second
+
 func (s *Server) isShutting() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -496,24 +530,19 @@ func (s *Server) Ready() (bool, string) {
 // GOAWAY to every agent and waits for open tunnels to finish until ctx
 // ends; then it closes what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
-	return s.shutdown(ctx, nil)
+	return s.shutdown(ctx, false)
 }
 
-// shutdown is Shutdown; move, when set, runs before the drain closes any
-// tunnel, and returns the work that runs while it does (a restart's:
-// HandOver).
-func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)) error {
+// shutdown is Shutdown, and with handOver a restart's (HandOver): the
+// handover's steps run at their places (handover.go).
+func (s *Server) shutdown(ctx context.Context, handOver bool) error {
 	s.mu.Lock()
 	s.shutting = true
-	s.handingOver = move != nil
 	for ln := range s.listeners {
 		(*ln).Close()
 	}
-	if move != nil {
-		// Connections whose client has not asked for anything yet go to
-		// the next image as they are, in the same instant as shutting:
-		// each has asked before (pending, waited for) or is taken here.
-		s.takeUnaskedLocked()
+	if handOver {
+		s.hand.beginLocked()
 	}
 	s.mu.Unlock()
 	s.stopLeaving() // unasked reads and idle gRPC connections let go (leaving)
@@ -521,9 +550,8 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 	s.acceptLoops.Wait()
 	// Agents still take new streams here, so accepted dials complete.
 	s.waitPending(ctx)
-	var moving func(context.Context)
-	if move != nil {
-		moving = move()
+	if handOver {
+		s.hand.take()
 	}
 	// Tunnels that would never end (keep-alive connections) close at a
 	// quiet moment, so their clients dial again and nothing is cut.
@@ -535,8 +563,8 @@ func (s *Server) shutdown(ctx context.Context, move func() func(context.Context)
 			s.log.Info("drain: closed idle tunnels at a quiet moment", "tunnels", n)
 		}
 	}()
-	if moving != nil {
-		moving(ctx)
+	if handOver {
+		s.hand.pause(ctx)
 	}
 
 	var wg sync.WaitGroup
@@ -577,7 +605,7 @@ func (s *Server) Close() error {
 	}
 	for t := range s.tunnels {
 		if t.state == tunnelHeld {
-			s.dropHeldLocked(t)
+			s.hand.dropHeldLocked(t)
 			continue
 		}
 		t.front.closeSocket()

@@ -24,22 +24,26 @@ type serverMetrics struct {
 	nodeRoutes    map[string]*promtext.Counter // by result; only with the node strategy on
 	packets       wire.PacketCounts
 	streamErrs    wire.StreamErrors
-	restarts      restartMetrics
+	// Agent logins and connections refused by the bounds per credential
+	// and on the agents' descriptors.
+	agentsRefusedCred *promtext.Counter
+	agentsRefusedFD   *promtext.Counter
 }
 
 func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 	sm := &serverMetrics{
-		dialDuration:  m.Histogram(serverPrefix+"dial_duration_seconds", "Time from a frontend dial request to the agent's answer, for successful dials.", latencyBuckets, nil),
-		frontendWrite: m.Histogram(serverPrefix+"frontend_write_duration_seconds", "Time of one write to the frontend: the dial's answer, and each DATA packet on the gRPC frontend.", latencyBuckets, nil),
-		connDuration:  m.Histogram(serverPrefix+"connection_duration_seconds", "How long established tunnels stayed open.", connectionBuckets, nil),
-		established:   m.Gauge(serverPrefix+"established_connections", "Open tunnels (dials the agent answered).", nil),
-		httpConns:     m.Gauge(serverPrefix+"http_connections", "Open HTTP CONNECT frontend connections.", nil),
-		grpcConns:     m.Gauge(serverPrefix+"grpc_connections", "Open gRPC frontend streams, by method.", []string{"service_method"}, "Proxy"),
-		pending:       m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
-		resets:        m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
-		panics:        m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
-		failures:      map[string]*promtext.Counter{},
-		restarts:      newRestartMetrics(m),
+		dialDuration:      m.Histogram(serverPrefix+"dial_duration_seconds", "Time from a frontend dial request to the agent's answer, for successful dials.", latencyBuckets, nil),
+		frontendWrite:     m.Histogram(serverPrefix+"frontend_write_duration_seconds", "Time of one write to the frontend: the dial's answer, and each DATA packet on the gRPC frontend.", latencyBuckets, nil),
+		connDuration:      m.Histogram(serverPrefix+"connection_duration_seconds", "How long established tunnels stayed open.", connectionBuckets, nil),
+		established:       m.Gauge(serverPrefix+"established_connections", "Open tunnels (dials the agent answered).", nil),
+		httpConns:         m.Gauge(serverPrefix+"http_connections", "Open HTTP CONNECT frontend connections.", nil),
+		grpcConns:         m.Gauge(serverPrefix+"grpc_connections", "Open gRPC frontend streams, by method.", []string{"service_method"}, "Proxy"),
+		pending:           m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
+		resets:            m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
+		panics:            m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
+		agentsRefusedCred: m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (MaxAgentsPerCredential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "per_credential"),
+		agentsRefusedFD:   m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (MaxAgentsPerCredential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "descriptors"),
+		failures:          map[string]*promtext.Counter{},
 	}
 	m.GaugeFunc(serverPrefix+"stalled_tunnel_bytes", "Bytes the agents sent that wait in the server for clients that do not read them yet; past --stalled-tunnel-memory-budget new dials are refused (dial_failure_count{reason=\"stalled_budget\"}).", nil, nil,
 		func() float64 { return float64(s.queued.Load()) })

@@ -19,7 +19,10 @@ type Status struct {
 
 // AgentStatus is one connected agent, as the server sees it.
 type AgentStatus struct {
-	ID          string `json:"id"`
+	ID string `json:"id"`
+	// ClaimedID is the ID the agent asked for, when its credential gave it
+	// ID instead (an ID that names neither its token's node nor its pod).
+	ClaimedID   string `json:"claimedID,omitempty"`
 	Identifiers string `json:"identifiers,omitempty"`
 	// Node is the node the agent's credential binds it to, whose dials the
 	// node strategy sends it; empty when it proves none.
@@ -37,7 +40,7 @@ type AgentStatus struct {
 func (s *Server) Status() Status {
 	st := Status{Role: "server", ServerID: s.cfg.ID, ServerCount: s.cfg.Count, Agents: []AgentStatus{},
 		Tunnels:  map[string]int{},
-		Restarts: s.restartStatus(),
+		Restarts: s.hand.restartStatus(),
 	}
 	s.mu.Lock()
 	for _, state := range shownStates {
@@ -47,6 +50,7 @@ func (s *Server) Status() Status {
 	for _, a := range s.agents.snapshot() {
 		st.Agents = append(st.Agents, AgentStatus{
 			ID:             a.id,
+			ClaimedID:      a.claimedID,
 			Identifiers:    a.ids.String(),
 			Node:           a.node,
 			Remote:         a.remote,

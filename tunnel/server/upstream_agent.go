@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -114,7 +113,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	if err == nil {
 		// The stream's context: a reset stream or a closed connection
 		// (the header deadline included) cancels the review.
-		principal, ids, err = s.admit(r.Context(), hello, tlsState, remote)
+		principal, ids, err = s.admit(r.Context(), &hello, tlsState, remote)
 	}
 	if err != nil {
 		s.Stats.AgentsRefused.Add(1)
@@ -127,7 +126,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		case http.StatusBadRequest:
 			code = grpcInvalidArgument
 		}
-		s.quiet.Log(s.log, slog.LevelInfo, "refused "+hostOf(remote), "agent refused", "agent", hello.ID, "remote", remote, "protocol", "grpc", "reason", wire.ErrMsg(err))
+		s.logRefusal(hello.ID, remote, err, "protocol", "grpc")
 		grpcTrailersOnly(w, code, wire.ErrMsg(err))
 		return false
 	}
@@ -146,13 +145,14 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 
 	ua := &upstreamAgent{
 		s:       s,
+		link:    l,
 		out:     g,
 		pending: map[int64]chan grpcwire.Packet{},
 		conns:   map[int64]*upstreamTunnel{},
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
-	a := &agentConn{id: hello.ID, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID)}
+	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	ua.agent = a
 	defer a.endCredential()
 	if err := s.register(a, hello.Token, tlsState); err != nil {
@@ -164,7 +164,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		}
 		return false
 	}
-	s.log.Info("agent connected", "agent", a.id, "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())
+	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 
 	readDone := make(chan error, 1)
 	go func() { readDone <- ua.readLoop(r.Body) }()
@@ -195,6 +195,7 @@ type upstreamAgent struct {
 	// Immutable.
 	s     *Server
 	agent *agentConn
+	link  *h2link.Conn  // the agent's connection (nil in index tests); a stalled one takes no dial
 	out   *grpcStream   // its own lock: the packets written to the agent
 	done  chan struct{} // closed by close
 	stop  chan struct{} // closed, once by stopOnce, to end the stream after a drain
@@ -225,7 +226,7 @@ type upstreamTunnel struct {
 func (ua *upstreamAgent) usable() bool {
 	ua.mu.Lock()
 	defer ua.mu.Unlock()
-	return !ua.closed && !ua.stopping
+	return !ua.closed && !ua.stopping && (ua.link == nil || !ua.link.Stalled())
 }
 
 // readLoop handles the agent's packets until the stream ends.

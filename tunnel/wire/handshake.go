@@ -77,6 +77,7 @@ const MaxControlLine = 64<<10 + 64
 // AgentHello is what an agent says about itself when it connects.
 type AgentHello struct {
 	ID          string
+	Claimed     string // the ID the agent asked for, when admit gave it another (checkIdentity)
 	Identifiers string
 	Held        []string // server IDs the agent already holds a connection to
 	Token       string   // bearer token, if any; never logged
