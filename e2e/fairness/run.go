@@ -504,7 +504,7 @@ func (r *runner) table(results map[string][]result) {
 	tw := tabwriter.NewWriter(r.out, 0, 0, 1, ' ', tabwriter.Debug)
 	head := "link (tbf rate / queue bound)\tbulk tunnels"
 	for _, b := range r.builds {
-		head += "\t" + b.label + ": bulk, probe p50 / p99 (alone p50)"
+		head += "\t" + b.label + ": bulk, probe p50 / p99 (alone p50 / p99)"
 	}
 	fmt.Fprintln(tw, head+"\ttarget (this project)\t")
 	for _, rw := range rows {
@@ -514,7 +514,7 @@ func (r *runner) table(results map[string][]result) {
 		}
 		line := rw.label + "\t" + strconv.Itoa(rw.bulk)
 		for _, x := range res {
-			line += "\t" + x.cell(false) + " (" + msStr(x.alone50) + ")"
+			line += "\t" + x.cell(false) + " (" + msStr(x.alone50) + " / " + msStr(x.alone99) + ")"
 		}
 		fmt.Fprintln(tw, line+"\t"+rw.verdict(res)+"\t")
 	}

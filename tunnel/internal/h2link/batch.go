@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"net"
 	"sync"
+	"time"
 )
 
 // Batcher sits under TLS (or wraps a plain socket) and, while a write is in
@@ -14,9 +15,10 @@ import (
 type Batcher struct {
 	net.Conn
 
-	mu    sync.Mutex // guards depth and buf; held while a batch is written, so a concurrent writer cannot overtake it
-	depth int        // nested begin calls not yet ended
-	buf   *[]byte    // nil outside a batch
+	mu    sync.Mutex    // guards depth, buf and spent; held while a batch is written, so a concurrent writer cannot overtake it
+	depth int           // nested begin calls not yet ended
+	buf   *[]byte       // nil outside a batch
+	spent time.Duration // the time the current or last batch's system calls took: the link's part of a write
 }
 
 // NewBatcher wraps c; writes pass straight through outside a batch.
@@ -58,7 +60,9 @@ func (b *Batcher) flushLocked() error {
 	}
 	var err error
 	if len(*b.buf) > 0 {
+		start := time.Now()
 		_, err = b.Conn.Write(*b.buf)
+		b.spent += time.Since(start)
 	}
 	*b.buf = (*b.buf)[:0]
 	batchBufs.Put(b.buf)
@@ -68,8 +72,18 @@ func (b *Batcher) flushLocked() error {
 
 func (b *Batcher) begin() {
 	b.mu.Lock()
+	if b.depth == 0 {
+		b.spent = 0
+	}
 	b.depth++
 	b.mu.Unlock()
+}
+
+// spentWriting is the time the last batch's system calls took.
+func (b *Batcher) spentWriting() time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.spent
 }
 
 // end sends what was gathered.

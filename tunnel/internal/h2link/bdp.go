@@ -19,7 +19,7 @@ import (
 // to stay full, plus queueTarget of queue:
 //   - a round trip longer than the shortest seen plus the target, at the
 //     link's full speed (at least three quarters of the fastest it went
-//     lately, where a trip carried 256 KiB or more to tell): bytes wait in
+//     lately, as trips that carried 256 KiB or more tell): bytes wait in
 //     a queue of this end's making; the window comes down to what the
 //     link delivered per that shortest trip plus the target, at most
 //     halving. A trip made long by a busy machine (the speed fell with
@@ -47,9 +47,9 @@ const (
 	startConnWindow = 1 << 20
 	maxStreamWindow = 16 << 20
 	maxAutoWindow   = 64 << 20
-	bdpPingGap      = 5 * time.Millisecond // at most one measurement this often
+	bdpPingGap      = 20 * time.Millisecond // at most one measurement this often
 	rttEpoch        = time.Minute
-	rateHalfLife    = 10 * time.Second
+	rateHalfLife    = 500 * time.Millisecond
 	rateSample      = 256 << 10 // the least a trip carries for its speed to count
 )
 
@@ -122,7 +122,7 @@ func (l *Conn) bdpAckLocked(now time.Time) {
 	cur := int64(l.recvTarget)
 	next := cur
 	switch limit := b.minRTT + queueTarget; {
-	case rtt > limit && (!sure || rate >= 0.75*b.maxRate):
+	case rtt > limit && rate >= 0.75*b.maxRate:
 		// A queue at the link's full speed: of this end's making.
 		next = max(int64(rate*limit.Seconds()), cur/2)
 	case 3*b.bytes >= 2*cur && (rtt <= b.minRTT+queueTarget/2 || sure && rate >= b.maxRate):

@@ -135,7 +135,8 @@ func (l *Conn) connAvailLocked(bulk bool) int64 {
 // turnBytes is the most a bulk turn writes now.
 func (l *Conn) turnBytes() int64 { return l.turn.Load() }
 
-// pace learns the link's speed from how long bulk turns take to write,
+// pace learns the link's speed from how long bulk turns take to write
+// (their system calls, under a Batcher),
 // and sets the next turns' size (and the socket's unsent bound) to what
 // the link sends in about turnTime. Turns are timed together over a
 // pacePeriod or paceTurns of them, whichever comes first. A period that
@@ -186,6 +187,11 @@ type pacing struct {
 	slowFits int64 // the largest turn they wanted
 }
 
+// fastUnsent is the unsent bound of a link fast enough for the largest
+// turn: eight turns, a few milliseconds at a gigabit, and what keeps a
+// loopback writer from waking for every few turns.
+const fastUnsent = 8 * maxTurn
+
 // A pacing period.
 const (
 	pacePeriod = 20 * time.Millisecond
@@ -194,12 +200,10 @@ const (
 )
 
 // unsentBound is the kernel's share of a link whose turns are turn bytes:
-// one turn; four on a link fast enough for the largest turn, where that
-// is still under a few milliseconds and a writer need not wait for the
-// kernel at every turn.
+// one turn; fastUnsent on a link fast enough for the largest turn.
 func unsentBound(turn int64) int64 {
 	if turn >= maxTurn {
-		return 4 * maxTurn
+		return fastUnsent
 	}
 	return turn
 }

@@ -177,8 +177,8 @@ func TestTurnsFollowTheLink(t *testing.T) {
 		l.tcp.Control(func(fd uintptr) { v, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT) })
 		return v
 	}
-	if l.turnBytes() != maxTurn || lowat() != 4*maxTurn {
-		t.Fatalf("a new link: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, 4*maxTurn)
+	if l.turnBytes() != maxTurn || lowat() != fastUnsent {
+		t.Fatalf("a new link: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, fastUnsent)
 	}
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
@@ -200,8 +200,8 @@ func TestTurnsFollowTheLink(t *testing.T) {
 		t.Errorf("on a 4 MB/s link: turn %d, unsent bound %d; want %d", l.turnBytes(), lowat(), minTurn)
 	}
 	quick(40 * paceTurns)
-	if l.turnBytes() != maxTurn || lowat() != 4*maxTurn {
-		t.Errorf("after quick turns: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, 4*maxTurn)
+	if l.turnBytes() != maxTurn || lowat() != fastUnsent {
+		t.Errorf("after quick turns: turn %d, unsent bound %d; want %d and %d", l.turnBytes(), lowat(), maxTurn, fastUnsent)
 	}
 }
 
