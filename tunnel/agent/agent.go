@@ -144,10 +144,10 @@ func (c *Config) setDefaults() {
 // fields are immutable or atomic.
 type Agent struct {
 	// Immutable after NewAgent.
-	cfg     Config
-	log     *slog.Logger
-	metrics *agentMetrics
-	quiet   *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
+	cfg      Config
+	log      *slog.Logger
+	metrics  *agentMetrics
+	warnings *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
 	// idle (capacity 1) is poked when the last open stream ends or the
 	// last held destination goes (pokeIdle): the drain waits on it.
 	idle chan struct{}
@@ -264,7 +264,7 @@ func New(cfg Config) (*Agent, error) {
 		conns:    make(map[*serverConn]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
-		quiet:    wire.NewLogLimiter(10 * time.Second),
+		warnings: wire.NewLogLimiter(10 * time.Second),
 		idle:     make(chan struct{}, 1),
 	}
 	a.announced = 1
@@ -307,7 +307,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	managers := a.startManagers(connectCtx)
 	<-ctx.Done()
 
-	deadline := a.BeginDrain()
+	deadline := a.beginDrain()
 	restart := a.isRestarting()
 	a.waitIdle(deadline, restart)
 	// On a restart the held destinations go to the next image: only
@@ -354,9 +354,9 @@ func (a *Agent) pokeIdle() {
 	}
 }
 
-// BeginDrain tells every server the agent drains, and returns when it
+// beginDrain tells every server the agent drains, and returns when it
 // cuts what is left.
-func (a *Agent) BeginDrain() time.Time {
+func (a *Agent) beginDrain() time.Time {
 	a.mu.Lock()
 	a.draining = true
 	a.drainEnd = time.Now().Add(a.cfg.DrainTimeout)
@@ -500,7 +500,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		if errors.As(err, &denied) {
 			code = http.StatusForbidden
 			a.metrics.dialDenied.Inc()
-			a.quiet.Log(a.log, slog.LevelWarn, "denied "+addr, "dial refused by destination policy", "addr", addr, "reason", denied.Error())
+			a.warnings.Log(a.log, slog.LevelWarn, "denied "+addr, "dial refused by destination policy", "addr", addr, "reason", denied.Error())
 		} else if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded) {
 			code = http.StatusGatewayTimeout
 			a.metrics.dialTimeout.Inc()

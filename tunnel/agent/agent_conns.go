@@ -142,7 +142,7 @@ func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
 		delay = jitter(a.cfg.SyncInterval)
 	}
 	a.metrics.toServerFailures.Inc()
-	a.quiet.Log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
+	a.warnings.Log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
 	return delay
 }
 
@@ -500,7 +500,7 @@ func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Reque
 		case <-tick:
 			token, err := a.cfg.Token()
 			if err != nil {
-				a.quiet.Log(a.log, slog.LevelWarn, "token refresh", "cannot read the token again; the server keeps the one it has", "err", err)
+				a.warnings.Log(a.log, slog.LevelWarn, "token refresh", "cannot read the token again; the server keeps the one it has", "err", err)
 				continue
 			}
 			if token == last || !validToken(token) {

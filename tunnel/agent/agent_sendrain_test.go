@@ -40,7 +40,7 @@ func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
 			t.Fatal(err)
 		}
 		a.Restarting()
-		a.BeginDrain()
+		a.beginDrain()
 		l := &serverConn{drain: make(chan struct{}), agentRestart: tc.agentRestart}
 		l.sendDrain()
 		ctx, cancel := context.WithCancel(context.Background())

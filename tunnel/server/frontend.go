@@ -133,7 +133,7 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	if s.cfg.CheckFrontendPeer != nil {
 		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
 			s.metrics.dialFailed(&wire.StatusError{Code: http.StatusForbidden})
-			s.quiet.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
+			s.warnings.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 			wire.WriteStatus(conn, http.StatusForbidden, wire.ErrMsg(err))
 			return false

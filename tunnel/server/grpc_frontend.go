@@ -103,7 +103,7 @@ func (s *Server) serveGRPCConn(conn net.Conn, pd *pendingDial) {
 	var small int32
 	if s.cfg.CheckFrontendPeer != nil {
 		if c.refused = s.cfg.CheckFrontendPeer(conn); c.refused != nil {
-			s.quiet.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", c.refused)
+			s.warnings.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", c.refused)
 			cut := time.AfterFunc(s.cfg.HeaderTimeout, func() { conn.Close() })
 			defer cut.Stop()
 			small = preAdmitStreamWindow
