@@ -183,8 +183,9 @@ type kubeCluster struct {
 
 // startKubeCluster starts etcd and kube-apiserver. egressConfig is the
 // --egress-selector-config-file; advertise is the address the apiserver
-// advertises (it refuses to pick one itself without a default route).
-func startKubeCluster(t *testing.T, apiserverBin, etcdBin, egressConfig string, advertise net.IP) *kubeCluster {
+// advertises (it refuses to pick one itself without a default route);
+// extra flags are appended to kube-apiserver's.
+func startKubeCluster(t *testing.T, apiserverBin, etcdBin, egressConfig string, advertise net.IP, extra ...string) *kubeCluster {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "kube-e2e")
 	if err != nil {
@@ -228,29 +229,29 @@ func startKubeCluster(t *testing.T, apiserverBin, etcdBin, egressConfig string, 
 	writePEM(t, saKeyFile, "PRIVATE KEY", saKeyDER)
 	writePEM(t, saPubFile, "PUBLIC KEY", saPubDER)
 
-	c.apiserver = startKubeProc(t, apiserverBin, "kube-apiserver",
-		"--etcd-servers="+etcdURL,
+	c.apiserver = startKubeProc(t, apiserverBin, "kube-apiserver", append([]string{
+		"--etcd-servers=" + etcdURL,
 		"--bind-address=127.0.0.1",
-		"--secure-port="+strconv.Itoa(port),
-		"--advertise-address="+advertise.String(),
-		"--cert-dir="+filepath.Join(dir, "apiserver-certs"),
-		"--tls-cert-file="+servingCert,
-		"--tls-private-key-file="+servingKey,
-		"--client-ca-file="+k.caFile,
+		"--secure-port=" + strconv.Itoa(port),
+		"--advertise-address=" + advertise.String(),
+		"--cert-dir=" + filepath.Join(dir, "apiserver-certs"),
+		"--tls-cert-file=" + servingCert,
+		"--tls-private-key-file=" + servingKey,
+		"--client-ca-file=" + k.caFile,
 		"--authorization-mode=Node,RBAC",
 		"--service-cluster-ip-range=10.96.0.0/24",
 		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file="+saPubFile,
-		"--service-account-signing-key-file="+saKeyFile,
-		"--egress-selector-config-file="+egressConfig,
+		"--service-account-key-file=" + saPubFile,
+		"--service-account-signing-key-file=" + saKeyFile,
+		"--egress-selector-config-file=" + egressConfig,
 		"--enable-aggregator-routing=true",
-		"--kubelet-client-certificate="+kubeletCert,
-		"--kubelet-client-key="+kubeletKey,
-		"--kubelet-certificate-authority="+k.caFile,
+		"--kubelet-client-certificate=" + kubeletCert,
+		"--kubelet-client-key=" + kubeletKey,
+		"--kubelet-certificate-authority=" + k.caFile,
 		"--kubelet-preferred-address-types=InternalIP",
 		"--profiling=false",
 		"--v=1",
-	)
+	}, extra...)...)
 
 	c.adminTLS = &tls.Config{
 		RootCAs:      k.pool,

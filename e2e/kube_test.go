@@ -661,20 +661,31 @@ func (e *kubeEnv) webhookLoopAcrossRestarts(t *testing.T) {
 // webhookLoop sends webhook-checked creates from two goroutines until
 // the returned stop is called (webhookCreateLoop).
 func (e *kubeEnv) webhookLoop(prefix string) (stop func() (ok, failed int64, errs []string)) {
-	return webhookCreateLoop(e.c, kubeNS, prefix+"-"+strings.ReplaceAll(e.mode, "-", ""))
+	stopLoop := webhookCreateLoop(e.c, kubeNS, prefix+"-"+strings.ReplaceAll(e.mode, "-", ""))
+	return func() (int64, int64, []string) {
+		r := stopLoop()
+		return r.ok, r.failed, r.errs
+	}
+}
+
+// createLoopResult is what a webhookCreateLoop did: creates that passed and
+// failed, the failures kube-apiserver reported as no agent being connected
+// (the konnectivity server's "no agent available"), and the first failures.
+type createLoopResult struct {
+	ok, failed, noAgent int64
+	errs                []string
 }
 
 // webhookCreateLoop creates ConfigMaps in ns (each checked by a webhook)
 // from two goroutines, one call at a time each, until the returned stop is
-// called, which reports the creates that passed and failed, and the first
-// failures.
-func webhookCreateLoop(c *kubeCluster, ns, prefix string) (stop func() (ok, failed int64, errs []string)) {
+// called.
+func webhookCreateLoop(c *kubeCluster, ns, prefix string) (stop func() createLoopResult) {
 	var (
-		okN, failedN atomic.Int64
-		mu           sync.Mutex
-		first        []string
-		done         = make(chan struct{})
-		wg           sync.WaitGroup
+		okN, failedN, noAgentN atomic.Int64
+		mu                     sync.Mutex
+		first                  []string
+		done                   = make(chan struct{})
+		wg                     sync.WaitGroup
 	)
 	for w := range 2 {
 		wg.Add(1)
@@ -693,6 +704,9 @@ func webhookCreateLoop(c *kubeCluster, ns, prefix string) (stop func() (ok, fail
 					continue
 				}
 				failedN.Add(1)
+				if strings.Contains(string(body), "no agent available") {
+					noAgentN.Add(1)
+				}
 				mu.Lock()
 				if len(first) < 5 {
 					first = append(first, fmt.Sprintf("%s: %d %v %s", name, code, err, tail(string(body), 300)))
@@ -701,10 +715,12 @@ func webhookCreateLoop(c *kubeCluster, ns, prefix string) (stop func() (ok, fail
 			}
 		}()
 	}
-	return func() (int64, int64, []string) {
+	return func() createLoopResult {
 		close(done)
 		wg.Wait()
-		return okN.Load(), failedN.Load(), first
+		mu.Lock()
+		defer mu.Unlock()
+		return createLoopResult{ok: okN.Load(), failed: failedN.Load(), noAgent: noAgentN.Load(), errs: first}
 	}
 }
 

@@ -35,7 +35,7 @@ func clusterBootstrap(t *testing.T, n *clusterNodeEnv) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := startCluster(t, n, "bootstrap", egress)
+	e := startCluster(t, n, "bootstrap", "http-connect", egress)
 	c := e.c
 
 	// The host files the static pod reads.
@@ -98,10 +98,10 @@ func clusterBootstrap(t *testing.T, n *clusterNodeEnv) {
 	e.deployWebhook(t)
 	stop := webhookCreateLoop(c, clusterNS, "boot")
 	time.Sleep(3 * time.Second)
-	ok, failed, errs := stop()
-	t.Logf("bootstrap: %d webhook-gated creates through the static pod's server, %d failed", ok, failed)
-	if failed > 0 || ok < 10 {
-		t.Fatalf("webhook creates through the static pod: %d ok, %d failed: %s", ok, failed, strings.Join(errs, "\n"))
+	r := stop()
+	t.Logf("bootstrap: %d webhook-gated creates through the static pod's server, %d failed", r.ok, r.failed)
+	if r.failed > 0 || r.ok < 10 {
+		t.Fatalf("webhook creates through the static pod: %d ok, %d failed: %s", r.ok, r.failed, strings.Join(r.errs, "\n"))
 	}
 	c.mustDo(t, http.StatusOK, http.MethodDelete, "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/konnectivity-e2e", nil)
 	c.mustDo(t, http.StatusOK, http.MethodDelete, "/api/v1/namespaces/"+clusterNS+"/pods?gracePeriodSeconds=1", nil)

@@ -43,7 +43,8 @@ const (
 
 // clusterEnv is one cluster: its control plane, node and konnectivity.
 type clusterEnv struct {
-	mode    string
+	name    string // the cluster's, in logs and paths
+	mode    string // the egress mode: http-connect or grpc
 	n       *clusterNodeEnv
 	c       *kubeCluster
 	dir     string
@@ -53,7 +54,7 @@ type clusterEnv struct {
 
 func clusterMode(t *testing.T, n *clusterNodeEnv, mode string) {
 	start := time.Now()
-	e := startCluster(t, n, mode, "")
+	e := startCluster(t, n, mode, mode, "")
 	e.startServerAsInitd(t)
 	t0 := time.Now()
 	e.applyAgentDaemonSet(t)
@@ -74,8 +75,9 @@ func clusterMode(t *testing.T, n *clusterNodeEnv, mode string) {
 }
 
 // startCluster starts a control plane whose kube-apiserver reads egress
-// (the shipped node-image file for mode when ""), and the node.
-func startCluster(t *testing.T, n *clusterNodeEnv, mode, egress string) *clusterEnv {
+// (the shipped node-image file for mode when ""), and the node; extra
+// flags go to kube-apiserver.
+func startCluster(t *testing.T, n *clusterNodeEnv, name, mode, egress string, extra ...string) *clusterEnv {
 	t.Helper()
 	start := time.Now()
 	dir, err := os.MkdirTemp("", "kce2e")
@@ -83,15 +85,15 @@ func startCluster(t *testing.T, n *clusterNodeEnv, mode, egress string) *cluster
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	e := &clusterEnv{mode: mode, n: n, dir: dir}
+	e := &clusterEnv{name: name, mode: mode, n: n, dir: dir}
 	if egress == "" {
 		egress = egressConfigFor(t, dir, shippedSocket, mode)
 	}
-	e.c = startKubeCluster(t, filepath.Join(n.kubeDir, "kube-apiserver"), filepath.Join(n.kubeDir, "etcd"), egress, net.ParseIP(clusterNodeIP))
+	e.c = startKubeCluster(t, filepath.Join(n.kubeDir, "kube-apiserver"), filepath.Join(n.kubeDir, "etcd"), egress, net.ParseIP(clusterNodeIP), extra...)
 	e.startControllers(t)
 	e.startKubelet(t)
-	e.waitNodeReady(t)
-	t.Logf("%s: control plane and node %s Ready in %v", mode, clusterNode, time.Since(start).Round(100*time.Millisecond))
+	e.waitNodeReady(t, clusterNode, e.kubelet)
+	t.Logf("%s: control plane and node %s Ready in %v", name, clusterNode, time.Since(start).Round(100*time.Millisecond))
 	return e
 }
 
@@ -135,19 +137,39 @@ func (e *clusterEnv) startControllers(t *testing.T) {
 	)
 }
 
+// clusterKubelet is one node's kubelet: its name, address, cgroup root,
+// the kube-apiserver URL it uses, and the command that enters its node's
+// namespaces ("" for the test's own).
+type clusterKubelet struct {
+	node, ip, cgroupRoot, apiserver string
+	enter                           []string
+}
+
 func (e *clusterEnv) startKubelet(t *testing.T) {
 	t.Helper()
-	nodeIP := net.ParseIP(clusterNodeIP)
-	kc := e.kubeconfigFor(t, "kubelet-client", "system:node:"+clusterNode, "system:nodes")
-	servingCert, servingKey, _ := e.c.pki.issue(t, "kubelet", false, clusterNode, nil, []string{clusterNode}, []net.IP{nodeIP})
+	e.kubelet = e.startNodeKubelet(t, clusterKubelet{node: clusterNode, ip: clusterNodeIP, cgroupRoot: e.n.cgroupRoot, apiserver: e.c.url})
+}
+
+// startNodeKubelet starts a kubelet on k's node with a client and a serving
+// certificate of the cluster CA.
+func (e *clusterEnv) startNodeKubelet(t *testing.T, k clusterKubelet) *proc {
+	t.Helper()
+	nodeIP := net.ParseIP(k.ip)
+	cert, key, _ := e.c.pki.issue(t, "kubelet-client-"+k.node, true, "system:node:"+k.node, []string{"system:nodes"}, nil, nil)
+	kc := filepath.Join(e.dir, k.node+".kubeconfig")
+	writeKubeconfigFile(t, kc, k.apiserver, e.c.pki.caFile, fmt.Sprintf("{client-certificate: %q, client-key: %q}", cert, key))
+	servingCert, servingKey, _ := e.c.pki.issue(t, "kubelet-"+k.node, false, k.node, nil, []string{k.node}, []net.IP{nodeIP})
 	resolv := filepath.Join(e.dir, "resolv.conf")
-	if err := os.WriteFile(resolv, []byte("nameserver "+clusterNodeIP+"\n"), 0o644); err != nil {
+	if err := os.WriteFile(resolv, []byte("nameserver "+k.ip+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.MkdirAll(clusterStaticPodDir, 0o755); err != nil {
+	staticPods := clusterStaticPodDir
+	if len(k.enter) > 0 {
+		staticPods = filepath.Join(e.dir, k.node+"-manifests")
+	}
+	if err := os.MkdirAll(staticPods, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	root := "/var/lib/kubelet-" + e.mode
 	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: %q
@@ -177,36 +199,38 @@ serializeImagePulls: false
 evictionHard: {"memory.available": "1Mi", "nodefs.available": "1%%", "imagefs.available": "1%%", "nodefs.inodesFree": "1%%"}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-`, clusterNodeIP, servingCert, servingKey, e.c.pki.caFile, containerdSock, e.n.cgroupRoot, clusterStaticPodDir, resolv)
-	cfgFile := filepath.Join(e.dir, "kubelet.yaml")
+`, k.ip, servingCert, servingKey, e.c.pki.caFile, containerdSock, k.cgroupRoot, staticPods, resolv)
+	cfgFile := filepath.Join(e.dir, k.node+"-kubelet.yaml")
 	if err := os.WriteFile(cfgFile, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	e.kubelet = startKubeProc(t, filepath.Join(e.n.kubeDir, "kubelet"), "kubelet",
+	args := append(append([]string{}, k.enter...), filepath.Join(e.n.kubeDir, "kubelet"),
 		"--config="+cfgFile,
 		"--kubeconfig="+kc,
-		"--root-dir="+root,
-		"--hostname-override="+clusterNode,
-		"--node-ip="+clusterNodeIP,
+		"--root-dir=/var/lib/kubelet-"+e.name,
+		"--hostname-override="+k.node,
+		"--node-ip="+k.ip,
 		"--v=1",
 	)
+	return startKubeProc(t, args[0], "kubelet "+k.node, args[1:]...)
 }
 
-func (e *clusterEnv) waitNodeReady(t *testing.T) {
+// waitNodeReady waits until node, whose kubelet is k, is Ready.
+func (e *clusterEnv) waitNodeReady(t *testing.T, node string, k *proc) {
 	t.Helper()
-	waitFor(t, 2*time.Minute, "node "+clusterNode+" Ready", func() bool {
-		if e.kubelet.exited() {
-			t.Fatalf("kubelet exited: %v\n%s", e.kubelet.waitErr, tail(e.kubelet.out.String(), 8000))
+	waitFor(t, 2*time.Minute, "node "+node+" Ready", func() bool {
+		if k.exited() {
+			t.Fatalf("kubelet exited: %v\n%s", k.waitErr, tail(k.out.String(), 8000))
 		}
-		var node struct {
+		var n struct {
 			Status struct {
 				Conditions []struct{ Type, Status string } `json:"conditions"`
 			} `json:"status"`
 		}
-		if !e.get("/api/v1/nodes/"+clusterNode, &node) {
+		if !e.get("/api/v1/nodes/"+node, &n) {
 			return false
 		}
-		for _, c := range node.Status.Conditions {
+		for _, c := range n.Status.Conditions {
 			if c.Type == "Ready" {
 				return c.Status == "True"
 			}
@@ -230,7 +254,7 @@ func (e *clusterEnv) get(path string, v any) bool {
 // signs the serving certificate, the kubeconfig for TokenReview and the
 // SANs), then applies the agents' ConfigMap manifest the script wrote, as
 // k3s's auto-deploy does.
-func (e *clusterEnv) startServerAsInitd(t *testing.T) {
+func (e *clusterEnv) startServerAsInitd(t *testing.T, env ...string) {
 	t.Helper()
 	caKey := e.writeCAKey(t)
 	kubeconfig := filepath.Join(e.dir, "admin.kubeconfig")
@@ -260,6 +284,7 @@ printf '%s\n' "$command_args"`
 		"KONNECTIVITY_SANS="+clusterNodeIP,
 		"KONNECTIVITY_WAIT_SECONDS=5",
 	)
+	cmd.Env = append(cmd.Env, env...)
 	out, err := cmd.Output()
 	if err != nil {
 		var stderr string

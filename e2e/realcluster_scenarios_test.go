@@ -192,9 +192,32 @@ func interactiveEcho(c *kubeCluster, u string, rounds, block int, closeStdin boo
 // and the agent re-executes in place in its container (SIGHUP).
 func (e *clusterEnv) rolloutsUnderLoad(t *testing.T) {
 	c := e.c
-	// kubectl rollout restart daemonset/konnectivity-agent.
+	// kubectl rollout restart daemonset/konnectivity-agent. With one node
+	// and maxUnavailable: 1 the old pod goes before its successor starts:
+	// the longest stretch with no agent connected is measured.
 	old := e.waitAgentPod(t, "")
 	stop := webhookCreateLoop(c, clusterNS, "roll-"+strings.ReplaceAll(e.mode, "-", ""))
+	gapDone, gapOut := make(chan struct{}), make(chan time.Duration, 1)
+	go func() {
+		var longest time.Duration
+		var since time.Time
+		for {
+			select {
+			case <-gapDone:
+				gapOut <- longest
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			if e.srv.agentCount() == 0 {
+				if since.IsZero() {
+					since = time.Now()
+				}
+				longest = max(longest, time.Since(since))
+			} else {
+				since = time.Time{}
+			}
+		}
+	}()
 	time.Sleep(time.Second)
 	t0 := time.Now()
 	patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"kubectl.kubernetes.io/restartedAt":%q}}}}}`, time.Now().UTC().Format(time.RFC3339))
@@ -211,19 +234,25 @@ func (e *clusterEnv) rolloutsUnderLoad(t *testing.T) {
 	e.srv.waitAgents(t, 1, 60*time.Second)
 	rolled := time.Since(t0)
 	time.Sleep(time.Second)
-	ok, lost, errs := stop()
-	t.Logf("%s: rollout restart of the agent DaemonSet (%s → %s) in %v: %d webhook-gated creates, %d lost",
-		e.mode, old.Metadata.Name, fresh.Metadata.Name, rolled.Round(100*time.Millisecond), ok, lost)
-	if ok < 10 {
-		t.Fatalf("rollout restart: only %d creates passed, %d failed: %s", ok, lost, strings.Join(errs, "\n"))
+	r := stop()
+	close(gapDone)
+	gap := <-gapOut
+	t.Logf("%s: rollout restart of the agent DaemonSet (%s → %s) in %v, at most %v with no agent connected: %d webhook-gated creates, %d lost (%d of them finding no agent within --agent-wait)",
+		e.mode, old.Metadata.Name, fresh.Metadata.Name, rolled.Round(100*time.Millisecond), gap.Round(10*time.Millisecond), r.ok, r.failed, r.noAgent)
+	if r.ok < 10 {
+		t.Fatalf("rollout restart: only %d creates passed, %d failed: %s", r.ok, r.failed, strings.Join(r.errs, "\n"))
 	}
+	// A call that finds no agent for --agent-wait (5s) is lost to the
+	// window a one-node rollout has with no agent, not to the tunnels:
+	// reported, and asserted only through the other losses.
+	lost := r.failed - r.noAgent
 	switch {
-	case lost > 0 && e.mode == "grpc":
-		t.Logf("%s: creates lost across the rollout: %s", e.mode, strings.Join(errs, "\n"))
+	case r.failed > 0 && e.mode == "grpc":
+		t.Logf("%s: creates lost across the rollout: %s", e.mode, strings.Join(r.errs, "\n"))
 	case lost > 1:
-		t.Errorf("rollout restart on %s: %d creates lost, more than the one that may race the quiet close: %s", e.mode, lost, strings.Join(errs, "\n"))
-	case lost == 1:
-		t.Logf("%s: one create lost across the rollout (a call racing the quiet close of its connection): %s", e.mode, errs[0])
+		t.Errorf("rollout restart on %s: %d creates lost with an agent connected, more than the one that may race the quiet close: %s", e.mode, lost, strings.Join(r.errs, "\n"))
+	case r.failed > 0:
+		t.Logf("%s: creates lost across the rollout (at most one racing the quiet close of its connection; the rest found no agent): %s", e.mode, strings.Join(r.errs, "\n"))
 	}
 
 	// The server re-executes in place (SIGHUP) twice.
@@ -239,13 +268,13 @@ func (e *clusterEnv) rolloutsUnderLoad(t *testing.T) {
 		e.srv.waitAgents(t, 1, 30*time.Second)
 	}
 	time.Sleep(time.Second)
-	ok, lost, errs = stop()
+	r = stop()
 	if e.srv.proc.exited() || e.srv.proc.cmd.Process.Pid != pid {
 		t.Fatalf("server process changed across SIGHUP")
 	}
-	t.Logf("%s: server SIGHUP ×2 (same PID %d): %d webhook-gated creates, %d lost", e.mode, pid, ok, lost)
-	if lost > 0 || ok < 10 {
-		t.Errorf("server SIGHUP: %d ok, %d lost: %s", ok, lost, strings.Join(errs, "\n"))
+	t.Logf("%s: server SIGHUP ×2 (same PID %d): %d webhook-gated creates, %d lost", e.mode, pid, r.ok, r.failed)
+	if r.failed > 0 || r.ok < 10 {
+		t.Errorf("server SIGHUP: %d ok, %d lost: %s", r.ok, r.failed, strings.Join(r.errs, "\n"))
 	}
 
 	// The agent re-executes in place in its container (SIGHUP to its
@@ -275,16 +304,16 @@ func (e *clusterEnv) rolloutsUnderLoad(t *testing.T) {
 		e.srv.waitAgents(t, 1, 30*time.Second)
 	}
 	time.Sleep(time.Second)
-	ok, lost, errs = stop()
+	r = stop()
 	var after clusterPod
 	if !e.get("/api/v1/namespaces/kube-system/pods/"+p.Metadata.Name, &after) || len(after.Status.ContainerStatuses) != 1 ||
 		after.Status.ContainerStatuses[0].RestartCount != cs.RestartCount || agentPID(t, cs.ContainerID) != apid {
 		t.Fatalf("the agent's container restarted or changed across its SIGHUPs")
 	}
 	t.Logf("%s: agent SIGHUP ×2 in its container (same PID %d, restarts %d): %d webhook-gated creates, %d lost",
-		e.mode, apid, cs.RestartCount, ok, lost)
-	if lost > 0 || ok < 10 {
-		t.Errorf("agent SIGHUP in its pod: %d ok, %d lost: %s", ok, lost, strings.Join(errs, "\n"))
+		e.mode, apid, cs.RestartCount, r.ok, r.failed)
+	if r.failed > 0 || r.ok < 10 {
+		t.Errorf("agent SIGHUP in its pod: %d ok, %d lost: %s", r.ok, r.failed, strings.Join(r.errs, "\n"))
 	}
 }
 

@@ -42,10 +42,9 @@ const (
 	clusterCgroupEnv     = "KONNECTIVITY_CLUSTER_CGROUP_ROOT"
 	clusterNode          = "node-1"
 	clusterNodeIP        = "192.0.2.1"
-	clusterPodCIDR       = "198.51.100.0/24"
+	clusterPodCIDR       = "198.51.100.0/25"
 	clusterNS            = "e2e"
 	containerdSock       = "/run/containerd/containerd.sock"
-	clusterCNIConfDir    = "/run/e2e-cni/net.d"
 	clusterEtcKubernetes = "/etc/kubernetes"
 	clusterPauseImage    = "docker.io/e2e/clusterpod-pause:1"
 	clusterWebhookImage  = "docker.io/e2e/clusterpod-webhook:1"
@@ -164,19 +163,7 @@ func TestRealCluster(t *testing.T) {
 		}
 	})
 
-	// The kubelet wants its cgroup root to exist; a cpuset cgroup starts
-	// with no CPUs or memory nodes, so it gets its parent's.
-	for _, m := range cgroupMounts() {
-		p := filepath.Join(m, cgroupRoot)
-		if err := os.Mkdir(p, 0o755); err != nil {
-			t.Fatalf("cgroup root %s: %v", p, err)
-		}
-		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
-			if b, err := os.ReadFile(filepath.Join(m, f)); err == nil {
-				_ = os.WriteFile(filepath.Join(p, f), b, 0o644)
-			}
-		}
-	}
+	makeCgroupRoot(t, cgroupRoot)
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -221,6 +208,24 @@ func buildNodeBinaries(t *testing.T, dir string) {
 			t.Fatalf("go build k8s.io/kubernetes/cmd/%s (in e2e/%s): %v\n%s", name, kubeModuleDir, err, b)
 		}
 		t.Logf("built k8s.io/kubernetes/cmd/%s in %v", name, time.Since(start).Round(100*time.Millisecond))
+	}
+}
+
+// makeCgroupRoot makes the cgroup root of a kubelet (which wants it to
+// exist) in every hierarchy. A cpuset cgroup starts with no CPUs or memory
+// nodes, so it gets its parent's.
+func makeCgroupRoot(t *testing.T, root string) {
+	t.Helper()
+	for _, m := range cgroupMounts() {
+		p := filepath.Join(m, root)
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatalf("cgroup root %s: %v", p, err)
+		}
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if b, err := os.ReadFile(filepath.Join(filepath.Dir(p), f)); err == nil {
+				_ = os.WriteFile(filepath.Join(p, f), b, 0o644)
+			}
+		}
 	}
 }
 
@@ -333,7 +338,10 @@ func clusterInNamespace(t *testing.T) {
 			return
 		}
 	}
-	t.Run("bootstrap", func(t *testing.T) { clusterBootstrap(t, n) })
+	if !t.Run("bootstrap", func(t *testing.T) { clusterBootstrap(t, n) }) {
+		return
+	}
+	t.Run("two-nodes", func(t *testing.T) { clusterTwoNodes(t, n) })
 }
 
 // clusterNodeEnv is what outlives one cluster: containerd with the images
@@ -343,7 +351,8 @@ type clusterNodeEnv struct {
 	podBin     string
 	agentImage string // the image name the agent archive holds
 	cgroupRoot string
-	containerd *proc // the reaper, containerd its child
+	archives   []string // image archives every node imports
+	containerd *proc    // the reaper, containerd its child
 }
 
 // startClusterNode starts containerd (under clusterpod's reaper, so that
@@ -355,7 +364,49 @@ func startClusterNode(t *testing.T) *clusterNodeEnv {
 		podBin:     os.Getenv(clusterPodBinEnv),
 		cgroupRoot: os.Getenv(clusterCgroupEnv),
 	}
-	for _, d := range []string{"/run/containerd", clusterCNIConfDir, "/run/e2e-cni/ipam", "/var/lib/containerd"} {
+	// Images: the agent's as `make agent-image` wrote it, and the test's own.
+	bin, err := os.ReadFile(n.podBin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	n.archives = []string{os.Getenv(clusterAgentImgEnv)}
+	for _, img := range []struct {
+		name string
+		args []string
+	}{
+		{clusterPauseImage, []string{"/clusterpod", "pause"}},
+		{clusterWebhookImage, []string{"/clusterpod", "webhook", "/tls/tls.crt", "/tls/tls.key"}},
+		{clusterWorkImage, []string{"/clusterpod", "workload"}},
+	} {
+		p := filepath.Join(dir, strings.NewReplacer("/", "_", ":", "_").Replace(img.name)+".tar")
+		writeClusterImage(t, p, img.name, bin, img.args)
+		n.archives = append(n.archives, p)
+	}
+	n.containerd = n.startRuntime(t, nil, "/run/e2e-node", clusterPodCIDR)
+	out, err := ctr("images", "ls", "-q")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(out) {
+		if strings.Contains(line, "konnectivity-agent:") {
+			n.agentImage = strings.TrimSpace(line)
+		}
+	}
+	if n.agentImage == "" {
+		t.Fatalf("no konnectivity-agent image in containerd after the import:\n%s", out)
+	}
+	return n
+}
+
+// startRuntime starts a containerd in the namespaces enter enters (none:
+// the test's), with its configuration, the CNI configuration (a bridge
+// with host-local addresses from podCIDR) and the IPAM state in dir, and
+// imports the images.
+func (n *clusterNodeEnv) startRuntime(t *testing.T, enter []string, dir, podCIDR string) *proc {
+	t.Helper()
+	cniDir, ipamDir := filepath.Join(dir, "net.d"), filepath.Join(dir, "ipam")
+	for _, d := range []string{cniDir, ipamDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -383,81 +434,58 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = %q
-`, containerdSock, clusterPauseImage, clusterCNIConfDir)
-	cfgFile := "/run/e2e-containerd.toml"
+`, containerdSock, clusterPauseImage, cniDir)
+	cfgFile := filepath.Join(dir, "containerd.toml")
 	if err := os.WriteFile(cfgFile, []byte(config), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	cni := fmt.Sprintf(`{"cniVersion": "0.4.0", "name": "e2e", "plugins": [{
   "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-  "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "dataDir": "/run/e2e-cni/ipam"}
-}]}`, clusterPodCIDR)
-	if err := os.WriteFile(filepath.Join(clusterCNIConfDir, "10-e2e.conflist"), []byte(cni), 0o644); err != nil {
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": %q}]], "dataDir": %q}
+}]}`, podCIDR, ipamDir)
+	if err := os.WriteFile(filepath.Join(cniDir, "10-e2e.conflist"), []byte(cni), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	n.containerd = startProcBin(t, n.podBin, "containerd", "reaper", "containerd", "--config", cfgFile)
+	args := append(append([]string{}, enter...), n.podBin, "reaper", "containerd", "--config", cfgFile)
+	p := startProcBin(t, args[0], "containerd", args[1:]...)
 	waitFor(t, time.Minute, "containerd's socket", func() bool {
-		if n.containerd.exited() {
-			t.Fatalf("containerd exited: %v\n%s", n.containerd.waitErr, tail(n.containerd.out.String(), 4000))
+		if p.exited() {
+			t.Fatalf("containerd exited: %v\n%s", p.waitErr, tail(p.out.String(), 4000))
 		}
-		out, err := exec.Command("ctr", "-a", containerdSock, "version").CombinedOutput()
-		return err == nil && strings.Contains(string(out), "Server:")
+		out, err := ctrIn(enter, "version")
+		return err == nil && strings.Contains(out, "Server:")
 	})
-
-	// Images: the agent's as `make agent-image` wrote it, and the test's own.
-	bin, err := os.ReadFile(n.podBin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	archives := []string{os.Getenv(clusterAgentImgEnv)}
-	for _, img := range []struct {
-		name string
-		args []string
-	}{
-		{clusterPauseImage, []string{"/clusterpod", "pause"}},
-		{clusterWebhookImage, []string{"/clusterpod", "webhook", "/tls/tls.crt", "/tls/tls.key"}},
-		{clusterWorkImage, []string{"/clusterpod", "workload"}},
-	} {
-		p := filepath.Join(dir, strings.NewReplacer("/", "_", ":", "_").Replace(img.name)+".tar")
-		writeClusterImage(t, p, img.name, bin, img.args)
-		archives = append(archives, p)
-	}
-	for _, a := range archives {
+	for _, a := range n.archives {
 		start := time.Now()
-		if out, err := ctr("images", "import", a); err != nil {
+		if out, err := ctrIn(enter, "images", "import", a); err != nil {
 			t.Fatalf("ctr images import %s: %v\n%s", a, err, out)
 		}
 		t.Logf("node: imported %s in %v", filepath.Base(a), time.Since(start).Round(10*time.Millisecond))
 	}
-	out, err := ctr("images", "ls", "-q")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for line := range strings.Lines(out) {
-		if strings.Contains(line, "konnectivity-agent:") {
-			n.agentImage = strings.TrimSpace(line)
-		}
-	}
-	if n.agentImage == "" {
-		t.Fatalf("no konnectivity-agent image in containerd after the import:\n%s", out)
-	}
-	return n
+	return p
 }
 
 // ctr runs ctr against the test's containerd, in the k8s.io namespace (the
 // CRI's).
-func ctr(args ...string) (string, error) {
+func ctr(args ...string) (string, error) { return ctrIn(nil, args...) }
+
+// ctrIn is ctr for the containerd in the namespaces enter enters.
+func ctrIn(enter []string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, "ctr", append([]string{"-a", containerdSock, "-n", "k8s.io"}, args...)...).CombinedOutput()
+	argv := append(append(append([]string{}, enter...), "ctr", "-a", containerdSock, "-n", "k8s.io"), args...)
+	out, err := exec.CommandContext(ctx, argv[0], argv[1:]...).CombinedOutput()
 	return string(out), err
 }
 
-// containers lists containerd's running tasks: container ID → PID.
-func containerTasks(t *testing.T) map[string]int {
+// containerTasks lists containerd's running tasks: container ID → PID.
+func containerTasks(t *testing.T) map[string]int { return containerTasksIn(t, nil) }
+
+// containerTasksIn is containerTasks for the containerd in the namespaces
+// enter enters.
+func containerTasksIn(t *testing.T, enter []string) map[string]int {
 	t.Helper()
-	out, err := ctr("tasks", "ls")
+	out, err := ctrIn(enter, "tasks", "ls")
 	if err != nil {
 		t.Fatalf("ctr tasks ls: %v\n%s", err, out)
 	}
@@ -473,26 +501,27 @@ func containerTasks(t *testing.T) map[string]int {
 	return m
 }
 
-// removeAllContainers kills and deletes every container left in
-// containerd (after the kubelet stopped), so that their shims exit.
-func removeAllContainers(t *testing.T) int {
+// removeAllContainers kills and deletes every container left in the
+// containerd in the namespaces enter enters (after the kubelet stopped), so
+// that their shims exit.
+func removeAllContainers(t *testing.T, enter []string) int {
 	t.Helper()
-	tasks := containerTasks(t)
+	tasks := containerTasksIn(t, enter)
 	for id := range tasks {
-		_, _ = ctr("tasks", "kill", "-s", "SIGKILL", id)
+		_, _ = ctrIn(enter, "tasks", "kill", "-s", "SIGKILL", id)
 	}
-	out, _ := ctr("containers", "ls", "-q")
+	out, _ := ctrIn(enter, "containers", "ls", "-q")
 	ids := strings.Fields(out)
 	deadline := time.Now().Add(30 * time.Second)
 	for _, id := range ids {
 		for {
-			out, err := ctr("tasks", "delete", id)
+			out, err := ctrIn(enter, "tasks", "delete", id)
 			if err == nil || strings.Contains(out, "not found") || time.Now().After(deadline) {
 				break
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
-		if out, err := ctr("containers", "delete", id); err != nil && !strings.Contains(out, "not found") {
+		if out, err := ctrIn(enter, "containers", "delete", id); err != nil && !strings.Contains(out, "not found") {
 			t.Errorf("ctr containers delete %s: %v %s", id, err, out)
 		}
 	}
@@ -501,16 +530,21 @@ func removeAllContainers(t *testing.T) int {
 
 // stop removes what containers are left and stops containerd; its reaper
 // exits once the last shim has.
-func (n *clusterNodeEnv) stop(t *testing.T) {
+func (n *clusterNodeEnv) stop(t *testing.T) { stopRuntime(t, n.containerd, nil) }
+
+// stopRuntime removes what containers are left in the containerd of
+// reaper (in the namespaces enter enters) and stops it; the reaper exits
+// once the last shim has.
+func stopRuntime(t *testing.T, reaper *proc, enter []string) {
 	t.Helper()
-	left := removeAllContainers(t)
+	left := removeAllContainers(t, enter)
 	start := time.Now()
-	_ = n.containerd.cmd.Process.Signal(syscall.SIGTERM)
+	_ = reaper.cmd.Process.Signal(syscall.SIGTERM)
 	select {
-	case <-n.containerd.done:
+	case <-reaper.done:
 		t.Logf("node: containerd and its shims exited %v after SIGTERM (%d containers removed first); reaper: %v",
-			time.Since(start).Round(10*time.Millisecond), left, n.containerd.waitErr)
+			time.Since(start).Round(10*time.Millisecond), left, reaper.waitErr)
 	case <-time.After(30 * time.Second):
-		t.Errorf("node: containerd or a shim still running 30s after SIGTERM:\n%s", tail(n.containerd.out.String(), 3000))
+		t.Errorf("node: containerd or a shim still running 30s after SIGTERM:\n%s", tail(reaper.out.String(), 3000))
 	}
 }

@@ -27,6 +27,10 @@ const (
 	agentAudience = "system:konnectivity-server"
 	agentSAUser   = "system:serviceaccount:kube-system:konnectivity-agent"
 	goodToken     = "good-token"
+	// otherAudienceToken is a token for another audience that the fake
+	// apiserver authenticates without checking the audience asked for
+	// (kube-apiserver's webhook and static-token authenticators do).
+	otherAudienceToken = "other-audience-token"
 )
 
 // fakeAPIServer answers TokenReviews like kube-apiserver: only over TLS
@@ -124,6 +128,10 @@ func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
 			status.Authenticated = true
 			status.User.Username = agentSAUser
 			status.Audiences = []string{agentAudience}
+		case req.Spec.Token == otherAudienceToken:
+			status.Authenticated = true
+			status.User.Username = agentSAUser
+			status.Audiences = []string{"https://kubernetes.default.svc.cluster.local"}
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)

@@ -2,6 +2,7 @@ package server
 
 import (
 	"bufio"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -120,6 +121,13 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	if err != nil && wire.StatusCode(err) == http.StatusBadRequest && !time.Now().Before(headDeadline) {
 		// net/http reports a line cut short by the deadline as malformed.
 		err = wire.StatusErrorf(http.StatusRequestTimeout, "request head not received in time")
+	}
+	// A gRPC client is told it reached the HTTP CONNECT door, once its
+	// peer is admitted (a refused peer gets the plain 400 below).
+	if errors.Is(err, wire.ErrHTTP2Preface) && (s.cfg.CheckFrontendPeer == nil || s.cfg.CheckFrontendPeer(conn) == nil) {
+		s.metrics.dialFailed(err)
+		s.refuseGRPCClient(conn, br)
+		return false
 	}
 	if err != nil {
 		s.metrics.dialFailed(err)

@@ -28,14 +28,15 @@ import (
 
 // gRPC status codes used here.
 const (
-	grpcOK               = 0
-	grpcCancelled        = 1
-	grpcInvalidArgument  = 3
-	grpcDeadlineExceeded = 4
-	grpcPermissionDenied = 7
-	grpcUnimplemented    = 12
-	grpcInternal         = 13
-	grpcUnavailable      = 14
+	grpcOK                 = 0
+	grpcCancelled          = 1
+	grpcInvalidArgument    = 3
+	grpcDeadlineExceeded   = 4
+	grpcPermissionDenied   = 7
+	grpcFailedPrecondition = 9
+	grpcUnimplemented      = 12
+	grpcInternal           = 13
+	grpcUnavailable        = 14
 )
 
 // ServeGRPC accepts kube-apiserver's gRPC connections (HTTP/2 with prior
@@ -109,8 +110,12 @@ func (s *Server) serveGRPCConn(conn net.Conn, pd *pendingDial) {
 			small = preAdmitStreamWindow
 		}
 	}
-	h2conn := grpcLinkConn(conn)
 	noPreface := context.AfterFunc(s.leaving, func() { conn.Close() })
+	if c.refused == nil && s.refuseConnectClient(conn) {
+		noPreface()
+		return
+	}
+	h2conn := grpcLinkConn(conn)
 	l, err := h2link.NewServer(h2conn, s.grpcLinkConfig(conn, h2conn, small), c)
 	if !noPreface() || err != nil {
 		s.log.Debug("gRPC frontend: no HTTP/2 connection", "err", err)

@@ -82,6 +82,10 @@ func (l *HeadLimiter) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// ErrHTTP2Preface is what ReadConnect returns for the start of an HTTP/2
+// connection (a gRPC client) in place of a CONNECT request.
+var ErrHTTP2Preface = StatusErrorf(http.StatusBadRequest, "an HTTP/2 connection preface, not a CONNECT request")
+
 // ReadConnect reads one HTTP/1.x request head from br and returns the dial
 // address of a CONNECT request. The address is the request target, never the
 // Host header (kube-apiserver sends "Host: 127.0.0.1"). Errors are
@@ -101,6 +105,9 @@ func ReadConnect(br *bufio.Reader) (string, error) {
 			return "", StatusErrorf(http.StatusBadRequest, "connection closed before the request head ended")
 		}
 		return "", StatusErrorf(http.StatusBadRequest, "malformed request: %s", CleanErr(err))
+	}
+	if req.Method == "PRI" && req.ProtoMajor == 2 {
+		return "", ErrHTTP2Preface
 	}
 	if req.Method != http.MethodConnect {
 		return "", StatusErrorf(http.StatusMethodNotAllowed, "method %s not allowed: this is a CONNECT proxy", req.Method)
@@ -154,14 +161,20 @@ func CleanErr(err error) string {
 }
 
 // WriteStatus answers a frontend request with a short text body and asks the
-// client to close.
+// client to close. The reason phrase carries the message too (its first 240
+// printable bytes), because kube-apiserver's HTTP CONNECT dialer reports
+// the status line and never the body.
 func WriteStatus(w io.Writer, code int, msg string) error {
+	reason := http.StatusText(code)
+	msg = strings.TrimSpace(msg)
 	if msg == "" {
-		msg = http.StatusText(code)
+		msg = reason
+	} else if msg != reason {
+		reason += ": " + CleanErr(errors.New(msg))
 	}
-	msg = strings.TrimSpace(msg) + "\n"
+	msg += "\n"
 	_, err := fmt.Fprintf(w, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
-		code, http.StatusText(code), len(msg), msg)
+		code, reason, len(msg), msg)
 	return err
 }
 

@@ -5,7 +5,9 @@
 //	pause             the pod sandbox: waits for SIGTERM or SIGINT
 //	webhook CERT KEY  a validating admission webhook on :8443 that admits
 //	                  every object except one named deny-*
-//	workload          prints "line N" every 100ms and echoes TCP on :8080
+//	workload          prints "line N" every 100ms, echoes TCP on :8080 and
+//	                  answers HTTP on :8081 with "pod HOSTNAME", closing
+//	                  the connection after each answer
 //	cat               copies stdin to stdout (exec and attach)
 //	reaper CMD ARG... runs CMD as a child subreaper: reaps every process
 //	                  reparented to it (containerd's shims), passes SIGTERM
@@ -107,13 +109,29 @@ func webhook(certFile, keyFile string) error {
 	return nil
 }
 
-// workload writes a numbered line every 100ms (kubectl logs -f) and echoes
-// every TCP connection on :8080 (kubectl port-forward).
+// workload writes a numbered line every 100ms (kubectl logs -f), echoes
+// every TCP connection on :8080 (kubectl port-forward) and names its pod
+// over HTTP on :8081 (pods/proxy).
 func workload() error {
 	l, err := net.Listen("tcp", ":8080")
 	if err != nil {
 		return err
 	}
+	hl, err := net.Listen("tcp", ":8081")
+	if err != nil {
+		return err
+	}
+	host, _ := os.Hostname()
+	hs := &http.Server{
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			// A connection per request: each of kube-apiserver's
+			// requests is a dial of its own through the tunnel.
+			w.Header().Set("Connection", "close")
+			fmt.Fprintf(w, "pod %s\n", host)
+		}),
+		ReadHeaderTimeout: 10 * time.Second,
+	}
+	go func() { _ = hs.Serve(hl) }()
 	go func() {
 		for {
 			c, err := l.Accept()
