@@ -61,7 +61,8 @@
 // Server (tunnel/server): server.go (lifecycle: Serve*, Shutdown, Close),
 // tunnel.go (the tunnel type, its states and the table Server.tunnels),
 // frontend.go (the HTTP CONNECT front door), grpc_frontend.go (the gRPC
-// front door), upload.go (a tunnel's upload), admission.go (an agent's
+// front door), mode_mismatch.go (each door's answer to a client of the
+// other protocol), upload.go (a tunnel's upload), admission.go (an agent's
 // connection until it is admitted, the limits on it, and register, which
 // puts admitted agents of both kinds in the registry), dial.go (picking an
 // agent and opening a tunnel through it), upstream_agent.go (upstream's
