@@ -588,3 +588,43 @@ func TestServeHoldAndNotify(t *testing.T) {
 		t.Fatalf("%d streams counted once the held response ended, want 0", got)
 	}
 }
+
+// Connection credit goes back in sixteenths of the window the serving end
+// wants its peer to have, not a WINDOW_UPDATE per DATA frame: a window
+// that follows the link is megabytes on a fast one, and each update is a
+// system call at each end.
+func TestConnCreditGoesBackInSixteenths(t *testing.T) {
+	checkNoLeaks(t)
+	drain := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+	})
+	l, c := servingPair(t, Config{}, drain)
+	l.mu.Lock()
+	target := int64(l.recvTarget)
+	l.mu.Unlock()
+	const frame, frames = 16 << 10, 32 // 512 KiB, within the first windows
+	c.until("the window's first raise", func(f http2.Frame) bool {
+		wu, ok := f.(*http2.WindowUpdateFrame)
+		return ok && wu.StreamID == 0
+	})
+	c.request(1, false)
+	go func() {
+		for i := range frames {
+			if c.fr.WriteData(1, i == frames-1, make([]byte, frame)) != nil {
+				return
+			}
+		}
+	}()
+	var updates, credit int64
+	c.until("the answer on stream 1", func(f http2.Frame) bool {
+		if wu, ok := f.(*http2.WindowUpdateFrame); ok && wu.StreamID == 0 {
+			updates++
+			credit += int64(wu.Increment)
+		}
+		return f.Header().StreamID == 1 && f.Header().Type == http2.FrameHeaders
+	})
+	if most := frame * frames / (target / 16); updates > most {
+		t.Errorf("%d connection WINDOW_UPDATEs (%d bytes of credit) for %d bytes sent, window %d: want at most %d, one per sixteenth", updates, credit, frame*frames, target, most)
+	}
+	t.Logf("%d connection WINDOW_UPDATEs, %d bytes of credit, window %d", updates, credit, target)
+}
