@@ -25,6 +25,7 @@ LDFLAGS    := -s -w -X main.version=$(VERSION) -X main.commit=$(REVISION) -X mai
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)"
 ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
+DEADCODE  ?= $(shell command -v deadcode 2>/dev/null || echo $(HOME)/go/bin/deadcode)
 
 .PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube e2e-cluster h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness soak install clean tools image-overlay test-images test-openrc agent-image
 
@@ -38,6 +39,7 @@ demo: build
 
 tools:
 	@test -x "$(STATICCHECK)" || $(GO) install honnef.co/go/tools/cmd/staticcheck@v0.8.2
+	@test -x "$(DEADCODE)" || $(GO) install golang.org/x/tools/cmd/deadcode@v0.51.0
 
 lint: tools
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
@@ -47,6 +49,10 @@ lint: tools
 	cd e2e/upstream && $(GO) mod tidy -diff
 	$(GO) vet ./...
 	$(STATICCHECK) ./...
+	@# A function only tests reach is code the product does not use; the
+	@# test-support packages are for tests alone.
+	@out=$$($(DEADCODE) ./...) || exit 1; out=$$(echo "$$out" | grep -v '^internal/testnet/\|^tunnel/internal/tunneltest/'); \
+		if [ -n "$$out" ]; then echo "reachable from no command (deadcode):"; echo "$$out"; exit 1; fi
 	cd e2e && $(GO) vet ./...
 	cd e2e/kube && $(GO) vet ./...
 	cd e2e/kube && $(STATICCHECK) ./...

@@ -163,20 +163,6 @@ func isBoolFlag(f *flag.Flag) bool {
 	return ok && b.IsBoolFlag()
 }
 
-// parse parses args and returns a logger built from the logging flags
-// (parseArgs, then startLogging), with the warnings so far logged.
-func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, error) {
-	stray, err := cf.parseArgs(args)
-	if err != nil {
-		return nil, err
-	}
-	log, err := cf.startLogging(stray, stderr)
-	if err == nil {
-		cf.flushWarnings(log)
-	}
-	return log, err
-}
-
 // startLogging returns a logger built from the logging flags. It queues
 // warnings (cf.warn), one line each, about upstream flags that were given
 // but have no effect here, and about positional arguments (stray:

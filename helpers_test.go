@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -165,4 +166,18 @@ func runCertArgs(args ...string) (code int, stdout, stderr string) {
 	var o, e bytes.Buffer
 	code = runCert(args, &o, &e)
 	return code, o.String(), e.String()
+}
+
+// parse parses args and returns a logger built from the logging flags
+// (parseArgs, then startLogging), with the warnings so far logged.
+func (cf *commandFlags) parse(args []string, stderr io.Writer) (*slog.Logger, error) {
+	stray, err := cf.parseArgs(args)
+	if err != nil {
+		return nil, err
+	}
+	log, err := cf.startLogging(stray, stderr)
+	if err == nil {
+		cf.flushWarnings(log)
+	}
+	return log, err
 }

@@ -3,7 +3,7 @@
 //
 // Agent authentication: an agent presents a projected ServiceAccount token
 // as "Authorization: Bearer <jwt>". The server checks it with a TokenReview
-// against the kube-apiserver (TokenReviewer.Authenticate), requiring the
+// against the kube-apiserver (TokenReviewer.Review), requiring the
 // configured audience and exactly the ServiceAccount
 // system:serviceaccount:<namespace>:<name>. Failures carry the HTTP status the
 // server should answer with (StatusOf): 401 for a missing or invalid token
@@ -14,7 +14,7 @@
 // token's own expiry. Token values never appear in errors.
 //
 // Talking to the apiserver needs only a small part of a kubeconfig
-// (LoadKubeconfig, ParseKubeconfig) or the in-cluster ServiceAccount
+// (LoadKubeconfig) or the in-cluster ServiceAccount
 // (InClusterConfig); this package reads those itself so the binary does not
 // depend on client-go.
 //

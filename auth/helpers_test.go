@@ -515,3 +515,29 @@ func peerHelper(sock string) int {
 	}
 	return 0
 }
+
+// ParseKubeconfig is LoadKubeconfig for bytes already read; dir is the folder
+// that relative file names are resolved against.
+func ParseKubeconfig(data []byte, dir, context string) (*RESTConfig, error) {
+	cfg, err := parseKubeconfig(data, dir, context, readRegularFile)
+	if err != nil {
+		return nil, fmt.Errorf("kubeconfig: %w", err)
+	}
+	return cfg, nil
+}
+
+// Authenticate accepts bearerToken if the apiserver says it is a valid token
+// for the configured audience and ServiceAccount. Otherwise it returns an
+// *Error: 401 (missing, malformed or unauthenticated token), 403 (valid
+// token, wrong audience or account) or 503 (the review could not be done;
+// retry later). It waits at most Timeout (or until ctx ends).
+func (r *TokenReviewer) Authenticate(ctx context.Context, bearerToken string) error {
+	_, err := r.Review(ctx, bearerToken)
+	return err
+}
+
+func (r *TokenReviewer) cacheLen() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.order.Len()
+}

@@ -31,8 +31,8 @@ const (
 )
 
 // RESTConfig is what is needed to call the kube-apiserver: its URL, how to
-// verify it and how to authenticate to it. Build one with LoadKubeconfig,
-// ParseKubeconfig or InClusterConfig.
+// verify it and how to authenticate to it. Build one with LoadKubeconfig or
+// InClusterConfig.
 type RESTConfig struct {
 	server        string // base URL, no trailing slash
 	tlsServerName string
@@ -174,16 +174,6 @@ func LoadKubeconfig(path, context string) (*RESTConfig, error) {
 	cfg, err := parseKubeconfig(data, filepath.Dir(abs), context, readRegularFile)
 	if err != nil {
 		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
-	}
-	return cfg, nil
-}
-
-// ParseKubeconfig is LoadKubeconfig for bytes already read; dir is the folder
-// that relative file names are resolved against.
-func ParseKubeconfig(data []byte, dir, context string) (*RESTConfig, error) {
-	cfg, err := parseKubeconfig(data, dir, context, readRegularFile)
-	if err != nil {
-		return nil, fmt.Errorf("kubeconfig: %w", err)
 	}
 	return cfg, nil
 }

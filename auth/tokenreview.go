@@ -84,24 +84,6 @@ func unavailable(reason string, err error) error {
 	return &Error{Status: http.StatusServiceUnavailable, Reason: reason, err: err}
 }
 
-// BearerToken extracts the token from exactly one "Authorization: Bearer
-// <token>" header. A missing or malformed header is a 401 Error.
-func BearerToken(h http.Header) (string, error) {
-	vals := h.Values("Authorization")
-	switch len(vals) {
-	case 0:
-		return "", unauthorized("missing Authorization header")
-	case 1:
-	default:
-		return "", unauthorized("more than one Authorization header")
-	}
-	scheme, token, ok := strings.Cut(strings.TrimSpace(vals[0]), " ")
-	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return "", unauthorized("Authorization header is not a Bearer token")
-	}
-	return strings.TrimSpace(token), nil
-}
-
 // ReviewOptions configures a TokenReviewer.
 type ReviewOptions struct {
 	// Audience the token must be issued for (--authentication-audience).
@@ -210,16 +192,6 @@ func NewTokenReviewer(cfg *RESTConfig, opts ReviewOptions) (*TokenReviewer, erro
 		r.now = time.Now
 	}
 	return r, nil
-}
-
-// Authenticate accepts bearerToken if the apiserver says it is a valid token
-// for the configured audience and ServiceAccount. Otherwise it returns an
-// *Error: 401 (missing, malformed or unauthenticated token), 403 (valid
-// token, wrong audience or account) or 503 (the review could not be done;
-// retry later). It waits at most Timeout (or until ctx ends).
-func (r *TokenReviewer) Authenticate(ctx context.Context, bearerToken string) error {
-	_, err := r.Review(ctx, bearerToken)
-	return err
 }
 
 // Review is Authenticate that also returns what the apiserver said about
@@ -370,12 +342,6 @@ func (r *TokenReviewer) evict(now time.Time) {
 		r.order.Remove(oldest)
 		delete(r.cache, oldest.Value.(*cacheEntry).key)
 	}
-}
-
-func (r *TokenReviewer) cacheLen() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.order.Len()
 }
 
 type tokenReview struct {

@@ -403,35 +403,6 @@ func TestNewTokenReviewerValidates(t *testing.T) {
 	}
 }
 
-func TestBearerToken(t *testing.T) {
-	tests := []struct {
-		header []string
-		want   string
-		ok     bool
-	}{
-		{[]string{"Bearer " + sampleToken}, sampleToken, true},
-		{[]string{"bearer  " + sampleToken + " "}, sampleToken, true},
-		{nil, "", false},
-		{[]string{"Basic dXNlcjpwYXNz"}, "", false},
-		{[]string{"Bearer"}, "", false},
-		{[]string{"Bearer a", "Bearer b"}, "", false},
-	}
-	for _, tc := range tests {
-		h := http.Header{}
-		for _, v := range tc.header {
-			h.Add("Authorization", v)
-		}
-		got, err := BearerToken(h)
-		if (err == nil) != tc.ok || got != tc.want {
-			t.Errorf("%q: got %q, %v", tc.header, got, err)
-		}
-		if err != nil && StatusOf(err) != http.StatusUnauthorized {
-			t.Errorf("%q: status %d, want 401", tc.header, StatusOf(err))
-		}
-		noToken(t, err)
-	}
-}
-
 func TestStatusOf(t *testing.T) {
 	if StatusOf(nil) != 200 {
 		t.Error("nil")

@@ -9,7 +9,6 @@
 //   - [CA.Issue] and [Request]: serving or client certificates with SANs.
 //   - [Ensure]: idempotent "make sure this pair exists and is what I asked
 //     for" used by "konnectivity cert" and by [Minter] inside the server.
-//   - [WriteFileAtomic]: crash-safe file replacement.
 //   - [Reloader] and [CAPoolReloader]: hot reload of a cert/key pair and a CA
 //     bundle on the TLS handshake path, so rotated files are picked up by new
 //     connections without a restart while existing connections keep working.

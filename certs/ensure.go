@@ -36,14 +36,6 @@ type Result struct {
 	NotAfter time.Time // expiry of the pair now on disk
 }
 
-// String renders the result as "reused: <reason>" or "minted: <reason>".
-func (r Result) String() string {
-	if r.Minted {
-		return "minted: " + r.Reason
-	}
-	return "reused: " + r.Reason
-}
-
 // Ensure makes sure CertFile/KeyFile hold a pair matching opts. An existing
 // pair is reused when both files parse, the key matches the certificate, it
 // is signed by opts.CA, its CN, SAN set (order-insensitive), usage and key
@@ -229,23 +221,6 @@ func usageOf(leaf *x509.Certificate) string {
 }
 
 func formatTime(t time.Time) string { return t.UTC().Format(time.RFC3339) }
-
-// WriteFileAtomic replaces path with data so that readers see either the old
-// or the new content, never a mix, even across a crash: it writes a temporary
-// file in the same directory, fsyncs it, sets mode, renames it over path and
-// fsyncs the directory. A leftover temporary file from an interrupted run
-// (".<name>.tmp-*") is harmless and never read.
-func WriteFileAtomic(path string, data []byte, mode os.FileMode) error {
-	tmp, err := stageFile(path, data, mode)
-	if err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		_ = os.Remove(tmp)
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	return syncDir(path)
-}
 
 // stageFile writes data, fsynced and with mode, to a new temporary file
 // beside path and returns its name; on failure nothing is left behind.

@@ -194,7 +194,7 @@ func TestEnsureBadOptions(t *testing.T) {
 }
 
 // TestEnsureInterruptedWrite simulates crashes: leftover temporary files
-// from an interrupted WriteFileAtomic, and a crash between writing the new
+// from an interrupted write, and a crash between writing the new
 // key and the new certificate.
 func TestEnsureInterruptedWrite(t *testing.T) {
 	e := newEnsureEnv(t)
@@ -223,51 +223,41 @@ func TestEnsureInterruptedWrite(t *testing.T) {
 	expectReused(t, e.ensure(t, o))
 }
 
-func TestWriteFileAtomic(t *testing.T) {
+// TestStageFile: a staged file holds the data with the mode asked for
+// (not reduced by the umask), fsynced beside its path under a hidden
+// temporary name, and its path is not touched.
+func TestStageFile(t *testing.T) {
 	dir := t.TempDir()
 	p := filepath.Join(dir, "f")
-	if err := WriteFileAtomic(p, []byte("one"), 0o600); err != nil {
+	tmp, err := stageFile(p, []byte("two"), 0o644)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := WriteFileAtomic(p, []byte("two"), 0o644); err != nil {
-		t.Fatal(err)
+	if filepath.Dir(tmp) != dir || !strings.HasPrefix(filepath.Base(tmp), ".f.tmp-") {
+		t.Fatalf("staged as %s, want .f.tmp-* in %s", tmp, dir)
 	}
-	if got := string(readFile(t, p)); got != "two" {
+	if got := string(readFile(t, tmp)); got != "two" {
 		t.Fatalf("content %q", got)
 	}
-	fi, err := os.Stat(p)
+	fi, err := os.Stat(tmp)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if fi.Mode().Perm() != 0o644 {
 		t.Fatalf("mode %v", fi.Mode().Perm())
 	}
+	if _, err := os.Stat(p); !os.IsNotExist(err) {
+		t.Fatalf("staging touched %s: %v", p, err)
+	}
+	if _, err := stageFile(filepath.Join(dir, "missing", "f"), []byte("x"), 0o600); err == nil {
+		t.Fatal("staging into a missing directory succeeded")
+	}
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(entries) != 1 {
-		t.Fatalf("temporary files left behind: %v", entries)
-	}
-	if err := WriteFileAtomic(filepath.Join(dir, "missing", "f"), []byte("x"), 0o600); err == nil {
-		t.Fatal("write into a missing directory succeeded")
-	}
-	// Renaming over a directory fails; the temporary file must be removed.
-	sub := filepath.Join(dir, "sub")
-	if err := os.Mkdir(sub, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := WriteFileAtomic(sub, []byte("x"), 0o600); err == nil {
-		t.Fatal("replacing a directory succeeded")
-	}
-	entries, err = os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, en := range entries {
-		if strings.Contains(en.Name(), ".tmp-") {
-			t.Fatalf("temporary file %s left behind after failure", en.Name())
-		}
+	if len(entries) != 1 || entries[0].Name() != filepath.Base(tmp) {
+		t.Fatalf("files in %s: %v, want only the staged one", dir, entries)
 	}
 }
 

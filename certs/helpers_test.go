@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
 	"math/big"
 	"net"
 	"os"
@@ -362,4 +363,34 @@ func served(t *testing.T, r *Reloader) *x509.Certificate {
 		t.Fatal("GetCertificate and GetClientCertificate disagree")
 	}
 	return c.Leaf
+}
+
+// String renders the result as "reused: <reason>" or "minted: <reason>".
+func (r Result) String() string {
+	if r.Minted {
+		return "minted: " + r.Reason
+	}
+	return "reused: " + r.Reason
+}
+
+// WriteFileAtomic replaces path with data so that readers see either the old
+// or the new content, never a mix, even across a crash: it writes a temporary
+// file in the same directory, fsyncs it, sets mode, renames it over path and
+// fsyncs the directory. A leftover temporary file from an interrupted run
+// (".<name>.tmp-*") is harmless and never read.
+func WriteFileAtomic(path string, data []byte, mode os.FileMode) error {
+	tmp, err := stageFile(path, data, mode)
+	if err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return syncDir(path)
+}
+
+// GetClientCertificate implements tls.Config.GetClientCertificate.
+func (r *Reloader) GetClientCertificate(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+	return r.current(), nil
 }

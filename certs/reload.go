@@ -74,12 +74,12 @@ func orDiscard(l *slog.Logger) *slog.Logger {
 }
 
 // Reloader serves a certificate/key pair from disk and picks up replaced
-// files without a restart. Use GetCertificate (servers) or
-// GetClientCertificate (clients) in a tls.Config. At most once per second a
-// handshake stats both files (mtime, size, inode); when either changed, or was
-// modified in the last couple of seconds, the pair is re-read, and a pair that
-// does not load (unparsable, key mismatch) is refused with a log line while
-// the previous one keeps serving. No goroutine is involved.
+// files without a restart: a server's tls.Config takes its GetCertificate.
+// At most once per second a handshake stats both files (mtime, size,
+// inode); when either changed, or was modified in the last couple of
+// seconds, the pair is re-read, and a pair that does not load (unparsable,
+// key mismatch) is refused with a log line while the previous one keeps
+// serving. No goroutine is involved.
 type Reloader struct {
 	certFile, keyFile string
 	logger            *slog.Logger
@@ -140,11 +140,6 @@ func NewReloader(certFile, keyFile string, logger *slog.Logger) (*Reloader, erro
 
 // GetCertificate implements tls.Config.GetCertificate.
 func (r *Reloader) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-	return r.current(), nil
-}
-
-// GetClientCertificate implements tls.Config.GetClientCertificate.
-func (r *Reloader) GetClientCertificate(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
 	return r.current(), nil
 }
 

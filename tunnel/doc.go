@@ -73,7 +73,7 @@
 // restart's move: the handover type, its hooks, pause, held and resume
 // parts, what crosses execve), handover_agent.go
 // (the server's half of an agent's restart in place), server_metrics.go,
-// status.go, panics.go.
+// status.go.
 // Agent (tunnel/agent): agent.go (lifecycle and the tunnel's byte path),
 // agent_conns.go (a connection per server), destinations.go (the
 // destination policy), agent_metrics.go (its metrics and status), and the
@@ -82,7 +82,8 @@
 // request, the control line and the move's requests), connect.go (a
 // CONNECT head, StatusError), identifiers.go, packets.go (upstream's
 // Packet counts, stream error codes, a tunnel's activity), conn.go
-// (sockets), buffers.go, loglimit.go.
+// (sockets), buffers.go, loglimit.go, panics.go (the panic guard of a
+// tunnel's goroutines on both ends).
 //
 // # Locks
 //
@@ -106,7 +107,7 @@
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
 // the destinations held for a restart. Leaf locks, under which nothing
 // else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
-// watchedConn's, logLimiter's and promtext's registry lock; nothing
+// watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every
 // other shared field is immutable once published, atomic, or owned by
 // one goroutine, as its comment says.

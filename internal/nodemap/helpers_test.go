@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -352,4 +353,32 @@ func (l *logRecorder) warnings() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]string(nil), l.warns...)
+}
+
+func (m Match) String() string {
+	switch m {
+	case NodeAddress:
+		return "node_address"
+	case PodAddress:
+		return "pod_address"
+	case PodCIDR:
+		return "pod_cidr"
+	}
+	return "none"
+}
+
+// Node returns a copy of the named Node.
+func (t *Table) Node(name string) (Node, bool) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	n, ok := t.nodes[name]
+	if !ok {
+		return Node{}, false
+	}
+	return Node{
+		Name:      n.Name,
+		Addresses: slices.Clone(n.Addresses),
+		Hostnames: slices.Clone(n.Hostnames),
+		PodCIDRs:  slices.Clone(n.PodCIDRs),
+	}, true
 }

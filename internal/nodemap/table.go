@@ -29,18 +29,6 @@ const (
 	PodCIDR           // inside one of the Node's spec.podCIDRs (longest prefix)
 )
 
-func (m Match) String() string {
-	switch m {
-	case NodeAddress:
-		return "node_address"
-	case PodAddress:
-		return "pod_address"
-	case PodCIDR:
-		return "pod_cidr"
-	}
-	return "none"
-}
-
 // Node is what the table keeps of one Node object.
 type Node struct {
 	Name      string
@@ -221,22 +209,6 @@ func (t *Table) LookupAddr(a netip.Addr) (string, Match) {
 		}
 	}
 	return "", NoMatch
-}
-
-// Node returns a copy of the named Node.
-func (t *Table) Node(name string) (Node, bool) {
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	n, ok := t.nodes[name]
-	if !ok {
-		return Node{}, false
-	}
-	return Node{
-		Name:      n.Name,
-		Addresses: slices.Clone(n.Addresses),
-		Hostnames: slices.Clone(n.Hostnames),
-		PodCIDRs:  slices.Clone(n.PodCIDRs),
-	}, true
 }
 
 // Size is how many Nodes and pod addresses the table holds.

@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -145,10 +144,10 @@ func (c *Config) setDefaults() {
 // fields are immutable or atomic.
 type Agent struct {
 	// Immutable after NewAgent.
-	cfg     Config
-	log     *slog.Logger
-	metrics *agentMetrics
-	quiet   *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
+	cfg      Config
+	log      *slog.Logger
+	metrics  *agentMetrics
+	warnings *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
 	// idle (capacity 1) is poked when the last open stream ends or the
 	// last held destination goes (pokeIdle): the drain waits on it.
 	idle chan struct{}
@@ -265,7 +264,7 @@ func New(cfg Config) (*Agent, error) {
 		conns:    make(map[*serverConn]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
-		quiet:    wire.NewLogLimiter(10 * time.Second),
+		warnings: wire.NewLogLimiter(10 * time.Second),
 		idle:     make(chan struct{}, 1),
 	}
 	a.announced = 1
@@ -308,7 +307,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	managers := a.startManagers(connectCtx)
 	<-ctx.Done()
 
-	deadline := a.BeginDrain()
+	deadline := a.beginDrain()
 	restart := a.isRestarting()
 	a.waitIdle(deadline, restart)
 	// On a restart the held destinations go to the next image: only
@@ -367,9 +366,9 @@ func (a *Agent) pokeIdle() {
 	}
 }
 
-// BeginDrain tells every server the agent drains, and returns when it
+// beginDrain tells every server the agent drains, and returns when it
 // cuts what is left.
-func (a *Agent) BeginDrain() time.Time {
+func (a *Agent) beginDrain() time.Time {
 	a.mu.Lock()
 	a.draining = true
 	a.drainEnd = time.Now().Add(a.cfg.DrainTimeout)
@@ -484,7 +483,7 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	a.streams.Add(1)
 	defer a.streams.Done()
-	defer a.recoverStream()
+	defer wire.RecoverTunnelPanic(a.log, a.metrics.panics, "agent stream", true)
 	a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
 	dest := a.openDestination(w, r)
 	a.metrics.packets.Inc(wire.SegFromAgent, grpcwire.DialRsp) // answered: 200 below, or an error
@@ -504,18 +503,6 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	}()
 	w.WriteHeader(http.StatusOK)
 	a.carry(w, r, dest)
-}
-
-// recoverStream keeps a panic in one tunnel from ending the agent: the
-// stream is reset and the rest carry on.
-func (a *Agent) recoverStream() {
-	if e := recover(); e != nil {
-		if e != http.ErrAbortHandler {
-			a.metrics.panics.Inc()
-			a.log.Error("panic recovered; only this tunnel is affected", "where", "agent stream", "panic", e, "stack", string(debug.Stack()))
-		}
-		panic(http.ErrAbortHandler) // reset this stream, quietly
-	}
 }
 
 // openDestination checks the request and dials its destination, or
@@ -549,7 +536,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		if errors.As(err, &denied) {
 			code = http.StatusForbidden
 			a.metrics.dialDenied.Inc()
-			a.quiet.Log(a.log, slog.LevelWarn, "denied "+addr, "dial refused by destination policy", "addr", addr, "reason", denied.Error())
+			a.warnings.Log(a.log, slog.LevelWarn, "denied "+addr, "dial refused by destination policy", "addr", addr, "reason", denied.Error())
 		} else if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, context.DeadlineExceeded) {
 			code = http.StatusGatewayTimeout
 			a.metrics.dialTimeout.Inc()

@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/tunnel/wire"
 
 	"golang.org/x/sys/unix"
@@ -121,7 +122,7 @@ func (a *Agent) seek(ctx context.Context, t target) {
 		default:
 			delay = a.failureDelay(t, err, b)
 		}
-		if !sleepCtx(ctx, delay) {
+		if !kubeapi.Sleep(ctx, delay) {
 			return
 		}
 	}
@@ -141,20 +142,8 @@ func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
 		delay = jitter(a.cfg.SyncInterval)
 	}
 	a.metrics.toServerFailures.Inc()
-	a.quiet.Log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
+	a.warnings.Log(a.log, slog.LevelWarn, t.addr+" "+err.Error(), "server connection failed", "server", t.addr, "err", err, "retry_in", delay.Round(time.Millisecond).String())
 	return delay
-}
-
-// sleepCtx waits for d, or returns false as soon as ctx ends.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }
 
 // hold keeps one connection to a fixed address, redialling when it drops.
@@ -183,7 +172,7 @@ func (a *Agent) hold(ctx context.Context, t target) {
 		default:
 			delay = a.failureDelay(t, err, b)
 		}
-		if !sleepCtx(ctx, delay) {
+		if !kubeapi.Sleep(ctx, delay) {
 			return
 		}
 	}
@@ -230,7 +219,7 @@ func (a *Agent) expand(ctx context.Context, host, port string) {
 				}
 			}
 		}
-		if !sleepCtx(ctx, delay) {
+		if !kubeapi.Sleep(ctx, delay) {
 			return
 		}
 	}
@@ -511,7 +500,7 @@ func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Reque
 		case <-tick:
 			token, err := a.cfg.Token()
 			if err != nil {
-				a.quiet.Log(a.log, slog.LevelWarn, "token refresh", "cannot read the token again; the server keeps the one it has", "err", err)
+				a.warnings.Log(a.log, slog.LevelWarn, "token refresh", "cannot read the token again; the server keeps the one it has", "err", err)
 				continue
 			}
 			if token == last || !validToken(token) {

@@ -18,7 +18,7 @@ import (
 // restart-in line: the agent only drains there.
 func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
 	var b strings.Builder
-	if err := wire.WriteSwitching(&b, "s1", 2); err != nil {
+	if _, err := b.Write(wire.Switching("s1", 2)); err != nil {
 		t.Fatal(err)
 	}
 	r, err := wire.ReadReply(bufio.NewReader(strings.NewReader(b.String())))
@@ -40,7 +40,7 @@ func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
 			t.Fatal(err)
 		}
 		a.Restarting()
-		a.BeginDrain()
+		a.beginDrain()
 		l := &serverConn{drain: make(chan struct{}), agentRestart: tc.agentRestart}
 		l.sendDrain()
 		ctx, cancel := context.WithCancel(context.Background())

@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/tunneltest"
 	"github.com/spinifex/konnectivity/tunnel/server"
 )
@@ -12,7 +13,8 @@ import (
 // (The server's tests have their own, for a server they look into.)
 type env struct {
 	*tunneltest.Ends
-	srv *server.Server
+	srv     *server.Server
+	metrics *promtext.Registry // the server's
 }
 
 func newEnv(t testing.TB, mutate func(*server.Config)) *env {
@@ -34,11 +36,14 @@ func newEnvOn(t testing.TB, p *tunneltest.PKI, agentAddr string, mutate func(*se
 	if mutate != nil {
 		mutate(&cfg)
 	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = promtext.NewRegistry()
+	}
 	srv, err := server.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &env{Ends: tunneltest.ServeEnds(t, p, agentAddr, srv), srv: srv}
+	return &env{Ends: tunneltest.ServeEnds(t, p, agentAddr, srv), srv: srv, metrics: cfg.Metrics}
 }
 
 // testAgent is an in-process agent and the means to stop it.
@@ -95,3 +100,10 @@ func newEchoEnv(tb testing.TB) (*env, string) {
 
 // grpcSocket serves the gRPC front door on a Unix socket next to an env.
 func (e *env) grpcSocket(t testing.TB) string { return e.ServeUnix(t, e.srv.ServeGRPC) }
+
+// frontOpen is the server's count of open front door connections (HTTP
+// CONNECT) and calls (gRPC), as its metrics show them.
+func (e *env) frontOpen(t testing.TB) float64 {
+	return tunneltest.Metric(t, e.metrics, "konnectivity_network_proxy_server_http_connections") +
+		tunneltest.Metric(t, e.metrics, `konnectivity_network_proxy_server_grpc_connections{service_method="Proxy"}`)
+}

@@ -417,7 +417,7 @@ func (s *Server) review(ctx context.Context, agentID, remote string, check func(
 		return authUnavailable()
 	}
 	a.refused.Inc()
-	s.quiet.Log(s.log, slog.LevelWarn, "review unavailable", "agent authentication unavailable", "agent", agentID, "remote", remote, "err", wire.ErrMsg(err))
+	s.warnings.Log(s.log, slog.LevelWarn, "review unavailable", "agent authentication unavailable", "agent", agentID, "remote", remote, "err", wire.ErrMsg(err))
 	return authUnavailable()
 }
 
@@ -460,7 +460,7 @@ func (s *Server) refuseUnadmitted(raw net.Conn, queued int, stalled bool) {
 	if stalled {
 		reason = "no slot freed"
 	}
-	s.quiet.Log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "reason", reason, "retry_in", retry.Round(time.Millisecond).String())
+	s.warnings.Log(s.log, slog.LevelWarn, "unadmitted limit", "agent connection closed: too many connections waiting to be admitted", "remote", raw.RemoteAddr().String(), "limit", s.cfg.MaxUnadmitted, "backlog", queued, "reason", reason, "retry_in", retry.Round(time.Millisecond).String())
 }
 
 // serveAgentConn runs one agent connection: TLS, the Upgrade handshake, then
@@ -560,7 +560,7 @@ func (s *Server) logRefusal(id, remote string, err error, args ...any) {
 	if len(key) > 96 {
 		key = key[:96]
 	}
-	s.quiet.Log(s.log, slog.LevelWarn, "refused "+hostOf(remote)+" "+key, "agent refused", append([]any{"agent", id, "remote", remote, "reason", reason}, args...)...)
+	s.warnings.Log(s.log, slog.LevelWarn, "refused "+hostOf(remote)+" "+key, "agent refused", append([]any{"agent", id, "remote", remote, "reason", reason}, args...)...)
 }
 
 // startAgentLink answers an admitted agent's handshake, which br read,
@@ -674,7 +674,7 @@ type controlWatch struct {
 // once a read would block (Notify starts it again) or the stream ended.
 func (w *controlWatch) run() {
 	for {
-		if b, ok := w.body.(*h2link.Body); ok && !b.Notify(func() { w.s.goroutineUnlessClosed(w.run) }) {
+		if b, ok := w.body.(*h2link.Body); ok && !b.Notify(func() { w.s.goroutineIfOpen(w.run) }) {
 			return
 		}
 		buf := make([]byte, 512)

@@ -12,6 +12,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -141,7 +143,11 @@ func newFakeReviews(t *testing.T, hold time.Duration) *fakeReviews {
 // reviewer is auth's TokenReviewer against f, as the server command sets it up.
 func (f *fakeReviews) reviewer(t *testing.T) *auth.TokenReviewer {
 	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: f\n  cluster: {server: %q}\ncontexts:\n- name: c\n  context: {cluster: f, user: u}\nusers:\n- name: u\n  user: {token: server-token}\n", f.srv.URL)
-	rc, err := auth.ParseKubeconfig([]byte(kc), t.TempDir(), "")
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rc, err := auth.LoadKubeconfig(path, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +199,7 @@ func (rc *reviewCounter) wrap(next func(context.Context, AgentCredentials) error
 // tokenAuth maps the reviewer's outcome to a status, as server_cmd.go does.
 func tokenAuth(r *auth.TokenReviewer) func(context.Context, AgentCredentials) error {
 	return func(ctx context.Context, c AgentCredentials) error {
-		if err := r.Authenticate(ctx, c.Token); err != nil {
+		if _, err := r.Review(ctx, c.Token); err != nil {
 			return &wire.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
 		}
 		return nil

@@ -446,13 +446,38 @@ func TestAgentRestartPausesLateTunnels(t *testing.T) {
 	e.WaitAgents(1)
 	dest, accepted := countingEcho(t)
 	tunneltest.WaitUntil(t, func() bool { n := ag.Status().Held; return n == 1 }, "the agent holding its connection")
-	// What Run does first on a restart: the control stream says restart-in.
-	ag.Restarting()
-	ag.BeginDrain()
+	// A tunnel that cannot move (its client ended its upload) and that
+	// its destination keeps open holds the agent's drain open, so that
+	// the agent is still there, restarting, when the late tunnel comes.
+	sawEnd, released := make(chan struct{}), make(chan struct{})
+	release := sync.OnceFunc(func() { close(released) })
+	holding := tunneltest.ServeTCP(t, func(c net.Conn) {
+		io.Copy(io.Discard, c)
+		close(sawEnd)
+		<-released
+		c.Close()
+	})
+	defer release() // before the listener's cleanup waits for this handler
+	hc, hbr, resp := e.Connect(holding)
+	defer hc.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("CONNECT: %s", resp.Status)
+	}
+	hc.(*net.UnixConn).CloseWrite()
+	<-sawEnd
 	a := e.srv.agents.snapshot()[0]
+	ag.Restarting()
+	ag.Cancel() // Run drains: the control stream says restart-in, then drain
 	tunneltest.WaitUntil(t, func() bool { return a.restarting.Load() && a.draining.Load() }, "the server told of the restart")
 	c := startStreamingClient(t, e, dest, 31) // opens on the restarting agent, the only one
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "paused", resultOK) == 1 }, "the late tunnel paused")
+	if n := handedOver(e.srv, "paused", resultNotPausable); n != 1 {
+		t.Fatalf("%d tunnels not pausable, want 1 (the one holding the drain open)", n)
+	}
+	release()
+	if _, err := io.ReadAll(hbr); err != nil {
+		t.Fatalf("the tunnel holding the drain open: %v", err)
+	}
 	held := stopForRestart(t, ag)
 	if len(held) != 1 {
 		t.Fatalf("%d destinations held, want 1", len(held))

@@ -43,9 +43,9 @@ func benchDials(b *testing.B, e *env, addr string) {
 // waitTunnelsClosed waits until the server has no frontend connection open.
 func waitTunnelsClosed(b *testing.B, e *env) {
 	deadline := time.Now().Add(5 * time.Second)
-	for e.srv.Stats.FrontendOpen.Load() > 0 {
+	for frontOpen(e.srv) > 0 {
 		if time.Now().After(deadline) {
-			b.Fatalf("%d frontend connections still open", e.srv.Stats.FrontendOpen.Load())
+			b.Fatalf("%d frontend connections still open", frontOpen(e.srv))
 		}
 		time.Sleep(time.Millisecond)
 	}

@@ -68,14 +68,12 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 		conn.Close()
 		return
 	}
-	s.Stats.FrontendOpen.Add(1)
 	s.metrics.httpConns.Add(1)
 	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		if t.body != nil {
 			t.endStream()
 		}
 		s.metrics.httpConns.Add(-1)
-		s.Stats.FrontendOpen.Add(-1)
 		if !s.leave(t) {
 			conn.Close()
 		}
@@ -127,13 +125,11 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	// A gRPC client is told it reached the HTTP CONNECT door, once its
 	// peer is admitted (a refused peer gets the plain 400 below).
 	if errors.Is(err, wire.ErrHTTP2Preface) && (s.cfg.CheckFrontendPeer == nil || s.cfg.CheckFrontendPeer(conn) == nil) {
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.refuseGRPCClient(conn, br)
 		return false
 	}
 	if err != nil {
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("bad CONNECT request", "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
@@ -144,9 +140,8 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	// with unread data resets it, and the client would never see the 403.
 	if s.cfg.CheckFrontendPeer != nil {
 		if err := s.cfg.CheckFrontendPeer(conn); err != nil {
-			s.Stats.DialsFailed.Add(1)
 			s.metrics.dialFailed(&wire.StatusError{Code: http.StatusForbidden})
-			s.quiet.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
+			s.warnings.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", err)
 			conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 			wire.WriteStatus(conn, http.StatusForbidden, wire.ErrMsg(err))
 			return false
@@ -162,7 +157,6 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 		if failureReason(err) == reasonShutdown && s.hand.dialWaiting(t, conn, head, br) {
 			return false
 		}
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", addr, "err", err)
 		if failureReason(err) == reasonFrontendClosed {
@@ -173,7 +167,6 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 		wire.WriteStatus(conn, wire.StatusCode(err), wire.ErrMsg(err))
 		return false
 	}
-	s.Stats.DialsOK.Add(1)
 	s.metrics.packets.Inc(wire.SegToClient, grpcwire.DialRsp)
 	written := time.Now()
 	_, err = io.WriteString(conn, wire.ConnectEstablished)

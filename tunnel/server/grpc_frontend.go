@@ -104,7 +104,7 @@ func (s *Server) serveGRPCConn(conn net.Conn, pd *pendingDial) {
 	var small int32
 	if s.cfg.CheckFrontendPeer != nil {
 		if c.refused = s.cfg.CheckFrontendPeer(conn); c.refused != nil {
-			s.quiet.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", c.refused)
+			s.warnings.Log(s.log, slog.LevelWarn, "peer", "frontend peer refused", "err", c.refused)
 			cut := time.AfterFunc(s.cfg.HeaderTimeout, func() { conn.Close() })
 			defer cut.Stop()
 			small = preAdmitStreamWindow
@@ -308,7 +308,6 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 		grpcTrailersOnly(w, grpcUnimplemented, fmt.Sprintf("unknown method %s", r.URL.Path))
 		return nil
 	}
-	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
 	held := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {
@@ -379,7 +378,6 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 // grpcCallLeft counts a call of the front door as ended.
 func (s *Server) grpcCallLeft() {
 	s.metrics.grpcConns.Add(-1)
-	s.Stats.FrontendOpen.Add(-1)
 }
 
 // grpcFront is the client's side of a tunnel on the gRPC front door: one
@@ -461,13 +459,11 @@ func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, str
 	f := t.front.(*grpcFront)
 	g := f.g
 	if req.Protocol != "" && req.Protocol != "tcp" {
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(&wire.StatusError{Code: http.StatusBadRequest})
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: fmt.Sprintf("protocol %q not supported: only tcp", req.Protocol)})
 		return grpcOK, "", nil
 	}
 	if err := wire.CheckDialTarget(req.Address); err != nil {
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		g.send(grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: wire.ErrMsg(err)})
 		return grpcOK, "", nil
@@ -478,13 +474,11 @@ func (s *Server) proxyGRPC(t *tunnel, req grpcwire.Packet, buf []byte) (int, str
 	if err := s.open(t); err != nil {
 		f.conn.pend.release()
 		f.body.Close()
-		s.Stats.DialsFailed.Add(1)
 		s.metrics.dialFailed(err)
 		s.log.Debug("dial failed", "addr", req.Address, "err", err, "frontend", "grpc")
 		s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, Error: wire.ErrMsg(err)})
 		return grpcOK, "", nil
 	}
-	s.Stats.DialsOK.Add(1)
 	if err := s.sendGRPC(g, grpcwire.Packet{Type: grpcwire.DialRsp, Random: req.Random, ConnectID: f.connectID}); err != nil {
 		f.conn.pend.release()
 		t.endStream()

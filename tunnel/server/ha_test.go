@@ -256,7 +256,7 @@ func TestAgentDrainPrefersOthers(t *testing.T) {
 	e.WaitAgents(2)
 	draining.Cancel()
 	deadline := time.Now().Add(5 * time.Second)
-	for !e.srv.agents.draining("draining") {
+	for !agentDraining(e.srv, "draining") {
 		if time.Now().After(deadline) {
 			t.Fatal("server never saw the drain")
 		}

@@ -99,13 +99,6 @@ type RestartStatus struct {
 	Resumed map[string]uint64 `json:"resumed"`
 }
 
-func (h *RestartStatus) count(which, result string) uint64 {
-	if which == "resumed" {
-		return h.Resumed[result]
-	}
-	return h.Paused[result]
-}
-
 // restartStatus is RestartStatus now.
 func (h *handover) restartStatus() *RestartStatus {
 	return &RestartStatus{Paused: counts(h.metrics.paused), Resumed: counts(h.metrics.resumed)}

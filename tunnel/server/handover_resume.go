@@ -147,7 +147,6 @@ func (h *handover) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 func (h *handover) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {
 	s := h.s
 	c.calls.Add(1)
-	s.Stats.FrontendOpen.Add(1)
 	s.metrics.grpcConns.Add(1)
 	held := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {

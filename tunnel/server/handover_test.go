@@ -188,7 +188,7 @@ func checkHandoverMetric(t *testing.T, s *Server, which, result string, want int
 	if !strings.Contains(b.String(), line) {
 		t.Errorf("metrics lack %q", line)
 	}
-	if st := s.Status(); st.Restarts == nil || st.Restarts.count(which, result) != uint64(want) {
+	if st := s.Status(); st.Restarts == nil || restartCount(st.Restarts, which, result) != uint64(want) {
 		t.Errorf("status shows %+v, want %d tunnels %s %s", st.Restarts, want, which, result)
 	}
 }
@@ -551,4 +551,13 @@ func TestHandOverPassesDialWaitingForAgent(t *testing.T) {
 	if n := accepted.Load(); n != 1 {
 		t.Errorf("destination accepted %d connections, want 1", n)
 	}
+}
+
+// restartCount is what a status shows of the tunnels paused or resumed
+// with result.
+func restartCount(h *RestartStatus, which, result string) uint64 {
+	if which == "resumed" {
+		return h.Resumed[result]
+	}
+	return h.Paused[result]
 }

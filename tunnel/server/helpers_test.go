@@ -91,3 +91,19 @@ func newEchoEnv(tb testing.TB) (*env, string) {
 	e.WaitAgents(1)
 	return e, tunneltest.EchoServer(tb)
 }
+
+// agentDraining reports whether s's status shows the agent id draining.
+func agentDraining(s *Server, id string) bool {
+	for _, a := range s.Status().Agents {
+		if a.ID == id {
+			return a.Draining
+		}
+	}
+	return false
+}
+
+// frontOpen is the server's count of open front door connections (HTTP
+// CONNECT) and calls (gRPC), as its metrics show them.
+func frontOpen(s *Server) int64 {
+	return s.metrics.httpConns.Value() + s.metrics.grpcConns.Value()
+}

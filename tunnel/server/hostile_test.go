@@ -86,7 +86,7 @@ func TestSlowlorisFrontend(t *testing.T) {
 	}
 	// Meanwhile an agent connects and a client is served, well inside the
 	// header timeout.
-	tunneltest.WaitUntil(t, func() bool { return e.srv.Stats.FrontendOpen.Load() == slow }, "every slow connection being read")
+	tunneltest.WaitUntil(t, func() bool { return frontOpen(e.srv) == slow }, "every slow connection being read")
 	start := time.Now()
 	e.startAgent("a1", "", nil)
 	e.WaitAgents(1)
@@ -712,7 +712,7 @@ func TestEvilAgentNeverGrantsWindow(t *testing.T) {
 	}
 	ev.conn.Close() // the stuck tunnels end with their agent
 	e.WaitAgents(1)
-	tunneltest.WaitUntil(t, func() bool { return e.srv.Stats.FrontendOpen.Load() == 0 }, "stuck tunnels closed with their agent")
+	tunneltest.WaitUntil(t, func() bool { return frontOpen(e.srv) == 0 }, "stuck tunnels closed with their agent")
 }
 
 // A destination that never reads, and a client that gives up and closes
@@ -743,10 +743,10 @@ func TestClientGoneWhileDestinationStalled(t *testing.T) {
 	conn.Close()
 	t.Logf("client pushed %d KiB, then closed", pushed>>10)
 	deadline := time.Now().Add(5 * time.Second)
-	for a.Stats.OpenStreams.Load() != 0 || e.srv.Stats.FrontendOpen.Load() != 0 {
+	for a.Stats.OpenStreams.Load() != 0 || frontOpen(e.srv) != 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("5 s after the client closed: agent open streams %d, server frontends %d",
-				a.Stats.OpenStreams.Load(), e.srv.Stats.FrontendOpen.Load())
+				a.Stats.OpenStreams.Load(), frontOpen(e.srv))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -279,7 +279,7 @@ func (s *Server) checkNodeAddrs(ctx context.Context, node string, claimed []neti
 	case err != nil && wire.StatusCode(err) == http.StatusForbidden:
 		return false, s.identityRefused(identityAddressUnbacked, "identifiers ipv4=/ipv6= cannot be backed: %s", wire.ErrMsg(err))
 	case err != nil:
-		s.quiet.Log(s.log, slog.LevelWarn, "node lookup", "node address lookup failed; agents claiming ipv4=/ipv6= are refused until it works", "node", node, "err", err)
+		s.warnings.Log(s.log, slog.LevelWarn, "node lookup", "node address lookup failed; agents claiming ipv4=/ipv6= are refused until it works", "node", node, "err", err)
 		return false, wire.StatusErrorf(http.StatusServiceUnavailable, "authentication unavailable: the node's addresses could not be read")
 	}
 	for _, a := range claimed {
@@ -370,18 +370,7 @@ func (s *Server) scheduleReviewLocked(a *agentConn) {
 		d = min(d, time.Until(exp)+time.Second)
 	}
 	d = max(d, minTokenRefresh)
-	a.cred.timer = time.AfterFunc(d, func() { s.goroutineUnlessClosed(func() { s.reviewLink(a) }) })
-}
-
-// goroutineUnlessClosed is goroutine for callers the server does not own
-// (a timer): once Close has begun waiting, f is not started.
-func (s *Server) goroutineUnlessClosed(f func()) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return
-	}
-	s.goroutine(f)
+	a.cred.timer = time.AfterFunc(d, func() { s.goroutineIfOpen(func() { s.reviewLink(a) }) })
 }
 
 // endCredential stops a link's reviews.
@@ -417,7 +406,7 @@ func (s *Server) reviewLink(a *agentConn) {
 		a.cred.mu.Unlock()
 		return
 	case err != nil && wire.StatusCode(err) == http.StatusServiceUnavailable:
-		s.quiet.Log(s.log, slog.LevelWarn, "review "+a.id, "agent token review failed; the link stays until the next review", "agent", a.id, "err", wire.ErrMsg(err))
+		s.warnings.Log(s.log, slog.LevelWarn, "review "+a.id, "agent token review failed; the link stays until the next review", "agent", a.id, "err", wire.ErrMsg(err))
 		a.cred.mu.Lock()
 		s.scheduleReviewLocked(a)
 		a.cred.mu.Unlock()
@@ -472,7 +461,7 @@ func (s *Server) newToken(a *agentConn, token string) {
 		if err != nil {
 			why = wire.ErrMsg(err)
 		}
-		s.quiet.Log(s.log, slog.LevelWarn, "token "+a.id, "agent sent a token that was not accepted; keeping the one it has", "agent", a.id, "reason", why)
+		s.warnings.Log(s.log, slog.LevelWarn, "token "+a.id, "agent sent a token that was not accepted; keeping the one it has", "agent", a.id, "reason", why)
 		return
 	}
 	a.cred.mu.Lock()

@@ -77,7 +77,7 @@ func TestAgentDropsPingFloodingServer(t *testing.T) {
 			result <- "handshake: " + err.Error()
 			return
 		}
-		if wire.WriteSwitching(c, "evil", 1) != nil {
+		if _, err := c.Write(wire.Switching("evil", 1)); err != nil {
 			result <- "101 not written"
 			return
 		}

@@ -37,7 +37,7 @@ const (
 
 // logModeMismatch is the server's line for a client of the other protocol.
 func (s *Server) logModeMismatch(serverMode, clientMode, proxyProtocol string) {
-	s.quiet.Log(s.log, slog.LevelWarn, "mode mismatch", "frontend refused a client of the other protocol: kube-apiserver's egress selector and --mode disagree",
+	s.warnings.Log(s.log, slog.LevelWarn, "mode mismatch", "frontend refused a client of the other protocol: kube-apiserver's egress selector and --mode disagree",
 		"server_mode", serverMode, "client_mode", clientMode, "fix", "proxyProtocol: "+proxyProtocol+" in kube-apiserver's egress selector configuration, or --mode="+clientMode)
 }
 
@@ -174,7 +174,6 @@ func (s *Server) refuseConnectClient(conn net.Conn) bool {
 		return false
 	}
 	s.logModeMismatch("grpc", "http-connect", "GRPC")
-	s.Stats.DialsFailed.Add(1)
 	s.metrics.dialFailed(&wire.StatusError{Code: http.StatusBadRequest})
 	conn.SetDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 	// The request head first, so that the close after the answer does not

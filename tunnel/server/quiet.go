@@ -179,5 +179,5 @@ func (s *Server) agentDraining(a *agentConn, cutIn time.Duration) {
 		return
 	}
 	deadline := time.Now().Add(cutIn - cutIn/10)
-	s.goroutineUnlessClosed(func() { s.closeQuietTunnels(s.baseCtx, nil, a, deadline) })
+	s.goroutineIfOpen(func() { s.closeQuietTunnels(s.baseCtx, nil, a, deadline) })
 }

@@ -317,14 +317,6 @@ func hostOf(addr string) string {
 	return host
 }
 
-// draining reports whether the named agent told this server it drains.
-func (r *registry) draining(id string) bool {
-	r.mu.RLock()
-	defer r.mu.RUnlock()
-	a := r.agents[id]
-	return a != nil && a.draining.Load()
-}
-
 // heldByOther reports whether id is connected with a credential other
 // than cred.
 func (r *registry) heldByOther(id, cred string) bool {

@@ -140,7 +140,7 @@ type Server struct {
 	metrics  *serverMetrics
 	gate     *admission // agent-port connections before they are admitted; its own lock
 	identity *identityState
-	quiet    *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
+	warnings *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
 	nodeRank int              // index of StrategyNode in cfg.Strategies; -1 when it is off
 
 	// baseCtx is cancelled by Close, ending every tunnel and handshake.
@@ -185,9 +185,9 @@ type Server struct {
 
 // Stats are counters an operator reads through metrics and status.
 type Stats struct {
-	DialsOK, DialsFailed, FrontendOpen, AgentsRefused atomic.Int64
-	BytesToAgent, BytesFromAgent                      atomic.Int64
-	ClosedQuiet                                       atomic.Int64 // tunnels a drain closed at a quiet moment
+	AgentsRefused                atomic.Int64
+	BytesToAgent, BytesFromAgent atomic.Int64
+	ClosedQuiet                  atomic.Int64 // tunnels a drain closed at a quiet moment
 }
 
 // New checks cfg and returns a Server that is not yet serving.
@@ -221,7 +221,7 @@ func New(cfg Config) (*Server, error) {
 	s.metrics = newServerMetrics(cfg.Metrics, s)
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
-	s.quiet = wire.NewLogLimiter(10 * time.Second)
+	s.warnings = wire.NewLogLimiter(10 * time.Second)
 	s.spareFD, _ = os.Open(os.DevNull)
 	s.goroutine(s.runHangups)
 	return s, nil
@@ -269,7 +269,7 @@ func (s *Server) track(ln *net.Listener, add bool) bool {
 }
 
 // goroutineIfOpen is goroutine for a caller the server does not own (a
-// context.AfterFunc): it starts f only while the server is not closed,
+// context.AfterFunc, a timer, a link's callback): it starts f only while the server is not closed,
 // deciding under mu, so its WaitGroup.Add comes before Close's Wait, which
 // sets closed under mu first. It reports whether f was started.
 func (s *Server) goroutineIfOpen(f func()) bool {
@@ -290,7 +290,7 @@ func (s *Server) goroutine(f func()) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		defer recoverTunnelPanic(s.log, s.metrics.panics, "server")
+		defer wire.RecoverTunnelPanic(s.log, s.metrics.panics, "server", false)
 		f()
 	}()
 }
@@ -336,7 +336,7 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			if errors.As(err, &ne) && ne.Timeout() || wire.IsTemporaryAccept(err) {
 				// Out of file descriptors or similar: back off, keep serving.
 				tempDelay = min(max(2*tempDelay, 5*time.Millisecond), time.Second)
-				s.quiet.Log(s.log, slog.LevelWarn, "accept "+ln.Addr().String(), "accept failed; retrying", "addr", ln.Addr().String(), "err", err, "delay", tempDelay)
+				s.warnings.Log(s.log, slog.LevelWarn, "accept "+ln.Addr().String(), "accept failed; retrying", "addr", ln.Addr().String(), "err", err, "delay", tempDelay)
 				select {
 				case <-time.After(tempDelay):
 				case <-s.baseCtx.Done():
@@ -458,7 +458,7 @@ func (s *Server) refuseWithSpare(ln net.Listener) bool {
 		}
 		c.Close()
 	}
-	s.quiet.Log(s.log, slog.LevelWarn, "emfile", "out of file descriptors: refusing frontend connections with 503", "addr", ln.Addr().String())
+	s.warnings.Log(s.log, slog.LevelWarn, "emfile", "out of file descriptors: refusing frontend connections with 503", "addr", ln.Addr().String())
 	s.mu.Lock()
 	if !s.closed {
 		s.spareFD, _ = os.Open(os.DevNull)
@@ -485,7 +485,7 @@ func (s *Server) refuseForDescriptors(c net.Conn) {
 	s.Stats.AgentsRefused.Add(1)
 	s.metrics.agentsRefusedFD.Inc()
 	refuseBusy(c, agentFDRetry)
-	s.quiet.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
+	s.warnings.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
 }
 
 // agentFDRetry is when an agent refused for descriptors is told to come back.

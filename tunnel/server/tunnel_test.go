@@ -666,7 +666,7 @@ func TestAgentDrain(t *testing.T) {
 		t.Fatal(resp.Status)
 	}
 	a.Cancel() // begin draining
-	tunneltest.WaitUntil(t, func() bool { return e.srv.agents.draining("a1") }, "the server saw the agent drain")
+	tunneltest.WaitUntil(t, func() bool { return agentDraining(e.srv, "a1") }, "the server saw the agent drain")
 	io.WriteString(conn, "drain")
 	got := make([]byte, 5)
 	if _, err := io.ReadFull(br, got); err != nil || string(got) != "drain" {
@@ -698,7 +698,7 @@ func TestClientGoneWhileDestinationSilent(t *testing.T) {
 	io.WriteString(conn, "hello")
 	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 1 }, "tunnel open at the agent")
 	conn.Close()
-	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 0 && e.srv.Stats.FrontendOpen.Load() == 0 },
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 0 && frontOpen(e.srv) == 0 },
 		"tunnel closed at the agent and the server after the client went away")
 }
 

@@ -323,7 +323,7 @@ func TestUpstreamAgentDrainClosesIdleTunnels(t *testing.T) {
 	if e.srv.Stats.ClosedQuiet.Load() != 1 {
 		t.Errorf("%d tunnels closed at a quiet moment, want the idle one", e.srv.Stats.ClosedQuiet.Load())
 	}
-	if !e.srv.agents.draining("upstream-1") {
+	if !agentDraining(e.srv, "upstream-1") {
 		t.Error("the server does not take the upstream agent for draining")
 	}
 }

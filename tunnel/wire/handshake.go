@@ -162,11 +162,6 @@ func Switching(serverID string, count int) []byte {
 		UpgradeToken, HdrServerID, serverID, HdrServerCount, count, hdrServerFeatures, featureAgentRestart)
 }
 
-func WriteSwitching(w io.Writer, serverID string, count int) error {
-	_, err := w.Write(Switching(serverID, count))
-	return err
-}
-
 // ServerReply is what the agent learns from the server's answer.
 type ServerReply struct {
 	ServerID     string
