@@ -63,6 +63,7 @@ lint: tools
 unit: build
 	$(GO) test -race -count=1 -timeout 10m ./tunnel/... ./auth/... ./certs/... ./internal/...
 	$(GO) test -count=1 -timeout 2m -run 'TestIdleTunnelStacksShrink|TestIdleGRPCTunnelsHoldNoBuffer' ./tunnel/server/
+	$(GO) test -count=1 -timeout 2m -run 'TestTrimMemoryShrinksParkedStacks' ./internal/daemon/
 	$(GO) test -count=1 -timeout 5m .
 	KONNECTIVITY_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 5m ./images/ociimage/
 
