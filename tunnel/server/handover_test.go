@@ -285,7 +285,11 @@ func TestHandOverResumesGRPCCalls(t *testing.T) {
 	const calls = 3
 	var cs []*echoCall
 	for i := range calls {
-		cs = append(cs, startEchoCall(t, sock, dest, byte(i+1), echoPace{stream: 2, maxSize: 200 << 10, maxPause: 2}))
+		// Uploads small enough that the test's client (x/net's Transport,
+		// whose reader waits for its writer) does not fill its socket while
+		// the server has stopped reading: such a client cannot be paused
+		// (docs/restart.md, "The handover: open tunnels move to the new image").
+		cs = append(cs, startEchoCall(t, sock, dest, byte(i+1), echoPace{stream: 2, maxSize: 16 << 10, maxPause: 5}))
 	}
 
 	cur := e
