@@ -1,12 +1,7 @@
 package e2e
 
 import (
-	"crypto/tls"
-	"crypto/x509"
-	"fmt"
-	"net"
 	"net/http"
-	"os"
 	"strings"
 	"testing"
 )
@@ -20,14 +15,7 @@ func TestLoginRefusalsLogged(t *testing.T) {
 	p := newPKI(t, t.TempDir())
 	api := startFakeAPIServer(t, p)
 	s := startTokenServer(t, p, api, t.TempDir())
-	caPEM, err := os.ReadFile(p.caCert)
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(caPEM)
-	conf := &tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}
-	addr := net.JoinHostPort("127.0.0.1", fmt.Sprint(s.agentPort))
+	addr, conf := agentPortTLS(t, p, s)
 
 	for _, c := range []struct{ id, token string }{{"a-bad", "bad-token"}, {"a-audience", otherAudienceToken}} {
 		code, err := rawTokenLogin(addr, conf, c.id, c.token)

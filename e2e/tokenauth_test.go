@@ -310,14 +310,7 @@ func TestTokenReviewRateBound(t *testing.T) {
 	api := startFakeAPIServer(t, p)
 	dir := t.TempDir()
 	s := startTokenServer(t, p, api, dir, fmt.Sprintf("--max-token-reviews-per-second=%d", rate))
-	caPEM, err := os.ReadFile(p.caCert)
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(caPEM)
-	conf := &tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}
-	addr := net.JoinHostPort("127.0.0.1", fmt.Sprint(s.agentPort))
+	addr, conf := agentPortTLS(t, p, s)
 
 	// The attack: each worker logs in over and over, a new agent ID and a
 	// new bad token each time, so no answer comes from the cache.
@@ -554,4 +547,17 @@ func newServerTLSRequiringClient(t *testing.T, p *pki) *tls.Config {
 		t.Fatal("test CA: no certificate")
 	}
 	return &tls.Config{ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: pool}
+}
+
+// agentPortTLS is where s takes agents and the TLS configuration that
+// trusts its serving certificate, for tests that log in by hand.
+func agentPortTLS(t *testing.T, p *pki, s *server) (addr string, conf *tls.Config) {
+	t.Helper()
+	caPEM, err := os.ReadFile(p.caCert)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(caPEM)
+	return net.JoinHostPort("127.0.0.1", fmt.Sprint(s.agentPort)), &tls.Config{RootCAs: roots, ServerName: "127.0.0.1"}
 }
