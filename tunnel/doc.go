@@ -18,6 +18,9 @@
 //   - connection: the TLS connection between an agent and a server
 //     (agentConn on the server, serverConn on the agent);
 //   - link: the HTTP/2 session on a connection (h2link.Conn);
+//   - opener: what opens an agent's tunnels on the server (tunnelOpener):
+//     our agent's link (linkOpener) or an upstream agent's Packet stream
+//     (upstreamAgent); agentConn holds one and never asks which;
 //   - tunnel: one dial, that is one CONNECT stream on a link (or one
 //     connect ID on an upstream agent's gRPC stream), from the client's
 //     socket to the destination; on the server, the type tunnel;
