@@ -16,7 +16,7 @@
 //
 // One word per thing, in code and in docs:
 //   - connection: the TLS connection between an agent and a server
-//     (agentConn on the server, serverConn on the agent);
+//     (agentConn on the server, connToServer on the agent);
 //   - link: the HTTP/2 session on a connection (h2link.Conn);
 //   - opener: what opens an agent's tunnels on the server (tunnelOpener):
 //     our agent's link (linkOpener) or an upstream agent's Packet stream

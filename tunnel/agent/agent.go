@@ -140,7 +140,7 @@ func (c *Config) setDefaults() {
 // Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
 //
-// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a serverConn's
+// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a connToServer's
 // fields are immutable or atomic.
 type Agent struct {
 	// Immutable after NewAgent.
@@ -153,11 +153,11 @@ type Agent struct {
 	idle chan struct{}
 
 	mu       sync.Mutex
-	conns    map[*serverConn]struct{} // guarded by mu
-	maxCount int                      // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
-	draining bool                     // guarded by mu
-	drainEnd time.Time                // guarded by mu: set with draining, when the drain cuts what is left
+	conns    map[*connToServer]struct{} // guarded by mu
+	maxCount int                        // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed  chan struct{}              // guarded by mu: closed and replaced when connections change
+	draining bool                       // guarded by mu
+	drainEnd time.Time                  // guarded by mu: set with draining, when the drain cuts what is left
 	// restarting is guarded by mu: set before the drain by Restarting, for
 	// a restart in place (agent_restart.go); the held destinations then
 	// go to the next image instead of being waited for.
@@ -261,7 +261,7 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{
 		cfg:      cfg,
 		log:      cfg.Logger,
-		conns:    make(map[*serverConn]struct{}),
+		conns:    make(map[*connToServer]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
 		warnings: wire.NewLogLimiter(10 * time.Second),
@@ -373,7 +373,7 @@ func (a *Agent) beginDrain() time.Time {
 	a.draining = true
 	a.drainEnd = time.Now().Add(a.cfg.DrainTimeout)
 	end := a.drainEnd
-	conns := make([]*serverConn, 0, len(a.conns))
+	conns := make([]*connToServer, 0, len(a.conns))
 	for l := range a.conns {
 		conns = append(conns, l)
 	}

@@ -33,9 +33,9 @@ type target struct {
 	serverName string
 }
 
-// serverConn is the agent's connection to one server: the TLS connection
+// connToServer is the agent's connection to one server: the TLS connection
 // and, once HTTP/2 runs on it, its link.
-type serverConn struct {
+type connToServer struct {
 	id    string
 	addr  string
 	since time.Time
@@ -53,7 +53,7 @@ type serverConn struct {
 	agentRestart bool
 }
 
-func (l *serverConn) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
+func (l *connToServer) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
 
 // startManagers starts one goroutine per configured address: a seeker for
 // a single (load-balanced) address, a holder for each of several fixed
@@ -248,7 +248,7 @@ func isCheap(err error) bool {
 
 // dial connects to t, performs the handshake and returns the connection, not yet
 // serving.
-func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
+func (a *Agent) dial(ctx context.Context, t target) (*connToServer, error) {
 	hctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	raw, err := a.cfg.ServerDialer(hctx, t.addr)
@@ -303,7 +303,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 	}
 	lim.Limited = false
 	conn.SetDeadline(time.Time{})
-	return &serverConn{
+	return &connToServer{
 		id:    reply.ServerID,
 		addr:  t.addr,
 		since: time.Now(),
@@ -323,7 +323,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 // carries them on through this connection, which announces the drain at
 // once. An agent restarting in place takes no new connection: what it
 // holds goes to its own next image.
-func (a *Agent) startConn(l *serverConn) bool {
+func (a *Agent) startConn(l *connToServer) bool {
 	a.mu.Lock()
 	if a.draining {
 		if a.held.count == 0 || a.restarting {
@@ -358,7 +358,7 @@ func (a *Agent) startConn(l *serverConn) bool {
 // stays on parked stacks (see "Parked stacks" in doc.go).
 //
 //go:noinline
-func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
+func (a *Agent) takeStream(l *connToServer, w http.ResponseWriter) bool {
 	perConn, total := l.streams.Add(1), a.tunnels.Add(1)
 	if perConn <= int64(a.cfg.MaxStreams) && total <= int64(a.cfg.MaxStreamsTotal) {
 		return true
@@ -374,12 +374,12 @@ func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
 }
 
 // releaseStream ends a tunnel's count taken by takeStream.
-func (a *Agent) releaseStream(l *serverConn) {
+func (a *Agent) releaseStream(l *connToServer) {
 	l.streams.Add(-1)
 	a.tunnels.Add(-1)
 }
 
-func (a *Agent) serveConn(l *serverConn) {
+func (a *Agent) serveConn(l *connToServer) {
 	defer close(l.done)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && r.URL.Path == wire.ControlPath {
@@ -468,7 +468,7 @@ func (a *Agent) heldServers() []string {
 // cuts what is left, then "drain"; for a restart in place "restart-in
 // <duration>" before them), and "token <token>" when the token
 // file holds a new token (the server reviews it and keeps the link on it).
-func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Request) {
+func (a *Agent) serveControl(l *connToServer, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	flush := wire.FlusherOf(w)
 	flush()

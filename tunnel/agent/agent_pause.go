@@ -94,7 +94,7 @@ type pausedDest struct {
 // read, holds the connection under the server's token and answers with the
 // bytes it sent. Any other answer leaves the tunnel as it was, or (a
 // download stuck on a server that does not read) ends it.
-func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request) {
+func (a *Agent) servePause(l *connToServer, w http.ResponseWriter, r *http.Request) {
 	id, err1 := strconv.ParseUint(r.Header.Get(wire.HdrPauseStream), 10, 31)
 	sent, err2 := strconv.ParseInt(r.Header.Get(wire.HdrPauseSent), 10, 64)
 	token := r.Header.Get(wire.HdrResumeToken)
