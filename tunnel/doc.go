@@ -44,7 +44,11 @@
 //     to the next image as it is;
 //   - held: a paused tunnel that no goroutine serves, in the table until
 //     its agent logs in again (or, unasked, until the handover that took
-//     it passes it on): a state of the tunnel, like every other.
+//     it passes it on): a state of the tunnel on the server, like every
+//     other;
+//   - kept: a paused tunnel's destination connection on the agent, open
+//     under the server's resume token until a resume takes it or its time
+//     is up, or passed to the agent's next image (Agent.KeptForNextImage).
 //
 // # Packages
 //
@@ -108,7 +112,7 @@
 // (read-locked by a dial's pick) guards the connected agents and their
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
-// the destinations held for a restart. Leaf locks, under which nothing
+// the destinations kept for a restart. Leaf locks, under which nothing
 // else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
 // watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every

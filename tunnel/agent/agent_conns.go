@@ -81,14 +81,14 @@ func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
 
 // seek dials a load-balanced address until the agent holds a connection to as
 // many distinct servers as the servers announce. Each dial names the
-// servers already held, so a duplicate is refused (409) before any costly
+// servers already connected, so a duplicate is refused (409) before any costly
 // check; a duplicate is expected here and is retried quickly, not backed off.
 func (a *Agent) seek(ctx context.Context, t target) {
 	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
 	dupes := 0
 	for ctx.Err() == nil {
 		changed := a.changedChan()
-		if held, want := a.connected(); held >= want {
+		if n, want := a.connected(); n >= want {
 			probe := a.cfg.SyncForever
 			wait := (<-chan time.Time)(nil)
 			if probe {
@@ -274,7 +274,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*connToServer, error) {
 		head.done = true
 		conn = tc
 	}
-	hello := wire.OurHello(a.cfg.ID, a.cfg.Identifiers, a.heldServers())
+	hello := wire.OurHello(a.cfg.ID, a.cfg.Identifiers, a.connectedServers())
 	if a.cfg.Token != nil {
 		if hello.Token, err = a.cfg.Token(); err != nil {
 			conn.Close()
@@ -326,7 +326,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*connToServer, error) {
 func (a *Agent) startConn(l *connToServer) bool {
 	a.mu.Lock()
 	if a.draining {
-		if a.held.count == 0 || a.restarting {
+		if a.kept.count == 0 || a.restarting {
 			a.mu.Unlock()
 			l.conn.Close()
 			return false
@@ -342,10 +342,10 @@ func (a *Agent) startConn(l *connToServer) bool {
 	}
 	a.conns[l] = struct{}{}
 	a.recountLocked()
-	held, want := len(a.conns), a.maxCount
+	n, want := len(a.conns), a.maxCount
 	a.connWG.Add(1)
 	a.mu.Unlock()
-	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", held, want))
+	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", n, want))
 	go func() {
 		defer a.connWG.Done()
 		a.serveConn(l)
@@ -420,9 +420,9 @@ func (a *Agent) serveConn(l *connToServer) {
 	a.mu.Lock()
 	delete(a.conns, l)
 	a.recountLocked()
-	held, want := len(a.conns), a.maxCount
+	n, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
-	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.CloseReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
+	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.CloseReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", n, want))
 }
 
 // recountLocked adopts the largest count live servers announce (with no
@@ -453,7 +453,7 @@ func (a *Agent) changedChan() <-chan struct{} {
 	return a.changed
 }
 
-func (a *Agent) heldServers() []string {
+func (a *Agent) connectedServers() []string {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	ids := make([]string, 0, len(a.conns))

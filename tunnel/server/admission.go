@@ -610,7 +610,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 // login stream's life. It returns the identifiers to register the agent
 // with: those the credential backs.
 func (s *Server) admit(ctx context.Context, h *wire.AgentHello, tlsState tls.ConnectionState, remote string) (Principal, wire.Identifiers, error) {
-	if slices.Contains(h.Held, s.cfg.ID) {
+	if slices.Contains(h.Connected, s.cfg.ID) {
 		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusConflict, "agent already holds a connection to server %s", s.cfg.ID)
 	}
 	if s.isShutting() {
