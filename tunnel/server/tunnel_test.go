@@ -609,7 +609,7 @@ func TestDuplicateServerRefusedBeforeAuth(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(5 * time.Second))
-	wire.WriteHello(c, "127.0.0.1", wire.AgentHello{ID: "x", Held: []string{"other", "s1"}})
+	wire.WriteHello(c, "127.0.0.1", wire.AgentHello{ID: "x", Connected: []string{"other", "s1"}})
 	_, err = wire.ReadReply(tunneltest.BufioReader(c))
 	if wire.StatusCode(err) != http.StatusConflict {
 		t.Fatalf("got %v, want 409", err)
