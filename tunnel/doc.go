@@ -23,7 +23,8 @@
 //     (upstreamAgent); agentConn holds one and never asks which;
 //   - tunnel: one dial, that is one CONNECT stream on a link (or one
 //     connect ID on an upstream agent's gRPC stream), from the client's
-//     socket to the destination; on the server, the type tunnel;
+//     socket to the destination; on the server, the type tunnel; on the
+//     agent, a count (Stats.Tunnels) from the stream's take to its end;
 //   - front door: where clients dial, HTTP CONNECT or gRPC; a tunnel's
 //     side of it is its front;
 //   - handover: a restart's move of open tunnels to the next image of

@@ -169,16 +169,21 @@ type Agent struct {
 	// mu, but for its atomic count (agent_pause.go).
 	kept keptDests
 
-	connWG  sync.WaitGroup // goroutines serving connections; Run waits for them
-	streams sync.WaitGroup // handlers in flight; Run waits for them
-	tunnels atomic.Int64   // CONNECT streams being served on every server connection (MaxStreamsTotal)
-	Stats   Stats          // atomic counters
+	connWG sync.WaitGroup // goroutines serving connections; Run waits for them
+	linkWG sync.WaitGroup // goroutines the links start (Spawn: stream handlers, writers); Run waits for them
+	Stats  Stats          // atomic counters
 }
 
 // Stats are counters an operator reads through metrics and status.
 type Stats struct {
-	DialsOK, DialsFailed, OpenStreams atomic.Int64
-	BytesToDest, BytesFromDest        atomic.Int64
+	// Tunnels counts the agent's open tunnels, on every server
+	// connection: a CONNECT stream counts from when it is taken within
+	// MaxStreamsTotal (takeTunnel: its dial, its destination open, its
+	// pause) until its handler ends. It is the count the cap, the drain
+	// (busy), the metric and the status read.
+	Tunnels                    atomic.Int64
+	DialsOK, DialsFailed       atomic.Int64
+	BytesToDest, BytesFromDest atomic.Int64
 }
 
 // Descriptors kept aside from tunnels: server connections, listeners,
@@ -312,7 +317,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.waitIdle(deadline, restart)
 	// On a restart the kept destinations go to the next image: only
 	// open streams are cut then.
-	if n, kept := a.Stats.OpenStreams.Load(), a.keptCount(); n > 0 || !restart && kept > 0 {
+	if n, kept := a.Stats.Tunnels.Load(), a.keptCount(); n > 0 || !restart && kept > 0 {
 		a.log.Warn("drain timeout: closing open tunnels", "open", n, "kept", kept)
 	}
 	stopConnecting()
@@ -323,14 +328,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.waitSent()
 	a.closeConns()
 	a.connWG.Wait()
-	a.streams.Wait()
+	a.linkWG.Wait()
 	if !restart {
 		a.releaseKept()
 	}
 	return nil
 }
 
-// waitIdle waits until no stream is open and, but for a restart, no
+// waitIdle waits until no tunnel is open and, but for a restart, no
 // destination is kept, or until deadline. A destination kept for a
 // restarting server is still a tunnel: the server's next image carries it
 // on through the connection the agent keeps redialling meanwhile. On the
@@ -355,10 +360,12 @@ func (a *Agent) waitIdle(deadline time.Time, restart bool) {
 func (a *Agent) busy(restart bool) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.Stats.OpenStreams.Load() > 0 || !restart && a.kept.count > 0
+	return a.Stats.Tunnels.Load() > 0 || !restart && a.kept.count > 0
 }
 
 // pokeIdle wakes waitIdle; it never blocks, so it may be called under mu.
+// It is poked when the last open tunnel ends (releaseTunnel) or the last
+// kept destination goes (dropKeptLocked).
 func (a *Agent) pokeIdle() {
 	select {
 	case a.idle <- struct{}{}:
@@ -381,7 +388,7 @@ func (a *Agent) beginDrain() time.Time {
 	for _, l := range conns {
 		l.sendDrain()
 	}
-	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.OpenStreams.Load())
+	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.Tunnels.Load())
 	return end
 }
 
@@ -481,8 +488,6 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 // ways. A tunnel has one goroutine here (this one, reading the
 // destination) and its own HTTP/2 window.
 func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
-	a.streams.Add(1)
-	defer a.streams.Done()
 	defer wire.RecoverTunnelPanic(a.log, a.metrics.panics, "agent stream", true)
 	a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
 	dest := a.openDestination(w, r)
@@ -497,17 +502,14 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		stopWatch()
 		dest.Close()
-		if a.Stats.OpenStreams.Add(-1) == 0 {
-			a.pokeIdle()
-		}
 	}()
 	w.WriteHeader(http.StatusOK)
 	a.carry(w, r, dest)
 }
 
 // openDestination checks the request and dials its destination, or
-// takes the one kept for it, and counts it in OpenStreams; on failure it
-// answers the error itself and returns nil.
+// takes the one kept for it; on failure it answers the error itself and
+// returns nil.
 func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
@@ -549,7 +551,6 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	}
 	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
 	a.Stats.DialsOK.Add(1)
-	a.Stats.OpenStreams.Add(1)
 	return dest
 }
 

@@ -46,7 +46,7 @@ type connToServer struct {
 	link      atomic.Pointer[h2link.Conn] // set once HTTP/2 runs on conn
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
-	streams   atomic.Int64  // open tunnels on this link
+	tunnels   atomic.Int64  // open tunnels on this connection (MaxStreams), counted with Stats.Tunnels
 	token     string        // the token presented at login; read-only
 	// agentRestart: the server named featureAgentRestart, so a restart in
 	// place announces itself to it (controlRestartIn); read-only.
@@ -353,17 +353,17 @@ func (a *Agent) startConn(l *connToServer) bool {
 	return true
 }
 
-// takeStream counts a tunnel on l within MaxStreams and MaxStreamsTotal,
+// takeTunnel counts a tunnel on l within MaxStreams and MaxStreamsTotal,
 // or answers 503 and returns false. Apart from the handler, whose frame
 // stays on parked stacks (see "Parked stacks" in doc.go).
 //
 //go:noinline
-func (a *Agent) takeStream(l *connToServer, w http.ResponseWriter) bool {
-	perConn, total := l.streams.Add(1), a.tunnels.Add(1)
+func (a *Agent) takeTunnel(l *connToServer, w http.ResponseWriter) bool {
+	perConn, total := l.tunnels.Add(1), a.Stats.Tunnels.Add(1)
 	if perConn <= int64(a.cfg.MaxStreams) && total <= int64(a.cfg.MaxStreamsTotal) {
 		return true
 	}
-	a.releaseStream(l)
+	a.releaseTunnel(l)
 	a.metrics.streamsRefused.Inc()
 	why := fmt.Sprintf("%d in all (--max-streams-total; by default from the descriptor limit)", a.cfg.MaxStreamsTotal)
 	if total <= int64(a.cfg.MaxStreamsTotal) {
@@ -373,10 +373,13 @@ func (a *Agent) takeStream(l *connToServer, w http.ResponseWriter) bool {
 	return false
 }
 
-// releaseStream ends a tunnel's count taken by takeStream.
-func (a *Agent) releaseStream(l *connToServer) {
-	l.streams.Add(-1)
-	a.tunnels.Add(-1)
+// releaseTunnel ends a tunnel's count taken by takeTunnel; the last one
+// wakes a drain.
+func (a *Agent) releaseTunnel(l *connToServer) {
+	l.tunnels.Add(-1)
+	if a.Stats.Tunnels.Add(-1) == 0 {
+		a.pokeIdle()
+	}
 }
 
 func (a *Agent) serveConn(l *connToServer) {
@@ -390,17 +393,17 @@ func (a *Agent) serveConn(l *connToServer) {
 			a.servePause(l, w, r)
 			return
 		}
-		if !a.takeStream(l, w) {
+		if !a.takeTunnel(l, w) {
 			return
 		}
-		defer a.releaseStream(l)
+		defer a.releaseTunnel(l)
 		a.serveStream(w, r)
 	})
 	// Handlers are counted before their goroutine starts, so Run's wait
 	// for them cannot pass one that is about to begin.
 	spawn := func(f func()) {
-		a.streams.Add(1)
-		go func() { defer a.streams.Done(); f() }()
+		a.linkWG.Add(1)
+		go func() { defer a.linkWG.Done(); f() }()
 	}
 	lk, err := h2link.NewServer(l.conn, h2link.Config{
 		// Room for each tunnel's own control request beside it, and the control stream.

@@ -51,8 +51,8 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 		func() float64 { n, _ := a.connected(); return float64(n) })
 	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
 		func() float64 { _, want := a.connected(); return float64(want) })
-	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
-		func() float64 { return float64(a.Stats.OpenStreams.Load()) })
+	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open tunnels: destination connections open or being dialled.", nil, nil,
+		func() float64 { return float64(a.Stats.Tunnels.Load()) })
 	m.CounterFunc(agentPrefix+"bytes_total", "Bytes carried to and from destinations, by direction.", []string{"direction"}, []string{"to_endpoint"},
 		func() float64 { return float64(a.Stats.BytesToDest.Load()) })
 	m.CounterFunc(agentPrefix+"bytes_total", "", []string{"direction"}, []string{"from_endpoint"},
@@ -89,10 +89,10 @@ func (a *Agent) Status() Status {
 	a.mu.Lock()
 	st := Status{Role: "agent", AgentID: a.cfg.ID, Connected: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
 	for l := range a.conns {
-		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
+		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.tunnels.Load()})
 	}
 	a.mu.Unlock()
-	st.OpenStreams = a.Stats.OpenStreams.Load()
+	st.OpenStreams = a.Stats.Tunnels.Load()
 	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
 	return st
 }

@@ -743,10 +743,10 @@ func TestClientGoneWhileDestinationStalled(t *testing.T) {
 	conn.Close()
 	t.Logf("client pushed %d KiB, then closed", pushed>>10)
 	deadline := time.Now().Add(5 * time.Second)
-	for a.Stats.OpenStreams.Load() != 0 || frontOpen(e.srv) != 0 {
+	for a.Stats.Tunnels.Load() != 0 || frontOpen(e.srv) != 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("5 s after the client closed: agent open streams %d, server frontends %d",
-				a.Stats.OpenStreams.Load(), frontOpen(e.srv))
+				a.Stats.Tunnels.Load(), frontOpen(e.srv))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -696,9 +696,9 @@ func TestClientGoneWhileDestinationSilent(t *testing.T) {
 		t.Fatal(resp.Status)
 	}
 	io.WriteString(conn, "hello")
-	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 1 }, "tunnel open at the agent")
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.Tunnels.Load() == 1 }, "tunnel open at the agent")
 	conn.Close()
-	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 0 && frontOpen(e.srv) == 0 },
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.Tunnels.Load() == 0 && frontOpen(e.srv) == 0 },
 		"tunnel closed at the agent and the server after the client went away")
 }
 
