@@ -111,7 +111,7 @@ func newAgentFlags() (*agentOptions, *commandFlags) {
 	f.DurationVar(&o.syncInterval, "sync-interval", time.Second, "first reconnect delay")
 	f.DurationVar(&o.syncCap, "sync-interval-cap", 10*time.Second, "reconnect delay cap")
 	f.UintVar(&o.maxStreams, "max-streams", 0, "concurrent tunnels accepted per server connection; 0: no bound of its own (--max-streams-total bounds them all)")
-	f.UintVar(&o.maxStreamsTotal, "max-streams-total", 0, "concurrent tunnels accepted from all servers together, past which a CONNECT gets 503; 0: derived from the descriptor limit, (limit - 256) / 2 (a tunnel takes a descriptor, and one more while held for a restarting server)")
+	f.UintVar(&o.maxStreamsTotal, "max-streams-total", 0, "concurrent tunnels accepted from all servers together, past which a CONNECT gets 503; 0: derived from the descriptor limit, (limit - 256) / 2 (a tunnel takes a descriptor, and one more while kept for a restarting server)")
 	f.StringVar(&o.allowDestinations, "allow-destinations", "", "comma list of destinations the agent may dial (CIDR or address, optional :port or :lo-hi; \":10250\" is any address); empty allows all but denied ones")
 	f.StringVar(&o.denyDestinations, "deny-destinations", "", "comma list of destinations the agent must not dial (same syntax); wins over every other rule")
 	f.StringVar(&o.nodeName, "node-name", os.Getenv("NODE_NAME"), "the agent's node, for the --allow-destinations keyword node (default $NODE_NAME)")
@@ -249,7 +249,7 @@ func (o *agentOptions) token() (string, error) {
 }
 
 func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
-	held := daemon.Inherit("held destinations", func(h *agent.HeldDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
+	kept := daemon.Inherit("kept destinations", func(h *agent.KeptDest, c net.Conn) { h.Socket = c }, log) // before anything can fail: their sockets close with the process
 	o.warned.start(daemon.InheritedState(log)[warnedState], log)
 	cfg := agent.Config{
 		ServerAddrs:     o.serverAddrs(),
@@ -282,7 +282,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	a.AdoptHeld(held)
+	a.AdoptKept(kept)
 	d := daemon.New(log)
 	defer d.Close()
 	ready := []daemon.Check{{Name: "server-connected", Run: a.Ready}}
@@ -332,7 +332,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			log.Info("restarting in place: draining tunnels; servers pause what can move to the next image", "trigger", trigger, "drain_timeout", o.drainTimeout.String())
 			a.Restarting()
 			stop()
-			return daemon.Hand("held destinations", a.HeldForNextImage(), func(h *agent.HeldDest) net.Conn { return h.Socket })
+			return daemon.Hand("kept destinations", a.KeptForNextImage(), func(h *agent.KeptDest) net.Conn { return h.Socket })
 		},
 		Keep:         func() map[string]any { return map[string]any{warnedState: o.warned.keep()} },
 		MemoryReady:  func() bool { ok, _ := a.ReadyAll(); return ok },

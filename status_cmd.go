@@ -121,7 +121,7 @@ func printStatus(w io.Writer, addr string, body []byte, now time.Time) error {
 		if err := json.Unmarshal(body, &st); err != nil {
 			return fmt.Errorf("decode agent status: %w", err)
 		}
-		fmt.Fprintf(tw, "agent %s: connected %d/%d servers, %d open tunnel(s)\n", st.AgentID, st.Held, st.Want, st.OpenStreams)
+		fmt.Fprintf(tw, "agent %s: connected %d/%d servers, %d open tunnel(s)\n", st.AgentID, st.Connected, st.Want, st.OpenStreams)
 		fmt.Fprintln(tw, "SERVER\tADDRESS\tCONNECTED\tSERVER COUNT\tTUNNELS")
 		for _, l := range st.Servers {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\n", l.ServerID, l.Addr, age(now, l.Since), l.Count, l.OpenStreams)

@@ -978,7 +978,7 @@ func (e *kubeEnv) logsAndWebhookAcrossAgentRestarts(t *testing.T) {
 	}
 	agentOut := e.agent.proc.out.String()[agentOut0:]
 	if n := strings.Count(agentOut, "destinations of paused tunnels handed to the next image"); n != kubeRestarts {
-		t.Errorf("agent handed held destinations to its next image %d times across %d SIGHUPs, want once per SIGHUP:\n%s", n, kubeRestarts, tail(agentOut, 6000))
+		t.Errorf("agent handed kept destinations to its next image %d times across %d SIGHUPs, want once per SIGHUP:\n%s", n, kubeRestarts, tail(agentOut, 6000))
 	}
 	srvOut := e.s.proc.out.String()[srvOut0:]
 	for _, bad := range []string{"could not be resumed", "could not be paused"} {

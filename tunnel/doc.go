@@ -16,11 +16,15 @@
 //
 // One word per thing, in code and in docs:
 //   - connection: the TLS connection between an agent and a server
-//     (agentConn on the server, serverConn on the agent);
+//     (agentConn on the server, connToServer on the agent);
 //   - link: the HTTP/2 session on a connection (h2link.Conn);
+//   - opener: what opens an agent's tunnels on the server (tunnelOpener):
+//     our agent's link (linkOpener) or an upstream agent's Packet stream
+//     (upstreamAgent); agentConn holds one and never asks which;
 //   - tunnel: one dial, that is one CONNECT stream on a link (or one
 //     connect ID on an upstream agent's gRPC stream), from the client's
-//     socket to the destination; on the server, the type tunnel;
+//     socket to the destination; on the server, the type tunnel; on the
+//     agent, a count (Stats.Tunnels) from the stream's take to its end;
 //   - front door: where clients dial, HTTP CONNECT or gRPC; a tunnel's
 //     side of it is its front;
 //   - handover: a restart's move of open tunnels to the next image of
@@ -41,7 +45,11 @@
 //     to the next image as it is;
 //   - held: a paused tunnel that no goroutine serves, in the table until
 //     its agent logs in again (or, unasked, until the handover that took
-//     it passes it on): a state of the tunnel, like every other.
+//     it passes it on): a state of the tunnel on the server, like every
+//     other;
+//   - kept: a paused tunnel's destination connection on the agent, open
+//     under the server's resume token until a resume takes it or its time
+//     is up, or passed to the agent's next image (Agent.KeptForNextImage).
 //
 // # Packages
 //
@@ -105,7 +113,7 @@
 // (read-locked by a dial's pick) guards the connected agents and their
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
-// the destinations held for a restart. Leaf locks, under which nothing
+// the destinations kept for a restart. Leaf locks, under which nothing
 // else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
 // watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every

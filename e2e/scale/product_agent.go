@@ -54,7 +54,7 @@ func (p *productAgent) connected() bool {
 	return ok
 }
 
-func (p *productAgent) open() int64      { return p.a.Stats.OpenStreams.Load() }
+func (p *productAgent) open() int64      { return p.a.Stats.Tunnels.Load() }
 func (p *productAgent) failures() uint64 { return p.fail.Value() }
 
 // agentEvents reads the agent's log events instead of printing them: a

@@ -7,7 +7,7 @@
 //     inherited descriptors (restart.go), so a socket keeps its path and
 //     inode and a port never closes (ListenUnix makes a socket with its
 //     final mode from the start); the sockets the command hands over
-//     (the server's paused tunnels, the agent's held destinations) travel
+//     (the server's paused tunnels, the agent's kept destinations) travel
 //     the same way, each as the descriptor already held, with an entry
 //     the command wrote (handover.go: Hand, Inherit);
 //   - a restart is refused before anything stops unless the next image

@@ -15,7 +15,7 @@ import (
 )
 
 // What a restart hands to the next image besides its listeners: sockets
-// (the server's paused tunnels, the agent's held destinations), each with
+// (the server's paused tunnels, the agent's kept destinations), each with
 // an entry the command wrote, as JSON. This file is the one place the
 // format that crosses execve is written and read; what an entry holds is
 // the command's (docs/restart.md).

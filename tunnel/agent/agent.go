@@ -30,7 +30,7 @@ type Config struct {
 	// One address may be a load balancer in front of several servers: the
 	// agent then keeps dialling it until it holds a connection to as many
 	// distinct servers as they announce. Several addresses are each dialled
-	// and held directly.
+	// directly, one connection each.
 	ServerAddrs []string
 	// ExpandDNS resolves each address's host to all its A/AAAA records and
 	// holds a connection to each (the TLS server name stays the host name).
@@ -70,7 +70,7 @@ type Config struct {
 	// past either a CONNECT is answered 503 naming the flag (the
 	// connection's HTTP/2 stream limit leaves room for each tunnel's pause
 	// request). Each tunnel takes a descriptor, and one more while it is
-	// held for a restarting server, so the defaults come from the
+	// kept for a restarting server, so the defaults come from the
 	// descriptor limit (streamCaps): a server, however hostile, cannot
 	// take the agent out of descriptors.
 	MaxStreams      uint32
@@ -140,7 +140,7 @@ func (c *Config) setDefaults() {
 // Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
 //
-// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a serverConn's
+// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a connToServer's
 // fields are immutable or atomic.
 type Agent struct {
 	// Immutable after NewAgent.
@@ -149,36 +149,41 @@ type Agent struct {
 	metrics  *agentMetrics
 	warnings *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
 	// idle (capacity 1) is poked when the last open stream ends or the
-	// last held destination goes (pokeIdle): the drain waits on it.
+	// last kept destination goes (pokeIdle): the drain waits on it.
 	idle chan struct{}
 
 	mu       sync.Mutex
-	conns    map[*serverConn]struct{} // guarded by mu
-	maxCount int                      // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
-	changed  chan struct{}            // guarded by mu: closed and replaced when connections change
-	draining bool                     // guarded by mu
-	drainEnd time.Time                // guarded by mu: set with draining, when the drain cuts what is left
+	conns    map[*connToServer]struct{} // guarded by mu
+	maxCount int                        // guarded by mu: servers wanted, announced and leaseCount combined by cfg.CountSource (at least 1)
+	changed  chan struct{}              // guarded by mu: closed and replaced when connections change
+	draining bool                       // guarded by mu
+	drainEnd time.Time                  // guarded by mu: set with draining, when the drain cuts what is left
 	// restarting is guarded by mu: set before the drain by Restarting, for
-	// a restart in place (agent_restart.go); the held destinations then
+	// a restart in place (agent_restart.go); the kept destinations then
 	// go to the next image instead of being waited for.
 	restarting bool
 	// Guarded by mu: the two counts maxCount combines.
 	announced  int // largest server count announced by a live server (at least 1); the last one while none is live
 	leaseCount int // valid server Leases (at least 1); 0 while unknown
-	// held is what the agent holds for restarting servers: guarded by
+	// kept is what the agent keeps for restarting servers: guarded by
 	// mu, but for its atomic count (agent_pause.go).
-	held heldDests
+	kept keptDests
 
-	connWG  sync.WaitGroup // goroutines serving connections; Run waits for them
-	streams sync.WaitGroup // handlers in flight; Run waits for them
-	tunnels atomic.Int64   // CONNECT streams being served on every server connection (MaxStreamsTotal)
-	Stats   Stats          // atomic counters
+	connWG sync.WaitGroup // goroutines serving connections; Run waits for them
+	linkWG sync.WaitGroup // goroutines the links start (Spawn: stream handlers, writers); Run waits for them
+	Stats  Stats          // atomic counters
 }
 
 // Stats are counters an operator reads through metrics and status.
 type Stats struct {
-	DialsOK, DialsFailed, OpenStreams atomic.Int64
-	BytesToDest, BytesFromDest        atomic.Int64
+	// Tunnels counts the agent's open tunnels, on every server
+	// connection: a CONNECT stream counts from when it is taken within
+	// MaxStreamsTotal (takeTunnel: its dial, its destination open, its
+	// pause) until its handler ends. It is the count the cap, the drain
+	// (busy), the metric and the status read.
+	Tunnels                    atomic.Int64
+	DialsOK, DialsFailed       atomic.Int64
+	BytesToDest, BytesFromDest atomic.Int64
 }
 
 // Descriptors kept aside from tunnels: server connections, listeners,
@@ -186,7 +191,7 @@ type Stats struct {
 const reservedDescriptors = 256
 
 // streamCaps derives the default stream bounds from the descriptor limit:
-// two descriptors per tunnel (its destination, and the duplicate held for
+// two descriptors per tunnel (its destination, and the duplicate kept for
 // a restarting server) beside reservedDescriptors. One server connection
 // may use the whole of it: with one server the agent carries as many
 // tunnels as its descriptors allow, and with several the total is what
@@ -234,10 +239,10 @@ func (a *Agent) SetLeaseCount(n int) {
 	was := a.maxCount
 	a.leaseCount = n
 	a.recountLocked()
-	held, want := len(a.conns), a.maxCount
+	connected, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
 	if want != was {
-		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", held, want), "lease_count", n, "was", was)
+		a.log.Info("server count changed", "servers", fmt.Sprintf("%d/%d", connected, want), "lease_count", n, "was", was)
 	}
 }
 
@@ -261,7 +266,7 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{
 		cfg:      cfg,
 		log:      cfg.Logger,
-		conns:    make(map[*serverConn]struct{}),
+		conns:    make(map[*connToServer]struct{}),
 		maxCount: 1,
 		changed:  make(chan struct{}),
 		warnings: wire.NewLogLimiter(10 * time.Second),
@@ -288,7 +293,7 @@ func (a *Agent) ReadyAll() (bool, string) {
 // connected returns how many servers the agent holds a connection to, and how
 // many it wants (the largest count a live server announced, combined with
 // the lease count by CountSource).
-func (a *Agent) connected() (held, want int) {
+func (a *Agent) connected() (n, want int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return len(a.conns), a.maxCount
@@ -300,7 +305,7 @@ func (a *Agent) connected() (held, want int) {
 // other agents while any fit), lets open tunnels finish for up to
 // DrainTimeout, then closes its connections. After Restarting, the drain
 // is for a restart in place: servers pause what they can first, and the
-// destinations held for them stay for HeldForNextImage.
+// destinations kept for them stay for KeptForNextImage.
 func (a *Agent) Run(ctx context.Context) error {
 	connectCtx, stopConnecting := context.WithCancel(context.Background())
 	defer stopConnecting()
@@ -310,10 +315,10 @@ func (a *Agent) Run(ctx context.Context) error {
 	deadline := a.beginDrain()
 	restart := a.isRestarting()
 	a.waitIdle(deadline, restart)
-	// On a restart the held destinations go to the next image: only
+	// On a restart the kept destinations go to the next image: only
 	// open streams are cut then.
-	if n, held := a.Stats.OpenStreams.Load(), a.heldCount(); n > 0 || !restart && held > 0 {
-		a.log.Warn("drain timeout: closing open tunnels", "open", n, "held", held)
+	if n, kept := a.Stats.Tunnels.Load(), a.keptCount(); n > 0 || !restart && kept > 0 {
+		a.log.Warn("drain timeout: closing open tunnels", "open", n, "kept", kept)
 	}
 	stopConnecting()
 	managers.Wait()
@@ -323,19 +328,19 @@ func (a *Agent) Run(ctx context.Context) error {
 	a.waitSent()
 	a.closeConns()
 	a.connWG.Wait()
-	a.streams.Wait()
+	a.linkWG.Wait()
 	if !restart {
-		a.releaseHeld()
+		a.releaseKept()
 	}
 	return nil
 }
 
-// waitIdle waits until no stream is open and, but for a restart, no
-// destination is held, or until deadline. A destination held for a
+// waitIdle waits until no tunnel is open and, but for a restart, no
+// destination is kept, or until deadline. A destination kept for a
 // restarting server is still a tunnel: the server's next image carries it
 // on through the connection the agent keeps redialling meanwhile. On the
 // agent's own restart it goes to the agent's next image instead
-// (HeldForNextImage).
+// (KeptForNextImage).
 func (a *Agent) waitIdle(deadline time.Time, restart bool) {
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
@@ -349,16 +354,18 @@ func (a *Agent) waitIdle(deadline time.Time, restart bool) {
 }
 
 // busy reports whether a tunnel is open or, but for a restart, a
-// destination is held. Both are read under mu, where a resume moves a
-// destination from held to open (takePaused): read apart, a drain could
+// destination is kept. Both are read under mu, where a resume moves a
+// destination from kept to open (takePaused): read apart, a drain could
 // see it in neither and cut it.
 func (a *Agent) busy(restart bool) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.Stats.OpenStreams.Load() > 0 || !restart && a.held.count > 0
+	return a.Stats.Tunnels.Load() > 0 || !restart && a.kept.count > 0
 }
 
 // pokeIdle wakes waitIdle; it never blocks, so it may be called under mu.
+// It is poked when the last open tunnel ends (releaseTunnel) or the last
+// kept destination goes (dropKeptLocked).
 func (a *Agent) pokeIdle() {
 	select {
 	case a.idle <- struct{}{}:
@@ -373,7 +380,7 @@ func (a *Agent) beginDrain() time.Time {
 	a.draining = true
 	a.drainEnd = time.Now().Add(a.cfg.DrainTimeout)
 	end := a.drainEnd
-	conns := make([]*serverConn, 0, len(a.conns))
+	conns := make([]*connToServer, 0, len(a.conns))
 	for l := range a.conns {
 		conns = append(conns, l)
 	}
@@ -381,7 +388,7 @@ func (a *Agent) beginDrain() time.Time {
 	for _, l := range conns {
 		l.sendDrain()
 	}
-	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.OpenStreams.Load())
+	a.log.Info("draining: servers told to prefer other agents", "servers", len(conns), "open_tunnels", a.Stats.Tunnels.Load())
 	return end
 }
 
@@ -481,8 +488,6 @@ func (a *Agent) dialDestination(ctx context.Context, addr string) (net.Conn, err
 // ways. A tunnel has one goroutine here (this one, reading the
 // destination) and its own HTTP/2 window.
 func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
-	a.streams.Add(1)
-	defer a.streams.Done()
 	defer wire.RecoverTunnelPanic(a.log, a.metrics.panics, "agent stream", true)
 	a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
 	dest := a.openDestination(w, r)
@@ -497,17 +502,14 @@ func (a *Agent) serveStream(w http.ResponseWriter, r *http.Request) {
 	defer func() { // one deferred closure: see "Parked stacks" in doc.go
 		stopWatch()
 		dest.Close()
-		if a.Stats.OpenStreams.Add(-1) == 0 {
-			a.pokeIdle()
-		}
 	}()
 	w.WriteHeader(http.StatusOK)
 	a.carry(w, r, dest)
 }
 
 // openDestination checks the request and dials its destination, or
-// takes the one held for it, and counts it in OpenStreams; on failure it
-// answers the error itself and returns nil.
+// takes the one kept for it; on failure it answers the error itself and
+// returns nil.
 func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn {
 	if r.Method != http.MethodConnect {
 		http.Error(w, "only CONNECT is served here", http.StatusMethodNotAllowed)
@@ -518,7 +520,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return nil
 	}
-	if dest, handled := a.takeHeldFor(w, r); handled {
+	if dest, handled := a.takeKeptFor(w, r); handled {
 		return dest // a tunnel a restarting server's next image carries on
 	}
 	dialStart := time.Now()
@@ -549,7 +551,6 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	}
 	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
 	a.Stats.DialsOK.Add(1)
-	a.Stats.OpenStreams.Add(1)
 	return dest
 }
 
@@ -573,7 +574,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	wire.PutPacketWriter(to)
 	a.Stats.BytesFromDest.Add(n)
 	if a.downloadStopped(dest, n, downErr) {
-		a.heldEnd(r, up) // the destination is held for the server's next image
+		a.keptEnd(r, up) // the destination is kept for the server's next image
 	}
 	if downErr == nil {
 		a.metrics.packets.Inc(wire.SegFromAgent, grpcwire.CloseRsp) // the destination's end, as END_STREAM

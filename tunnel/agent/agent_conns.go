@@ -33,9 +33,9 @@ type target struct {
 	serverName string
 }
 
-// serverConn is the agent's connection to one server: the TLS connection
+// connToServer is the agent's connection to one server: the TLS connection
 // and, once HTTP/2 runs on it, its link.
-type serverConn struct {
+type connToServer struct {
 	id    string
 	addr  string
 	since time.Time
@@ -46,14 +46,14 @@ type serverConn struct {
 	link      atomic.Pointer[h2link.Conn] // set once HTTP/2 runs on conn
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
-	streams   atomic.Int64  // open tunnels on this link
+	tunnels   atomic.Int64  // open tunnels on this connection (MaxStreams), counted with Stats.Tunnels
 	token     string        // the token presented at login; read-only
 	// agentRestart: the server named featureAgentRestart, so a restart in
 	// place announces itself to it (controlRestartIn); read-only.
 	agentRestart bool
 }
 
-func (l *serverConn) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
+func (l *connToServer) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
 
 // startManagers starts one goroutine per configured address: a seeker for
 // a single (load-balanced) address, a holder for each of several fixed
@@ -81,14 +81,14 @@ func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
 
 // seek dials a load-balanced address until the agent holds a connection to as
 // many distinct servers as the servers announce. Each dial names the
-// servers already held, so a duplicate is refused (409) before any costly
+// servers already connected, so a duplicate is refused (409) before any costly
 // check; a duplicate is expected here and is retried quickly, not backed off.
 func (a *Agent) seek(ctx context.Context, t target) {
 	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
 	dupes := 0
 	for ctx.Err() == nil {
 		changed := a.changedChan()
-		if held, want := a.connected(); held >= want {
+		if n, want := a.connected(); n >= want {
 			probe := a.cfg.SyncForever
 			wait := (<-chan time.Time)(nil)
 			if probe {
@@ -248,7 +248,7 @@ func isCheap(err error) bool {
 
 // dial connects to t, performs the handshake and returns the connection, not yet
 // serving.
-func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
+func (a *Agent) dial(ctx context.Context, t target) (*connToServer, error) {
 	hctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	raw, err := a.cfg.ServerDialer(hctx, t.addr)
@@ -274,7 +274,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 		head.done = true
 		conn = tc
 	}
-	hello := wire.OurHello(a.cfg.ID, a.cfg.Identifiers, a.heldServers())
+	hello := wire.OurHello(a.cfg.ID, a.cfg.Identifiers, a.connectedServers())
 	if a.cfg.Token != nil {
 		if hello.Token, err = a.cfg.Token(); err != nil {
 			conn.Close()
@@ -303,7 +303,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 	}
 	lim.Limited = false
 	conn.SetDeadline(time.Time{})
-	return &serverConn{
+	return &connToServer{
 		id:    reply.ServerID,
 		addr:  t.addr,
 		since: time.Now(),
@@ -323,10 +323,10 @@ func (a *Agent) dial(ctx context.Context, t target) (*serverConn, error) {
 // carries them on through this connection, which announces the drain at
 // once. An agent restarting in place takes no new connection: what it
 // holds goes to its own next image.
-func (a *Agent) startConn(l *serverConn) bool {
+func (a *Agent) startConn(l *connToServer) bool {
 	a.mu.Lock()
 	if a.draining {
-		if a.held.count == 0 || a.restarting {
+		if a.kept.count == 0 || a.restarting {
 			a.mu.Unlock()
 			l.conn.Close()
 			return false
@@ -342,10 +342,10 @@ func (a *Agent) startConn(l *serverConn) bool {
 	}
 	a.conns[l] = struct{}{}
 	a.recountLocked()
-	held, want := len(a.conns), a.maxCount
+	n, want := len(a.conns), a.maxCount
 	a.connWG.Add(1)
 	a.mu.Unlock()
-	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", held, want))
+	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", n, want))
 	go func() {
 		defer a.connWG.Done()
 		a.serveConn(l)
@@ -353,17 +353,17 @@ func (a *Agent) startConn(l *serverConn) bool {
 	return true
 }
 
-// takeStream counts a tunnel on l within MaxStreams and MaxStreamsTotal,
+// takeTunnel counts a tunnel on l within MaxStreams and MaxStreamsTotal,
 // or answers 503 and returns false. Apart from the handler, whose frame
 // stays on parked stacks (see "Parked stacks" in doc.go).
 //
 //go:noinline
-func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
-	perConn, total := l.streams.Add(1), a.tunnels.Add(1)
+func (a *Agent) takeTunnel(l *connToServer, w http.ResponseWriter) bool {
+	perConn, total := l.tunnels.Add(1), a.Stats.Tunnels.Add(1)
 	if perConn <= int64(a.cfg.MaxStreams) && total <= int64(a.cfg.MaxStreamsTotal) {
 		return true
 	}
-	a.releaseStream(l)
+	a.releaseTunnel(l)
 	a.metrics.streamsRefused.Inc()
 	why := fmt.Sprintf("%d in all (--max-streams-total; by default from the descriptor limit)", a.cfg.MaxStreamsTotal)
 	if total <= int64(a.cfg.MaxStreamsTotal) {
@@ -373,13 +373,16 @@ func (a *Agent) takeStream(l *serverConn, w http.ResponseWriter) bool {
 	return false
 }
 
-// releaseStream ends a tunnel's count taken by takeStream.
-func (a *Agent) releaseStream(l *serverConn) {
-	l.streams.Add(-1)
-	a.tunnels.Add(-1)
+// releaseTunnel ends a tunnel's count taken by takeTunnel; the last one
+// wakes a drain.
+func (a *Agent) releaseTunnel(l *connToServer) {
+	l.tunnels.Add(-1)
+	if a.Stats.Tunnels.Add(-1) == 0 {
+		a.pokeIdle()
+	}
 }
 
-func (a *Agent) serveConn(l *serverConn) {
+func (a *Agent) serveConn(l *connToServer) {
 	defer close(l.done)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && r.URL.Path == wire.ControlPath {
@@ -390,17 +393,17 @@ func (a *Agent) serveConn(l *serverConn) {
 			a.servePause(l, w, r)
 			return
 		}
-		if !a.takeStream(l, w) {
+		if !a.takeTunnel(l, w) {
 			return
 		}
-		defer a.releaseStream(l)
+		defer a.releaseTunnel(l)
 		a.serveStream(w, r)
 	})
 	// Handlers are counted before their goroutine starts, so Run's wait
 	// for them cannot pass one that is about to begin.
 	spawn := func(f func()) {
-		a.streams.Add(1)
-		go func() { defer a.streams.Done(); f() }()
+		a.linkWG.Add(1)
+		go func() { defer a.linkWG.Done(); f() }()
 	}
 	lk, err := h2link.NewServer(l.conn, h2link.Config{
 		// Room for each tunnel's own control request beside it, and the control stream.
@@ -420,9 +423,9 @@ func (a *Agent) serveConn(l *serverConn) {
 	a.mu.Lock()
 	delete(a.conns, l)
 	a.recountLocked()
-	held, want := len(a.conns), a.maxCount
+	n, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
-	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.CloseReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", held, want))
+	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.CloseReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", n, want))
 }
 
 // recountLocked adopts the largest count live servers announce (with no
@@ -453,7 +456,7 @@ func (a *Agent) changedChan() <-chan struct{} {
 	return a.changed
 }
 
-func (a *Agent) heldServers() []string {
+func (a *Agent) connectedServers() []string {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	ids := make([]string, 0, len(a.conns))
@@ -468,7 +471,7 @@ func (a *Agent) heldServers() []string {
 // cuts what is left, then "drain"; for a restart in place "restart-in
 // <duration>" before them), and "token <token>" when the token
 // file holds a new token (the server reviews it and keeps the link on it).
-func (a *Agent) serveControl(l *serverConn, w http.ResponseWriter, r *http.Request) {
+func (a *Agent) serveControl(l *connToServer, w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 	flush := wire.FlusherOf(w)
 	flush()

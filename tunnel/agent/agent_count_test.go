@@ -32,7 +32,7 @@ func TestAgentCountSources(t *testing.T) {
 			}
 			a.mu.Lock()
 			for _, n := range tc.announced {
-				a.conns[&serverConn{count: n}] = struct{}{}
+				a.conns[&connToServer{count: n}] = struct{}{}
 			}
 			a.recountLocked()
 			changed := a.changed

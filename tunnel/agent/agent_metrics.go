@@ -48,11 +48,11 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	am.packets.Register(m, agentPrefix+"stream_packets_total", wire.SegFromAgent, wire.SegToAgent)
 	am.streamErrs.Register(m, agentPrefix+"stream_errors_total", wire.SegFromAgent, wire.SegToAgent)
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
-		func() float64 { held, _ := a.connected(); return float64(held) })
+		func() float64 { n, _ := a.connected(); return float64(n) })
 	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
 		func() float64 { _, want := a.connected(); return float64(want) })
-	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open destination connections.", nil, nil,
-		func() float64 { return float64(a.Stats.OpenStreams.Load()) })
+	m.GaugeFunc(agentPrefix+"open_endpoint_connections", "Open tunnels: destination connections open or being dialled.", nil, nil,
+		func() float64 { return float64(a.Stats.Tunnels.Load()) })
 	m.CounterFunc(agentPrefix+"bytes_total", "Bytes carried to and from destinations, by direction.", []string{"direction"}, []string{"to_endpoint"},
 		func() float64 { return float64(a.Stats.BytesToDest.Load()) })
 	m.CounterFunc(agentPrefix+"bytes_total", "", []string{"direction"}, []string{"from_endpoint"},
@@ -68,7 +68,7 @@ var agentDialBuckets = []float64{0.005, 0.025, 0.1, 0.5, 2.5, 10, 30}
 type Status struct {
 	Role        string             `json:"role"` // "agent"
 	AgentID     string             `json:"agentID"`
-	Held        int                `json:"held"`
+	Connected   int                `json:"held"` // servers connected to; "held" is the name tools read
 	Want        int                `json:"want"`
 	LeaseCount  int                `json:"leaseCount,omitempty"` // valid server Leases, when counted
 	OpenStreams int64              `json:"openStreams"`
@@ -87,12 +87,12 @@ type ServerConnStatus struct {
 // Status reports the agent's server connections, sorted by server ID.
 func (a *Agent) Status() Status {
 	a.mu.Lock()
-	st := Status{Role: "agent", AgentID: a.cfg.ID, Held: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
+	st := Status{Role: "agent", AgentID: a.cfg.ID, Connected: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
 	for l := range a.conns {
-		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.streams.Load()})
+		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.tunnels.Load()})
 	}
 	a.mu.Unlock()
-	st.OpenStreams = a.Stats.OpenStreams.Load()
+	st.OpenStreams = a.Stats.Tunnels.Load()
 	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
 	return st
 }

@@ -25,7 +25,7 @@ import (
 // says it sent to reach the destination before it gives the pause up.
 const pauseWait = 5 * time.Second
 
-// maxPaused bounds the destination connections an agent holds paused.
+// maxPaused bounds the destination connections an agent keeps paused.
 const maxPaused = 10000
 
 // pauseMeeting is where servePause and the carry of the tunnel it stops
@@ -43,22 +43,22 @@ type pauseMeeting struct {
 	// server, or -1 when the download ended on its own instead.
 	downSent int64
 	// Written by servePause before it closes settled.
-	paused bool // the destination is held for a resume: carry lets the stream go
+	paused bool // the destination is kept for a resume: carry lets the stream go
 }
 
-// heldDests is what the agent holds for restarting servers; guarded by
+// keptDests is what the agent keeps for restarting servers; guarded by
 // Agent.mu, but for inFlight.
-type heldDests struct {
-	byToken  map[string]*pausedDest     // destination connections held for a resume, by token
+type keptDests struct {
+	byToken  map[string]*pausedDest     // destination connections kept for a resume, by token
 	meetings map[net.Conn]*pauseMeeting // pause requests running, by destination
-	count    int                        // destinations held or being stopped
+	count    int                        // destinations kept or being stopped
 	inFlight atomic.Int32               // pause requests in flight: carry looks for its tunnel only then
 }
 
-// takeHeldFor answers a CONNECT stream that names a resume token with the
-// destination held under it: dest, or nil when the stream was answered
+// takeKeptFor answers a CONNECT stream that names a resume token with the
+// destination kept under it: dest, or nil when the stream was answered
 // with the failure. handled is false when the stream names no token.
-func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Conn, handled bool) {
+func (a *Agent) takeKeptFor(w http.ResponseWriter, r *http.Request) (dest net.Conn, handled bool) {
 	token := r.Header.Get(wire.HdrResumeToken)
 	if token == "" {
 		return nil, false
@@ -81,20 +81,20 @@ func (a *Agent) takeHeldFor(w http.ResponseWriter, r *http.Request) (dest net.Co
 	return dest, true
 }
 
-// pausedDest is a destination connection held for a resume.
+// pausedDest is a destination connection kept for a resume.
 type pausedDest struct {
 	conn  net.Conn    // a duplicate of the tunnel's socket: the tunnel's own closes do not reach it
-	until time.Time   // set by holdPaused: when the hold ends
-	timer *time.Timer // set under Agent.mu before the entry can be taken; ends the hold
+	until time.Time   // set by keepPaused: when it stops being kept
+	timer *time.Timer // set under Agent.mu before the entry can be taken; ends the keeping
 }
 
 // servePause answers a server's pause request for one of its tunnels on
 // this connection: once the bytes the server sent have reached the
 // destination, the agent stops reading the destination, sends what it
-// read, holds the connection under the server's token and answers with the
+// read, keeps the connection under the server's token and answers with the
 // bytes it sent. Any other answer leaves the tunnel as it was, or (a
 // download stuck on a server that does not read) ends it.
-func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request) {
+func (a *Agent) servePause(l *connToServer, w http.ResponseWriter, r *http.Request) {
 	id, err1 := strconv.ParseUint(r.Header.Get(wire.HdrPauseStream), 10, 31)
 	sent, err2 := strconv.ParseInt(r.Header.Get(wire.HdrPauseSent), 10, 64)
 	token := r.Header.Get(wire.HdrResumeToken)
@@ -113,7 +113,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 	}
 	dup, err := wire.DupSocket(dest)
 	if err != nil {
-		http.Error(w, "destination cannot be held: "+err.Error(), http.StatusConflict)
+		http.Error(w, "destination cannot be kept: "+err.Error(), http.StatusConflict)
 		return
 	}
 	t := &pauseMeeting{dest: dest, up: up, stopped: make(chan struct{}), settled: make(chan struct{})}
@@ -147,7 +147,7 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 		fail(http.StatusConflict, errors.New("the destination ended the tunnel"))
 		return
 	}
-	a.holdPaused(token, &pausedDest{conn: dup}, wire.ResumeWindow)
+	a.keepPaused(token, &pausedDest{conn: dup}, wire.ResumeWindow)
 	t.paused = true
 	close(t.settled)
 	w.Header().Set(wire.HdrPauseSent, strconv.FormatInt(t.downSent, 10))
@@ -156,33 +156,33 @@ func (a *Agent) servePause(l *serverConn, w http.ResponseWriter, r *http.Request
 }
 
 // startPause registers t for its tunnel's carry to find, within the bound
-// on held destinations.
+// on kept destinations.
 func (a *Agent) startPause(t *pauseMeeting) (int, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.held.meetings[t.dest] != nil {
+	if a.kept.meetings[t.dest] != nil {
 		return http.StatusConflict, errors.New("tunnel is already being paused")
 	}
-	if a.held.count >= maxPaused {
+	if a.kept.count >= maxPaused {
 		return http.StatusServiceUnavailable, errors.New("too many paused tunnels")
 	}
-	if a.held.meetings == nil {
-		a.held.meetings = make(map[net.Conn]*pauseMeeting)
+	if a.kept.meetings == nil {
+		a.kept.meetings = make(map[net.Conn]*pauseMeeting)
 	}
-	a.held.meetings[t.dest] = t
-	a.held.count++ // held from here on; given back by endPause unless paused
-	a.held.inFlight.Add(1)
+	a.kept.meetings[t.dest] = t
+	a.kept.count++ // kept from here on; given back by endPause unless paused
+	a.kept.inFlight.Add(1)
 	return 0, nil
 }
 
 func (a *Agent) endPause(t *pauseMeeting) {
 	a.mu.Lock()
-	delete(a.held.meetings, t.dest)
+	delete(a.kept.meetings, t.dest)
 	if !t.paused {
-		a.dropHeldLocked()
+		a.dropKeptLocked()
 	}
 	a.mu.Unlock()
-	a.held.inFlight.Add(-1)
+	a.kept.inFlight.Add(-1)
 }
 
 // waitDelivered waits until up has written exactly sent bytes and still
@@ -204,18 +204,18 @@ func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
 // downloadStopped is carry's report, while some pause is in progress,
 // that its reading of dest returned with n bytes sent. Without a pause of
 // this tunnel it is false. With one, it says where it stopped and waits
-// for servePause's decision: true means the destination is now held for a
+// for servePause's decision: true means the destination is now kept for a
 // resume, and carry must let its stream go (pausedEnd). Apart from carry,
 // whose frame stays on parked stacks; it looks for the tunnel only while
 // some pause is in progress.
 //
 //go:noinline
 func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
-	if a.held.inFlight.Load() == 0 {
+	if a.kept.inFlight.Load() == 0 {
 		return false
 	}
 	a.mu.Lock()
-	t := a.held.meetings[dest]
+	t := a.kept.meetings[dest]
 	a.mu.Unlock()
 	if t == nil {
 		return false
@@ -230,12 +230,12 @@ func (a *Agent) downloadStopped(dest net.Conn, n int64, downErr error) bool {
 	return t.paused
 }
 
-// heldEnd ends a paused tunnel's stream: once the server ended it (the
+// keptEnd ends a paused tunnel's stream: once the server ended it (the
 // server's client has every byte sent here by then; a reset from this side
 // could overtake them), with a reset. Cold, as downloadStopped.
 //
 //go:noinline
-func (a *Agent) heldEnd(r *http.Request, up *h2link.Delivery) {
+func (a *Agent) keptEnd(r *http.Request, up *h2link.Delivery) {
 	<-r.Context().Done()
 	r.Body.Close()
 	<-up.Done()
@@ -243,22 +243,22 @@ func (a *Agent) heldEnd(r *http.Request, up *h2link.Delivery) {
 	panic(http.ErrAbortHandler)
 }
 
-// holdPaused keeps p under token until a resume takes it or wait passes;
+// keepPaused keeps p under token until a resume takes it or wait passes;
 // then it is closed with a reset, so the destination sees a broken
 // connection rather than a clean end.
-func (a *Agent) holdPaused(token string, p *pausedDest, wait time.Duration) {
+func (a *Agent) keepPaused(token string, p *pausedDest, wait time.Duration) {
 	p.until = time.Now().Add(wait)
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.held.byToken == nil {
-		a.held.byToken = make(map[string]*pausedDest)
+	if a.kept.byToken == nil {
+		a.kept.byToken = make(map[string]*pausedDest)
 	}
-	if old := a.held.byToken[token]; old != nil { // a token used twice: the older one goes
+	if old := a.kept.byToken[token]; old != nil { // a token used twice: the older one goes
 		old.timer.Stop()
 		abortConn(old.conn)
-		a.dropHeldLocked()
+		a.dropKeptLocked()
 	}
-	a.held.byToken[token] = p
+	a.kept.byToken[token] = p
 	p.timer = time.AfterFunc(wait, func() {
 		if a.takePausedIf(token, p) {
 			a.log.Warn("paused tunnel was not resumed in time; destination connection closed", "dest", p.conn.RemoteAddr().String(), "waited", wait.String())
@@ -267,15 +267,16 @@ func (a *Agent) holdPaused(token string, p *pausedDest, wait time.Duration) {
 	})
 }
 
-// takePaused removes and returns the connection held under token, open
-// (counted in OpenStreams) from here on.
+// takePaused removes and returns the connection kept under token, open
+// from here on: the stream that takes it is counted in Stats.Tunnels
+// already (takeTunnel), before it stops being kept here, so a drain
+// (busy) sees it in one count or the other.
 func (a *Agent) takePaused(token string) (net.Conn, error) {
 	a.mu.Lock()
-	p := a.held.byToken[token]
+	p := a.kept.byToken[token]
 	if p != nil {
-		delete(a.held.byToken, token)
-		a.Stats.OpenStreams.Add(1) // open before no longer held: see busy
-		a.dropHeldLocked()
+		delete(a.kept.byToken, token)
+		a.dropKeptLocked() // open (Stats.Tunnels) before no longer kept: see busy
 	}
 	a.mu.Unlock()
 	if p == nil {
@@ -288,37 +289,37 @@ func (a *Agent) takePaused(token string) (net.Conn, error) {
 func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.held.byToken[token] != p {
+	if a.kept.byToken[token] != p {
 		return false
 	}
-	delete(a.held.byToken, token)
-	a.dropHeldLocked()
+	delete(a.kept.byToken, token)
+	a.dropKeptLocked()
 	return true
 }
 
-// dropHeldLocked counts one held destination gone; a.mu is held.
-func (a *Agent) dropHeldLocked() {
-	a.held.count--
-	if a.held.count == 0 {
+// dropKeptLocked counts one kept destination gone; a.mu is held.
+func (a *Agent) dropKeptLocked() {
+	a.kept.count--
+	if a.kept.count == 0 {
 		a.pokeIdle()
 	}
 }
 
-// heldCount is how many destinations are held for a resume or being paused.
-func (a *Agent) heldCount() int {
+// keptCount is how many destinations are kept for a resume or being paused.
+func (a *Agent) keptCount() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.held.count
+	return a.kept.count
 }
 
-// releaseHeld closes every held destination: the agent is stopping.
-func (a *Agent) releaseHeld() {
+// releaseKept closes every kept destination: the agent is stopping.
+func (a *Agent) releaseKept() {
 	a.mu.Lock()
-	held := a.held.byToken
-	a.held.byToken = nil
-	a.held.count = 0
+	kept := a.kept.byToken
+	a.kept.byToken = nil
+	a.kept.count = 0
 	a.mu.Unlock()
-	for _, p := range held {
+	for _, p := range kept {
 		p.timer.Stop()
 		abortConn(p.conn)
 	}

@@ -41,7 +41,7 @@ func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
 		}
 		a.Restarting()
 		a.beginDrain()
-		l := &serverConn{drain: make(chan struct{}), agentRestart: tc.agentRestart}
+		l := &connToServer{drain: make(chan struct{}), agentRestart: tc.agentRestart}
 		l.sendDrain()
 		ctx, cancel := context.WithCancel(context.Background())
 		w := &controlRecorder{h: http.Header{}}

@@ -47,6 +47,6 @@ func TestAgentMaxStreamsTotal(t *testing.T) {
 	}
 	c1.Close()
 	c2.Close()
-	tunneltest.WaitUntil(t, func() bool { return a.tunnels.Load() == 0 }, "tunnels ended on the agent")
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.Tunnels.Load() == 0 }, "tunnels ended on the agent")
 	e.EchoOne(dest).Close()
 }

@@ -303,7 +303,7 @@ func TestAgentBoundsHandshakeAnswerHead(t *testing.T) {
 			// test's server, tests winding down): other work only adds to
 			// it, so the least of three dials is the agent's own.
 			var (
-				l     *serverConn
+				l     *connToServer
 				took  time.Duration
 				alloc uint64 = math.MaxUint64
 			)

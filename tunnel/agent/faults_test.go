@@ -416,7 +416,7 @@ func TestClientGoneMidStreamClosesDestination(t *testing.T) {
 	case <-time.After(bound):
 		t.Fatalf("destination still open %s after the client went away", bound)
 	}
-	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 0 && e.frontOpen(t) == 0 },
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.Tunnels.Load() == 0 && e.frontOpen(t) == 0 },
 		"tunnel closed at the agent and the server")
 }
 
@@ -516,5 +516,5 @@ func TestHungUpClientEndsTunnel(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode)
 	}
 	conn.Close()
-	tunneltest.WaitUntil(t, func() bool { return e.frontOpen(t) == 0 && a.Stats.OpenStreams.Load() == 0 }, "the hung-up client's tunnel ended")
+	tunneltest.WaitUntil(t, func() bool { return e.frontOpen(t) == 0 && a.Stats.Tunnels.Load() == 0 }, "the hung-up client's tunnel ended")
 }

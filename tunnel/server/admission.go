@@ -583,7 +583,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		return
 	}
 	ctlCtx, stopControl := context.WithCancel(s.baseCtx)
-	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), link: link, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
+	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), opener: linkOpener{link}, conn: wc, stopControl: stopControl, principal: principal, canPause: hello.CanPause, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	if err := s.register(a, hello.Token, tlsState); err != nil {
 		stopControl()
 		a.endCredential()
@@ -600,7 +600,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		s.agents.remove(a)
 		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.CloseReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
 	})
-	s.goroutine(func() { s.watchControl(ctlCtx, a) })
+	s.goroutine(func() { s.watchControl(ctlCtx, a, link) })
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate
@@ -610,7 +610,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 // login stream's life. It returns the identifiers to register the agent
 // with: those the credential backs.
 func (s *Server) admit(ctx context.Context, h *wire.AgentHello, tlsState tls.ConnectionState, remote string) (Principal, wire.Identifiers, error) {
-	if slices.Contains(h.Held, s.cfg.ID) {
+	if slices.Contains(h.Connected, s.cfg.ID) {
 		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusConflict, "agent already holds a connection to server %s", s.cfg.ID)
 	}
 	if s.isShutting() {
@@ -643,13 +643,14 @@ func (s *Server) admit(ctx context.Context, h *wire.AgentHello, tlsState tls.Con
 	return p, ids, nil
 }
 
-// watchControl reads the agent's control stream: one line per event.
-func (s *Server) watchControl(ctx context.Context, a *agentConn) {
+// watchControl reads the control stream of a, our agent on link: one
+// line per event.
+func (s *Server) watchControl(ctx context.Context, a *agentConn, link *h2link.Conn) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "https://agent"+wire.ControlPath, nil)
 	if err != nil {
 		return
 	}
-	resp, err := a.link.RoundTrip(req)
+	resp, err := link.RoundTrip(req)
 	if err != nil {
 		return
 	}

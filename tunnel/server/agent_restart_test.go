@@ -33,14 +33,14 @@ func restartAgentInPlace(t *testing.T, e *env, cur *testAgent, id string, want i
 	case <-time.After(15 * time.Second):
 		t.Fatal("the restarting agent's drain did not end")
 	}
-	held := cur.HeldForNextImage()
-	if len(held) != want {
-		t.Fatalf("%d destinations held for the next image, want %d", len(held), want)
+	kept := cur.KeptForNextImage()
+	if len(kept) != want {
+		t.Fatalf("%d destinations kept for the next image, want %d", len(kept), want)
 	}
 	// The server counts a pause once the agent answered it, which may be
 	// just after the agent's drain ended.
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "paused", resultOK)-pausedBefore == uint64(want) }, fmt.Sprintf("the server counting %d tunnels paused", want))
-	next := startAgentWith(t, e.PKI, []string{e.AgentAddr}, id, "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	next := startAgentWith(t, e.PKI, []string{e.AgentAddr}, id, "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK)-resumedBefore == uint64(want) }, "tunnels resumed on the ag's next image")
 	if n := resumedOrNot(e.srv) - int(handedOver(e.srv, "resumed", resultOK)); n != 0 {
 		t.Fatalf("%d tunnels not resumed", n)
@@ -188,7 +188,7 @@ func TestAgentRestartKeepsTunnels(t *testing.T) {
 
 // stopForRestart runs the restarting half of an agent's restart in place
 // and returns what it hands to the next image.
-func stopForRestart(t *testing.T, a *testAgent) []*agent.HeldDest {
+func stopForRestart(t *testing.T, a *testAgent) []*agent.KeptDest {
 	t.Helper()
 	a.Restarting()
 	a.Cancel()
@@ -197,13 +197,13 @@ func stopForRestart(t *testing.T, a *testAgent) []*agent.HeldDest {
 	case <-time.After(15 * time.Second):
 		t.Fatal("the restarting agent's drain did not end")
 	}
-	return a.HeldForNextImage()
+	return a.KeptForNextImage()
 }
 
-// TestAgentRestartHeldPassedOn: destinations the agent's next image
+// TestAgentRestartKeptPassedOn: destinations the agent's next image
 // adopted but could not hand back yet (it has not reached the server)
 // pass on again at a second restart, and the image after it resumes them.
-func TestAgentRestartHeldPassedOn(t *testing.T) {
+func TestAgentRestartKeptPassedOn(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)
 	e := newEnv(t, nil)
 	ag := e.startAgent("a1", "", nil)
@@ -215,19 +215,19 @@ func TestAgentRestartHeldPassedOn(t *testing.T) {
 		defer c.Close()
 		conns = append(conns, c)
 	}
-	held := stopForRestart(t, ag)
-	if len(held) != 3 {
-		t.Fatalf("%d destinations held, want 3", len(held))
+	kept := stopForRestart(t, ag)
+	if len(kept) != 3 {
+		t.Fatalf("%d destinations kept, want 3", len(kept))
 	}
 	// The next image cannot reach the server (a dead address): it holds
 	// what it adopted until it restarts again.
 	dead := tunneltest.ServeTCP(t, func(c net.Conn) { c.Close() })
-	lost := startAgentWith(t, e.PKI, []string{dead}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
-	held = stopForRestart(t, lost)
-	if len(held) != 3 {
-		t.Fatalf("%d destinations passed on again, want 3", len(held))
+	lost := startAgentWith(t, e.PKI, []string{dead}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
+	kept = stopForRestart(t, lost)
+	if len(kept) != 3 {
+		t.Fatalf("%d destinations passed on again, want 3", len(kept))
 	}
-	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 3 }, "tunnels resumed")
 	for i, c := range conns {
 		echoesByte(t, c, 'a'+byte(i), 10*time.Second, fmt.Sprintf("tunnel %d after two restarts", i))
@@ -245,12 +245,12 @@ func TestAgentRestartTokenUnknown(t *testing.T) {
 	echo := tunneltest.EchoServer(t)
 	c := e.EchoOne(echo)
 	defer c.Close()
-	held := stopForRestart(t, ag)
-	for _, h := range held {
+	kept := stopForRestart(t, ag)
+	for _, h := range kept {
 		h.Socket.Close()
 	}
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
+	if len(kept) != 1 {
+		t.Fatalf("%d destinations kept, want 1", len(kept))
 	}
 	e.startAgent("a1", "", nil)
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultFailed) == 1 }, "the resume refused")
@@ -281,11 +281,11 @@ func TestAgentRestartSeveralServers(t *testing.T) {
 		clients = append(clients, startStreamingClient(t, e, dest, byte(i+21)))
 	}
 	tunneltest.WaitUntil(t, func() bool { return clients[2].recv.Load() > 256<<10 }, "bytes flowing")
-	held := stopForRestart(t, ag)
-	if len(held) != 3 {
-		t.Fatalf("%d destinations held, want 3", len(held))
+	kept := stopForRestart(t, ag)
+	if len(kept) != 3 {
+		t.Fatalf("%d destinations kept, want 3", len(kept))
 	}
-	startAgentWith(t, p, addrs, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, p, addrs, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool {
 		return handedOver(e1.srv, "resumed", resultOK) == 2 && handedOver(e2.srv, "resumed", resultOK) == 1
 	}, "each server resumed its tunnels")
@@ -329,12 +329,12 @@ func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
 		t.Fatalf("the destination's answer: %q %v", b, err)
 	}
 	start := time.Now()
-	held := stopForRestart(t, ag)
+	kept := stopForRestart(t, ag)
 	if took := time.Since(start); took > 5*time.Second {
 		t.Errorf("the ag's restart drain took %v", took)
 	}
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
+	if len(kept) != 1 {
+		t.Fatalf("%d destinations kept, want 1", len(kept))
 	}
 	if n := handedOver(e.srv, "paused", resultNotPausable); n != 1 {
 		t.Errorf("%d tunnels counted not pausable, want 1", n)
@@ -344,27 +344,27 @@ func TestAgentRestartDrainsWhatCannotMove(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Error("the tunnel that could not move was not closed")
 	}
-	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the open tunnel resumed")
 	echoesByte(t, open, 'z', 10*time.Second, "the open tunnel after the restart")
 }
 
 // pausedForAgentRestart starts a server and agent a1 with one tunnel open
 // to a counting echo destination, then stops the agent as its restart in
-// place does: the tunnel is paused and its destination held, returned
+// place does: the tunnel is paused and its destination kept, returned
 // for the agent's next image to adopt. The caller closes c.
-func pausedForAgentRestart(t *testing.T) (e *env, c net.Conn, held []*agent.HeldDest, accepted *atomic.Int64) {
+func pausedForAgentRestart(t *testing.T) (e *env, c net.Conn, kept []*agent.KeptDest, accepted *atomic.Int64) {
 	t.Helper()
 	e = newEnv(t, nil)
 	ag := e.startAgent("a1", "", nil)
 	e.WaitAgents(1)
 	dest, accepted := countingEcho(t)
 	c = e.EchoOne(dest)
-	held = stopForRestart(t, ag)
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
+	kept = stopForRestart(t, ag)
+	if len(kept) != 1 {
+		t.Fatalf("%d destinations kept, want 1", len(kept))
 	}
-	return e, c, held, accepted
+	return e, c, kept, accepted
 }
 
 // TestAgentRestartThenServerRestart: tunnels paused for a restarting
@@ -373,7 +373,7 @@ func pausedForAgentRestart(t *testing.T) (e *env, c net.Conn, held []*agent.Held
 // image.
 func TestAgentRestartThenServerRestart(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)
-	e, c, held, accepted := pausedForAgentRestart(t)
+	e, c, kept, accepted := pausedForAgentRestart(t)
 	defer c.Close()
 	tunneltest.WaitUntil(t, func() bool { return e.srv.Status().Tunnels["held"] == 1 }, "the paused tunnel held for its ag")
 	paused, err := handOver(e.srv)
@@ -389,7 +389,7 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 	if n := next.srv.Status().Tunnels["held"]; n != 1 {
 		t.Errorf("%d tunnels held on the next image before the ag is back, want 1", n)
 	}
-	startAgentWith(t, e.PKI, []string{next.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, e.PKI, []string{next.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return resumedOrNot(next.srv) == 1 }, "the tunnel resumed")
 	if handedOver(next.srv, "resumed", resultOK) != 1 {
 		t.Fatal("the tunnel was not resumed on the server's next image")
@@ -409,20 +409,20 @@ func TestAgentRestartThenServerRestart(t *testing.T) {
 // after it, and the tunnel resumes there.
 func TestAgentRestartDuringResume(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)
-	e, c, held, accepted := pausedForAgentRestart(t)
+	e, c, kept, accepted := pausedForAgentRestart(t)
 	defer c.Close()
 	// The next image is already restarting when the resume reaches it.
 	metrics := promtext.NewRegistry()
 	next := startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", func(c *agent.Config) { c.Metrics = metrics }, func(a *agent.Agent) {
-		a.AdoptHeld(held)
+		a.AdoptKept(kept)
 		a.Restarting()
 	})
 	tunneltest.WaitUntil(t, func() bool { return tunneltest.Metric(t, metrics, agentDialReqs) == 1 }, "the resume refused")
-	held = stopForRestart(t, next)
-	if len(held) != 1 {
-		t.Fatalf("%d destinations passed on, want 1", len(held))
+	kept = stopForRestart(t, next)
+	if len(kept) != 1 {
+		t.Fatalf("%d destinations passed on, want 1", len(kept))
 	}
-	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return resumedOrNot(e.srv) == 1 }, "the tunnel resumed")
 	if handedOver(e.srv, "resumed", resultOK) != 1 {
 		t.Fatal("the tunnel was not resumed on the ag's third image")
@@ -445,7 +445,7 @@ func TestAgentRestartPausesLateTunnels(t *testing.T) {
 	ag := e.startAgent("a1", "", func(c *agent.Config) { c.DrainTimeout = 10 * time.Second })
 	e.WaitAgents(1)
 	dest, accepted := countingEcho(t)
-	tunneltest.WaitUntil(t, func() bool { n := ag.Status().Held; return n == 1 }, "the agent holding its connection")
+	tunneltest.WaitUntil(t, func() bool { n := ag.Status().Connected; return n == 1 }, "the agent connected")
 	// A tunnel that cannot move (its client ended its upload) and that
 	// its destination keeps open holds the agent's drain open, so that
 	// the agent is still there, restarting, when the late tunnel comes.
@@ -478,11 +478,11 @@ func TestAgentRestartPausesLateTunnels(t *testing.T) {
 	if _, err := io.ReadAll(hbr); err != nil {
 		t.Fatalf("the tunnel holding the drain open: %v", err)
 	}
-	held := stopForRestart(t, ag)
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
+	kept := stopForRestart(t, ag)
+	if len(kept) != 1 {
+		t.Fatalf("%d destinations kept, want 1", len(kept))
 	}
-	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, e.PKI, []string{e.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK) == 1 }, "the late tunnel resumed")
 	before := c.recv.Load()
 	tunneltest.WaitUntil(t, func() bool { return c.recv.Load() > before+64<<10 }, "bytes flowing after the restart")
@@ -530,14 +530,14 @@ func TestServerRestartDuringAgentPause(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("the restarting agent's drain did not end")
 	}
-	held := ag.HeldForNextImage()
-	if len(held) != 1 {
-		t.Fatalf("%d destinations held, want 1", len(held))
+	kept := ag.KeptForNextImage()
+	if len(kept) != 1 {
+		t.Fatalf("%d destinations kept, want 1", len(kept))
 	}
 	e.Stop()
 	next := newEnvOn(t, e.PKI, e.AgentAddr, nil)
 	next.srv.Resume(paused)
-	startAgentWith(t, e.PKI, []string{next.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptHeld(held) })
+	startAgentWith(t, e.PKI, []string{next.AgentAddr}, "a1", "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return handedOver(next.srv, "resumed", resultOK) == 1 }, "the tunnel resumed on the server's next image")
 	echoesByte(t, c, 'z', 10*time.Second, "the tunnel after both restarts")
 	if n := accepted.Load(); n != 1 {

@@ -192,7 +192,7 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 	req = req.WithContext(ctx)
 	a.streams.Add(1)
 	s.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
-	resp, err := a.roundTrip(req)
+	resp, err := a.opener.roundTrip(req)
 	timer.Stop()
 	up.cancelOnGone(nil)
 	if err != nil {

@@ -35,7 +35,6 @@ const (
 	grpcPermissionDenied   = 7
 	grpcFailedPrecondition = 9
 	grpcUnimplemented      = 12
-	grpcInternal           = 13
 	grpcUnavailable        = 14
 )
 

@@ -49,7 +49,7 @@ func fullMeshOnce(b *testing.B, n int) (mesh, p50, p99 time.Duration) {
 		for {
 			done := true
 			for _, a := range agents {
-				if st := a.Status(); st.Held < 3 || st.Want < 3 {
+				if st := a.Status(); st.Connected < 3 || st.Want < 3 {
 					done = false
 					break
 				}
@@ -74,7 +74,7 @@ func fullMeshOnce(b *testing.B, n int) (mesh, p50, p99 time.Duration) {
 	for {
 		all := true
 		for _, a := range agents {
-			if held := a.Status().Held; held != 2 {
+			if n := a.Status().Connected; n != 2 {
 				all = false
 			}
 		}
@@ -94,7 +94,7 @@ func fullMeshOnce(b *testing.B, n int) (mesh, p50, p99 time.Duration) {
 			defer wg.Done()
 			deadline := time.Now().Add(60 * time.Second)
 			for time.Now().Before(deadline) {
-				if held := a.Status().Held; held == 3 {
+				if n := a.Status().Connected; n == 3 {
 					times[i] = time.Since(back)
 					return
 				}

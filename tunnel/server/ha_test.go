@@ -142,7 +142,7 @@ func TestServerReplacedAgentsConverge(t *testing.T) {
 		t.Fatalf("%d of %d dials through the surviving servers failed", failures.Load(), dials.Load())
 	}
 	for _, a := range agents {
-		tunneltest.WaitUntil(t, func() bool { st := a.Status(); held, want := st.Held, st.Want; return held == 3 && want == 3 }, "agent holds 3/3")
+		tunneltest.WaitUntil(t, func() bool { st := a.Status(); n, want := st.Connected, st.Want; return n == 3 && want == 3 }, "agent holds 3/3")
 	}
 }
 
@@ -198,7 +198,7 @@ func TestServerCountRaised(t *testing.T) {
 	third := c.start("s3", "127.0.0.1:0", func(cfg *Config) { cfg.Count = 3 })
 	lb.SetBackends(append(c.agentAddrs(), third.AgentAddr)...)
 	c.waitMesh([]*env{c.servers[0], c.servers[1], third}, 1, 10*time.Second)
-	tunneltest.WaitUntil(t, func() bool { st := a.Status(); held, want := st.Held, st.Want; return held == 3 && want == 3 }, "agent holds 3/3")
+	tunneltest.WaitUntil(t, func() bool { st := a.Status(); n, want := st.Connected, st.Want; return n == 3 && want == 3 }, "agent holds 3/3")
 	if ok, msg := a.ReadyAll(); !ok {
 		t.Fatalf("ReadyAll: %s", msg)
 	}
@@ -235,7 +235,7 @@ func TestMultiAddressAndDNSFanOut(t *testing.T) {
 		cfg.Resolver = resolver
 	})
 	c.waitMesh(c.servers, 2, 10*time.Second)
-	tunneltest.WaitUntil(t, func() bool { held := a.Status().Held; return held == 3 }, "DNS-expanded agent holds 3 servers")
+	tunneltest.WaitUntil(t, func() bool { n := a.Status().Connected; return n == 3 }, "DNS-expanded agent holds 3 servers")
 }
 
 // An agent that drains is avoided while another agent fits, and still

@@ -4,7 +4,7 @@ package server
 // each socket, as JSON (docs/restart.md). The envelope that carries it
 // (the list of descriptors and entries, the memory file named in the
 // environment) is internal/daemon's (handover.go there); an agent's held
-// destination is the agent package's HeldDest; a frozen HTTP/2 connection
+// destination is the agent package's KeptDest; a frozen HTTP/2 connection
 // is h2link.Frozen.
 
 import (
@@ -43,7 +43,7 @@ type PausedTunnel struct {
 	// connection idle; 0: the last bytes came from the client.
 	Quiet time.Duration `json:"quiet,omitempty"`
 	// Until is how long a resume can succeed, which the next image waits
-	// for the agent: the agent holds the destination for wire.ResumeWindow
+	// for the agent: the agent keeps the destination for wire.ResumeWindow
 	// from the pause, and its credential must still be trusted (a token's
 	// expiry; docs/security.md). Zero: resumeWait.
 	Until time.Time `json:"until,omitzero"`

@@ -21,9 +21,9 @@ import (
 //     is. The rest drain.
 //  3. The agent waits, within its drain timeout, until no tunnel is open,
 //     then passes each destination it holds to its next image
-//     (Agent.HeldForNextImage): the socket as an inherited descriptor,
+//     (Agent.KeptForNextImage): the socket as an inherited descriptor,
 //     the token and the time left of its hold as JSON.
-//  4. The next image adopts them (Agent.AdoptHeld) and logs in with the
+//  4. The next image adopts them (Agent.AdoptKept) and logs in with the
 //     same ID; the server, seeing an agent with that ID that is not the
 //     restarting link, opens the CONNECT stream naming the token, and the
 //     tunnel goes on: same client connection, same destination connection.

@@ -233,7 +233,7 @@ func (t *tunnel) askPause(ctx context.Context, token string) (int64, error) {
 			wire.HdrResumeToken: {token},
 		},
 	}).WithContext(ctx)
-	resp, err := t.agent.link.RoundTrip(req)
+	resp, err := t.agent.ourLink().RoundTrip(req) // a pausable tunnel's agent is ours
 	if err != nil {
 		return 0, fmt.Errorf("pause request: %w", err)
 	}

@@ -141,7 +141,7 @@ func (h *handover) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 }
 
 // resumeGRPCCall carries on a paused gRPC call: what DIAL_RSP set up is
-// rebuilt, the agent is asked for the held destination, and the tunnel is
+// rebuilt, the agent is asked for the kept destination, and the tunnel is
 // carried as proxyGRPC carries it. If the tunnel cannot resume, the client
 // is told as when the destination breaks (CLOSE_RSP with the error).
 func (h *handover) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Request, p *PausedTunnel) error {

@@ -359,7 +359,7 @@ func TestPauseRequestsRefused(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		req := (&http.Request{Method: http.MethodPost, URL: &url.URL{Scheme: "https", Host: "agent", Path: wire.PausePath}, Host: "agent", Header: h}).WithContext(ctx)
-		resp, err := a.link.RoundTrip(req)
+		resp, err := a.ourLink().RoundTrip(req)
 		if err != nil {
 			t.Fatal(err)
 		}

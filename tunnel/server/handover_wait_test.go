@@ -8,7 +8,7 @@ import (
 )
 
 // TestResumeWaitsWhileResumeCanSucceed: the next image waits for a paused
-// tunnel's agent as long as the agent holds the destination (wire.ResumeWindow
+// tunnel's agent as long as the agent keeps the destination (wire.ResumeWindow
 // from the pause) and the agent's credential is trusted, whichever ends
 // first; resumeWait for a tunnel from an image that did not say.
 func TestResumeWaitsWhileResumeCanSucceed(t *testing.T) {

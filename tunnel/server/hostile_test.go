@@ -282,15 +282,15 @@ func TestTokenNeverLogged(t *testing.T) {
 	}
 	head := "GET " + wire.HandshakePath + " HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: " + wire.UpgradeToken + "\r\n"
 	cases := []string{
-		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + "\r\n\r\n",                                    // wrong token
-		head + wire.HdrAgentID + ": a\r\nAuthorization: Basic " + secret + "\r\n\r\n",                                     // not bearer
-		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + " trailing\r\n\r\n",                           // odd token
-		head + wire.HdrAgentID + ": bad id\r\nAuthorization: Bearer " + secret + "\r\n\r\n",                               // bad ID
-		head + "Authorization: Bearer " + secret + "\r\n\r\n",                                                             // no ID
-		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + "\r\nbroken line\r\n\r\n",                     // malformed
-		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + "\r\n" + wire.HdrHeldServers + ": s1\r\n\r\n", // duplicate
-		"GET / HTTP/1.1\r\nAuthorization: Bearer " + secret + "\r\n\r\n",                                                  // not a handshake
-		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret,                                                 // cut short
+		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + "\r\n\r\n",                                         // wrong token
+		head + wire.HdrAgentID + ": a\r\nAuthorization: Basic " + secret + "\r\n\r\n",                                          // not bearer
+		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + " trailing\r\n\r\n",                                // odd token
+		head + wire.HdrAgentID + ": bad id\r\nAuthorization: Bearer " + secret + "\r\n\r\n",                                    // bad ID
+		head + "Authorization: Bearer " + secret + "\r\n\r\n",                                                                  // no ID
+		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + "\r\nbroken line\r\n\r\n",                          // malformed
+		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret + "\r\n" + wire.HdrConnectedServers + ": s1\r\n\r\n", // duplicate
+		"GET / HTTP/1.1\r\nAuthorization: Bearer " + secret + "\r\n\r\n",                                                       // not a handshake
+		head + wire.HdrAgentID + ": a\r\nAuthorization: Bearer " + secret,                                                      // cut short
 	}
 	for _, req := range cases {
 		e := newTokenEnv()
@@ -743,10 +743,10 @@ func TestClientGoneWhileDestinationStalled(t *testing.T) {
 	conn.Close()
 	t.Logf("client pushed %d KiB, then closed", pushed>>10)
 	deadline := time.Now().Add(5 * time.Second)
-	for a.Stats.OpenStreams.Load() != 0 || frontOpen(e.srv) != 0 {
+	for a.Stats.Tunnels.Load() != 0 || frontOpen(e.srv) != 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("5 s after the client closed: agent open streams %d, server frontends %d",
-				a.Stats.OpenStreams.Load(), frontOpen(e.srv))
+				a.Stats.Tunnels.Load(), frontOpen(e.srv))
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

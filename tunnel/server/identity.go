@@ -435,7 +435,7 @@ func (s *Server) reviewLink(a *agentConn) {
 	ctx, cancel = context.WithTimeout(s.baseCtx, revokeGrace)
 	defer cancel()
 	a.shutdown(ctx)
-	a.close()
+	a.opener.close()
 }
 
 // newToken takes a rotated token an agent sent on its control stream. It

@@ -345,8 +345,8 @@ func TestIdentityDuplicateLogin(t *testing.T) {
 	if got := e.srv.agents.snapshot(); len(got) != 1 || got[0] != first || first.draining.Load() {
 		t.Fatal("the connected agent was replaced or drained by a refused login")
 	}
-	if held := a.Status().Held; held != 1 {
-		t.Fatalf("agent holds %d links", held)
+	if n := a.Status().Connected; n != 1 {
+		t.Fatalf("agent holds %d connections", n)
 	}
 	if err := e.EchoOnce(tunneltest.EchoServer(t)); err != nil {
 		t.Fatalf("dial through the connected agent: %v", err)

@@ -45,7 +45,9 @@ func ParseStrategies(s string) ([]Strategy, error) {
 	return out, nil
 }
 
-// agentConn is one agent's connection to this server and, for our agents, its link.
+// agentConn is one agent's connection to this server, our agent's or an
+// upstream agent's: what opens its tunnels is its opener, and nothing here
+// asks which kind it is.
 type agentConn struct {
 	// Immutable once registered.
 	id          string
@@ -53,13 +55,12 @@ type agentConn struct {
 	ids         wire.Identifiers
 	remote      string
 	since       time.Time
-	link        *h2link.Conn // nil for an upstream agent; its own locks
+	opener      tunnelOpener // its own locks
 	conn        *wire.WatchedConn
 	stopControl context.CancelFunc // ends the control stream, which would hold a graceful shutdown open
 	principal   Principal          // what the agent's credential proves; fixed at login
 	cred        *connCredential    // the credential the connection stands on; its own lock
-	up          *upstreamAgent     // set for an upstream (gRPC) agent, which has no link
-	canPause    bool               // it can hold its tunnels across a server restart; fixed at login
+	canPause    bool               // it can hold its tunnels across a server restart (our agents only); fixed at login
 	node        string             // the node its credential binds it to (boundNode); "" for none
 	credKey     string             // its credential and address (credKey), counted against MaxAgentsPerCredential
 
@@ -71,6 +72,51 @@ type agentConn struct {
 	bytesTo, bytesFrom atomic.Int64
 }
 
+// tunnelOpener is the side of an agent's connection that opens its
+// tunnels: our agent's link (linkOpener) or an upstream agent's Packet
+// stream (upstreamAgent).
+type tunnelOpener interface {
+	// roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on
+	// an upstream agent's Packet stream.
+	roundTrip(req *http.Request) (*http.Response, error)
+	// takesNew reports whether it takes a new tunnel now. A dial asks it
+	// of many agents: it allocates nothing, and our link's answer is an
+	// atomic it keeps.
+	takesNew() bool
+	// shutdown takes no new tunnel (GOAWAY) and waits for the open ones
+	// to end, or for ctx; then the connection ends.
+	shutdown(ctx context.Context)
+	// close ends the connection and its tunnels at once.
+	close()
+}
+
+// linkOpener opens our agent's tunnels: CONNECT streams on its link.
+type linkOpener struct{ link *h2link.Conn }
+
+func (o linkOpener) roundTrip(req *http.Request) (*http.Response, error) {
+	return o.link.RoundTrip(req)
+}
+
+func (o linkOpener) takesNew() bool { return o.link.CanTakeNewRequest() }
+
+func (o linkOpener) shutdown(ctx context.Context) {
+	if err := o.link.Shutdown(ctx); err != nil {
+		o.link.Close()
+	}
+}
+
+func (o linkOpener) close() { o.link.Close() }
+
+// ourLink is our agent's link, for what only our agents speak beside
+// tunnels (the control stream, a tunnel's pause request); nil for an
+// upstream agent.
+func (a *agentConn) ourLink() *h2link.Conn {
+	if o, ok := a.opener.(linkOpener); ok {
+		return o.link
+	}
+	return nil
+}
+
 // claimedAttr names the agent in a log line: its ID, and the ID it asked
 // for when that is another.
 func (a *agentConn) claimedAttr() []any {
@@ -80,47 +126,16 @@ func (a *agentConn) claimedAttr() []any {
 	return []any{"agent", a.id, "claimed_id", a.claimedID}
 }
 
-// roundTrip opens one tunnel: an HTTP/2 CONNECT stream, or a dial on an
-// upstream agent's Packet stream.
-func (a *agentConn) roundTrip(req *http.Request) (*http.Response, error) {
-	if a.up != nil {
-		return a.up.roundTrip(req)
-	}
-	return a.link.RoundTrip(req)
-}
-
-// close ends the agent's connection at once.
-func (a *agentConn) close() {
-	if a.up != nil {
-		a.up.close()
-		a.up.stopOnce.Do(func() { close(a.up.stop) })
-		return
-	}
-	a.link.Close()
-}
-
-// shutdown sends GOAWAY and waits for the agent's tunnels to end, or for ctx.
+// shutdown ends the control stream, then the opener's shutdown.
 func (a *agentConn) shutdown(ctx context.Context) {
 	a.stopControl()
-	if a.up != nil {
-		a.up.shutdown(ctx)
-		return
-	}
-	if err := a.link.Shutdown(ctx); err != nil {
-		a.link.Close()
-	}
+	a.opener.shutdown(ctx)
 }
 
-// usable reports whether a takes a new tunnel now. It takes no lock (the
-// link keeps its answer in an atomic), so a dial may ask it of many agents.
+// usable reports whether a takes a new tunnel now. It takes no lock for
+// our agents, so a dial may ask it of many agents.
 func (a *agentConn) usable(maxStreams int64) bool {
-	if a.streams.Load() >= maxStreams || a.doubted.Load() {
-		return false
-	}
-	if a.up != nil {
-		return a.up.usable()
-	}
-	return a.link.CanTakeNewRequest()
+	return a.streams.Load() < maxStreams && !a.doubted.Load() && a.opener.takesNew()
 }
 
 // registry holds the connected agents and the index a dial chooses from:

@@ -16,7 +16,7 @@ func indexedAgent(id, ids, node string) *agentConn {
 	if err != nil {
 		panic(err)
 	}
-	return &agentConn{id: id, ids: parsed, node: node, up: &upstreamAgent{}}
+	return &agentConn{id: id, ids: parsed, node: node, opener: &upstreamAgent{}}
 }
 
 // bestByScan is the choice every strategy defines, found by visiting every

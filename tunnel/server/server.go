@@ -613,7 +613,7 @@ func (s *Server) Close() error {
 	s.mu.Unlock()
 	s.cancelAll()
 	for _, a := range s.agents.snapshot() {
-		a.close()
+		a.opener.close()
 	}
 	s.wg.Wait()
 	s.mu.Lock()

@@ -609,7 +609,7 @@ func TestDuplicateServerRefusedBeforeAuth(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(5 * time.Second))
-	wire.WriteHello(c, "127.0.0.1", wire.AgentHello{ID: "x", Held: []string{"other", "s1"}})
+	wire.WriteHello(c, "127.0.0.1", wire.AgentHello{ID: "x", Connected: []string{"other", "s1"}})
 	_, err = wire.ReadReply(tunneltest.BufioReader(c))
 	if wire.StatusCode(err) != http.StatusConflict {
 		t.Fatalf("got %v, want 409", err)
@@ -696,9 +696,9 @@ func TestClientGoneWhileDestinationSilent(t *testing.T) {
 		t.Fatal(resp.Status)
 	}
 	io.WriteString(conn, "hello")
-	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 1 }, "tunnel open at the agent")
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.Tunnels.Load() == 1 }, "tunnel open at the agent")
 	conn.Close()
-	tunneltest.WaitUntil(t, func() bool { return a.Stats.OpenStreams.Load() == 0 && frontOpen(e.srv) == 0 },
+	tunneltest.WaitUntil(t, func() bool { return a.Stats.Tunnels.Load() == 0 && frontOpen(e.srv) == 0 },
 		"tunnel closed at the agent and the server after the client went away")
 }
 

@@ -152,7 +152,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
 	}
-	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), up: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
+	a := &agentConn{id: hello.ID, claimedID: hello.Claimed, ids: ids, remote: remote, since: time.Now(), opener: ua, stopControl: func() {}, principal: principal, node: s.boundNode(principal, hello.ID), credKey: credKey(principal, remote)}
 	ua.agent = a
 	defer a.endCredential()
 	if err := s.register(a, hello.Token, tlsState); err != nil {
@@ -188,7 +188,8 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	return true
 }
 
-// upstreamAgent is the server's view of one upstream agent's stream.
+// upstreamAgent is the server's view of one upstream agent's stream, and
+// what opens its tunnels (its agentConn's tunnelOpener).
 // Its mu is a leaf: nothing else is locked under it, and the read loop
 // (readLoop) is the only goroutine that delivers the agent's packets.
 type upstreamAgent struct {
@@ -198,7 +199,7 @@ type upstreamAgent struct {
 	link  *h2link.Conn  // the agent's connection (nil in index tests); a stalled one takes no dial
 	out   *grpcStream   // its own lock: the packets written to the agent
 	done  chan struct{} // closed by close
-	stop  chan struct{} // closed, once by stopOnce, to end the stream after a drain
+	stop  chan struct{} // closed, once by stopOnce, to end the stream: after a drain, or by close
 
 	mu       sync.Mutex
 	pending  map[int64]chan grpcwire.Packet // guarded by mu: dials waiting for DIAL_RSP, by random
@@ -223,7 +224,9 @@ type upstreamTunnel struct {
 	agentDone atomic.Bool // the agent reported the end (CLOSE_RSP): no CLOSE_REQ is owed
 }
 
-func (ua *upstreamAgent) usable() bool {
+// takesNew reports whether the agent takes a new tunnel: its stream is
+// not closed or stopping, and its connection not stalled.
+func (ua *upstreamAgent) takesNew() bool {
 	ua.mu.Lock()
 	defer ua.mu.Unlock()
 	return !ua.closed && !ua.stopping && (ua.link == nil || !ua.link.Stalled())
@@ -416,8 +419,9 @@ func (c *upstreamTunnel) endFromAgent(errText string) {
 	}
 }
 
-// close ends every tunnel and pending dial of the agent.
+// close ends every tunnel and pending dial of the agent, and its stream.
 func (ua *upstreamAgent) close() {
+	defer ua.stopOnce.Do(func() { close(ua.stop) })
 	ua.mu.Lock()
 	if ua.closed {
 		ua.mu.Unlock()

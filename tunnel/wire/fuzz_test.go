@@ -91,7 +91,7 @@ func sameIdentifiers(a, b Identifiers) bool {
 
 func FuzzReadHello(f *testing.F) {
 	var b strings.Builder
-	WriteHello(&b, "lb.example", AgentHello{ID: "node-1", Identifiers: "host=node-1", Held: []string{"s1", "s2"}, Token: "abc"})
+	WriteHello(&b, "lb.example", AgentHello{ID: "node-1", Identifiers: "host=node-1", Connected: []string{"s1", "s2"}, Token: "abc"})
 	for _, seed := range []string{
 		b.String(),
 		"GET /konnectivity/v1/tunnel HTTP/1.1\r\nHost: x\r\nUpgrade: konnectivity-h2\r\n\r\n",

@@ -13,16 +13,16 @@ import (
 // The agent's Upgrade request and the server's answer. Everything the two
 // sides need to know about each other travels here, once per connection.
 const (
-	HandshakePath     = "/konnectivity/v1/tunnel"
-	UpgradeToken      = "konnectivity-h2"
-	HdrAgentID        = "Konnectivity-Agent-Id"
-	hdrIdentifiers    = "Konnectivity-Agent-Identifiers"
-	HdrHeldServers    = "Konnectivity-Held-Servers"
-	HdrServerID       = "Konnectivity-Server-Id"
-	HdrServerCount    = "Konnectivity-Server-Count"
-	hdrFeatures       = "Konnectivity-Agent-Features"  // what the agent can do beyond tunnels, comma-separated
-	featurePause      = "pause"                        // it answers pausePath and resumes paused tunnels (handover.go)
-	hdrServerFeatures = "Konnectivity-Server-Features" // what the server can do beyond tunnels, comma-separated
+	HandshakePath       = "/konnectivity/v1/tunnel"
+	UpgradeToken        = "konnectivity-h2"
+	HdrAgentID          = "Konnectivity-Agent-Id"
+	hdrIdentifiers      = "Konnectivity-Agent-Identifiers"
+	HdrConnectedServers = "Konnectivity-Held-Servers" // the servers the agent is connected to (the name servers of every version read)
+	HdrServerID         = "Konnectivity-Server-Id"
+	HdrServerCount      = "Konnectivity-Server-Count"
+	hdrFeatures         = "Konnectivity-Agent-Features"  // what the agent can do beyond tunnels, comma-separated
+	featurePause        = "pause"                        // it answers pausePath and resumes paused tunnels (handover.go)
+	hdrServerFeatures   = "Konnectivity-Server-Features" // what the server can do beyond tunnels, comma-separated
 	// featureAgentRestart: the server understands controlRestartIn, pausing
 	// the agent's tunnels for its next image (agent_restart.go).
 	featureAgentRestart = "agent-restart"
@@ -79,7 +79,7 @@ type AgentHello struct {
 	ID          string
 	Claimed     string // the ID the agent asked for, when admit gave it another (checkIdentity)
 	Identifiers string
-	Held        []string // server IDs the agent already holds a connection to
+	Connected   []string // server IDs the agent is already connected to
 	Token       string   // bearer token, if any; never logged
 	CanPause    bool     // it named featurePause
 }
@@ -106,8 +106,8 @@ func WriteHello(w io.Writer, host string, h AgentHello) error {
 	if h.Identifiers != "" {
 		fmt.Fprintf(&b, "%s: %s\r\n", hdrIdentifiers, h.Identifiers)
 	}
-	if len(h.Held) > 0 {
-		fmt.Fprintf(&b, "%s: %s\r\n", HdrHeldServers, strings.Join(h.Held, ","))
+	if len(h.Connected) > 0 {
+		fmt.Fprintf(&b, "%s: %s\r\n", HdrConnectedServers, strings.Join(h.Connected, ","))
 	}
 	if h.CanPause {
 		fmt.Fprintf(&b, "%s: %s\r\n", hdrFeatures, featurePause)
@@ -140,8 +140,8 @@ func ReadHello(br *bufio.Reader) (AgentHello, error) {
 		return h, StatusErrorf(http.StatusBadRequest, "agent %v", err)
 	}
 	h.Identifiers = req.Header.Get(hdrIdentifiers)
-	if held := req.Header.Get(HdrHeldServers); held != "" {
-		h.Held = strings.Split(held, ",")
+	if ids := req.Header.Get(HdrConnectedServers); ids != "" {
+		h.Connected = strings.Split(ids, ",")
 	}
 	for _, f := range strings.Split(req.Header.Get(hdrFeatures), ",") {
 		h.CanPause = h.CanPause || strings.TrimSpace(f) == featurePause
@@ -214,8 +214,8 @@ const (
 )
 
 // OurHello is this agent's hello: it names every feature this package has.
-func OurHello(id, identifiers string, held []string) AgentHello {
-	return AgentHello{ID: id, Identifiers: identifiers, Held: held, CanPause: true}
+func OurHello(id, identifiers string, connected []string) AgentHello {
+	return AgentHello{ID: id, Identifiers: identifiers, Connected: connected, CanPause: true}
 }
 
 // ResumeWindow is how long a paused destination connection waits for its
