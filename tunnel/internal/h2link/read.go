@@ -264,12 +264,45 @@ func (l *Conn) onRSTStream(f *http2.RSTStreamFrame) error {
 	return nil
 }
 
-// refillAt is how much connection credit is returned at once: 1/16 of the
-// window. The window follows the link, so a finer share would send a
-// WINDOW_UPDATE (a system call of the receiver's, a read of the sender's)
-// for nearly every DATA frame of a fast link; a sixteenth held back is
-// what the window's doubling makes up for.
-func refillAt(target int32) int64 { return max(int64(target)/16, 1) }
+// Connection credit goes back in two ways. Each WINDOW_UPDATE of a
+// stream carries the connection's credit pending then (streamCredit), in
+// the same write, so a link whose streams are read as they arrive sends
+// no update of its own for the connection. Alone, it goes back once a
+// quarter of the window is pending (refillAt): the connection window
+// bounds the bytes in flight (bdp.go), and a quarter held back is what
+// the window's doubling makes up for; a finer share costs a system call
+// at each end for every few DATA frames of a fast link.
+func refillAt(target int32) int64 { return max(int64(target)/4, 1) }
+
+// takeConnCreditLocked takes the pending connection credit to return, if
+// it is at least least; the caller holds mu and sends the WINDOW_UPDATE.
+func (l *Conn) takeConnCreditLocked(least int64) int64 {
+	n := l.recvUnacked
+	if n <= 0 || n < least {
+		return 0
+	}
+	l.recvUnacked = 0
+	l.recvWindow.add(n)
+	return n
+}
+
+// streamCredit is the control frame returning n bytes of a stream's
+// credit, and with it the connection's credit pending when it is written
+// (it runs under wmu, which comes before mu).
+func (l *Conn) streamCredit(id, n uint32) func(*http2.Framer) error {
+	return func(fr *http2.Framer) error {
+		if err := fr.WriteWindowUpdate(id, n); err != nil {
+			return err
+		}
+		l.mu.Lock()
+		c := l.takeConnCreditLocked(1)
+		l.mu.Unlock()
+		if c == 0 {
+			return nil
+		}
+		return fr.WriteWindowUpdate(0, uint32(c))
+	}
+}
 
 func (l *Conn) onData(f *http2.DataFrame) error {
 	id := f.StreamID
@@ -285,13 +318,7 @@ func (l *Conn) onData(f *http2.DataFrame) error {
 	// window at recvTarget (bdp.go).
 	measure := l.bdpDataLocked(n, time.Now())
 	l.recvUnacked += n
-	refill := l.recvUnacked
-	if refill >= refillAt(l.recvTarget) {
-		l.recvUnacked = 0
-		l.recvWindow.add(refill)
-	} else {
-		refill = 0
-	}
+	refill := l.takeConnCreditLocked(refillAt(l.recvTarget))
 	st := l.streams[id]
 	var state streamState
 	if st != nil {

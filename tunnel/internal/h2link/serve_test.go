@@ -589,20 +589,23 @@ func TestServeHoldAndNotify(t *testing.T) {
 	}
 }
 
-// Connection credit goes back in sixteenths of the window the serving end
-// wants its peer to have, not a WINDOW_UPDATE per DATA frame: a window
-// that follows the link is megabytes on a fast one, and each update is a
-// system call at each end.
-func TestConnCreditGoesBackInSixteenths(t *testing.T) {
+// TestConnCreditRidesWithStreamCredit: a stream's WINDOW_UPDATE carries
+// the connection's credit pending then, and the connection sends no
+// update of its own for less than a quarter of its window: 160 KiB read
+// on a 512 KiB stream window (an update per 128 KiB) and a 1 MiB
+// connection window (alone per 256 KiB) bring one stream update with the
+// connection's credit beside it, and none alone.
+func TestConnCreditRidesWithStreamCredit(t *testing.T) {
 	checkNoLeaks(t)
 	drain := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
+		w.WriteHeader(200)
 	})
-	l, c := servingPair(t, Config{}, drain)
+	l, c := servingPair(t, Config{StreamWindow: 512 << 10}, drain)
 	l.mu.Lock()
 	target := int64(l.recvTarget)
 	l.mu.Unlock()
-	const frame, frames = 16 << 10, 32 // 512 KiB, within the first windows
+	const frame, frames = 16 << 10, 10 // 160 KiB
 	c.until("the window's first raise", func(f http2.Frame) bool {
 		wu, ok := f.(*http2.WindowUpdateFrame)
 		return ok && wu.StreamID == 0
@@ -615,16 +618,33 @@ func TestConnCreditGoesBackInSixteenths(t *testing.T) {
 			}
 		}
 	}()
-	var updates, credit int64
-	c.until("the answer on stream 1", func(f http2.Frame) bool {
-		if wu, ok := f.(*http2.WindowUpdateFrame); ok && wu.StreamID == 0 {
-			updates++
+	var alone, riding, streamUpdates, credit, streamCredit int64
+	afterStream := false
+	c.until("the frame after stream 1's WINDOW_UPDATE", func(f http2.Frame) bool {
+		wu, ok := f.(*http2.WindowUpdateFrame)
+		switch {
+		case ok && wu.StreamID == 1:
+			streamUpdates++
+			streamCredit += int64(wu.Increment)
+		case ok && wu.StreamID == 0 && afterStream:
+			riding++
+			credit += int64(wu.Increment)
+		case ok && wu.StreamID == 0:
+			alone++
 			credit += int64(wu.Increment)
 		}
-		return f.Header().StreamID == 1 && f.Header().Type == http2.FrameHeaders
+		seen := afterStream
+		afterStream = ok && wu.StreamID == 1
+		return seen
 	})
-	if most := frame * frames / (target / 16); updates > most {
-		t.Errorf("%d connection WINDOW_UPDATEs (%d bytes of credit) for %d bytes sent, window %d: want at most %d, one per sixteenth", updates, credit, frame*frames, target, most)
+	t.Logf("stream updates %d; connection updates riding with them %d, alone %d; %d bytes of credit for %d sent, window %d", streamUpdates, riding, alone, credit, frame*frames, target)
+	if target != 1<<20 || streamUpdates != 1 {
+		t.Fatalf("window %d and %d stream updates: want 1 MiB and one (the test's premise)", target, streamUpdates)
 	}
-	t.Logf("%d connection WINDOW_UPDATEs, %d bytes of credit, window %d", updates, credit, target)
+	if alone > 0 || riding != 1 {
+		t.Errorf("%d connection WINDOW_UPDATEs alone, %d with the stream's: want none alone, one beside it", alone, riding)
+	}
+	if credit < streamCredit {
+		t.Errorf("%d bytes of connection credit back with %d of the stream's: want at least as much", credit, streamCredit)
+	}
 }

@@ -487,8 +487,7 @@ func (st *stream) refillRLocked() {
 	n := st.unacked
 	st.unacked = 0
 	st.recvWindow.add(n)
-	id := st.id
-	st.l.writeControl(func(fr *http2.Framer) error { return fr.WriteWindowUpdate(id, uint32(n)) })
+	st.l.writeControl(st.l.streamCredit(st.id, uint32(n)))
 }
 
 // endRecv records END_STREAM from the peer.
