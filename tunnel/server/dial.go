@@ -190,7 +190,7 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 		req.Header.Set(wire.HdrResumeToken, token)
 	}
 	req = req.WithContext(ctx)
-	a.streams.Add(1)
+	a.tunnels.Add(1)
 	s.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
 	resp, err := a.opener.roundTrip(req)
 	timer.Stop()
@@ -202,7 +202,7 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 			s.metrics.streamErrs.Inc(wire.SegToAgent, wire.StreamErrorCode(err), grpcwire.DialReq)
 		}
 		body.abandon()
-		a.streams.Add(-1)
+		a.tunnels.Add(-1)
 		cancel()
 		switch why.Load() {
 		case reasonDialTimeout:
@@ -217,7 +217,7 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
 		resp.Body.Close()
 		body.abandon()
-		a.streams.Add(-1)
+		a.tunnels.Add(-1)
 		cancel()
 		if token != "" && resp.Header.Get(wire.HdrAgentRestarting) != "" {
 			return fmt.Errorf("agent %s: %w", a.id, errAgentRestarting)

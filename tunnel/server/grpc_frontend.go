@@ -138,7 +138,7 @@ func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	c.calls.Add(1)
 	err := c.s.serveGRPCStream(c, w, r)
-	if err == errHeld {
+	if err == errLeftToWaiter {
 		return // the call's waiter ends it (waitGRPC)
 	}
 	c.callDone(err == errHandedOn, false)
@@ -281,9 +281,9 @@ var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 // its stream is left open for the link to move with it (handover.go).
 var errHandedOn = errors.New("tunnel handed to the next image")
 
-// errHeld: the call is carried on after its handler returns, and its
+// errLeftToWaiter: the call is carried on after its handler returns, and its
 // waiter ends it (waitGRPC); the handler leaves everything to it.
-var errHeld = errors.New("call held past its handler")
+var errLeftToWaiter = errors.New("call left to its waiter")
 
 // serveGRPCStream runs one /ProxyService/Proxy call on link l over the
 // frontend socket conn: DIAL_REQ, DIAL_RSP, then DATA both ways until
@@ -363,7 +363,7 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 	f.g.flush()
 	code, msg, err := s.proxyGRPC(t, req, buf)
 	switch err {
-	case errHeld:
+	case errLeftToWaiter:
 		held = true
 		return err
 	case errHandedOn:
@@ -522,7 +522,7 @@ func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 
 // carryGRPC carries an established call's tunnel until either side
 // closes, a drain ends it at a quiet moment, or it moves to the next
-// image. On our agents' links it returns errHeld once the tunnel is open:
+// image. On our agents' links it returns errLeftToWaiter once the tunnel is open:
 // the handler returns, and a waiter of its own, on a fresh goroutine
 // whose stack nothing grew, waits for the call's end (waitGRPC). The
 // handler's stack, which the dial grew, is then not held by an idle call.
@@ -562,7 +562,7 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 		return s.endGRPC(t, ev, err)
 	}
 	s.goroutine(func() { s.waitGRPC(t) })
-	return 0, "", errHeld
+	return 0, "", errLeftToWaiter
 }
 
 // grpcEvent is what ends a call (awaitGRPC).

@@ -128,7 +128,7 @@ func (h *handover) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 		if h.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
 		}
-		// errHeld: the call's waiter ends it (waitGRPC)
+		// errLeftToWaiter: the call's waiter ends it (waitGRPC)
 	}
 	h2conn := grpcLinkConn(conn)
 	l, err := h2link.ResumeServer(h2conn, s.grpcLinkConfig(conn, h2conn, 0), p.GRPC.Link, c, resumed)
@@ -177,7 +177,7 @@ func (h *handover) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Re
 	}
 	code, msg, err := s.carryGRPC(t)
 	switch err {
-	case errHeld:
+	case errLeftToWaiter:
 		held = true
 		return err
 	case errHandedOn:

@@ -79,7 +79,7 @@ func TestNodeStrategyRoutesToBoundAgent(t *testing.T) {
 		open = append(open, e.EchoOne(toA), e.EchoOne(toB))
 	}
 	for id, want := range map[string]int64{"node-a": 5, "node-b": 5, "free": 0} {
-		if got := findAgent(e, id).streams.Load(); got != want {
+		if got := findAgent(e, id).tunnels.Load(); got != want {
 			t.Errorf("agent %s carries %d tunnels, want %d", id, got, want)
 		}
 	}

@@ -65,7 +65,7 @@ type agentConn struct {
 	credKey     string             // its credential and address (credKey), counted against MaxAgentsPerCredential
 
 	// Atomic: any goroutine.
-	streams            atomic.Int64 // open tunnels
+	tunnels            atomic.Int64 // open tunnels
 	draining           atomic.Bool  // the agent announced a drain
 	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
 	doubted            atomic.Bool  // its token's last review was negative: it takes no new tunnel (identity.go, reviewLink)
@@ -135,7 +135,7 @@ func (a *agentConn) shutdown(ctx context.Context) {
 // usable reports whether a takes a new tunnel now. It takes no lock for
 // our agents, so a dial may ask it of many agents.
 func (a *agentConn) usable(maxStreams int64) bool {
-	return a.streams.Load() < maxStreams && !a.doubted.Load() && a.opener.takesNew()
+	return a.tunnels.Load() < maxStreams && !a.doubted.Load() && a.opener.takesNew()
 }
 
 // registry holds the connected agents and the index a dial chooses from:

@@ -93,8 +93,8 @@ func TestPickIndexCases(t *testing.T) {
 		{name: "ipv6 cidr", d: dest{host: "fd00::9"}, sts: all, want: one(wide), wantSt: StrategyDestHost},
 		{name: "no match falls to node", d: dest{host: "192.168.0.1", node: "n2"}, sts: all, want: one(narrow), wantSt: StrategyNode},
 		{name: "then defaultRoute", d: dest{host: "192.168.0.1"}, sts: all, want: one(narrow), wantSt: StrategyDefaultRoute},
-		{name: "full agent skipped", setup: func() { exact.streams.Store(maxStreams) }, d: dest{host: "10.0.0.5"}, sts: all, want: map[*agentConn]bool{wide: true, narrow: true}, wantSt: StrategyDestHost},
-		{name: "draining exact loses to live cidr", setup: func() { exact.streams.Store(0); exact.draining.Store(true) }, d: dest{host: "10.0.0.5"}, sts: all, want: map[*agentConn]bool{wide: true, narrow: true}, wantSt: StrategyDestHost},
+		{name: "full agent skipped", setup: func() { exact.tunnels.Store(maxStreams) }, d: dest{host: "10.0.0.5"}, sts: all, want: map[*agentConn]bool{wide: true, narrow: true}, wantSt: StrategyDestHost},
+		{name: "draining exact loses to live cidr", setup: func() { exact.tunnels.Store(0); exact.draining.Store(true) }, d: dest{host: "10.0.0.5"}, sts: all, want: map[*agentConn]bool{wide: true, narrow: true}, wantSt: StrategyDestHost},
 		{name: "draining exact beats draining cidr", setup: func() { wide.draining.Store(true); narrow.draining.Store(true) }, d: dest{host: "10.0.0.5"}, sts: all, want: one(exact), wantSt: StrategyDestHost},
 		{name: "default prefers live", d: dest{host: "x"}, sts: []Strategy{StrategyDefault}, want: one(plain), wantSt: StrategyDefault},
 		{name: "removed agent gone", setup: func() { r.remove(plain) }, d: dest{host: "x"}, sts: []Strategy{StrategyDefault}, want: map[*agentConn]bool{exact: true, wide: true, narrow: true}, wantSt: StrategyDefault},
@@ -168,7 +168,7 @@ func TestPickIndexMatchesScan(t *testing.T) {
 		case k < 6:
 			live[rng.IntN(len(live))].draining.Store(rng.IntN(2) == 0)
 		case k < 7:
-			live[rng.IntN(len(live))].streams.Store(int64(rng.IntN(2)))
+			live[rng.IntN(len(live))].tunnels.Store(int64(rng.IntN(2)))
 		default:
 			d := dest{host: hosts[rng.IntN(len(hosts))], node: fmt.Sprintf("n%d", rng.IntN(6))}
 			sts := strategies[rng.IntN(len(strategies))]

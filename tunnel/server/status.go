@@ -55,7 +55,7 @@ func (s *Server) Status() Status {
 			Node:           a.node,
 			Remote:         a.remote,
 			Since:          a.since,
-			OpenStreams:    a.streams.Load(),
+			OpenStreams:    a.tunnels.Load(),
 			BytesToAgent:   a.bytesTo.Load(),
 			BytesFromAgent: a.bytesFrom.Load(),
 			Draining:       a.draining.Load(),

@@ -275,7 +275,7 @@ func (t *tunnel) endStream() {
 	t.endOnce.Do(func() {
 		t.body.Close()
 		t.cancel()
-		t.agent.streams.Add(-1)
+		t.agent.tunnels.Add(-1)
 		t.s.metrics.established.Add(-1)
 		t.s.metrics.connDuration.ObserveDuration(time.Since(t.since))
 	})
