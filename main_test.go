@@ -176,10 +176,17 @@ func TestServerAndAgentCommands(t *testing.T) {
 	wg.Add(1)
 	go func() { defer wg.Done(); errs <- so.run(ctx, log) }()
 	health := "http://127.0.0.1:" + healthPort + "/readyz"
-	waitFor(t, func() bool { return httpStatus(health) == http.StatusServiceUnavailable })
+	// The health port may answer before the front door's socket exists.
+	waitFor(t, func() bool {
+		_, err := os.Stat(uds)
+		return err == nil && httpStatus(health) == http.StatusServiceUnavailable
+	})
 	fi, err := os.Stat(uds)
-	if err != nil || fi.Mode().Perm() != 0o660 {
-		t.Fatalf("socket: %v mode %v, want 0660", err, fi.Mode().Perm())
+	if err != nil {
+		t.Fatalf("socket: %v", err)
+	}
+	if fi.Mode().Perm() != 0o660 {
+		t.Fatalf("socket mode %v, want 0660", fi.Mode().Perm())
 	}
 	agentCtx, stopAgent := context.WithCancel(ctx)
 	wg.Add(1)
