@@ -191,8 +191,11 @@ func TestFaultOneCredentialManyLogins(t *testing.T) {
 			}
 			t.Logf("while they hold their connections: /healthz and %d of 50 front-door dials served", served)
 			if tc.extra == nil {
-				if len(held) > 31 {
-					t.Errorf("%d logins admitted with one certificate from one address, bound 32 (the good agent holds one)", len(held))
+				// What the server holds is the bound; a login that raced
+				// others past the early check may see its 101 and then its
+				// connection closed, refused at registration.
+				if n := s.agentCount(); n > 32 {
+					t.Errorf("the server holds %d agents (%d logins answered 101) with one certificate from one address, bound 32 (the good agent holds one)", n, len(held))
 				}
 				if !strings.Contains(bodies[http.StatusTooManyRequests], "max-agent-connections-per-credential") {
 					t.Errorf("the refusal does not name the bound: %v", bodies)

@@ -638,7 +638,7 @@ func (s *Server) admit(ctx context.Context, h *wire.AgentHello, tlsState tls.Con
 	}
 	if held, ok := s.agents.credRoom(credKey(p, remote), h.ID, s.cfg.MaxAgentsPerCredential); !ok {
 		s.metrics.agentsRefusedCred.Inc()
-		return Principal{}, wire.Identifiers{}, wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
+		return Principal{}, wire.Identifiers{}, credBoundError(held, remote)
 	}
 	return p, ids, nil
 }
@@ -745,9 +745,10 @@ func (s *Server) controlLine(a *agentConn, line string, cutIn *time.Duration) {
 // half-dead: the old one is drained (its tunnels may finish, new dials go
 // to the new one) within the keepalive and PING timeouts. It returns an
 // error, registering nothing, when another credential took the ID during
-// the login (errIDTaken) or the server began shutting down meanwhile
-// (errAgentLate); the caller then ends the credential watch and the
-// connection.
+// the login (errIDTaken), logins racing with it took the last room its
+// credential has (errCredBound), or the server began shutting down
+// meanwhile (errAgentLate); the caller then ends the credential watch and
+// the connection.
 //
 // The shutting check and the claim are one step under Server.mu: Shutdown
 // and Close set shutting under it and then find the agents to close in
@@ -756,7 +757,16 @@ func (s *Server) controlLine(a *agentConn, line string, cutIn *time.Duration) {
 var (
 	errIDTaken   = errors.New("its ID was taken by another credential during the login")
 	errAgentLate = errors.New("the server began shutting down during the login")
+	errCredBound = errors.New("the credential holds as many agent connections from its address as --max-agent-connections-per-credential allows")
 )
+
+// credBoundError refuses a login over MaxAgentsPerCredential (429). The
+// login checks the bound early, before the link is set up; the claim
+// checks it again under the registry's lock, so that logins racing past
+// the early check cannot add up to more than the bound.
+func credBoundError(held int, remote string) *wire.StatusError {
+	return wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
+}
 
 func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionState) error {
 	s.watchCredential(a, token, tlsState)
@@ -765,10 +775,13 @@ func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionSta
 		s.mu.Unlock()
 		return errAgentLate
 	}
-	old, ok := s.agents.claim(a)
+	old, err := s.agents.claim(a, s.cfg.MaxAgentsPerCredential)
 	s.mu.Unlock()
-	if !ok {
-		return errIDTaken
+	if err != nil {
+		if err == errCredBound {
+			s.metrics.agentsRefusedCred.Inc()
+		}
+		return err
 	}
 	if old != nil {
 		old.draining.Store(true)

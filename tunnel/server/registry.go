@@ -173,11 +173,16 @@ func credKey(p Principal, remote string) string { return p.Credential + "@" + ho
 // (0: no bound); a login that replaces the connection of its ID with the
 // same key takes no more room.
 func (r *registry) credRoom(key, id string, max int) (held int, ok bool) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return r.credRoomLocked(key, id, max)
+}
+
+// credRoomLocked is credRoom under r.mu, held by the caller.
+func (r *registry) credRoomLocked(key, id string, max int) (held int, ok bool) {
 	if max <= 0 {
 		return 0, true
 	}
-	r.mu.RLock()
-	defer r.mu.RUnlock()
 	held = r.perCred[key]
 	if old := r.agents[id]; old != nil && old.credKey == key {
 		held--
@@ -189,6 +194,11 @@ func (r *registry) credRoom(key, id string, max int) (held int, ok bool) {
 func (r *registry) add(a *agentConn) (replaced *agentConn) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return r.addLocked(a)
+}
+
+// addLocked is add under r.mu, held by the caller.
+func (r *registry) addLocked(a *agentConn) (replaced *agentConn) {
 	replaced = r.agents[a.id]
 	if replaced != nil {
 		r.idx.remove(replaced)
@@ -342,16 +352,20 @@ func (r *registry) heldByOther(id, cred string) bool {
 }
 
 // claim registers a like add, unless its ID was taken meanwhile by a
-// connection with another credential: then it returns ok false and
-// registers nothing.
-func (r *registry) claim(a *agentConn) (replaced *agentConn, ok bool) {
+// connection with another credential (errIDTaken) or its credential holds
+// maxPerCred connections from its address already (errCredBound): the
+// bound is checked and taken in one step, so logins that passed the early
+// check together (credRoom) cannot add up to more.
+func (r *registry) claim(a *agentConn, maxPerCred int) (replaced *agentConn, err error) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	if old := r.agents[a.id]; old != nil && old.principal.Credential != a.principal.Credential {
-		r.mu.Unlock()
-		return nil, false
+		return nil, errIDTaken
 	}
-	r.mu.Unlock()
-	return r.add(a), true
+	if _, ok := r.credRoomLocked(a.credKey, a.id, maxPerCred); !ok {
+		return nil, errCredBound
+	}
+	return r.addLocked(a), nil
 }
 
 // countFor counts agents a dial could use under one strategy.
