@@ -190,14 +190,8 @@ func (r *registry) credRoomLocked(key, id string, max int) (held int, ok bool) {
 	return held, held < max
 }
 
-// add registers a, returning the connection it replaces (same agent ID), if any.
-func (r *registry) add(a *agentConn) (replaced *agentConn) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.addLocked(a)
-}
-
-// addLocked is add under r.mu, held by the caller.
+// addLocked registers a, returning the connection it replaces (same
+// agent ID), if any; the caller holds r.mu.
 func (r *registry) addLocked(a *agentConn) (replaced *agentConn) {
 	replaced = r.agents[a.id]
 	if replaced != nil {

@@ -73,7 +73,7 @@ func TestPickIndexCases(t *testing.T) {
 	narrow := indexedAgent("narrow", "cidr=10.0.0.0/24&default-route=true", "n2")
 	plain := indexedAgent("plain", "", "")
 	for _, a := range []*agentConn{exact, wide, narrow, plain} {
-		r.add(a)
+		addAgent(r, a)
 	}
 	one := func(a *agentConn) map[*agentConn]bool { return map[*agentConn]bool{a: true} }
 	all := []Strategy{StrategyDestHost, StrategyNode, StrategyDefaultRoute, StrategyDefault}
@@ -98,7 +98,7 @@ func TestPickIndexCases(t *testing.T) {
 		{name: "draining exact beats draining cidr", setup: func() { wide.draining.Store(true); narrow.draining.Store(true) }, d: dest{host: "10.0.0.5"}, sts: all, want: one(exact), wantSt: StrategyDestHost},
 		{name: "default prefers live", d: dest{host: "x"}, sts: []Strategy{StrategyDefault}, want: one(plain), wantSt: StrategyDefault},
 		{name: "removed agent gone", setup: func() { r.remove(plain) }, d: dest{host: "x"}, sts: []Strategy{StrategyDefault}, want: map[*agentConn]bool{exact: true, wide: true, narrow: true}, wantSt: StrategyDefault},
-		{name: "replaced agent's identifiers gone", setup: func() { r.add(indexedAgent("exact", "host=other", "")) }, d: dest{host: "10.0.0.5"}, sts: []Strategy{StrategyDestHost}, want: map[*agentConn]bool{wide: true, narrow: true}, wantSt: StrategyDestHost},
+		{name: "replaced agent's identifiers gone", setup: func() { addAgent(r, indexedAgent("exact", "host=other", "")) }, d: dest{host: "10.0.0.5"}, sts: []Strategy{StrategyDestHost}, want: map[*agentConn]bool{wide: true, narrow: true}, wantSt: StrategyDestHost},
 		{name: "none", d: dest{host: "node1.example"}, sts: []Strategy{StrategyDestHost, StrategyNode}, want: nil},
 	}
 	for _, tc := range cases {
@@ -152,7 +152,7 @@ func TestPickIndexMatchesScan(t *testing.T) {
 		switch k := rng.IntN(10); {
 		case k < 4 || len(live) == 0:
 			a := indexedAgent(fmt.Sprintf("agent-%d", rng.IntN(60)), idsOf(), fmt.Sprintf("n%d", rng.IntN(5)))
-			if old := r.add(a); old != nil {
+			if old := addAgent(r, a); old != nil {
 				for i, b := range live {
 					if b == old {
 						live = append(live[:i], live[i+1:]...)
@@ -193,7 +193,7 @@ func TestPickIndexEmptiesOnRemove(t *testing.T) {
 	var agents []*agentConn
 	for i := range 50 {
 		a := indexedAgent(fmt.Sprintf("a%d", i), fmt.Sprintf("host=h%d&ipv4=10.0.0.%d&cidr=10.%d.0.0/16&default-route=true", i, i, i), fmt.Sprintf("n%d", i))
-		r.add(a)
+		addAgent(r, a)
 		agents = append(agents, a)
 	}
 	for _, a := range agents {
@@ -217,7 +217,7 @@ func BenchmarkPick(b *testing.B) {
 		r := newRegistry()
 		for i := range n {
 			addr := netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)})
-			r.add(indexedAgent(fmt.Sprintf("agent-%d", i), fmt.Sprintf("host=node-%d&ipv4=%s&cidr=%s/32", i, addr, addr), fmt.Sprintf("node-%d", i)))
+			addAgent(r, indexedAgent(fmt.Sprintf("agent-%d", i), fmt.Sprintf("host=node-%d&ipv4=%s&cidr=%s/32", i, addr, addr), fmt.Sprintf("node-%d", i)))
 		}
 		for _, bc := range []struct {
 			name string
@@ -264,13 +264,13 @@ func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
 	for i := range 100 {
 		b := indexedAgent(fmt.Sprintf("b%d", i), "", "")
 		b.canPause = true
-		r.add(b)
+		addAgent(r, b)
 	}
 	if closed(ch) {
 		t.Fatal("other agents joining woke the waiter for a")
 	}
 	ag := indexedAgent("a", "", "")
-	r.add(ag) // cannot take a tunnel back: its waiter looks, and waits on
+	addAgent(r, ag) // cannot take a tunnel back: its waiter looks, and waits on
 	if !closed(ch) {
 		t.Fatal("agent a joining did not wake its waiter")
 	}
@@ -280,7 +280,7 @@ func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
 	}
 	ag2 := indexedAgent("a", "", "")
 	ag2.canPause = true
-	r.add(ag2)
+	addAgent(r, ag2)
 	if !closed(ch3) {
 		t.Fatal("agent a joining again did not wake its waiter")
 	}
@@ -295,4 +295,11 @@ func TestArrivalWakesOnlyItsWaiters(t *testing.T) {
 	if len(r.arrivals) != 0 {
 		t.Fatalf("%d channels left after every waiter was woken", len(r.arrivals))
 	}
+}
+
+// addAgent registers a as a login's claim does, with no bound.
+func addAgent(r *registry, a *agentConn) *agentConn {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.addLocked(a)
 }
