@@ -306,7 +306,8 @@ func TestAgentPortRapidResetLogins(t *testing.T) {
 				return
 			case <-time.After(100 * time.Millisecond):
 			}
-			if n, err := goroutinesOf(s.adminPort); err == nil {
+			if g, err := goroutines(s.adminPort); err == nil {
+				n := int64(g.total)
 				for p := peakG.Load(); n > p && !peakG.CompareAndSwap(p, n); p = peakG.Load() {
 				}
 			}
@@ -318,10 +319,14 @@ func TestAgentPortRapidResetLogins(t *testing.T) {
 	attack := time.Since(start)
 	ended := time.Now()
 	var rest time.Duration = -1
+	var last goroutineCount
 	for time.Since(ended) < 30*time.Second {
-		if n, err := goroutinesOf(s.adminPort); err == nil && n <= int64(base.goroutines)+2 {
-			rest = time.Since(ended)
-			break
+		if g, err := goroutines(s.adminPort); err == nil {
+			last = g
+			if g.ours() <= base.goroutines+2 && g.conns <= maxPooledConns {
+				rest = time.Since(ended)
+				break
+			}
 		}
 		time.Sleep(pollInterval)
 	}
@@ -329,13 +334,14 @@ func TestAgentPortRapidResetLogins(t *testing.T) {
 	if rest >= 0 {
 		restText = rest.Round(time.Millisecond).String()
 	}
-	t.Logf("%d HEADERS+RST pairs over %d connections in %s: %d TokenReviews at the apiserver (%d at once, %d cancelled by the peer's reset); server goroutines %d at rest, peak %d (0: the profile did not answer), back at rest after the attack: %s; good agent joined and served 5 requests in %s; unavailable=%v refused-at-limit=%v",
+	t.Logf("%d HEADERS+RST pairs over %d connections in %s: %d TokenReviews at the apiserver (%d at once, %d cancelled by the peer's reset); server goroutines %d at rest, peak %d (0: the profile did not answer), back at rest after the attack: %s (%s); good agent joined and served 5 requests in %s; unavailable=%v refused-at-limit=%v",
 		sent.Load(), conns.Load(), attack.Round(time.Millisecond), m.calls.Load(), m.peak.Load(), m.cancelled.Load(), base.goroutines, peakG.Load(),
-		restText, took.Round(time.Millisecond),
+		restText, last, took.Round(time.Millisecond),
 		metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_agent_authentication_unavailable_total"),
 		metricValue(t, s.healthURL("/metrics"), "konnectivity_network_proxy_server_unadmitted_agent_connections_closed_total", "reason", "limit"))
 	if rest < 0 {
-		t.Errorf("server goroutines not back at rest (%d) 30 s after the attack", base.goroutines)
+		_, stacks, _ := fetch(fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/goroutine?debug=1", s.adminPort))
+		t.Errorf("server not back at rest (%d goroutines of ours, at most %d pooled connections to the apiserver) 30 s after the attack: %s; its goroutines:\n%s", base.goroutines, maxPooledConns, last, stacks)
 	}
 	if c := m.calls.Load(); c > conns.Load() {
 		t.Errorf("%d TokenReviews for %d connections: more than one per connection", c, conns.Load())
@@ -422,17 +428,6 @@ func rssKiB(pid int) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no VmRSS for %d", pid)
-}
-
-// goroutinesOf reads the total from the admin port's goroutine profile,
-// for goroutines other than the test's.
-func goroutinesOf(adminPort int) (int64, error) {
-	_, body, err := fetch(fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/goroutine?debug=1", adminPort))
-	if err != nil {
-		return 0, err
-	}
-	line, _, _ := strings.Cut(body, "\n")
-	return strconv.ParseInt(strings.TrimPrefix(line, "goroutine profile: total "), 10, 64)
 }
 
 // TestAgentPortAdmittedKeepsConnection: the header timeout bounds only

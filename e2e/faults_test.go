@@ -56,18 +56,13 @@ func faultConnect(sock, addr string, bound time.Duration) (net.Conn, *bufio.Read
 }
 
 // faultGoroutines reads the total from /debug/pprof/goroutine?debug=1.
-func faultGoroutines(t *testing.T, adminPort int) int {
+func faultGoroutines(t *testing.T, adminPort int) goroutineCount {
 	t.Helper()
-	_, body, err := fetch(fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/goroutine?debug=1", adminPort))
+	g, err := goroutines(adminPort)
 	if err != nil {
 		t.Fatalf("goroutine profile: %v", err)
 	}
-	line, _, _ := strings.Cut(body, "\n")
-	n, err := strconv.Atoi(strings.TrimPrefix(line, "goroutine profile: total "))
-	if err != nil {
-		t.Fatalf("goroutine profile first line %q", line)
-	}
-	return n
+	return g
 }
 
 func faultFDCount(t *testing.T, pid int) int {
@@ -97,14 +92,15 @@ func faultRSSKiB(t *testing.T, pid int) int {
 
 // faultBaseline is a process's goroutines and open files at rest.
 type faultBaseline struct {
-	name              string
-	pid, admin        int
-	goroutines, files int
+	name       string
+	pid, admin int
+	goroutines int // ours (goroutineCount.ours)
+	files      int
 }
 
 func takeFaultBaseline(t *testing.T, name string, pid, admin int) faultBaseline {
 	t.Helper()
-	return faultBaseline{name: name, pid: pid, admin: admin, goroutines: faultGoroutines(t, admin), files: faultFDCount(t, pid)}
+	return faultBaseline{name: name, pid: pid, admin: admin, goroutines: faultGoroutines(t, admin).ours(), files: faultFDCount(t, pid)}
 }
 
 // backNear waits until the process is back within slack goroutines and
@@ -114,12 +110,13 @@ func (b faultBaseline) backNear(t *testing.T, slackG, slackF int) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		g, f := faultGoroutines(t, b.admin), faultFDCount(t, b.pid)
-		if g <= b.goroutines+slackG && f <= b.files+slackF {
-			t.Logf("%s back at rest: goroutines %d (faultBaseline %d), open files %d (faultBaseline %d)", b.name, g, b.goroutines, f, b.files)
+		// A pooled connection is a socket too.
+		if g.ours() <= b.goroutines+slackG && g.conns <= maxPooledConns && f-g.conns <= b.files+slackF {
+			t.Logf("%s back at rest: %s, ours %d (faultBaseline %d), open files %d (faultBaseline %d)", b.name, g, g.ours(), b.goroutines, f, b.files)
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Errorf("%s not back at rest after 10s: goroutines %d (faultBaseline %d), open files %d (faultBaseline %d)", b.name, g, b.goroutines, f, b.files)
+			t.Errorf("%s not back at rest after 10s: %s, ours %d (faultBaseline %d), open files %d (faultBaseline %d)", b.name, g, g.ours(), b.goroutines, f, b.files)
 			return
 		}
 		time.Sleep(100 * time.Millisecond)

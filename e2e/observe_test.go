@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"net/http"
@@ -136,23 +135,71 @@ func waitMetric(t *testing.T, url string, want float64, name string, labels ...s
 	})
 }
 
-// goroutines reads "goroutine profile: total N" from a pprof endpoint
-// (--enable-profiling on the admin port).
-func goroutines(adminPort int) (int, error) {
+// goroutineCount is a process's goroutines, read from its goroutine
+// profile (--enable-profiling on the admin port), with those of its HTTP
+// client's pooled connections (to the kube-apiserver) counted apart: a
+// TokenReview cancelled while its connection was being dialled leaves that
+// connection in the pool until the idle timeout (net/http's rule, bounded
+// by the transport's MaxIdleConnsPerHost), so a test that a process is back
+// at rest compares ours and bounds conns.
+type goroutineCount struct {
+	total int // every goroutine
+	pool  int // goroutines of pooled HTTP client connections
+	conns int // pooled HTTP client connections
+}
+
+// ours is every goroutine but the HTTP client pool's.
+func (g goroutineCount) ours() int { return g.total - g.pool }
+
+func (g goroutineCount) String() string {
+	return fmt.Sprintf("%d goroutines (%d of them %d pooled HTTP client connections)", g.total, g.pool, g.conns)
+}
+
+// maxPooledConns is auth's transport's MaxIdleConnsPerHost: the HTTP client
+// connections a process at rest may keep to the kube-apiserver.
+const maxPooledConns = 4
+
+// goroutines reads adminPort's goroutine profile (debug=1: records of
+// "N @ pcs" followed by "#\tpc\tfunction+off\tfile:line" frames).
+func goroutines(adminPort int) (goroutineCount, error) {
 	resp, err := noKeepAlive.Get(fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/goroutine?debug=1", adminPort))
 	if err != nil {
-		return 0, err
+		return goroutineCount{}, err
 	}
 	defer resp.Body.Close()
-	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
 	if err != nil {
-		return 0, fmt.Errorf("goroutine profile: %w", err)
+		return goroutineCount{}, fmt.Errorf("goroutine profile: %w", err)
 	}
-	rest, ok := strings.CutPrefix(strings.TrimSpace(line), "goroutine profile: total ")
+	first, rest, _ := strings.Cut(string(body), "\n")
+	total, ok := strings.CutPrefix(strings.TrimSpace(first), "goroutine profile: total ")
 	if !ok {
-		return 0, fmt.Errorf("goroutine profile: first line %q", line)
+		return goroutineCount{}, fmt.Errorf("goroutine profile: first line %q", first)
 	}
-	return strconv.Atoi(rest)
+	var g goroutineCount
+	if g.total, err = strconv.Atoi(total); err != nil {
+		return goroutineCount{}, fmt.Errorf("goroutine profile: first line %q", first)
+	}
+	for _, rec := range strings.Split(rest, "\n\n") {
+		head, frames, _ := strings.Cut(strings.TrimSpace(rec), "\n")
+		countText, _, ok := strings.Cut(head, " @ ")
+		if !ok {
+			continue
+		}
+		n, err := strconv.Atoi(countText)
+		if err != nil {
+			return goroutineCount{}, fmt.Errorf("goroutine profile: record %q", head)
+		}
+		switch {
+		case strings.Contains(frames, "net/http.(*persistConn).readLoop"),
+			strings.Contains(frames, "net/http.(*http2clientConnReadLoop).run"):
+			g.pool += n
+			g.conns += n
+		case strings.Contains(frames, "net/http.(*persistConn).writeLoop"):
+			g.pool += n
+		}
+	}
+	return g, nil
 }
 
 // fdCount is the number of open descriptors of pid.

@@ -165,10 +165,11 @@ func TestSelfRestartSIGHUP(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g0, err := goroutines(s.adminPort)
+	gc0, err := goroutines(s.adminPort)
 	if err != nil {
 		t.Fatal(err)
 	}
+	g0 := gc0.ours()
 	t.Logf("baseline: pid %d, socket inode %d, %d fds, %d goroutines", pid, ino, fd0, g0)
 
 	const workers, hups = 4, 5
@@ -205,8 +206,9 @@ func TestSelfRestartSIGHUP(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		fd1, _ = fdCount(pid)
-		g1, _ = goroutines(s.adminPort)
-		if fd1 <= fd0+2 && g1 <= g0+5 && g1 > 0 {
+		gc1, _ := goroutines(s.adminPort)
+		g1 = gc1.ours()
+		if fd1 <= fd0+2 && g1 <= g0+5 && gc1.total > 0 && gc1.conns <= maxPooledConns {
 			break
 		}
 		if time.Now().After(deadline) {
