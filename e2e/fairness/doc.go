@@ -13,8 +13,9 @@
 // HTTPS_PROXY, which holds every byte for a fixed time each way and limits
 // nothing else.
 //
-// For each row a probe tunnel times 64-byte echo round trips every 10 ms,
-// alone and then beside N bulk tunnels that download from the source at
+// For each row a probe tunnel sends a 64-byte echo every 10 ms, without
+// waiting for the ones on their way, and times each round trip, alone and
+// then beside N bulk tunnels that download from the source at
 // full speed; the table gives the bulk tunnels' rate and the probe's p50
 // and p99 beside them. Figures are printed, never asserted; the exit
 // status counts correctness failures (a process that would not start, a

@@ -43,3 +43,45 @@ func TestRelayHoldsEveryByte(t *testing.T) {
 	}
 	<-done
 }
+
+// TestProbeKeepsItsPaceOnALongLink: probes go every probeGap whatever the
+// round trip, so a link held 30 ms each way still gives about one sample
+// per gap, each at least the round trip; and a wrong echo is an error.
+func TestProbeKeepsItsPaceOnALongLink(t *testing.T) {
+	client, far := net.Pipe()
+	t.Cleanup(func() { client.Close(); far.Close() })
+	const hold = 30 * time.Millisecond
+	go delayCopy(far, far, hold) // an echo that holds every byte
+	const d = 400 * time.Millisecond
+	rtts, err := probeFor(t.Context(), client, d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, least := len(rtts), int(d/probeGap)*3/4; n < least {
+		t.Errorf("%d probes in %v, want at least %d: the probe waited for each echo", n, d, least)
+	}
+	for i, rtt := range rtts {
+		if rtt < hold {
+			t.Fatalf("probe %d timed %v, below the %v hold", i, rtt, hold)
+		}
+	}
+
+	// An echo that changes a byte.
+	bad, badFar := net.Pipe()
+	t.Cleanup(func() { bad.Close(); badFar.Close() })
+	go func() {
+		buf := make([]byte, 64)
+		for {
+			if _, err := io.ReadFull(badFar, buf); err != nil {
+				return
+			}
+			buf[10]++
+			if _, err := badFar.Write(buf); err != nil {
+				return
+			}
+		}
+	}()
+	if _, err := probeFor(t.Context(), bad, 50*time.Millisecond); err == nil {
+		t.Error("an echo that came back different was not an error")
+	}
+}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -338,27 +339,80 @@ func probeOnce(c net.Conn, buf []byte) (time.Duration, error) {
 	return d, nil
 }
 
-// probeFor times a round trip every 10 ms for d.
+// probeGap is the time between two probes.
+const probeGap = 10 * time.Millisecond
+
+// probeFor sends a 64-byte probe every probeGap for d, without waiting for
+// the ones on their way (on a link whose round trip is longer than the gap
+// several are), and times each one's echo: a long link gives as many
+// samples as a short one, so that a p99 is a percentile there too, not
+// the worst of a few. Each probe carries its sequence number, so an echo
+// out of order or changed is an error.
 func probeFor(ctx context.Context, c net.Conn, d time.Duration) ([]time.Duration, error) {
-	buf := make([]byte, 64)
-	var rtts []time.Duration
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	end := time.Now().Add(d)
-	for i := 0; time.Now().Before(end); i++ {
-		buf[0] = byte(i)
-		rtt, err := probeOnce(c, buf)
-		if err != nil {
-			return rtts, err
+	c.SetDeadline(time.Now().Add(d + 10*time.Second))
+	defer c.SetDeadline(time.Time{})
+	type sent struct {
+		seq uint64
+		at  time.Time
+	}
+	// Buffered for every probe of the run: the sender never waits on the
+	// reader, whose pace is the link's.
+	queued := make(chan sent, int(d/probeGap)+2)
+	stop := make(chan struct{})
+	sendErr := make(chan error, 1)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer close(queued)
+		tick := time.NewTicker(probeGap)
+		defer tick.Stop()
+		buf := make([]byte, 64)
+		for seq, end := uint64(0), time.Now().Add(d); time.Now().Before(end); seq++ {
+			probeBytes(buf, seq)
+			at := time.Now()
+			if _, err := c.Write(buf); err != nil {
+				sendErr <- fmt.Errorf("probe write: %w", err)
+				return
+			}
+			queued <- sent{seq, at}
+			select {
+			case <-ctx.Done():
+				sendErr <- ctx.Err()
+				return
+			case <-stop:
+				return
+			case <-tick.C:
+			}
 		}
-		rtts = append(rtts, rtt)
-		select {
-		case <-ctx.Done():
-			return rtts, ctx.Err()
-		case <-tick.C:
+	}()
+	defer wg.Wait()
+	defer close(stop)
+	var rtts []time.Duration
+	got, want := make([]byte, 64), make([]byte, 64)
+	for s := range queued {
+		if _, err := io.ReadFull(c, got); err != nil {
+			return rtts, fmt.Errorf("probe read: %w", err)
+		}
+		rtts = append(rtts, time.Since(s.at))
+		if probeBytes(want, s.seq); string(got) != string(want) {
+			return rtts, fmt.Errorf("probe %d: the echo came back different or out of order", s.seq)
 		}
 	}
-	return rtts, nil
+	select {
+	case err := <-sendErr:
+		return rtts, err
+	default:
+		return rtts, nil
+	}
+}
+
+// probeBytes fills buf with probe seq: its number, then a pattern of it.
+func probeBytes(buf []byte, seq uint64) {
+	binary.BigEndian.PutUint64(buf, seq)
+	for i := 8; i < len(buf); i++ {
+		buf[i] = byte(seq) + byte(i)
+	}
 }
 
 // settle waits until the link is quiet (what the row before left in
