@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -37,15 +38,38 @@ func restartAgentInPlace(t *testing.T, e *env, cur *testAgent, id string, want i
 	if len(kept) != want {
 		t.Fatalf("%d destinations kept for the next image, want %d", len(kept), want)
 	}
-	// The server counts a pause once the agent answered it, which may be
-	// just after the agent's drain ended.
-	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "paused", resultOK)-pausedBefore == uint64(want) }, fmt.Sprintf("the server counting %d tunnels paused", want))
+	// The server counts a pause once the agent answered it and the client
+	// has every byte the agent sent, which may be just after the agent's
+	// drain ended.
+	deadline := time.Now().Add(10 * time.Second)
+	for handedOver(e.srv, "paused", resultOK)-pausedBefore != uint64(want) {
+		if time.Now().After(deadline) {
+			t.Fatalf("not true within 10s: the server counting %d tunnels paused (%s)", want, handoverCounts(e.srv))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	next := startAgentWith(t, e.PKI, []string{e.AgentAddr}, id, "", nil, func(a *agent.Agent) { a.AdoptKept(kept) })
 	tunneltest.WaitUntil(t, func() bool { return handedOver(e.srv, "resumed", resultOK)-resumedBefore == uint64(want) }, "tunnels resumed on the ag's next image")
 	if n := resumedOrNot(e.srv) - int(handedOver(e.srv, "resumed", resultOK)); n != 0 {
 		t.Fatalf("%d tunnels not resumed", n)
 	}
 	return next
+}
+
+// handoverCounts is every handover metric of s and its tunnels by state,
+// for a failure message.
+func handoverCounts(s *Server) string {
+	var b strings.Builder
+	for _, w := range []string{"paused", "resumed"} {
+		for _, r := range []string{resultOK, resultFailed, resultTimeout, resultNotPausable} {
+			if w == "resumed" && r == resultNotPausable {
+				continue
+			}
+			fmt.Fprintf(&b, "%s[%s]=%d ", w, r, handedOver(s, w, r))
+		}
+	}
+	fmt.Fprintf(&b, "tunnels %v", s.Status().Tunnels)
+	return b.String()
 }
 
 // echoCall is a gRPC front door call carrying a pattern both ways
