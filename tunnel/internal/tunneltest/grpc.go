@@ -50,8 +50,8 @@ func OpenGRPC(t *testing.T, sock, method string) *GRPCCall {
 
 // GRPCTransport makes HTTP/2 connections with prior knowledge to sock; its
 // calls share one connection while it takes them. Its writes queue
-// (queuedConn), so that its reader never waits for the socket, as
-// grpc-go's does not.
+// (queuedConn), so that its reader never waits for the socket: grpc-go's
+// reader does not either.
 func GRPCTransport(sock string) *http2.Transport {
 	return &http2.Transport{
 		AllowHTTP: true,
@@ -134,7 +134,7 @@ func (q *queuedConn) writer() {
 }
 
 // Close ends the socket and the writer goroutine; what was still queued
-// is dropped.
+// fails to write on the closed socket and is dropped.
 func (q *queuedConn) Close() error {
 	q.mu.Lock()
 	q.shut = true
