@@ -98,7 +98,7 @@
 // Locks are taken in this order, never the other way round:
 //
 //	Server.mu → registry.mu → a link's locks (h2link: wmu, mu, a stream's rmu, ctlMu)
-//	Agent.mu → a link's locks
+//	Agent.mu → a link's locks → tunnelGate.mu (the agent's links take tunnels under it)
 //	grpcStream.mu → the gRPC front door link's locks (a write to the client)
 //	a promtext family's lock → Server.mu, registry.mu, Agent.mu (a scrape's functions)
 //
@@ -113,8 +113,10 @@
 // (read-locked by a dial's pick) guards the connected agents and their
 // index (registry_index.go); whether a link takes a stream is an atomic
 // the link keeps, read without its locks. Agent.mu guards the agent's connections, counts and
-// the destinations kept for a restart. Leaf locks, under which nothing
-// else is taken: upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
+// the destinations kept for a restart; tunnelGate.mu whether the agent
+// takes tunnels (its drain shuts it once none is open), and its tunnel
+// count goes up only under it. Leaf locks, under which nothing
+// else is taken: tunnelGate.mu, upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
 // watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every
 // other shared field is immutable once published, atomic, or owned by

@@ -140,8 +140,8 @@ func (c *Config) setDefaults() {
 // Agent keeps a connection to every server and serves the servers' CONNECT
 // streams by dialling their destinations.
 //
-// Locks (tunnel/doc.go, "Locks"): mu, then a link's; a connToServer's
-// fields are immutable or atomic.
+// Locks (tunnel/doc.go, "Locks"): mu, then a link's, then gate.mu, a
+// leaf; a connToServer's fields are immutable or atomic.
 type Agent struct {
 	// Immutable after NewAgent.
 	cfg      Config
@@ -151,6 +151,8 @@ type Agent struct {
 	// idle (capacity 1) is poked when the last open stream ends or the
 	// last kept destination goes (pokeIdle): the drain waits on it.
 	idle chan struct{}
+	// gate is where the links take tunnels, and what the drain shuts.
+	gate tunnelGate
 
 	mu       sync.Mutex
 	conns    map[*connToServer]struct{} // guarded by mu
@@ -177,10 +179,11 @@ type Agent struct {
 // Stats are counters an operator reads through metrics and status.
 type Stats struct {
 	// Tunnels counts the agent's open tunnels, on every server
-	// connection: a CONNECT stream counts from when it is taken within
-	// MaxStreamsTotal (takeTunnel: its dial, its destination open, its
-	// pause) until its handler ends. It is the count the cap, the drain
-	// (busy), the metric and the status read.
+	// connection: a CONNECT stream counts from the moment its link took
+	// it (takeTunnel, under the gate's lock while it is open) until its
+	// handler ends (its dial, its destination open, its pause). It is the
+	// count the caps, the drain (shutIfIdle), the metric and the status
+	// read.
 	Tunnels                    atomic.Int64
 	DialsOK, DialsFailed       atomic.Int64
 	BytesToDest, BytesFromDest atomic.Int64
@@ -335,32 +338,65 @@ func (a *Agent) Run(ctx context.Context) error {
 	return nil
 }
 
+// tunnelGate is where the agent's links take tunnels (takeTunnel, their
+// Config.Take) and what ends its drain. A tunnel counts in Stats.Tunnels
+// from the moment its link took the stream, before its handler runs, so
+// the drain sees every stream the agent has taken on; and the drain ends
+// only by shutting the gate in the same step as it finds nothing counted
+// (shutIfIdle), so no stream is taken after the agent was found idle.
+// The link refuses a stream the gate does not take with REFUSED_STREAM:
+// not processed, which the server dials again through another agent or
+// this agent's next image. Were either step apart, a stream taken just as
+// the drain ended would be answered and then cut by the agent's close,
+// or, on a restart, found by the server after GOAWAY, when it can no
+// longer pause it.
+//
+//	state | take (a link)          | shutIfIdle (the drain)    | the drain's deadline
+//	open  | count the tunnel; open | none counted: shut        | shut
+//	shut  | refuse the stream      | (the drain has ended)     | (the drain has ended)
+//
+// Once shut, the count only goes down.
+type tunnelGate struct {
+	mu   sync.Mutex // a leaf: taken under a link's mu (takeTunnel) and under Agent.mu (shutIfIdle)
+	shut bool       // guarded by mu
+}
+
 // waitIdle waits until no tunnel is open and, but for a restart, no
-// destination is kept, or until deadline. A destination kept for a
-// restarting server is still a tunnel: the server's next image carries it
-// on through the connection the agent keeps redialling meanwhile. On the
-// agent's own restart it goes to the agent's next image instead
-// (KeptForNextImage).
+// destination is kept, or until deadline, and shuts the gate: no stream
+// is taken after the drain. A destination kept for a restarting server
+// is still a tunnel: the server's next image carries it on through the
+// connection the agent keeps redialling meanwhile. On the agent's own
+// restart it goes to the agent's next image instead (KeptForNextImage).
 func (a *Agent) waitIdle(deadline time.Time, restart bool) {
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
-	for a.busy(restart) {
+	for !a.shutIfIdle(restart) {
 		select {
 		case <-a.idle:
 		case <-t.C:
+			a.gate.mu.Lock()
+			a.gate.shut = true // what is still open is cut
+			a.gate.mu.Unlock()
 			return
 		}
 	}
 }
 
-// busy reports whether a tunnel is open or, but for a restart, a
-// destination is kept. Both are read under mu, where a resume moves a
-// destination from kept to open (takePaused): read apart, a drain could
-// see it in neither and cut it.
-func (a *Agent) busy(restart bool) bool {
+// shutIfIdle shuts the gate if no tunnel is open and, but for a restart,
+// no destination is kept, and reports whether it did. Kept destinations
+// change under mu, where a resume moves one from kept to open
+// (takePaused) after its stream was counted; the count goes up only under
+// the gate's lock: holding both, neither can appear while it looks.
+func (a *Agent) shutIfIdle(restart bool) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.Stats.Tunnels.Load() > 0 || !restart && a.kept.count > 0
+	a.gate.mu.Lock()
+	defer a.gate.mu.Unlock()
+	if a.Stats.Tunnels.Load() > 0 || !restart && a.kept.count > 0 {
+		return false
+	}
+	a.gate.shut = true
+	return true
 }
 
 // pokeIdle wakes waitIdle; it never blocks, so it may be called under mu.

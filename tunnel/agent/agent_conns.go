@@ -46,7 +46,7 @@ type connToServer struct {
 	link      atomic.Pointer[h2link.Conn] // set once HTTP/2 runs on conn
 	drainOnce sync.Once
 	drain     chan struct{} // closed to ask the control stream to announce a drain
-	tunnels   atomic.Int64  // open tunnels on this connection (MaxStreams), counted with Stats.Tunnels
+	tunnels   atomic.Int64  // open tunnels on this connection (MaxStreams), counted with Stats.Tunnels (takeTunnel)
 	token     string        // the token presented at login; read-only
 	// agentRestart: the server named featureAgentRestart, so a restart in
 	// place announces itself to it (controlRestartIn); read-only.
@@ -353,15 +353,21 @@ func (a *Agent) startConn(l *connToServer) bool {
 	return true
 }
 
-// takeTunnel counts a tunnel on l within MaxStreams and MaxStreamsTotal,
-// or answers 503 and returns false. Apart from the handler, whose frame
-// stays on parked stacks (see "Parked stacks" in doc.go).
-//
-//go:noinline
-func (a *Agent) takeTunnel(l *connToServer, w http.ResponseWriter) bool {
+// takeTunnel is the link's Config.Take for a CONNECT stream on l: it
+// counts the tunnel within MaxStreams and MaxStreamsTotal and returns
+// serve, or a handler that answers 503 past either; nil (the link refuses
+// the stream) once the drain shut the gate (tunnelGate). It runs under the
+// link's lock.
+func (a *Agent) takeTunnel(l *connToServer, serve http.Handler) http.Handler {
+	a.gate.mu.Lock()
+	if a.gate.shut {
+		a.gate.mu.Unlock()
+		return nil
+	}
 	perConn, total := l.tunnels.Add(1), a.Stats.Tunnels.Add(1)
+	a.gate.mu.Unlock()
 	if perConn <= int64(a.cfg.MaxStreams) && total <= int64(a.cfg.MaxStreamsTotal) {
-		return true
+		return serve
 	}
 	a.releaseTunnel(l)
 	a.metrics.streamsRefused.Inc()
@@ -369,8 +375,9 @@ func (a *Agent) takeTunnel(l *connToServer, w http.ResponseWriter) bool {
 	if total <= int64(a.cfg.MaxStreamsTotal) {
 		why = fmt.Sprintf("%d from this server (--max-streams)", a.cfg.MaxStreams)
 	}
-	http.Error(w, "agent carries its most tunnels: "+why+"; try another agent", http.StatusServiceUnavailable)
-	return false
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "agent carries its most tunnels: "+why+"; try another agent", http.StatusServiceUnavailable)
+	})
 }
 
 // releaseTunnel ends a tunnel's count taken by takeTunnel; the last one
@@ -384,21 +391,21 @@ func (a *Agent) releaseTunnel(l *connToServer) {
 
 func (a *Agent) serveConn(l *connToServer) {
 	defer close(l.done)
-	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet && r.URL.Path == wire.ControlPath {
-			a.serveControl(l, w, r)
-			return
-		}
-		if r.Method == http.MethodPost && r.URL.Path == wire.PausePath {
-			a.servePause(l, w, r)
-			return
-		}
-		if !a.takeTunnel(l, w) {
-			return
-		}
-		defer a.releaseTunnel(l)
+	control := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { a.serveControl(l, w, r) })
+	pause := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { a.servePause(l, w, r) })
+	tunnel := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer a.releaseTunnel(l) // counted by takeTunnel
 		a.serveStream(w, r)
 	})
+	take := func(r *http.Request) http.Handler {
+		switch {
+		case r.Method == http.MethodGet && r.URL.Path == wire.ControlPath:
+			return control
+		case r.Method == http.MethodPost && r.URL.Path == wire.PausePath:
+			return pause
+		}
+		return a.takeTunnel(l, tunnel)
+	}
 	// Handlers are counted before their goroutine starts, so Run's wait
 	// for them cannot pass one that is about to begin.
 	spawn := func(f func()) {
@@ -408,8 +415,8 @@ func (a *Agent) serveConn(l *connToServer) {
 	lk, err := h2link.NewServer(l.conn, h2link.Config{
 		// Room for each tunnel's own control request beside it, and the control stream.
 		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: 2*a.cfg.MaxStreams + 1,
-		Spawn: spawn, Batch: wire.BatcherOf(l.conn),
-	}, handler)
+		Take: take, Spawn: spawn, Batch: wire.BatcherOf(l.conn),
+	}, nil)
 	if err != nil {
 		a.log.Debug("HTTP/2 set-up failed", "server_id", l.id, "addr", l.addr, "err", err)
 	} else {

@@ -270,13 +270,13 @@ func (a *Agent) keepPaused(token string, p *pausedDest, wait time.Duration) {
 // takePaused removes and returns the connection kept under token, open
 // from here on: the stream that takes it is counted in Stats.Tunnels
 // already (takeTunnel), before it stops being kept here, so a drain
-// (busy) sees it in one count or the other.
+// (shutIfIdle) sees it in one count or the other.
 func (a *Agent) takePaused(token string) (net.Conn, error) {
 	a.mu.Lock()
 	p := a.kept.byToken[token]
 	if p != nil {
 		delete(a.kept.byToken, token)
-		a.dropKeptLocked() // open (Stats.Tunnels) before no longer kept: see busy
+		a.dropKeptLocked() // open (Stats.Tunnels) before no longer kept: see shutIfIdle
 	}
 	a.mu.Unlock()
 	if p == nil {

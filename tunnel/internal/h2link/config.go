@@ -2,6 +2,7 @@ package h2link
 
 import (
 	"context"
+	"net/http"
 	"sync/atomic"
 	"time"
 )
@@ -100,6 +101,18 @@ type Config struct {
 	// BaseContext is the parent of every handler's request context on the
 	// serving end. Default context.Background().
 	BaseContext context.Context
+
+	// Take, when set on a serving end, chooses who serves each stream the
+	// peer opens, in place of NewServer's handler: the read loop asks it
+	// once the stream passed the link's own checks, before anything runs
+	// for it, and a nil answer refuses the stream with REFUSED_STREAM
+	// (RFC 9113 §8.7: not processed, so the peer may send it again,
+	// elsewhere). A handler it returns always runs, so an owner that
+	// counts its streams in Take, and ends the count when the handler
+	// returns, never counts one that is not served, and sees each from
+	// the moment the link took it. It is called under Conn.mu: it must not
+	// block, call the link, or take any lock but a leaf.
+	Take func(r *http.Request) http.Handler
 
 	// Spawn runs an owned goroutine (the read loop on the client end,
 	// handlers, socket writers). Default: go f().

@@ -158,7 +158,8 @@ func NewClient(conn net.Conn, cfg Config) (*Conn, error) {
 
 // NewServer is the serving end of HTTP/2 on conn: it reads the client
 // preface and sends this end's settings; Serve then runs the read loop,
-// and handler serves each stream the peer opens on a goroutine of its own.
+// and handler (or the one Config.Take chooses) serves each stream the peer
+// opens on a goroutine of its own.
 func NewServer(conn net.Conn, cfg Config, handler http.Handler) (*Conn, error) {
 	l := newConn(conn, cfg, true)
 	l.handler = handler

@@ -64,7 +64,10 @@
 // ErrUploadParked, and its caller sends on later); a connection whose
 // writes should be gathered passes its Batcher in Config.Batch; a caller
 // that counts the writes DeliverTo makes for it, or watches a stream's
-// last activity, sets (*Body).OnWrite. A reader that holds no goroutine
+// last activity, sets (*Body).OnWrite; a serving end's owner that counts
+// its streams from the moment the link takes them, or refuses them
+// unprocessed (REFUSED_STREAM), chooses each stream's handler in
+// Config.Take. A reader that holds no goroutine
 // while a stream is quiet asks (*Body).Notify to be told when it has
 // bytes; a handler whose response outlives it calls Hold.
 package h2link

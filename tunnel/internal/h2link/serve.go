@@ -76,13 +76,23 @@ func (l *Conn) onRequest(f *http2.MetaHeadersFrame) error {
 		cancel()
 		return nil
 	}
+	h := l.handler
+	if l.cfg.Take != nil {
+		// Under mu, after the last check that can drop the stream: a
+		// handler Take returns is spawned below, whatever comes next.
+		if h = l.cfg.Take(req); h == nil {
+			l.mu.Unlock()
+			cancel()
+			return http2.StreamError{StreamID: id, Code: http2.ErrCodeRefusedStream}
+		}
+	}
 	st.handlerRunning = true
 	st.counted = true
 	l.counted++
 	l.streams[id] = st
 	l.capacityChangedLocked()
 	l.mu.Unlock()
-	l.cfg.Spawn(func() { l.runHandler(st, req) })
+	l.cfg.Spawn(func() { l.runHandler(h, st, req) })
 	return nil
 }
 
@@ -158,12 +168,12 @@ func (l *Conn) newRequest(f *http2.MetaHeadersFrame) (req *http.Request, declare
 	return req, declared, nil
 }
 
-// runHandler serves one stream. A handler that returns ends the response
+// runHandler serves one stream with h. A handler that returns ends the response
 // (END_STREAM, then RST_STREAM(NO_ERROR) if the peer is still sending: it
 // is not read any more); one that panics, as with http.ErrAbortHandler,
 // resets the stream. The stream counts against MaxConcurrentStreams until
 // this returns.
-func (l *Conn) runHandler(st *stream, req *http.Request) {
+func (l *Conn) runHandler(h http.Handler, st *stream, req *http.Request) {
 	w := &responseWriter{st: st}
 	completed := false
 	defer func() {
@@ -177,7 +187,7 @@ func (l *Conn) runHandler(st *stream, req *http.Request) {
 			w.end()
 		}
 	}()
-	l.handler.ServeHTTP(w, req)
+	h.ServeHTTP(w, req)
 	completed = true
 }
 

@@ -648,3 +648,39 @@ func TestConnCreditRidesWithStreamCredit(t *testing.T) {
 		t.Errorf("%d bytes of connection credit back with %d of the stream's: want at least as much", credit, streamCredit)
 	}
 }
+
+// Config.Take chooses each stream's handler before anything runs for it;
+// a stream it refuses gets REFUSED_STREAM, runs no handler and does not
+// count against MaxConcurrentStreams, and the link serves the next one.
+func TestServeTakeChoosesOrRefuses(t *testing.T) {
+	checkNoLeaks(t)
+	var taken, served atomic.Int64
+	noContent := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
+		w.WriteHeader(http.StatusNoContent)
+	})
+	take := func(r *http.Request) http.Handler {
+		taken.Add(1)
+		if r.Header.Get("x-refuse") != "" {
+			return nil
+		}
+		return noContent
+	}
+	l, c := servingPair(t, Config{MaxConcurrentStreams: 1, Take: take}, nil)
+	c.request(1, true, "x-refuse", "1")
+	c.rst(1, http2.ErrCodeRefusedStream)
+	l.mu.Lock()
+	counted := l.counted
+	l.mu.Unlock()
+	if counted != 0 || served.Load() != 0 {
+		t.Fatalf("a refused stream: %d counted, %d handlers ran; want none", counted, served.Load())
+	}
+	c.request(3, true)
+	f := c.until("an answer on stream 3", func(f http2.Frame) bool { return f.Header().StreamID == 3 && f.Header().Type == http2.FrameHeaders })
+	if status := f.(*http2.MetaHeadersFrame).PseudoValue("status"); status != "204" {
+		t.Fatalf("stream 3 answered %s, want 204 from the handler Take chose", status)
+	}
+	if n, m := taken.Load(), served.Load(); n != 2 || m != 1 {
+		t.Fatalf("Take asked %d times and %d handlers ran; want 2 and 1", n, m)
+	}
+}
