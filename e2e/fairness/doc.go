@@ -17,7 +17,10 @@
 // waiting for the ones on their way, and times each round trip, alone and
 // then beside N bulk tunnels that download from the source at
 // full speed; the table gives the bulk tunnels' rate and the probe's p50
-// and p99 beside them. Figures are printed, never asserted; the exit
+// and p99 beside them, and each row with a target says whether this
+// project met it (a p99 missed while the probe alone misses it too is
+// marked a noisy run: the machine's, not the build's). Figures are
+// printed, never asserted; the exit
 // status counts correctness failures (a process that would not start, a
 // probe whose echo came back wrong or not at all).
 //

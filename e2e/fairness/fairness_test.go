@@ -85,3 +85,22 @@ func TestProbeKeepsItsPaceOnALongLink(t *testing.T) {
 		t.Error("an echo that came back different was not an error")
 	}
 }
+
+// TestVerdictNamesANoisyRun: a p99 target missed by the probe alone is
+// the machine's; the verdict says so, and says nothing more when the
+// probe alone was within it.
+func TestVerdictNamesANoisyRun(t *testing.T) {
+	rw := row{p99: 10 * time.Millisecond}
+	for _, tc := range []struct {
+		res  result
+		want string
+	}{
+		{result{p99: 9 * time.Millisecond, alone99: 12 * time.Millisecond}, "p99 ≤ 10.0: met"},
+		{result{p99: 12 * time.Millisecond, alone99: 2 * time.Millisecond}, "p99 ≤ 10.0: NOT met"},
+		{result{p99: 12 * time.Millisecond, alone99: 11 * time.Millisecond}, "p99 ≤ 10.0: NOT met (the probe alone misses it too: a noisy run)"},
+	} {
+		if got := rw.verdict([]result{tc.res}); got != tc.want {
+			t.Errorf("verdict(p99 %v, alone %v) = %q, want %q", tc.res.p99, tc.res.alone99, got, tc.want)
+		}
+	}
+}
