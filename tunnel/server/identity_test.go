@@ -529,9 +529,11 @@ func TestIdentityForeignIDAdmittedAsPod(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("grpc-status") != "" {
 		t.Fatalf("upstream agent with a UUID ID: %s %v", resp.Status, resp.Header)
 	}
-	// The answer's head goes out before the agent is registered.
+	// The answer's head goes out before the agent is registered, and the
+	// login's log line after.
+	const line = "agent=konnectivity-agent-x7k2p claimed_id=" + uuid
 	st := e.srv.Status()
-	for deadline := time.Now().Add(5 * time.Second); len(st.Agents) == 0 && time.Now().Before(deadline); st = e.srv.Status() {
+	for deadline := time.Now().Add(5 * time.Second); (len(st.Agents) == 0 || !strings.Contains(log.String(), line)) && time.Now().Before(deadline); st = e.srv.Status() {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if len(st.Agents) != 1 {
@@ -540,7 +542,7 @@ func TestIdentityForeignIDAdmittedAsPod(t *testing.T) {
 	if a := st.Agents[0]; a.ID != "konnectivity-agent-x7k2p" || a.ClaimedID != uuid || a.Node != "node-a" {
 		t.Errorf("registered as %+v; want ID konnectivity-agent-x7k2p, ClaimedID %s, node node-a", a, uuid)
 	}
-	if out := log.String(); !strings.Contains(out, "agent=konnectivity-agent-x7k2p claimed_id="+uuid) {
+	if out := log.String(); !strings.Contains(out, line) {
 		t.Errorf("the login's log line does not name the pod and the claimed ID:\n%s", out)
 	}
 	if n := refusals(e, identityNodeMismatch); n != 0 {
