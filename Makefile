@@ -8,6 +8,7 @@
 #   make bench      the benchmark table
 #   make bench-scale  one server, 5,000 agents, 50,000 tunnels (not part of make test)
 #   make bench-fairness  a probe tunnel beside bulk ones on shaped and long links (root; not part of make test)
+#   make bench-stress  2,000 tunnels x 5 MiB at once beside CPU hogs (not part of make test)
 #   make install    install into $(DESTDIR)$(PREFIX)/bin with the upstream names as symlinks
 
 GO        ?= go
@@ -27,7 +28,7 @@ ALIASES   := konnectivity-server konnectivity-agent eks-konnectivity-cert
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(HOME)/go/bin/staticcheck)
 DEADCODE  ?= $(shell command -v deadcode 2>/dev/null || echo $(HOME)/go/bin/deadcode)
 
-.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube e2e-cluster h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness soak install clean tools image-overlay test-images test-openrc agent-image
+.PHONY: all build demo test test-loaded e2e-loaded lint unit e2e e2e-kube e2e-cluster h2spec fuzz bench bench-quick bench-compare bench-scale bench-fairness bench-stress soak install clean tools image-overlay test-images test-openrc agent-image
 
 all: build
 
@@ -178,6 +179,25 @@ bench-scale: build
 # Needs root.
 bench-fairness: build
 	cd e2e && $(GO) run ./fairness --bin $(CURDIR)/$(BIN) $(if $(OTHER),--other $(abspath $(OTHER))) $(FAIRFLAGS)
+
+# STRESS_TUNNELS tunnels through one server and one agent, opened first and
+# then all moving STRESS_BYTES at once (echoed both ways, or one way:
+# STRESS_SHAPES), with STRESS_HOGS CPU hogs beside them for STRESS_HOG_FOR:
+# completed, errors, wall time, bytes per second, peak RSS of both ends and
+# the longest time a tunnel went without progress (BENCHMARKS.md, "Under
+# load"). OTHER= runs the same against another build in the same run: a
+# directory holding upstream's proxy-server and proxy-agent, or the path of
+# another konnectivity binary. Not part of make test (its small form is).
+STRESS_TUNNELS ?= 2000
+STRESS_BYTES   ?= 5242880
+STRESS_SHAPES  ?= echo,download,upload
+STRESS_HOGS    ?= 2
+STRESS_HOG_FOR ?= 40s
+STRESS_RUNS    ?= 1
+bench-stress: build
+	cd e2e && $(GO) run ./stress --bin $(CURDIR)/$(BIN) --tunnels $(STRESS_TUNNELS) --bytes $(STRESS_BYTES) \
+		--shapes $(STRESS_SHAPES) --hogs $(STRESS_HOGS) --hog-for $(STRESS_HOG_FOR) --runs $(STRESS_RUNS) \
+		$(if $(OTHER),--other $(abspath $(OTHER))) $(STRESSFLAGS)
 
 # A bounded mixed workload (short dials, long checksummed streams, server
 # SIGHUPs, agent churn) that fails on any lost byte or leak.

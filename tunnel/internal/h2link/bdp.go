@@ -43,7 +43,7 @@ import (
 // path itself got longer) replaces it with that minute's least.
 const (
 	queueTarget     = 5 * time.Millisecond
-	minConnWindow   = 32 << 10
+	minConnWindow   = 64 << 10
 	startConnWindow = 1 << 20
 	maxStreamWindow = 16 << 20
 	maxAutoWindow   = 64 << 20
@@ -52,6 +52,16 @@ const (
 	rateHalfLife    = 500 * time.Millisecond
 	rateSample      = 256 << 10 // the least a trip carries for its speed to count
 )
+
+// No window is a trap. A bulk write leaves smallWrite of the connection
+// window to small ones (connAvailLocked), and the window doubles only
+// after a trip that carried two thirds of it. At the smallest window a
+// bulk sender must still carry that much, or a window shrunk to its floor
+// (a busy machine's long round trips look like a queue) could never grow
+// again and the link would crawl at a few kilobytes a round trip for good.
+// minConnWindow of at least 4*smallWrite leaves bulk three quarters of it;
+// the constant below does not compile otherwise.
+const _ = uint64(minConnWindow - 4*smallWrite)
 
 // bdpPingData marks this end's measuring PING.
 var bdpPingData = [8]byte{'h', '2', 'l', 'i', 'n', 'k', 'b', 'w'}

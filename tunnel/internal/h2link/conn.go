@@ -60,14 +60,14 @@ type Conn struct {
 	flushers    sync.WaitGroup              // flusher goroutines; the read loop waits for them
 	ctlOverflow atomic.Bool                 // the queue hit MaxQueuedControl: the read loop ends the connection
 
-	mu         sync.Mutex
-	windowCond *sync.Cond         // on mu: send windows grew, or the connection or a stream ended
-	streams    map[uint32]*stream // under mu: streams not yet closed
-	closed     bool               // under mu
-	closeErr   error              // under mu: why, once closed
-	goAway     bool               // under mu: no new streams; we or the peer said GOAWAY
-	retiring   bool               // under mu: stream IDs ran out: see retire
-	idle       chan struct{}      // under mu: closed when goAway is set and no stream is left
+	mu       sync.Mutex
+	sendQ    [2]sendQueue       // under mu: writers waiting for connection credit, by class (credit.go)
+	streams  map[uint32]*stream // under mu: streams not yet closed
+	closed   bool               // under mu
+	closeErr error              // under mu: why, once closed
+	goAway   bool               // under mu: no new streams; we or the peer said GOAWAY
+	retiring bool               // under mu: stream IDs ran out: see retire
+	idle     chan struct{}      // under mu: closed when goAway is set and no stream is left
 
 	peerMaxStreams uint32 // under mu: the peer's SETTINGS_MAX_CONCURRENT_STREAMS
 	// canTake is CanTakeNewRequest's answer, written under mu by
@@ -211,7 +211,6 @@ func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 		l.bdp.on = true
 	}
 	l.streamTarget.Store(l.streamWindow)
-	l.windowCond = sync.NewCond(&l.mu)
 	l.turn.Store(maxTurn)
 	l.tcp = tcpSocket(conn, cfg.Batch)
 	l.setUnsentBound(unsentBound(maxTurn))
@@ -632,7 +631,7 @@ func (l *Conn) closeWith(err error) {
 	if l.pingTimer != nil {
 		l.pingTimer.Stop()
 	}
-	l.windowCond.Broadcast()
+	l.wakeEverySenderLocked()
 	if l.frozen != nil {
 		close(l.frozen)
 	}

@@ -269,7 +269,7 @@ func (l *Conn) Freeze() (*Frozen, error) {
 	if l.pingTimer != nil {
 		l.pingTimer.Stop()
 	}
-	l.windowCond.Broadcast()
+	l.wakeEverySenderLocked()
 	close(l.frozen)
 	return f, nil
 }

@@ -197,7 +197,7 @@ func (l *Conn) applySettings(f *http2.SettingsFrame) error {
 					return flowError(0) // §6.9.2: a window past 2^31-1 is a connection error
 				}
 			}
-			l.windowCond.Broadcast()
+			l.wakeEverySenderLocked()
 		case http2.SettingEnablePush:
 			if !l.serving && s.Val != 0 {
 				return http2.ConnectionError(http2.ErrCodeProtocol) // only a client may send it
@@ -235,16 +235,17 @@ func (l *Conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 			return flowError(0)
 		}
 		l.sendPeak = max(l.sendPeak, l.sendWindow.avail())
+		l.wakeSendersLocked()
 	} else if st := l.streams[f.StreamID]; st != nil {
 		if !st.sendWindow.add(inc) {
 			return flowError(f.StreamID)
 		}
+		st.sendCond.Broadcast()
 	} else if l.idleLocked(f.StreamID) {
 		return http2.ConnectionError(http2.ErrCodeProtocol) // §5.1: only HEADERS or PRIORITY on an idle stream
 	} else {
 		return nil // a closed stream: updates may still be in flight
 	}
-	l.windowCond.Broadcast()
 	return nil
 }
 

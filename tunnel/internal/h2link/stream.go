@@ -59,6 +59,12 @@ type stream struct {
 	resetting      bool        // a RST_STREAM is on its way: the first reset's code is the one sent
 	sendWindow     window      // what this end may still send
 	stopCtx        func() bool // the client end: stops the request context's watch
+	// The stream's place among the writers waiting for send credit (credit.go).
+	sendCond    sync.Cond // on Conn.mu: the stream's writer waits here for send credit
+	sendPrev    *stream   // the send queue's links
+	sendNext    *stream
+	inSendQueue bool // in Conn.sendQ[sendClass]
+	sendClass   sendClass
 
 	// Guarded by rmu: the receive side.
 	rmu        sync.Mutex
@@ -86,6 +92,7 @@ func newStream(l *Conn, id uint32, state streamState) *stream {
 		st.respReady = make(chan struct{})
 	}
 	st.sendWindow = window{int64(l.peerWindow)}
+	st.sendCond.L = &l.mu
 	st.recvWindow = window{int64(l.streamWindow)}
 	st.recvSize = l.streamWindow
 	st.recvCond = sync.NewCond(&st.rmu)
@@ -318,10 +325,11 @@ func (st *stream) writeData(p []byte, end bool) error {
 	bulk := len(p) > smallWrite // a small write goes ahead of bulk turns (sched.go)
 	for {
 		l.mu.Lock()
-		for st.state != stateClosed && !l.closed && len(p) > 0 && (st.sendWindow.avail() <= 0 || l.connAvailLocked(bulk) <= 0) {
-			l.windowCond.Wait()
+		for st.state != stateClosed && !l.closed && len(p) > 0 && !st.mayTakeLocked(classOf(bulk)) {
+			st.sendCond.Wait() // credit.go says who wakes it
 		}
 		if l.closed || st.sentEndLocked() {
+			l.leaveSendQueueLocked(st)
 			l.mu.Unlock()
 			return ErrStreamReset
 		}
@@ -330,6 +338,7 @@ func (st *stream) writeData(p []byte, end bool) error {
 		n := max(0, min(int64(len(p)), st.sendWindow.avail(), l.connAvailLocked(bulk), 2*int64(l.peerMaxFrame), l.turnBytes()))
 		st.sendWindow.take(n)
 		l.sendWindow.take(n)
+		l.leaveSendQueueLocked(st) // served: the next in line takes what is left
 		last := end && n == int64(len(p))
 		done := false
 		if last {
@@ -534,7 +543,8 @@ func (st *stream) remove() {
 		}
 	}
 	stop := st.stopCtx
-	l.windowCond.Broadcast()
+	l.leaveSendQueueLocked(st)
+	st.sendCond.Broadcast() // its writer, if one waits, learns it ended
 	l.mu.Unlock()
 	if stop != nil {
 		stop()

@@ -1,0 +1,90 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// TestStressSmall is bench-stress's small form: 500 tunnels each moving
+// 1 MiB at once, every shape, beside a CPU hog, against
+// $KONNECTIVITY_BIN (or a binary built from ../.. as `make build` does). It
+// fails only when a tunnel does not complete or a byte is wrong, never on
+// timing: the figures are printed, not asserted.
+func TestStressSmall(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a server and an agent; skipped with -short")
+	}
+	bin := os.Getenv("KONNECTIVITY_BIN")
+	if bin == "" {
+		bin = filepath.Join(t.TempDir(), "konnectivity")
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, ".")
+		cmd.Dir = filepath.Join("..", "..")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("build konnectivity from ../..: %v\n%s", err, out)
+		}
+	}
+	var stderr bytes.Buffer
+	cfg, err := parseFlags([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576",
+		"--shapes", "echo,download,upload", "--hogs", "1", "--hog-for", "10s", "--timeout", "3m"}, &stderr)
+	if err != nil {
+		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	ok, err := run(ctx, cfg, &out)
+	t.Logf("\n%s", out.String())
+	if err != nil {
+		t.Fatalf("stress: %v", err)
+	}
+	if !ok {
+		t.Fatal("stress: a tunnel did not complete, or a byte was wrong")
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	var stderr bytes.Buffer
+	for _, args := range [][]string{
+		{},                               // no --bin
+		{"--bin", "x", "--tunnels", "0"}, // nothing to do
+		{"--bin", "x", "--shapes", "echo,sideways"}, // no such shape
+	} {
+		if _, err := parseFlags(args, &stderr); err == nil {
+			t.Errorf("parseFlags(%q): no error", args)
+		}
+	}
+	cfg, err := parseFlags([]string{"--bin", "x", "--shapes", "download, upload"}, &stderr)
+	if err != nil || len(cfg.shapes) != 2 || cfg.shapes[0] != download || cfg.shapes[1] != upload {
+		t.Errorf("parseFlags: %+v, %v", cfg.shapes, err)
+	}
+}
+
+func TestPatternCatchesMisplacedBytes(t *testing.T) {
+	p := newPattern()
+	a, b := offsetOf(1), offsetOf(2)
+	chunk := append([]byte(nil), p.slice(a, 1000, 5000)...)
+	if !p.check(a, 1000, chunk) {
+		t.Fatal("the right bytes failed the check")
+	}
+	if p.check(b, 1000, chunk) {
+		t.Error("another tunnel's bytes passed the check")
+	}
+	if p.check(a, 1001, chunk) {
+		t.Error("bytes out of place passed the check")
+	}
+	long := make([]byte, 0, 3*patternLen)
+	for pos := int64(0); pos < 3*patternLen; pos += writeSize {
+		long = append(long, p.slice(a, pos, int(min(writeSize, 3*patternLen-pos)))...)
+	}
+	if !p.check(a, 0, long) {
+		t.Error("a run longer than the pattern failed the check")
+	}
+}
