@@ -1,14 +1,19 @@
 package main
 
 import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
+	"github.com/spinifex/konnectivity/internal/daemon"
 	"github.com/spinifex/konnectivity/internal/lease"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
@@ -17,7 +22,9 @@ import (
 // (its flags, and every certificate, key, CA bundle, token file and
 // kubeconfig its start reads) and serves nothing: exit 0 when a start
 // would get past loading it, 1 when it would not (the line names the flag
-// and the file), 2 for bad flags. A restart runs it with the executable it
+// and the file), 2 for bad flags, and daemon.CheckExitCertificate when it
+// loads but a certificate it would present is expired or not yet valid
+// (a start only warns of that). A restart runs it with the executable it
 // would run and refuses to hand over when it fails (docs/restart.md); an
 // operator can run it before a reload. It contacts nothing: whether the
 // apiserver answers is no reason to refuse a restart.
@@ -56,6 +63,9 @@ func runCheck(args []string, stdout, stderr io.Writer) int {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if err := check(log); err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", name, err)
+		if errors.As(err, new(*validityError)) {
+			return daemon.CheckExitCertificate
+		}
 		return 1
 	}
 	fmt.Fprintf(stdout, "%s: configuration loads\n", name)
@@ -80,12 +90,18 @@ func (o *serverOptions) check(log *slog.Logger) error {
 				return fmt.Errorf("--cluster-ca-cert: %w", err)
 			}
 		}
-	} else if _, _, err := o.agentTLSConfig(minTLS, log); err != nil {
+	} else if _, pair, err := o.agentTLSConfig(minTLS, log); err != nil {
 		return err
+	} else if err := pair.CheckValidity(time.Now()); err != nil {
+		return &validityError{flag: "--cluster-cert", file: o.clusterCert, err: err}
 	}
 	if o.serverPort != 0 {
-		if _, _, err := o.frontendTLSConfig(minTLS, log); err != nil {
+		_, pair, err := o.frontendTLSConfig(minTLS, log)
+		if err != nil {
 			return err
+		}
+		if err := pair.CheckValidity(time.Now()); err != nil {
+			return &validityError{flag: "--server-cert", file: o.serverCert, err: err}
 		}
 	}
 	// Token auth's kubeconfig, the node lookup, the frontend's UIDs.
@@ -115,8 +131,12 @@ func (o *serverOptions) check(log *slog.Logger) error {
 func (o *agentOptions) check(log *slog.Logger) error {
 	for _, addr := range o.serverAddrs() {
 		host, _, _ := net.SplitHostPort(addr)
-		if _, err := o.tlsConfig(host); err != nil {
+		cfg, err := o.tlsConfig(host)
+		if err != nil {
 			return err
+		}
+		if err := clientPairValid(cfg.Certificates); err != nil {
+			return &validityError{flag: "--agent-cert", file: o.agentCert, err: err}
 		}
 	}
 	if o.tokenPath != "" {
@@ -134,4 +154,31 @@ func (o *agentOptions) check(log *slog.Logger) error {
 		}
 	}
 	return nil
+}
+
+// validityError is a check's failure for a certificate that loads but is
+// outside its validity: peers refuse it, so a restart into it would lose
+// every peer the running image holds, though a start only warns.
+type validityError struct {
+	flag, file string
+	err        error
+}
+
+func (e *validityError) Error() string {
+	return fmt.Sprintf("%s: certificate %s %v: peers refuse it until it is replaced", e.flag, e.file, e.err)
+}
+
+// clientPairValid checks the client pair an agent logs in with, if any.
+func clientPairValid(pairs []tls.Certificate) error {
+	if len(pairs) == 0 {
+		return nil
+	}
+	leaf := pairs[0].Leaf
+	if leaf == nil { // GODEBUG=x509keypairleaf=0 leaves Leaf unset
+		var err error
+		if leaf, err = x509.ParseCertificate(pairs[0].Certificate[0]); err != nil {
+			return err
+		}
+	}
+	return certs.CheckValidity(leaf, time.Now())
 }

@@ -80,6 +80,7 @@ type serverOptions struct {
 	agentIDFromCert       bool
 	routeAgents           string
 	tokenRecheck          time.Duration
+	tokenDoubtGrace       time.Duration
 	mintCACert, mintCAKey string
 	mintSANs, mintCN      string
 	mintCheckInterval     time.Duration
@@ -135,6 +136,7 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 	f.BoolVar(&o.agentIDFromCert, "agent-id-from-certificate", false, "a certificate agent's ID and host= identifiers must be its certificate's CN or a DNS SAN, its ipv4=/ipv6= an IP SAN")
 	f.StringVar(&o.routeAgents, "route-agents", "", "comma list of agent IDs and serviceaccount:NAMESPACE/NAME allowed to advertise cidr= and default-route identifiers; * allows every agent")
 	f.DurationVar(&o.tokenRecheck, "token-recheck-interval", time.Minute, "how often a connected agent's token is reviewed again (and at its expiry); a link whose token is no longer valid is drained and closed; 0 never")
+	f.DurationVar(&o.tokenDoubtGrace, "token-doubt-grace", time.Minute, "how long a connected agent keeps its open tunnels while the reviews of its token are refused with an apiserver error (TokenReview status.error), taking no new dials; a plain refusal or an expired token closes it at once; 0: the first such refusal closes it")
 	f.StringVar(&o.serverID, "server-id", "", "ID announced to agents (default: $PROXY_SERVER_ID, else random per process)")
 	f.IntVar(&o.serverCount, "server-count", 1, "number of server replicas agents should connect to")
 	f.StringVar(&o.proxyStrategies, "proxy-strategies", "default", "ordered agent-selection strategies: node, destHost, default, defaultRoute")
@@ -424,9 +426,12 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 	if err != nil {
 		return server.Config{}, err
 	}
-	recheck := o.tokenRecheck
+	recheck, doubtGrace := o.tokenRecheck, o.tokenDoubtGrace
 	if recheck <= 0 {
 		recheck = -1
+	}
+	if doubtGrace <= 0 {
+		doubtGrace = -1
 	}
 	cfg := server.Config{
 		ID:                 o.serverID,
@@ -455,6 +460,7 @@ func (o *serverOptions) serverConfig(agentTLS *tls.Config, metrics *promtext.Reg
 		RouteAgents:      splitList(o.routeAgents),
 		NodeAddresses:    nodeAddrs,
 		Recheck:          recheck,
+		DoubtGrace:       doubtGrace,
 	}
 	if o.udsName != "" {
 		allowed := auth.DefaultAllowedUIDs()
@@ -693,7 +699,11 @@ func (o *serverOptions) agentAuthenticator(log *slog.Logger, metrics *promtext.R
 				counter.Inc()
 			}
 			if err != nil {
-				return server.Principal{}, &wire.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+				se := &wire.StatusError{Code: auth.StatusOf(err), Msg: err.Error()}
+				if auth.Unsure(err) {
+					return server.Principal{}, fmt.Errorf("%w (%w)", se, server.ErrReviewUnsure)
+				}
+				return server.Principal{}, se
 			}
 			return tokenPrincipal(id, o.agentNamespace+"/"+o.agentServiceAccount), nil
 		}

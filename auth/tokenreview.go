@@ -34,16 +34,15 @@ type Error struct {
 	err    error  // cause, for 503s
 	// unsure marks a refusal that came with status.error: kube-apiserver
 	// reports a lookup it could not do (etcd, a webhook) the same way as a
-	// revoked token, so the answer is not cached and a second review is
-	// what confirms it (see Unsure).
+	// revoked token, so the answer is not cached (see Unsure).
 	unsure bool
 }
 
 // Unsure reports whether err is a refusal the apiserver gave with an error
 // of its own (TokenReview status.error): a revoked token or a lookup that
 // failed, which the answer cannot tell apart. It is never cached; callers
-// that can wait (a re-review of a live connection) confirm it with a
-// second review before acting on it.
+// that can wait (a re-review of a live connection) act on it only once
+// such answers have lasted a grace (server.ErrReviewUnsure).
 func Unsure(err error) bool {
 	var e *Error
 	return errors.As(err, &e) && e.unsure

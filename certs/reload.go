@@ -150,6 +150,30 @@ func (r *Reloader) NotAfter() time.Time {
 	return r.cert.Leaf.NotAfter
 }
 
+// CheckValidity fails when the pair served now is outside its validity
+// at now (see the package function CheckValidity).
+func (r *Reloader) CheckValidity(now time.Time) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return CheckValidity(r.cert.Leaf, now)
+}
+
+// CheckValidity says why leaf is refused by a peer that checks it at now
+// (crypto/x509 does): it expired, or it is not valid yet. A pair that
+// loads is served whatever its dates, so that rotated files are picked up
+// without a restart; what refuses one out of its validity is the check of
+// a restart (docs/restart.md), which would lose every peer the running
+// image holds.
+func CheckValidity(leaf *x509.Certificate, now time.Time) error {
+	switch {
+	case now.After(leaf.NotAfter):
+		return fmt.Errorf("expired at %s", formatTime(leaf.NotAfter))
+	case now.Before(leaf.NotBefore):
+		return fmt.Errorf("not valid before %s", formatTime(leaf.NotBefore))
+	}
+	return nil
+}
+
 func (r *Reloader) current() *tls.Certificate {
 	r.mu.Lock()
 	defer r.mu.Unlock()

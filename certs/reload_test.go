@@ -403,3 +403,27 @@ func writeTemp(t *testing.T, data []byte) string {
 	writeFile(t, f, data, 0o600)
 	return f
 }
+
+// CheckValidity names what a peer that checks a pair's dates refuses: an
+// expiry passed or a start not reached, the limits themselves inside.
+func TestCheckValidity(t *testing.T) {
+	p := newPairEnv(t)
+	leaf := served(t, p.r)
+	for _, tc := range []struct {
+		at   time.Time
+		want string
+	}{
+		{leaf.NotBefore, ""},
+		{leaf.NotAfter, ""},
+		{leaf.NotAfter.Add(time.Second), "expired at " + formatTime(leaf.NotAfter)},
+		{leaf.NotBefore.Add(-time.Second), "not valid before " + formatTime(leaf.NotBefore)},
+	} {
+		got := ""
+		if err := p.r.CheckValidity(tc.at); err != nil {
+			got = err.Error()
+		}
+		if got != tc.want {
+			t.Errorf("at %v: %q, want %q", tc.at, got, tc.want)
+		}
+	}
+}

@@ -86,7 +86,7 @@ func runMain(m *testing.M) int {
 // Throwaway PKI
 
 type pki struct {
-	caCert, serverCert, serverKey, agentCert, agentKey string // file paths
+	caCert, caKey, serverCert, serverKey, agentCert, agentKey string // file paths
 }
 
 // newPKI writes a CA, a serving certificate for localhost, 127.0.0.1, ::1
@@ -102,7 +102,7 @@ func newPKI(t *testing.T, dir string, extraIPs ...net.IP) *pki {
 	if err != nil {
 		t.Fatalf("mint PKI: %v", err)
 	}
-	return &pki{caCert: bp.CACert, serverCert: bp.ServerCert, serverKey: bp.ServerKey, agentCert: bp.AgentCert, agentKey: bp.AgentKey}
+	return &pki{caCert: bp.CACert, caKey: bp.CAKey, serverCert: bp.ServerCert, serverKey: bp.ServerKey, agentCert: bp.AgentCert, agentKey: bp.AgentKey}
 }
 
 func newKey(t *testing.T) *ecdsa.PrivateKey {

@@ -51,6 +51,9 @@ type fakeAPIServer struct {
 	// down makes every TokenReview fail: the connection is reset, as a
 	// restarting apiserver's is.
 	down atomic.Bool
+	// refused answers goodToken too "authenticated=false" with no error
+	// of the apiserver's own: a plain refusal, as of a revoked token.
+	refused atomic.Bool
 }
 
 // answerUnsure makes f answer every review "unsure" for d, counted from
@@ -124,6 +127,7 @@ func startFakeAPIServer(t *testing.T, p *pki) *fakeAPIServer {
 		switch {
 		case f.unsureNow():
 			status.Error = "[invalid bearer token, etcdserver: request timed out]"
+		case f.refused.Load():
 		case req.Spec.Token == goodToken:
 			status.Authenticated = true
 			status.User.Username = agentSAUser

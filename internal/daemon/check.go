@@ -16,8 +16,10 @@ import (
 // image would start: its executable is there and runnable (restartTarget),
 // the configuration it will read (flags, certificates, keys, CA bundles,
 // kubeconfig) loads in a check run by the new executable itself
-// (checkNext), and the descriptors the handover needs are there. Only
-// then does anything stop.
+// (checkNext), every certificate it would present is inside its validity
+// (peers refuse it otherwise, and the running image's peers are lost on
+// the way: CheckExitCertificate), and the descriptors the handover needs
+// are there. Only then does anything stop.
 
 // checkTimeout bounds the next image's configuration check.
 const checkTimeout = 10 * time.Second
@@ -25,11 +27,21 @@ const checkTimeout = 10 * time.Second
 // maxCheckOutput bounds what the check may print that is kept.
 const maxCheckOutput = 16 << 10
 
+// CheckExitCertificate is the exit status of a command's check when its
+// configuration loads but a certificate it would present (a listener's
+// pair, an agent's client pair) is expired or not yet valid, and the next
+// image would not mint a fresh one: peers would refuse it.
+const CheckExitCertificate = 3
+
+// errCertificate marks a check that failed with CheckExitCertificate.
+var errCertificate = errors.New("the next image would present a certificate its peers refuse")
+
 // Reasons a restart is refused, the label of restarts_refused_total.
 const (
-	refusedTarget  = "executable" // missing or not executable
-	refusedCheck   = "config"     // the next image's configuration does not load
-	refusedSockets = "sockets"    // the listeners or the socket list could not be prepared
+	refusedTarget  = "executable"  // missing or not executable
+	refusedCheck   = "config"      // the next image's configuration does not load
+	refusedSockets = "sockets"     // the listeners or the socket list could not be prepared
+	refusedCert    = "certificate" // the next image would present a certificate out of its validity
 )
 
 // countRefusals registers restarts_refused_total, by reason, in w's
@@ -39,8 +51,8 @@ func (d *Daemon) countRefusals(w Work) {
 		return
 	}
 	d.refused = map[string]*promtext.Counter{}
-	for _, r := range []string{refusedTarget, refusedCheck, refusedSockets} {
-		d.refused[r] = w.Metrics.Counter(w.MetricPrefix+"restarts_refused_total", "Restarts (SIGHUP, a replaced executable) refused before anything stopped, by reason: executable (missing or not executable), config (the next image's configuration does not load), sockets (no descriptor for the handover).", []string{"reason"}, r)
+	for _, r := range []string{refusedTarget, refusedCheck, refusedCert, refusedSockets} {
+		d.refused[r] = w.Metrics.Counter(w.MetricPrefix+"restarts_refused_total", "Restarts (SIGHUP, a replaced executable) refused before anything stopped, by reason: executable (missing or not executable), config (the next image's configuration does not load), certificate (it would present a certificate that is expired or not yet valid), sockets (no descriptor for the handover).", []string{"reason"}, r)
 	}
 }
 
@@ -67,7 +79,9 @@ func (d *Daemon) prepareRestart(why string, w Work) (*restartPlan, bool) {
 		return refuse(refusedTarget, err)
 	}
 	if w.Check != nil {
-		if err := checkNext(exe, w.Check); err != nil {
+		if err := checkNext(exe, w.Check); errors.Is(err, errCertificate) {
+			return refuse(refusedCert, err)
+		} else if err != nil {
 			return refuse(refusedCheck, err)
 		}
 	}
@@ -106,6 +120,8 @@ func checkNext(exe string, args []string) error {
 	}
 	if ctx.Err() != nil {
 		err = fmt.Errorf("no answer within %s", checkTimeout)
+	} else if errors.As(err, &exit) && exit.ExitCode() == CheckExitCertificate {
+		return fmt.Errorf("%w: %s", errCertificate, lastLine(text))
 	}
 	if text == "" {
 		return fmt.Errorf("the next image's configuration check failed: %w", err)

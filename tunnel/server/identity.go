@@ -96,7 +96,21 @@ type IdentityPolicy struct {
 	// its link lives (and at the token's expiry). Default one minute;
 	// negative: never.
 	Recheck time.Duration
+	// DoubtGrace is how long a live link outlives reviews of its token
+	// that answer ErrReviewUnsure, counted from the first: it takes no new
+	// dial meanwhile, and the first such answer at or past the grace
+	// closes it. Default one minute; negative: the first one closes it.
+	DoubtGrace time.Duration
 }
+
+// ErrReviewUnsure is what an IdentifyAgent error wraps when the apiserver
+// refused the token with an error of its own (TokenReview status.error):
+// kube-apiserver answers so when a lookup behind the review failed (etcd,
+// a webhook, the pod's lookup), and also, for some revocations, when it
+// did not; the answer cannot tell them apart. A live link is not closed
+// on such answers until they have lasted IdentityPolicy.DoubtGrace
+// (reviewLink); any other refusal closes it at once.
+var ErrReviewUnsure = errors.New("the apiserver refused the token with an error of its own")
 
 // ErrNodesForbidden is what IdentityPolicy.NodeAddresses wraps when the
 // apiserver forbids the server to read Nodes: the ipv4=/ipv6= identifiers
@@ -112,8 +126,8 @@ const (
 	identityRouteUntrusted    = "route_untrusted"      // cidr=/default-route from an agent not trusted for them
 	identityCertMismatch      = "certificate_mismatch" // ID or identifiers not in the certificate
 	identityInUse             = "id_in_use"            // ID connected with another credential
-	identityTokenInvalid      = "token_invalid"        // a live link's token failed two reviews in a row (or expired): closed
-	identityTokenDoubted      = "token_doubted"        // a live link's token failed one review: no new dials until the next
+	identityTokenInvalid      = "token_invalid"        // a live link's token refused, or its unsure refusals lasted the doubt grace: closed
+	identityTokenDoubted      = "token_doubted"        // a live link's token refused with an apiserver error: no new dials until a review passes
 )
 
 var identityReasons = []string{identityNodeMismatch, identityAddressUnbacked, identityAddressUnverified, identityRouteUntrusted, identityCertMismatch, identityInUse, identityTokenInvalid, identityTokenDoubted}
@@ -136,9 +150,10 @@ type connCredential struct {
 	lastNew time.Time   // when the agent last sent a token; guarded by mu
 	timer   *time.Timer // next review; guarded by mu
 	ended   bool        // the link is gone: no more reviews; guarded by mu
-	// doubted is when a review of the link's token last came back
-	// negative, zero while the last one that was done passed; guarded by
-	// mu. The agent's doubted flag mirrors it for the dial path.
+	// doubted is when the reviews of the link's token began to answer
+	// ErrReviewUnsure, zero while the last one that was done passed;
+	// guarded by mu. The agent's doubted flag mirrors it for the dial
+	// path.
 	doubted time.Time
 }
 
@@ -359,8 +374,19 @@ func (s *Server) recheckInterval() time.Duration {
 	return time.Minute
 }
 
+func (s *Server) doubtGrace() time.Duration {
+	switch d := s.cfg.Identity.DoubtGrace; {
+	case d > 0:
+		return d
+	case d < 0:
+		return 0
+	}
+	return time.Minute
+}
+
 // scheduleReviewLocked arms the next review: after the recheck interval,
-// or just after the token expires if that is sooner. a.cred.mu is held.
+// or just after the token expires, or when a doubt's grace ends, if that
+// is sooner. a.cred.mu is held.
 func (s *Server) scheduleReviewLocked(a *agentConn) {
 	if a.cred.ended {
 		return
@@ -368,6 +394,9 @@ func (s *Server) scheduleReviewLocked(a *agentConn) {
 	d := s.recheckInterval()
 	if exp := a.cred.expires; !exp.IsZero() {
 		d = min(d, time.Until(exp)+time.Second)
+	}
+	if !a.cred.doubted.IsZero() {
+		d = min(d, time.Until(a.cred.doubted.Add(s.doubtGrace())))
 	}
 	d = max(d, minTokenRefresh)
 	a.cred.timer = time.AfterFunc(d, func() { s.goroutineIfOpen(func() { s.reviewLink(a) }) })
@@ -386,13 +415,16 @@ func (a *agentConn) endCredential() {
 	}
 }
 
-// reviewLink reviews a live link's latest token again. A negative answer
-// is not trusted alone: kube-apiserver answers a lookup it could not do
-// (etcd, a webhook) as it answers a revoked token. The first one stops new
-// dials to the agent (doubted) and the next review, a recheck interval
-// later, decides: a pass takes dials again, a second negative answer, or
-// one after the token's exp, drains and closes the link. A review that
-// could not be done (503) changes nothing until the next one.
+// reviewLink reviews a live link's latest token again. A refusal with an
+// apiserver error (ErrReviewUnsure) is not trusted alone: kube-apiserver
+// answers a lookup it could not do (etcd, a webhook) that way, and an
+// outage of such answers must not drain the fleet. The first one stops new
+// dials to the agent (doubted) and keeps its open tunnels; a pass takes
+// dials again; the link is drained and closed once such answers have
+// lasted the doubt grace (the review is due then). Any other refusal (a
+// clean "not authenticated", 403, a token that now names another pod), or
+// a refusal once the token's exp has passed, closes it at once. A review
+// that could not be done (503) changes nothing until the next one.
 func (s *Server) reviewLink(a *agentConn) {
 	ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.HeaderTimeout)
 	p, err := s.authenticate(ctx, AgentCredentials{AgentID: a.id, Token: a.cred.currentToken(), TLS: a.cred.tls})
@@ -417,19 +449,30 @@ func (s *Server) reviewLink(a *agentConn) {
 		why = wire.ErrMsg(err)
 	}
 	a.cred.mu.Lock()
-	exp := a.cred.expires
-	if a.cred.doubted.IsZero() && (exp.IsZero() || time.Now().Before(exp)) {
-		a.cred.doubted = time.Now()
-		a.doubted.Store(true)
-		s.scheduleReviewLocked(a)
-		a.cred.mu.Unlock()
-		s.identity.refused[identityTokenDoubted].Inc()
-		s.log.Warn("agent token review negative: no new dials to the agent until the next review confirms it; its open tunnels stay", "agent", a.id, "remote", a.remote, "reason", why, "next_review", s.recheckInterval())
-		return
+	now, exp, since, grace := time.Now(), a.cred.expires, a.cred.doubted, s.doubtGrace()
+	if errors.Is(err, ErrReviewUnsure) && grace > 0 && (exp.IsZero() || now.Before(exp)) {
+		switch {
+		case since.IsZero():
+			a.cred.doubted = now
+			a.doubted.Store(true)
+			s.scheduleReviewLocked(a)
+			a.cred.mu.Unlock()
+			s.identity.refused[identityTokenDoubted].Inc()
+			s.log.Warn("agent token review refused with an apiserver error: no new dials to the agent until a review passes; its open tunnels stay", "agent", a.id, "remote", a.remote, "reason", why, "doubt_grace", grace)
+			return
+		case now.Sub(since) < grace:
+			s.scheduleReviewLocked(a)
+			a.cred.mu.Unlock()
+			return
+		}
 	}
 	a.cred.mu.Unlock()
+	attrs := []any{"agent", a.id, "remote", a.remote, "reason", why}
+	if !since.IsZero() {
+		attrs = append(attrs, "doubted_for", now.Sub(since).Round(time.Millisecond))
+	}
 	s.identity.refused[identityTokenInvalid].Inc()
-	s.log.Warn("agent token no longer valid: draining and closing its link", "agent", a.id, "remote", a.remote, "reason", why)
+	s.log.Warn("agent token no longer valid: draining and closing its link", attrs...)
 	a.endCredential()
 	a.draining.Store(true)
 	ctx, cancel = context.WithTimeout(s.baseCtx, revokeGrace)

@@ -30,9 +30,15 @@ type fakeTokens struct {
 	mu      sync.Mutex
 	tokens  map[string]fakeToken
 	reviews atomic.Int64
+	// unsure answers every review as kube-apiserver answers one whose
+	// lookup failed: refused, with an error of its own (ErrReviewUnsure).
+	unsure atomic.Bool
 }
 
-type fakeToken struct{ node, podUID, pod string }
+type fakeToken struct {
+	node, podUID, pod string
+	expires           time.Time // its exp claim; zero: none
+}
 
 func newFakeTokens() *fakeTokens { return &fakeTokens{tokens: map[string]fakeToken{}} }
 
@@ -50,6 +56,13 @@ func (f *fakeTokens) addPod(token, node, pod, podUID string) {
 	f.tokens[token] = fakeToken{node: node, podUID: podUID, pod: pod}
 }
 
+// addExpiring is add for a token whose exp claim is expires.
+func (f *fakeTokens) addExpiring(token, node, podUID string, expires time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.tokens[token] = fakeToken{node: node, podUID: podUID, expires: expires}
+}
+
 func (f *fakeTokens) revoke(token string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -63,13 +76,16 @@ func (f *fakeTokens) identify(ctx context.Context, c AgentCredentials) (Principa
 		return CertificatePrincipal(c.TLS.VerifiedChains[0][0]), nil
 	}
 	f.reviews.Add(1)
+	if f.unsure.Load() {
+		return Principal{}, fmt.Errorf("%w (%w)", &wire.StatusError{Code: http.StatusUnauthorized, Msg: "token rejected: etcdserver: request timed out"}, ErrReviewUnsure)
+	}
 	f.mu.Lock()
 	tk, ok := f.tokens[c.Token]
 	f.mu.Unlock()
 	if !ok {
 		return Principal{}, &wire.StatusError{Code: http.StatusUnauthorized, Msg: "token not authenticated"}
 	}
-	p := Principal{Kind: PrincipalToken, Node: tk.node, Pod: tk.pod, Account: "kube-system/konnectivity-agent", Credential: "sa:kube-system/konnectivity-agent"}
+	p := Principal{Kind: PrincipalToken, Node: tk.node, Pod: tk.pod, Account: "kube-system/konnectivity-agent", Credential: "sa:kube-system/konnectivity-agent", Expires: tk.expires}
 	if tk.podUID != "" {
 		p.Credential = "pod:" + tk.podUID
 	}
@@ -584,17 +600,16 @@ func TestIdentityUpstreamAgent(t *testing.T) {
 // refusals is the server's count of identity refusals for reason.
 func refusals(e *env, reason string) uint64 { return e.srv.identity.refused[reason].Value() }
 
-// A single negative review of a live link's token (kube-apiserver answers
-// a lookup it could not do as it answers a revoked token) stops new dials
-// to the agent and keeps its open tunnel; the next review passes and the
-// agent takes dials again. A token that fails two reviews in a row closes
-// the link (TestIdentityTokenRecheck).
+// Reviews refused with an apiserver error (kube-apiserver's answer when a
+// lookup behind the review failed) for many recheck intervals stop new
+// dials to the agent and keep its link and open tunnel; a review that
+// passes gives it dials again.
 func TestIdentityTokenDoubtNotActedOnAlone(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)
 	f := newFakeTokens()
 	f.add("tok-a", "node-a", "uid-a")
 	var log lockedBuf
-	const recheck = 300 * time.Millisecond
+	const recheck = 100 * time.Millisecond
 	e := tokenEnv(t, f, &log, func(c *Config) { c.Identity.Recheck = recheck; c.AgentWait = 50 * time.Millisecond })
 	noCert := func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.PKI.Pool, ServerName: name}, nil }
 	e.startAgent("node-a", "host=node-a", func(c *agent.Config) {
@@ -607,23 +622,25 @@ func TestIdentityTokenDoubtNotActedOnAlone(t *testing.T) {
 	open := e.EchoOne(echo)
 	defer open.Close()
 
-	// One review answers no.
-	f.revoke("tok-a")
-	tunneltest.WaitUntil(t, link.doubted.Load, "the negative review marks the agent doubted")
-	f.add("tok-a", "node-a", "uid-a")
+	// Five reviews in a row answer unsure: more than two recheck intervals.
+	f.unsure.Store(true)
+	tunneltest.WaitUntil(t, link.doubted.Load, "the unsure review marks the agent doubted")
+	reviewed := f.reviews.Load()
+	tunneltest.WaitUntil(t, func() bool { return f.reviews.Load() >= reviewed+5 }, "five more unsure reviews")
 	if err := e.EchoOnce(echo); err == nil {
-		t.Fatal("a dial went to an agent whose token's last review was negative")
+		t.Fatal("a dial went to an agent whose token's last review was refused")
 	}
 	if _, err := open.Write([]byte("x")); err != nil {
-		t.Fatalf("the open tunnel was cut by one negative review: %v", err)
+		t.Fatalf("the open tunnel was cut by unsure reviews: %v", err)
 	}
 	buf := make([]byte, 1)
 	open.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := io.ReadFull(open, buf); err != nil {
-		t.Fatalf("the open tunnel was cut by one negative review: %v", err)
+		t.Fatalf("the open tunnel was cut by unsure reviews: %v", err)
 	}
 	// The next review passes: dials again, same link.
-	tunneltest.WaitUntil(t, func() bool { return !link.doubted.Load() }, "the next review trusts the agent again")
+	f.unsure.Store(false)
+	tunneltest.WaitUntil(t, func() bool { return !link.doubted.Load() }, "a passing review trusts the agent again")
 	if got := findAgent(e, "node-a"); got != link {
 		t.Fatal("the link was replaced")
 	}
@@ -636,4 +653,104 @@ func TestIdentityTokenDoubtNotActedOnAlone(t *testing.T) {
 	if n := refusals(e, identityTokenDoubted); n != 1 {
 		t.Errorf("token_doubted counted %d times, want 1", n)
 	}
+}
+
+// Unsure refusals that go on close the link once they have lasted the
+// doubt grace, counted from the first, not after a count of reviews.
+func TestIdentityTokenDoubtGrace(t *testing.T) {
+	tunneltest.CheckNoLeaks(t)
+	f := newFakeTokens()
+	f.add("tok-a", "node-a", "uid-a")
+	var log lockedBuf
+	// Reviews of a link are at least minTokenRefresh apart: two in a row
+	// come well before the grace.
+	const recheck, grace = 100 * time.Millisecond, 2500 * time.Millisecond
+	e := tokenEnv(t, f, &log, func(c *Config) { c.Identity.Recheck = recheck; c.Identity.DoubtGrace = grace })
+	e.startAgent("node-a", "host=node-a", func(c *agent.Config) {
+		c.TLS = func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.PKI.Pool, ServerName: name}, nil }
+		c.Token = func() (string, error) { return "tok-a", nil }
+		c.SyncCap = time.Hour // a refused agent stays out for the test
+		c.SyncInterval = time.Hour
+	})
+	e.WaitAgents(1)
+	link := findAgent(e, "node-a")
+	f.unsure.Store(true)
+	tunneltest.WaitUntil(t, link.doubted.Load, "the unsure review marks the agent doubted")
+	link.cred.mu.Lock()
+	since := link.cred.doubted
+	link.cred.mu.Unlock()
+	e.WaitAgents(0)
+	took := time.Since(since)
+	if took < grace {
+		t.Errorf("the link closed %s after the first unsure review, before the %s grace", took, grace)
+	}
+	if took > grace+minTokenRefresh+2*time.Second {
+		t.Errorf("the link closed %s after the first unsure review, grace %s", took, grace)
+	}
+	if n := refusals(e, identityTokenInvalid); n != 1 {
+		t.Errorf("token_invalid counted %d times, want 1", n)
+	}
+	if !strings.Contains(log.String(), "doubted_for=") {
+		t.Errorf("the closing line does not say how long the token was doubted:\n%s", log.String())
+	}
+	t.Logf("closed %s after the first unsure review (grace %s, recheck %s, %d reviews)", took.Round(time.Millisecond), grace, recheck, f.reviews.Load())
+}
+
+// A refusal without an apiserver error, even within a doubt's grace, and
+// an unsure refusal once the token's exp has passed close the link at
+// once, long before the grace.
+func TestIdentityTokenRefusalActsAtOnce(t *testing.T) {
+	tunneltest.CheckNoLeaks(t)
+	f := newFakeTokens()
+	f.add("tok-a", "node-a", "uid-a")
+	var log lockedBuf
+	const recheck = 100 * time.Millisecond
+	e := tokenEnv(t, f, &log, func(c *Config) { c.Identity.Recheck = recheck; c.Identity.DoubtGrace = time.Hour })
+	start := func(id, token string) {
+		e.startAgent(id, "host="+id, func(c *agent.Config) {
+			c.TLS = func(name string) (*tls.Config, error) { return &tls.Config{RootCAs: e.PKI.Pool, ServerName: name}, nil }
+			c.Token = func() (string, error) { return token, nil }
+			c.SyncCap = time.Hour
+			c.SyncInterval = time.Hour
+		})
+	}
+	start("node-a", "tok-a")
+	e.WaitAgents(1)
+
+	// Refused plainly: the first such review closes the link.
+	reviewed := f.reviews.Load()
+	f.revoke("tok-a")
+	e.WaitAgents(0)
+	if n := f.reviews.Load() - reviewed; n != 1 {
+		t.Errorf("the link closed after %d plain refusals, want 1", n)
+	}
+
+	// Doubted, then refused plainly: closed at once.
+	f.add("tok-c", "node-c", "uid-c")
+	start("node-c", "tok-c")
+	e.WaitAgents(1)
+	link := findAgent(e, "node-c")
+	f.unsure.Store(true)
+	tunneltest.WaitUntil(t, link.doubted.Load, "the unsure review marks the agent doubted")
+	f.revoke("tok-c")
+	f.unsure.Store(false)
+	e.WaitAgents(0)
+	if n := refusals(e, identityTokenInvalid); n != 2 {
+		t.Errorf("token_invalid counted %d times, want 2", n)
+	}
+
+	// A token past its exp: the unsure refusal that follows closes it.
+	exp := time.Now().Add(1500 * time.Millisecond)
+	f.addExpiring("tok-b", "node-b", "uid-b", exp)
+	start("node-b", "tok-b")
+	e.WaitAgents(1)
+	f.unsure.Store(true)
+	e.WaitAgents(0)
+	if time.Now().Before(exp) {
+		t.Error("closed before its token's exp, within the doubt grace")
+	}
+	if n := refusals(e, identityTokenInvalid); n != 3 {
+		t.Errorf("token_invalid counted %d times, want 3", n)
+	}
+	t.Logf("expired token's link closed %s after its exp", time.Since(exp).Round(time.Millisecond))
 }

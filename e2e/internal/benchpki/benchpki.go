@@ -15,14 +15,15 @@ import (
 	"time"
 )
 
-// PKI holds the file paths of a throwaway CA, a server certificate and one
-// agent client certificate, minted for one run. Where many agents run,
+// PKI holds the file paths of a throwaway CA (with its key, for tests that
+// issue more), a server certificate and one agent client certificate,
+// minted for one run. Where many agents run,
 // they all present that one certificate: the server's cost per agent (a
 // full handshake and a chain verification, no session resumption) does
 // not depend on which certificate it is, and the agents' IDs are their
 // own.
 type PKI struct {
-	CACert, ServerCert, ServerKey, AgentCert, AgentKey string
+	CACert, CAKey, ServerCert, ServerKey, AgentCert, AgentKey string
 }
 
 // Spec is what MintSpec mints: the common names of the CA and of the
@@ -73,12 +74,20 @@ func MintSpec(dir string, spec Spec) (*PKI, error) {
 	}
 	p := &PKI{
 		CACert:     filepath.Join(dir, "ca.crt"),
+		CAKey:      filepath.Join(dir, "ca.key"),
 		ServerCert: filepath.Join(dir, "server.crt"),
 		ServerKey:  filepath.Join(dir, "server.key"),
 		AgentCert:  filepath.Join(dir, "agent.crt"),
 		AgentKey:   filepath.Join(dir, "agent.key"),
 	}
 	if err := writePEM(p.CACert, "CERTIFICATE", caDER); err != nil {
+		return nil, err
+	}
+	caKeyDER, err := x509.MarshalPKCS8PrivateKey(caKey)
+	if err != nil {
+		return nil, fmt.Errorf("marshal CA key: %w", err)
+	}
+	if err := writePEM(p.CAKey, "PRIVATE KEY", caKeyDER); err != nil {
 		return nil, err
 	}
 	issue := func(serial int64, cn string, usage x509.ExtKeyUsage, dns []string, ips []net.IP, certPath, keyPath string) error {
