@@ -232,9 +232,11 @@ func runDaemon(name string, cf *commandFlags, warned *onceWarnings, args []strin
 		fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
 		return 2
 	}
+	defer daemon.CloseLog(log)
 	if err := complete(); err != nil {
 		cf.flushWarnings(log)
 		if cf.log.ToStderr {
+			daemon.CloseLog(log) // the warnings first
 			fmt.Fprintf(stderr, "konnectivity %s: %v\n", name, err)
 		} else {
 			// Into --log-file and, as an error, onto stderr too.

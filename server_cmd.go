@@ -359,9 +359,10 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 	return d.Run(ctx, o.restarts(daemon.Work{
 		Done: done,
 		Shutdown: func(_ bool, cause error) error {
-			log.Info("shutting down", "grace", o.gracefulShutdown.String(), "agents", srv.AgentCount())
+			agents, start := srv.AgentCount(), time.Now()
 			stopServing(srv, o.gracefulShutdown, false, &serving, log)
 			stopLeases(true)
+			log.Info("shut down", "grace", o.gracefulShutdown.String(), "agents", agents, "took", time.Since(start).Round(time.Millisecond).String())
 			if cause != nil && !errors.Is(cause, server.ErrClosed) {
 				return cause
 			}

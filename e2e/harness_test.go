@@ -167,9 +167,19 @@ func startProcBin(t *testing.T, bin, name string, args ...string) *proc {
 // startProcEnv is startProcBin with env added to the inherited environment.
 func startProcEnv(t *testing.T, bin, name string, env []string, args ...string) *proc {
 	t.Helper()
+	return startProcOut(t, bin, name, env, nil, args...)
+}
+
+// startProcOut is startProcEnv with the process's standard output and
+// error on out, when it is not nil, instead of collected in proc.out.
+func startProcOut(t *testing.T, bin, name string, env []string, out *os.File, args ...string) *proc {
+	t.Helper()
 	p := newProc(bin, name, args...)
 	if len(env) > 0 {
 		p.cmd.Env = append(os.Environ(), env...)
+	}
+	if out != nil {
+		p.cmd.Stdout, p.cmd.Stderr = out, out
 	}
 	p.start(t, func() {
 		if t.Failed() || testing.Verbose() && os.Getenv("E2E_LOG_PROCS") != "" {
@@ -352,6 +362,7 @@ type server struct {
 	proc       *proc
 	bin        string   // executable; "" is konnectivityBin
 	env        []string // added to the test's environment
+	stdio      *os.File // standard output and error; nil: collected in proc.out
 	args       []string
 	owner      *testing.T // the test whose cleanup stops every server process
 	dir        string
@@ -394,6 +405,14 @@ func startServerBin(t *testing.T, bin string, fe frontend, extra ...string) *ser
 // startServerBinEnv is startServerBin with env added to the server's
 // environment.
 func startServerBinEnv(t *testing.T, bin string, env []string, fe frontend, extra ...string) *server {
+	t.Helper()
+	s := newServerSpec(t, bin, env, fe, extra...)
+	s.launch(t)
+	return s
+}
+
+// newServerSpec is startServerBinEnv before the launch.
+func newServerSpec(t *testing.T, bin string, env []string, fe frontend, extra ...string) *server {
 	t.Helper()
 	// Unix socket paths are limited to ~108 bytes; t.TempDir can be long.
 	dir, err := os.MkdirTemp("", "kse2e")
@@ -441,7 +460,6 @@ func startServerBinEnv(t *testing.T, bin string, env []string, fe frontend, extr
 		"--graceful-shutdown-timeout=2s",
 	)
 	s.args = append(args, extra...)
-	s.launch(t)
 	return s
 }
 
@@ -455,7 +473,7 @@ func (s *server) launch(t *testing.T) {
 	if bin == "" {
 		bin = konnectivityBin
 	}
-	s.proc = startProcEnv(s.owner, bin, "server", s.env, s.args...)
+	s.proc = startProcOut(s.owner, bin, "server", s.env, s.stdio, s.args...)
 	waitHTTP(t, s.proc, s.healthURL("/healthz"), http.StatusOK)
 	// The frontend must be up once the server reports healthy.
 	deadline := time.Now().Add(startTimeout)
@@ -522,6 +540,13 @@ func (s *server) launchAgentEnv(t *testing.T, env []string, certs *pki, id, iden
 // rebuilt.
 func (s *server) launchAgentFrom(t *testing.T, bin string, env []string, certs *pki, id, identifiers string, extra ...string) *agent {
 	t.Helper()
+	return s.launchAgentOut(t, bin, env, nil, certs, id, identifiers, extra...)
+}
+
+// launchAgentOut is launchAgentFrom with the agent's standard output and
+// error on out, when it is not nil (startProcOut).
+func (s *server) launchAgentOut(t *testing.T, bin string, env []string, out *os.File, certs *pki, id, identifiers string, extra ...string) *agent {
+	t.Helper()
 	a := &agent{id: id, healthPort: freePort(t), adminPort: freePort(t)}
 	args := []string{
 		"agent",
@@ -539,7 +564,7 @@ func (s *server) launchAgentFrom(t *testing.T, bin string, env []string, certs *
 	if identifiers != "" {
 		args = append(args, "--agent-identifiers="+identifiers)
 	}
-	a.proc = startProcEnv(t, bin, "agent-"+id, env, append(args, extra...)...)
+	a.proc = startProcOut(t, bin, "agent-"+id, env, out, append(args, extra...)...)
 	return a
 }
 

@@ -49,6 +49,7 @@ var serverFamilies = []wantFamily{
 	{srvPrefix + "token_reviews_total", dto.MetricType_COUNTER, []string{"result"}},
 	{srvPrefix + "certificate_not_after_seconds", dto.MetricType_GAUGE, []string{"listener"}},
 	{srvPrefix + "build_info", dto.MetricType_GAUGE, []string{"version", "goversion"}},
+	{srvPrefix + "log_lines_dropped_total", dto.MetricType_COUNTER, nil},
 	{"process_start_time_seconds", dto.MetricType_GAUGE, nil},
 }
 
@@ -61,6 +62,7 @@ var agentFamilies = []wantFamily{
 	{agtPrefix + "bytes_total", dto.MetricType_COUNTER, []string{"direction"}},
 	{agtPrefix + "stream_resets_total", dto.MetricType_COUNTER, nil},
 	{agtPrefix + "build_info", dto.MetricType_GAUGE, []string{"version", "goversion"}},
+	{agtPrefix + "log_lines_dropped_total", dto.MetricType_COUNTER, nil},
 	{"process_start_time_seconds", dto.MetricType_GAUGE, nil},
 }
 

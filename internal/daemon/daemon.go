@@ -147,6 +147,7 @@ type Work struct {
 func (d *Daemon) Run(ctx context.Context, w Work) error {
 	d.listeners.closeUnused()
 	d.countRefusals(w)
+	d.countDroppedLines(w)
 	stopMemory := startMemoryUpkeep(ctx, w.MemoryReady, d.log)
 	defer stopMemory()
 
@@ -209,8 +210,9 @@ func startMemoryUpkeep(ctx context.Context, ready func() bool, log *slog.Logger)
 }
 
 // SignalContext is cancelled by the first SIGTERM or SIGINT; a second one
-// exits the process at once. The watching goroutine ends when stop is
-// called.
+// exits the process at once (after at most a second for the log's queued
+// lines). A signal acts before its log line: the log may be slow. The
+// watching goroutine ends when stop is called.
 func SignalContext(log *slog.Logger) (context.Context, func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	ch := make(chan os.Signal, 2)
@@ -219,14 +221,15 @@ func SignalContext(log *slog.Logger) (context.Context, func()) {
 	go func() {
 		select {
 		case sig := <-ch:
-			log.Info("signal received: shutting down gracefully (send again to exit at once)", "signal", sig.String())
 			cancel()
+			log.Info("signal received: shutting down gracefully (send again to exit at once)", "signal", sig.String())
 		case <-done:
 			return
 		}
 		select {
 		case sig := <-ch:
 			log.Warn("second signal: exiting now", "signal", sig.String())
+			flushLog(log)
 			os.Exit(1)
 		case <-done:
 		}

@@ -26,7 +26,9 @@
 //     returned to the OS after a burst (memory.go).
 //   - where log lines go: klog's output settings read with klog's
 //     precedence, so an upstream manifest's logs land in the same places
-//     (logging.go, NewLogger).
+//     (logging.go, NewLogger); lines for stderr through a bounded queue,
+//     so that a reader that stops or goes away costs lines, never the
+//     process (logqueue.go).
 //
 // It leaves to its callers what they serve and how they stop: the command
 // opens its listeners through Listen, says in Work how to shut down, drain
@@ -36,6 +38,7 @@
 //
 // Goroutines: every one the package starts has an owner that waits for it
 // to end: Close (the services), Run's return (memory upkeep, the restart
-// watchers), SignalContext's stop (the signal watcher). A Daemon belongs to
+// watchers), SignalContext's stop (the signal watcher), CloseLog (the
+// log's writer, which an exec ends too). A Daemon belongs to
 // the goroutine that runs the command and has no locks.
 package daemon

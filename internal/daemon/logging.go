@@ -5,8 +5,11 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // LogSettings are klog's logging flags, with klog's meaning, so that a
@@ -33,8 +36,19 @@ type LogSettings struct {
 // NewLogger builds the process's logger from s. Start-up warnings about
 // settings read differently from klog go to warn, because the logger does
 // not exist yet when they are found; the caller logs them once it does.
-// A --log-file it opens stays open for the life of the process.
+// A --log-file it opens stays open for the life of the process. When
+// stderr is a descriptor (a file, a pipe), its lines go through a queue
+// that never makes a log call wait and SIGPIPE is ignored (logqueue.go);
+// CloseLog writes out what is queued.
 func NewLogger(s LogSettings, stderr io.Writer, warn func(msg string, args ...any)) (*slog.Logger, error) {
+	var q *logQueue
+	if f, ok := stderr.(*os.File); ok {
+		var err error
+		if q, err = newLogQueue(f); err != nil {
+			return nil, fmt.Errorf("standard error: %w", err)
+		}
+		stderr = q
+	}
 	out, err := logOutput(s, stderr, warn)
 	if err != nil {
 		return nil, err
@@ -53,7 +67,16 @@ func NewLogger(s LogSettings, stderr io.Writer, warn func(msg string, args ...an
 	default:
 		return nil, fmt.Errorf("--log-format=%q: want text or json", s.Format)
 	}
-	return slog.New(h), nil
+	if q == nil {
+		return slog.New(h), nil
+	}
+	// Go ends the process with SIGPIPE when a write of its own to
+	// descriptor 1 or 2 finds the reader gone; the queue's writes are not
+	// Go's, and this covers any other.
+	signal.Ignore(unix.SIGPIPE)
+	log := slog.New(queuedHandler{h, q})
+	q.start(log)
+	return log, nil
 }
 
 // logOutput decides where log lines go, with klog's precedence: with

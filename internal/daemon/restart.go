@@ -187,11 +187,19 @@ func restartTarget() (string, error) {
 func execSelf(exe string, handOver []string, log *slog.Logger) error {
 	env := handOver
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, socketsEnv+"=") && !strings.HasPrefix(kv, stateEnv+"=") {
+		if !strings.HasPrefix(kv, inheritEnv+"=") && !strings.HasPrefix(kv, socketsEnv+"=") && !strings.HasPrefix(kv, stateEnv+"=") && !strings.HasPrefix(kv, logDroppedEnv+"=") {
 			env = append(env, kv)
 		}
 	}
 	log.Info("re-executing in place", "exe", exe, "pid", os.Getpid())
+	// The lines still queued go with the old image: written within a
+	// bound, or counted as dropped for the next image to say.
+	flushLog(log)
+	if q := logQueueOf(log); q != nil {
+		if kv := q.handOn(); kv != "" {
+			env = append(env, kv)
+		}
+	}
 	// A handled signal is reset to its default across exec, and SIGHUP's
 	// default ends the process: one that comes before the next image
 	// subscribes (restartRequests) would kill it and every tunnel it

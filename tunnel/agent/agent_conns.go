@@ -345,11 +345,12 @@ func (a *Agent) startConn(l *connToServer) bool {
 	n, want := len(a.conns), a.maxCount
 	a.connWG.Add(1)
 	a.mu.Unlock()
-	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", n, want))
 	go func() {
 		defer a.connWG.Done()
 		a.serveConn(l)
 	}()
+	// Logged once the connection is served.
+	a.log.Info("connected to server", "server_id", l.id, "addr", l.addr, "servers", fmt.Sprintf("%d/%d", n, want))
 	return true
 }
 

@@ -480,9 +480,9 @@ func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 		cancel()
 		if err != nil {
 			s.Stats.AgentsRefused.Add(1)
+			raw.Close()
 			// Debug: load-balancer health checks look exactly like this.
 			s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
-			raw.Close()
 			return
 		}
 		tlsState = tc.ConnectionState()
@@ -528,10 +528,13 @@ func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	s.startAgentLink(conn, br, hello, principal, ids, tlsState, remote)
 }
 
-// refuseAgent answers a handshake that failed with its status, logged as
-// what it most likely was, and closes the connection.
+// refuseAgent answers a handshake that failed with its status and closes
+// the connection, then logs it as what it most likely was.
 func (s *Server) refuseAgent(conn net.Conn, id, remote string, err error) {
 	code := wire.StatusCode(err)
+	conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+	wire.WriteStatus(conn, code, wire.ErrMsg(err))
+	conn.Close()
 	switch {
 	case code == http.StatusConflict: // a duplicate: expected while agents seek every server
 	case id == "":
@@ -542,9 +545,6 @@ func (s *Server) refuseAgent(conn net.Conn, id, remote string, err error) {
 		s.Stats.AgentsRefused.Add(1)
 		s.logRefusal(id, remote, err, "status", code)
 	}
-	conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
-	wire.WriteStatus(conn, code, wire.ErrMsg(err))
-	conn.Close()
 }
 
 // logRefusal logs a refused login at WARN, one line per source and reason
@@ -587,13 +587,13 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 	if err := s.register(a, hello.Token, tlsState); err != nil {
 		stopControl()
 		a.endCredential()
-		s.log.Info("agent refused: "+err.Error(), "agent", a.id, "remote", remote)
 		link.Close()
+		s.log.Info("agent refused: "+err.Error(), "agent", a.id, "remote", remote)
 		return
 	}
-	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 	// No goroutine waits for the connection to end (an idle agent costs
 	// what it holds, not a parked stack): closing it unregisters the agent.
+	// The agent is served before its line is logged.
 	wc.OnClose(func() {
 		stopControl()
 		a.endCredential()
@@ -601,6 +601,7 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.CloseReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
 	})
 	s.goroutine(func() { s.watchControl(ctlCtx, a, link) })
+	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate

@@ -131,9 +131,9 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	}
 	if err != nil {
 		s.metrics.dialFailed(err)
-		s.log.Debug("bad CONNECT request", "err", err)
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		wire.WriteStatus(conn, wire.StatusCode(err), wire.ErrMsg(err))
+		s.log.Debug("bad CONNECT request", "err", err)
 		return false
 	}
 	// The peer is checked after its request is read: closing a Unix socket
@@ -158,13 +158,13 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 			return false
 		}
 		s.metrics.dialFailed(err)
-		s.log.Debug("dial failed", "addr", addr, "err", err)
 		if failureReason(err) == reasonFrontendClosed {
 			s.metrics.packets.Inc(wire.SegFromClient, grpcwire.DialCls) // the client hung up during the dial
 		}
 		conn.SetWriteDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 		s.metrics.packets.Inc(wire.SegToClient, grpcwire.DialRsp)
 		wire.WriteStatus(conn, wire.StatusCode(err), wire.ErrMsg(err))
+		s.log.Debug("dial failed", "addr", addr, "err", err)
 		return false
 	}
 	s.metrics.packets.Inc(wire.SegToClient, grpcwire.DialRsp)

@@ -329,8 +329,13 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 			if s.isShutting() {
 				return ErrClosed
 			}
-			if frontDoor && (errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)) && s.refuseWithSpare(ln) {
-				continue // one waiting client got its 503; the rest wait or come back
+			if frontDoor && (errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)) {
+				if c, ok := s.acceptWithSpare(ln); ok {
+					if c != nil { // descriptors were free again when it came
+						s.goroutine(func() { handle(c) })
+					}
+					continue // or one waiting client got its 503; the rest wait or come back
+				}
 			}
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() || wire.IsTemporaryAccept(err) {
@@ -436,35 +441,51 @@ func (s *Server) waitPending(ctx context.Context) {
 	}
 }
 
-// refuseWithSpare answers one queued frontend connection with 503 when
-// the process is out of file descriptors: it gives up the spare descriptor
-// kept for this, accepts, answers, closes, and takes the spare back. A
-// client is told at once instead of waiting in the backlog.
-func (s *Server) refuseWithSpare(ln net.Listener) bool {
+// acceptWithSpare is the front door's accept when the process is out of
+// file descriptors: it gives up the spare descriptor kept for this and
+// accepts. The kernel refuses an accept for want of a descriptor before it
+// looks for a connection, so the accept may wait for the next client,
+// long after the shortage: the refusal is decided once a connection is
+// there, by taking the spare back. If descriptors are free again, the
+// connection is returned to be served; if not, it is answered 503 and
+// closed (c nil), so a client is told at once instead of waiting in the
+// backlog. ok is false when the accept failed.
+func (s *Server) acceptWithSpare(ln net.Listener) (c net.Conn, ok bool) {
 	s.mu.Lock()
 	spare := s.spareFD
 	s.spareFD = nil
 	s.mu.Unlock()
 	if spare == nil {
-		return false
+		return nil, false
 	}
 	spare.Close()
 	c, err := ln.Accept()
-	if err == nil {
-		s.metrics.dialFailed(&wire.StatusError{Code: http.StatusServiceUnavailable, Reason: reasonNoFD})
-		c.SetDeadline(time.Now().Add(time.Second))
-		if _, isUnix := c.(*net.UnixConn); isUnix {
-			wire.WriteStatus(c, http.StatusServiceUnavailable, "server out of file descriptors (too many open files); retry later")
-		}
-		c.Close()
-	}
-	s.warnings.Log(s.log, slog.LevelWarn, "emfile", "out of file descriptors: refusing frontend connections with 503", "addr", ln.Addr().String())
 	s.mu.Lock()
-	if !s.closed {
+	closed := s.closed
+	if !closed {
 		s.spareFD, _ = os.Open(os.DevNull)
 	}
+	spared := s.spareFD != nil
 	s.mu.Unlock()
-	return err == nil
+	if err != nil {
+		return nil, false
+	}
+	if closed {
+		c.Close()
+		return nil, true
+	}
+	if spared {
+		return c, true
+	}
+	s.metrics.dialFailed(&wire.StatusError{Code: http.StatusServiceUnavailable, Reason: reasonNoFD})
+	c.SetDeadline(time.Now().Add(time.Second))
+	if _, isUnix := c.(*net.UnixConn); isUnix {
+		wire.WriteStatus(c, http.StatusServiceUnavailable, "server out of file descriptors (too many open files); retry later")
+	}
+	c.Close()
+	s.warnings.Log(s.log, slog.LevelWarn, "emfile", "out of file descriptors: refusing frontend connections with 503", "addr", ln.Addr().String())
+	s.keepSpare()
+	return nil, true
 }
 
 // keepSpare takes the spare descriptor back once descriptors are free

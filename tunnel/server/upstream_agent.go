@@ -126,8 +126,8 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		case http.StatusBadRequest:
 			code = grpcInvalidArgument
 		}
-		s.logRefusal(hello.ID, remote, err, "protocol", "grpc")
 		grpcTrailersOnly(w, code, wire.ErrMsg(err))
+		s.logRefusal(hello.ID, remote, err, "protocol", "grpc")
 		return false
 	}
 	if !pc.admit() {
@@ -156,18 +156,19 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	ua.agent = a
 	defer a.endCredential()
 	if err := s.register(a, hello.Token, tlsState); err != nil {
-		s.log.Info("agent refused: "+err.Error(), "agent", a.id, "remote", remote, "protocol", "grpc")
 		if errors.Is(err, errAgentLate) {
 			g.finish(grpcUnavailable, "server is shutting down")
 		} else {
 			g.finish(grpcPermissionDenied, "agent ID is connected with another credential")
 		}
+		s.log.Info("agent refused: "+err.Error(), "agent", a.id, "remote", remote, "protocol", "grpc")
 		return false
 	}
-	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 
 	readDone := make(chan error, 1)
 	go func() { readDone <- ua.readLoop(r.Body) }()
+	// Logged once the agent is served.
+	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
 	var why error
 	select {
 	case why = <-readDone:
