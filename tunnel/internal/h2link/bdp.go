@@ -23,7 +23,9 @@ import (
 //     a queue of this end's making; the window comes down to what the
 //     link delivered per that shortest trip plus the target, at most
 //     halving. A trip made long by a busy machine (the speed fell with
-//     it) is no such queue;
+//     it) is no such queue, nor is one during which this end sent bulk
+//     too: its round trip waited behind this end's own bytes, whose queue
+//     the peer's window governs;
 //   - a round trip that brought in two thirds of the window or more, with
 //     no queue (no longer than the shortest plus half the target) or at a
 //     new fastest speed: the window was the limit; it doubles (a long link
@@ -73,6 +75,7 @@ type bdpEstimator struct {
 	sent     time.Time     // when it was queued
 	acked    time.Time     // when the last one was answered
 	bytes    int64         // DATA bytes received since it was queued
+	wrote    int64         // DATA bytes this end sent meanwhile
 	minRTT   time.Duration // the shortest round trip (0: none yet)
 	epochMin time.Duration // the shortest in this epoch
 	epoch    time.Time     // when this epoch began
@@ -95,7 +98,7 @@ func (l *Conn) bdpDataLocked(n int64, now time.Time) (start bool) {
 	if now.Sub(b.acked) < bdpPingGap {
 		return false
 	}
-	b.out, b.sent, b.bytes = true, now, n
+	b.out, b.sent, b.bytes, b.wrote = true, now, n, 0
 	return true
 }
 
@@ -131,8 +134,13 @@ func (l *Conn) bdpAckLocked(now time.Time) {
 	}
 	cur := int64(l.recvTarget)
 	next := cur
+	// A trip during which this end sent bulk too measured the queue of
+	// its own bytes on their way to the peer as well, which this window
+	// does not govern: the peer's does. Left to it, each end shrinks its
+	// window for the other's queue, and both collapse.
+	twoWay := b.wrote >= max(b.bytes/4, minConnWindow)
 	switch limit := b.minRTT + queueTarget; {
-	case rtt > limit && rate >= 0.75*b.maxRate:
+	case rtt > limit && rate >= 0.75*b.maxRate && !twoWay:
 		// A queue at the link's full speed: of this end's making.
 		next = max(int64(rate*limit.Seconds()), cur/2)
 	case 3*b.bytes >= 2*cur && (rtt <= b.minRTT+queueTarget/2 || sure && rate >= b.maxRate):

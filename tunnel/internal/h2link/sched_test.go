@@ -274,6 +274,44 @@ func TestWindowsFollowTheLink(t *testing.T) {
 	}
 }
 
+// A round trip during which this end sent bulk too waited behind its own
+// bytes as well: that queue is the peer's window's to govern. Echoing
+// tunnels keep both directions full; were such trips read as a queue,
+// each end would shrink its window for the other's bytes until both sat
+// at the floor.
+func TestTwoWayTripIsNoQueue(t *testing.T) {
+	l := &Conn{recvTarget: maxAutoWindow, cfg: Config{}.withDefaults()}
+	l.bdp.on = true
+	now := time.Now()
+	trip := func(rtt time.Duration, in, out int64) {
+		t.Helper()
+		l.bdp.acked = time.Time{}
+		if !l.bdpDataLocked(in, now) {
+			t.Fatal("no measurement started")
+		}
+		l.bdp.wrote += out
+		now = now.Add(rtt)
+		l.bdpAckLocked(now)
+	}
+	// A quiet link: 1 ms round trips at 1 GB/s set the shortest trip and
+	// the link's speed.
+	trip(time.Millisecond, 1e6, 0)
+	w := l.recvTarget
+	// 30 ms trips at that speed (less than the window: no growth) while
+	// this end sends as much as it gets.
+	for range 10 {
+		trip(30*time.Millisecond, 30e6, 30e6)
+	}
+	if l.recvTarget < w {
+		t.Errorf("after two-way trips: window %d, want at least %d as it was", l.recvTarget, w)
+	}
+	// The same trips one way are a queue of this window's making.
+	trip(30*time.Millisecond, 30e6, 0)
+	if l.recvTarget >= w {
+		t.Errorf("after a one-way queue: window %d, want it below %d", l.recvTarget, w)
+	}
+}
+
 // TestWriteLockGiveUp: a waiter with a deadline leaves the queue when it
 // ends, and the holders after it are served in order; one handed the
 // lock as it gave up passes it on.

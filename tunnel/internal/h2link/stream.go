@@ -338,6 +338,7 @@ func (st *stream) writeData(p []byte, end bool) error {
 		n := max(0, min(int64(len(p)), st.sendWindow.avail(), l.connAvailLocked(bulk), 2*int64(l.peerMaxFrame), l.turnBytes()))
 		st.sendWindow.take(n)
 		l.sendWindow.take(n)
+		l.bdp.wrote += n
 		l.leaveSendQueueLocked(st) // served: the next in line takes what is left
 		last := end && n == int64(len(p))
 		done := false
