@@ -33,6 +33,12 @@
 //   - Flow-control windows are the window type (flow.go), bounded at
 //     2^31-1 as the RFC says; an overflow is a FLOW_CONTROL_ERROR of the
 //     stream or the connection.
+//   - Send credit is handed out in order (credit.go): a writer waits on
+//     its own stream's condition, for its stream's credit or in the
+//     connection's first-come queue for the connection's, and whoever
+//     changes what the first in line may take wakes it, so no credit sits
+//     unused while a writer that could use it waits, and no writer is
+//     passed over by one that asked later.
 //   - Locks, outermost first: Conn.wmu, Conn.mu, a stream's rmu,
 //     Conn.ctlMu; the Batcher's lock is a leaf. Each field says which
 //     lock guards it or which goroutine owns it. A method whose name ends
