@@ -32,7 +32,11 @@
 //     budget (Config.MaxPeerResets); an empty budget drops them.
 //   - Flow-control windows are the window type (flow.go), bounded at
 //     2^31-1 as the RFC says; an overflow is a FLOW_CONTROL_ERROR of the
-//     stream or the connection.
+//     stream or the connection. Send credit goes to writers in the order
+//     they asked (credit.go). What the rules say cannot happen, connection
+//     credit that does not come or credit owed and not returned, is looked
+//     for all the same (stall.go): each such credit stall is told once
+//     (Config.OnCreditStall) and counted on the link (CheckCredit).
 //   - Locks, outermost first: Conn.wmu, Conn.mu, a stream's rmu,
 //     Conn.ctlMu; the Batcher's lock is a leaf. Each field says which
 //     lock guards it or which goroutine owns it. A method whose name ends
