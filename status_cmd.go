@@ -8,6 +8,7 @@ import (
 	"maps"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/spinifex/konnectivity/tunnel/agent"
 	"github.com/spinifex/konnectivity/tunnel/server"
+	"github.com/spinifex/konnectivity/tunnel/wire"
 )
 
 // defaultAdminAddrs are where `konnectivity status` looks without
@@ -111,10 +113,11 @@ func printStatus(w io.Writer, addr string, body []byte, now time.Time) error {
 		if r := st.Restarts; r != nil {
 			fmt.Fprintf(tw, "restarts: tunnels handed to the next image: %s; taken from the previous one: %s\n", countsLine(r.Paused), countsLine(r.Resumed))
 		}
-		fmt.Fprintln(tw, "AGENT\tREMOTE\tCONNECTED\tTUNNELS\tTO AGENT\tFROM AGENT\tDRAINING\tNODE\tIDENTIFIERS")
+		fmt.Fprintln(tw, "AGENT\tREMOTE\tCONNECTED\tTUNNELS\tTO AGENT\tFROM AGENT\tDRAINING\tSTALLS\tWAITING\tNODE\tIDENTIFIERS")
 		for _, a := range st.Agents {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", a.ID, a.Remote, age(now, a.Since), a.OpenStreams,
-				bytesHuman(a.BytesToAgent), bytesHuman(a.BytesFromAgent), yesNo(a.Draining), dashIfEmpty(a.Node), dashIfEmpty(a.Identifiers))
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", a.ID, a.Remote, age(now, a.Since), a.OpenStreams,
+				bytesHuman(a.BytesToAgent), bytesHuman(a.BytesFromAgent), yesNo(a.Draining), a.CreditStalls, waiting(a.SendWaiting, a.SendWaits),
+				dashIfEmpty(a.Node), dashIfEmpty(a.Identifiers))
 		}
 	case "agent":
 		var st agent.Status
@@ -122,12 +125,26 @@ func printStatus(w io.Writer, addr string, body []byte, now time.Time) error {
 			return fmt.Errorf("decode agent status: %w", err)
 		}
 		fmt.Fprintf(tw, "agent %s: connected %d/%d servers, %d open tunnel(s)\n", st.AgentID, st.Connected, st.Want, st.OpenStreams)
-		fmt.Fprintln(tw, "SERVER\tADDRESS\tCONNECTED\tSERVER COUNT\tTUNNELS")
+		fmt.Fprintln(tw, "SERVER\tADDRESS\tCONNECTED\tSERVER COUNT\tTUNNELS\tSTALLS\tWAITING")
 		for _, l := range st.Servers {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\n", l.ServerID, l.Addr, age(now, l.Since), l.Count, l.OpenStreams)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%s\n", l.ServerID, l.Addr, age(now, l.Since), l.Count, l.OpenStreams,
+				l.CreditStalls, waiting(l.SendWaiting, l.SendWaits))
 		}
 	}
 	return nil
+}
+
+// waiting writes a link's tunnels waiting for send credit: how many, and
+// the longest wait and what it waits for ("2 (longest 12s, connection)").
+func waiting(n int, longest []wire.SendWait) string {
+	if n == 0 {
+		return "-"
+	}
+	if len(longest) == 0 {
+		return strconv.Itoa(n)
+	}
+	w := longest[0]
+	return fmt.Sprintf("%d (longest %s, %s)", n, (time.Duration(w.Seconds * float64(time.Second))).Round(time.Second), w.For)
 }
 
 // countsLine writes counts by key, in the keys' order: "0 draining, 3 open".

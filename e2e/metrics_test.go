@@ -45,6 +45,7 @@ var serverFamilies = []wantFamily{
 	{srvPrefix + "connection_duration_seconds", dto.MetricType_HISTOGRAM, nil},
 	{srvPrefix + "bytes_total", dto.MetricType_COUNTER, []string{"direction"}},
 	{srvPrefix + "stream_resets_total", dto.MetricType_COUNTER, nil},
+	{srvPrefix + "credit_stalls_total", dto.MetricType_COUNTER, []string{"kind"}},
 	{srvPrefix + "agents_refused_total", dto.MetricType_COUNTER, nil},
 	{srvPrefix + "token_reviews_total", dto.MetricType_COUNTER, []string{"result"}},
 	{srvPrefix + "certificate_not_after_seconds", dto.MetricType_GAUGE, []string{"listener"}},
@@ -61,6 +62,7 @@ var agentFamilies = []wantFamily{
 	{agtPrefix + "open_endpoint_connections", dto.MetricType_GAUGE, nil},
 	{agtPrefix + "bytes_total", dto.MetricType_COUNTER, []string{"direction"}},
 	{agtPrefix + "stream_resets_total", dto.MetricType_COUNTER, nil},
+	{agtPrefix + "credit_stalls_total", dto.MetricType_COUNTER, []string{"kind"}},
 	{agtPrefix + "build_info", dto.MetricType_GAUGE, []string{"version", "goversion"}},
 	{agtPrefix + "log_lines_dropped_total", dto.MetricType_COUNTER, nil},
 	{"process_start_time_seconds", dto.MetricType_GAUGE, nil},
@@ -346,7 +348,7 @@ func TestStatusTopology(t *testing.T) {
 		if !strings.Contains(out, fmt.Sprintf("server %s (server count 2): 3 agent(s)", wantID)) {
 			t.Errorf("status of %s: no summary line:\n%s", wantID, out)
 		}
-		rows := checkTable(t, out, "AGENT", []string{"AGENT", "REMOTE", "CONNECTED", "TUNNELS", "TO AGENT", "FROM AGENT", "DRAINING", "IDENTIFIERS"})
+		rows := checkTable(t, out, "AGENT", []string{"AGENT", "REMOTE", "CONNECTED", "TUNNELS", "TO AGENT", "FROM AGENT", "DRAINING", "STALLS", "WAITING", "IDENTIFIERS"})
 		for id := range idents {
 			if !slices.ContainsFunc(rows, func(r string) bool { return strings.HasPrefix(r, id+" ") }) {
 				t.Errorf("status of %s: no row for agent %s:\n%s", wantID, id, out)
@@ -384,7 +386,7 @@ func TestStatusTopology(t *testing.T) {
 		if !strings.Contains(out, fmt.Sprintf("agent %s: connected 2/2 servers", a.id)) {
 			t.Errorf("status of agent %s: no summary line:\n%s", a.id, out)
 		}
-		rows := checkTable(t, out, "SERVER", []string{"SERVER", "ADDRESS", "CONNECTED", "SERVER COUNT", "TUNNELS"})
+		rows := checkTable(t, out, "SERVER", []string{"SERVER", "ADDRESS", "CONNECTED", "SERVER COUNT", "TUNNELS", "STALLS", "WAITING"})
 		if len(rows) != 2 || !strings.HasPrefix(rows[0], "s1 ") || !strings.HasPrefix(rows[1], "s2 ") {
 			t.Errorf("status of agent %s: rows %q, want s1 and s2", a.id, rows)
 		}

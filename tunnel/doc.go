@@ -49,7 +49,11 @@
 //     other;
 //   - kept: a paused tunnel's destination connection on the agent, open
 //     under the server's resume token until a resume takes it or its time
-//     is up, or passed to the agent's next image (Agent.KeptForNextImage).
+//     is up, or passed to the agent's next image (Agent.KeptForNextImage);
+//   - credit stall: a link's tunnels waiting for flow-control credit that
+//     does not come, or credit a link owes its peer and does not return
+//     (h2link's stall.go); not a stalled link (a peer that does not read:
+//     h2link.ErrStalled) nor a stalled tunnel (a client that does not read).
 //
 // # Packages
 //
@@ -91,7 +95,8 @@
 // CONNECT head, StatusError), identifiers.go, packets.go (upstream's
 // Packet counts, stream error codes, a tunnel's activity), conn.go
 // (sockets), buffers.go, loglimit.go, panics.go (the panic guard of a
-// tunnel's goroutines on both ends).
+// tunnel's goroutines on both ends), stalls.go (a link's credit stalls:
+// the metric, the log line and the status of both ends).
 //
 // # Locks
 //

@@ -65,6 +65,11 @@ type Config struct {
 	DrainTimeout time.Duration // on shutdown, how long open tunnels may finish (default 30s)
 	SyncInterval time.Duration // first reconnect delay (default 1s)
 	SyncCap      time.Duration // reconnect delay cap, and the re-probe/re-resolve period (default 10s)
+	// CreditStallAfter is how long a server link's writers may wait for
+	// connection credit none of them is given, or the link owe the server
+	// credit, before it counts a credit stall (h2link's stall.go; default
+	// 10s).
+	CreditStallAfter time.Duration
 	// MaxStreams bounds the tunnels one server connection may open at
 	// once, MaxStreamsTotal those of all server connections together:
 	// past either a CONNECT is answered 503 naming the flag (the
@@ -428,6 +433,20 @@ func (a *Agent) beginDrain() time.Time {
 	return end
 }
 
+// links returns the links of the agent's server connections that run
+// HTTP/2.
+func (a *Agent) links() []*h2link.Conn {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	links := make([]*h2link.Conn, 0, len(a.conns))
+	for l := range a.conns {
+		if lk := l.link.Load(); lk != nil {
+			links = append(links, lk)
+		}
+	}
+	return links
+}
+
 func (a *Agent) goAwayLinks() {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -449,15 +468,7 @@ const lingerAfterGoAway = 2 * time.Second
 func (a *Agent) waitSent() {
 	ctx, cancel := context.WithTimeout(context.Background(), lingerAfterGoAway)
 	defer cancel()
-	a.mu.Lock()
-	links := make([]*h2link.Conn, 0, len(a.conns))
-	for l := range a.conns {
-		if lk := l.link.Load(); lk != nil {
-			links = append(links, lk)
-		}
-	}
-	a.mu.Unlock()
-	for _, lk := range links {
+	for _, lk := range a.links() {
 		lk.Sent(ctx) // one deadline for all: the waits overlap
 	}
 }

@@ -417,6 +417,10 @@ func (a *Agent) serveConn(l *connToServer) {
 		// Room for each tunnel's own control request beside it, and the control stream.
 		KeepAlive: a.cfg.KeepAlive, PingTimeout: a.cfg.PingTimeout, MaxConcurrentStreams: 2*a.cfg.MaxStreams + 1,
 		Take: take, Spawn: spawn, Batch: wire.BatcherOf(l.conn),
+		CreditStallAfter: a.cfg.CreditStallAfter,
+		OnCreditStall: func(cs h2link.CreditStall) {
+			a.metrics.creditStalls.Told(a.log, cs, "server_id", l.id, "addr", l.addr)
+		},
 	}, nil)
 	if err != nil {
 		a.log.Debug("HTTP/2 set-up failed", "server_id", l.id, "addr", l.addr, "err", err)

@@ -4,6 +4,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 	"github.com/spinifex/konnectivity/tunnel/wire"
 
 	"github.com/spinifex/konnectivity/internal/promtext"
@@ -27,6 +28,7 @@ type agentMetrics struct {
 	toServerFailures, fromServerFailures *promtext.Counter
 	packets                              wire.PacketCounts
 	streamErrs                           wire.StreamErrors
+	creditStalls                         wire.CreditStalls // the server links' (serveConn)
 }
 
 func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
@@ -47,6 +49,14 @@ func newAgentMetrics(m *promtext.Registry, a *Agent) *agentMetrics {
 	am.fromServerFailures = m.Counter(serverFailures, serverFailuresHelp, []string{"direction"}, "from_server")
 	am.packets.Register(m, agentPrefix+"stream_packets_total", wire.SegFromAgent, wire.SegToAgent)
 	am.streamErrs.Register(m, agentPrefix+"stream_errors_total", wire.SegFromAgent, wire.SegToAgent)
+	am.creditStalls.Register(m, agentPrefix+"credit_stalls_total")
+	// A scrape checks the links for credit stalls, beside their keepalive
+	// timers, so the family is current when read.
+	m.OnScrape(func() {
+		for _, lk := range a.links() {
+			lk.CheckCredit(0)
+		}
+	})
 	m.GaugeFunc(agentPrefix+"open_server_connections", "Servers this agent holds a tunnel connection to.", nil, nil,
 		func() float64 { n, _ := a.connected(); return float64(n) })
 	m.GaugeFunc(agentPrefix+"known_server_count", "Servers this agent wants a tunnel to (the largest count a live server announced, or the count of server Leases).", nil, nil,
@@ -82,16 +92,35 @@ type ServerConnStatus struct {
 	Since       time.Time `json:"since"`
 	Count       int       `json:"serverCount"`
 	OpenStreams int64     `json:"openStreams"`
+	// CreditStalls counts the credit stalls seen on the connection's link;
+	// SendWaiting is how many of its tunnels wait for send credit now
+	// toward the server, and SendWaits the longest waits
+	// (wire.MaxSendWaits). docs/slow-links.md says what they tell.
+	CreditStalls uint64          `json:"creditStalls"`
+	SendWaiting  int             `json:"sendWaiting"`
+	SendWaits    []wire.SendWait `json:"sendWaits,omitempty"`
 }
 
 // Status reports the agent's server connections, sorted by server ID.
 func (a *Agent) Status() Status {
 	a.mu.Lock()
 	st := Status{Role: "agent", AgentID: a.cfg.ID, Connected: len(a.conns), Want: a.maxCount, LeaseCount: a.leaseCount, Servers: []ServerConnStatus{}}
+	links := make([]*h2link.Conn, 0, len(a.conns))
 	for l := range a.conns {
 		st.Servers = append(st.Servers, ServerConnStatus{ServerID: l.id, Addr: l.addr, Since: l.since, Count: l.count, OpenStreams: l.tunnels.Load()})
+		links = append(links, l.link.Load())
 	}
 	a.mu.Unlock()
+	// The links are checked outside Agent.mu: their checks may tell of a
+	// stall, which logs.
+	now := time.Now()
+	for i, lk := range links {
+		if lk == nil {
+			continue
+		}
+		cs := lk.CheckCredit(wire.MaxSendWaits)
+		st.Servers[i].CreditStalls, st.Servers[i].SendWaiting, st.Servers[i].SendWaits = cs.Stalls, cs.Waiting, wire.SendWaits(cs, now)
+	}
 	st.OpenStreams = a.Stats.Tunnels.Load()
 	sort.Slice(st.Servers, func(i, j int) bool { return st.Servers[i].ServerID < st.Servers[j].ServerID })
 	return st

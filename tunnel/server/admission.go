@@ -576,7 +576,12 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		h2conn = &wire.BufferedConn{Conn: conn, R: br}
 	}
 	wc := wire.NewWatchedConn(h2conn)
-	link, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: wire.BatcherOf(wc), Queued: &s.queued, Prelude: wire.Switching(s.cfg.ID, s.cfg.Count)})
+	link, err := h2link.NewClient(wc, h2link.Config{KeepAlive: s.cfg.KeepAlive, PingTimeout: s.cfg.PingTimeout, Spawn: s.goroutine, Batch: wire.BatcherOf(wc), Queued: &s.queued, Prelude: wire.Switching(s.cfg.ID, s.cfg.Count),
+		CreditStallAfter: s.cfg.CreditStallAfter,
+		OnCreditStall: func(cs h2link.CreditStall) {
+			s.metrics.creditStalls.Told(s.log, cs, "agent", hello.ID, "remote", remote)
+		},
+	})
 	if err != nil {
 		s.log.Info("agent HTTP/2 setup failed", "agent", hello.ID, "remote", remote, "err", err)
 		wc.Close()

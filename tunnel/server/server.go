@@ -67,6 +67,11 @@ type Config struct {
 	KeepAlive          time.Duration // idle time before an HTTP/2 PING (default 30s)
 	PingTimeout        time.Duration // how long a PING may go unanswered (default 15s)
 	MaxStreamsPerAgent int           // open tunnels per agent before it is skipped (default 10000)
+	// CreditStallAfter is how long an agent link's writers may wait for
+	// connection credit none of them is given, or the link owe the agent
+	// credit, before it counts a credit stall (h2link's stall.go; default
+	// 10s).
+	CreditStallAfter time.Duration
 	// MaxUnadmitted bounds the agent-port connections accepted and not yet
 	// admitted (default 64); MaxReviews the AuthenticateAgent calls in
 	// flight (default 32). See admission.go.

@@ -24,6 +24,7 @@ type serverMetrics struct {
 	nodeRoutes    map[string]*promtext.Counter // by result; only with the node strategy on
 	packets       wire.PacketCounts
 	streamErrs    wire.StreamErrors
+	creditStalls  wire.CreditStalls // the agent links' (startAgentLink)
 	// Agent logins and connections refused by the bounds per credential
 	// and on the agents' descriptors.
 	agentsRefusedCred *promtext.Counter
@@ -73,6 +74,16 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		m.GaugeFunc(serverPrefix+"tunnels", "Tunnels in the server's table, by state (dialing tunnels are counted by pending_backend_dials).", []string{"state"}, []string{st.String()},
 			func() float64 { return float64(s.countTunnels(st)) })
 	}
+	sm.creditStalls.Register(m, serverPrefix+"credit_stalls_total")
+	// A scrape checks the links for credit stalls, beside their keepalive
+	// timers, so the family is current when read.
+	m.OnScrape(func() {
+		for _, a := range s.agents.snapshot() {
+			if l := a.ourLink(); l != nil {
+				l.CheckCredit(0)
+			}
+		}
+	})
 	m.CounterFunc(serverPrefix+"agents_refused_total", "Agent connections refused (TLS, handshake or authentication).", nil, nil,
 		func() float64 { return float64(s.Stats.AgentsRefused.Load()) })
 	return sm

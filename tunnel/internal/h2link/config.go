@@ -51,6 +51,18 @@ type Config struct {
 	// gives up with ErrStalled. Default DefaultStallAfter; negative: never.
 	StallAfter time.Duration
 
+	// CreditStallAfter is how long writers may wait for connection credit
+	// while none of them is served, or this end may owe the peer credit
+	// for bytes its reader consumed, before the link counts a credit stall
+	// (stall.go). Default DefaultCreditStallAfter; negative: never.
+	CreditStallAfter time.Duration
+
+	// OnCreditStall, when set, is told of each credit stall once, when a
+	// check sees it (stall.go). It runs on the checking goroutine (the
+	// keepalive timer's, or a caller of CheckCredit) outside the link's
+	// locks; it must not block or call the link.
+	OnCreditStall func(CreditStall)
+
 	// MaxConcurrentStreams is, on the serving end, how many streams the
 	// peer may have at once (SETTINGS_MAX_CONCURRENT_STREAMS). A stream
 	// counts until both its halves ended and its handler returned, so a
@@ -149,6 +161,9 @@ const (
 func (c Config) withDefaults() Config {
 	if c.StallAfter == 0 {
 		c.StallAfter = DefaultStallAfter
+	}
+	if c.CreditStallAfter == 0 {
+		c.CreditStallAfter = DefaultCreditStallAfter
 	}
 	if c.MaxConcurrentStreams == 0 {
 		c.MaxConcurrentStreams = DefaultMaxConcurrentStreams

@@ -83,6 +83,7 @@ type Conn struct {
 	streamWindow int32        // under mu: the receive window each new stream gets (SETTINGS_INITIAL_WINDOW_SIZE)
 	sendPeak     int64        // under mu: the largest connection send window seen: see connAvailLocked
 	bdp          bdpEstimator // under mu: the link's measurement, which sets recvTarget
+	watch        creditWatch  // under mu: what the credit checks keep (stall.go)
 
 	// streamTarget is the receive window streams move to as their credit
 	// goes back (bdp.go): written under mu, read under a stream's rmu.
@@ -663,6 +664,7 @@ func (l *Conn) closeWith(err error) {
 // PingTimeout. It runs on the timer's goroutine, which lives only for the
 // call.
 func (l *Conn) keepAliveTick() {
+	l.checkAndTell(time.Now()) // the credit checks ride on this timer (stall.go)
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()

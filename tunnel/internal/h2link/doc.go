@@ -38,7 +38,11 @@
 //     connection's first-come queue for the connection's, and whoever
 //     changes what the first in line may take wakes it, so no credit sits
 //     unused while a writer that could use it waits, and no writer is
-//     passed over by one that asked later.
+//     passed over by one that asked later. What these rules say cannot
+//     happen, connection credit that does not come or credit owed and not
+//     returned, is looked for all the same (stall.go): each such credit
+//     stall is told once (Config.OnCreditStall) and counted on the link
+//     (CheckCredit).
 //   - Locks, outermost first: Conn.wmu, Conn.mu, a stream's rmu,
 //     Conn.ctlMu; the Batcher's lock is a leaf. Each field says which
 //     lock guards it or which goroutine owns it. A method whose name ends

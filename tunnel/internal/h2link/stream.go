@@ -65,6 +65,7 @@ type stream struct {
 	sendNext    *stream
 	inSendQueue bool // in Conn.sendQ[sendClass]
 	sendClass   sendClass
+	waitSince   int64 // when its writer began to wait for send credit (unix nanoseconds); 0 while it does not (stall.go)
 
 	// Guarded by rmu: the receive side.
 	rmu        sync.Mutex
@@ -84,6 +85,8 @@ type stream struct {
 	recvSize   int32          // the window this end gives the stream
 	eof        bool           // END_STREAM received: the reader gets io.EOF after the queue
 	readerGone bool           // the body was closed
+	owedTold   bool           // the credit owed since owedSince was told (stall.go)
+	owedSince  int64          // when a credit check first saw credit owed (unix nanoseconds); 0 while it is not
 }
 
 func newStream(l *Conn, id uint32, state streamState) *stream {
@@ -326,8 +329,10 @@ func (st *stream) writeData(p []byte, end bool) error {
 	for {
 		l.mu.Lock()
 		for st.state != stateClosed && !l.closed && len(p) > 0 && !st.mayTakeLocked(classOf(bulk)) {
+			st.waitingLocked() // for the credit checks and the status (stall.go)
 			st.sendCond.Wait() // credit.go says who wakes it
 		}
+		st.goesOnLocked(classOf(bulk))
 		if l.closed || st.sentEndLocked() {
 			l.leaveSendQueueLocked(st)
 			l.mu.Unlock()
