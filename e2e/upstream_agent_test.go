@@ -57,6 +57,7 @@ type upstreamStyleAgent struct {
 
 	mu         sync.Mutex
 	holdAddr   string        // dials to this address wait for hold
+	reuseID    int64         // when set, every dial is answered with this connect ID (a faulty agent)
 	hold       chan struct{} // closed to let a held dial go on
 	endpoints  map[int64]*upstreamEndpoint
 	hosts      map[string]int // successful dials by destination host
@@ -307,6 +308,20 @@ func (a *upstreamStyleAgent) dial(addr string, random int64) {
 		a.mu.Unlock()
 		c.Close()
 		return
+	}
+	if a.reuseID != 0 {
+		id = a.reuseID
+		if a.endpoints[id] != nil {
+			// The ID's first destination keeps it; this one is dropped.
+			a.mu.Unlock()
+			c.Close()
+			a.dialsOK.Add(1)
+			_ = a.send(&client.Packet{
+				Type:    client.PacketType_DIAL_RSP,
+				Payload: &client.Packet_DialResponse{DialResponse: &client.DialResponse{Random: random, ConnectID: id}},
+			})
+			return
+		}
 	}
 	// Registered before DIAL_RSP goes out: DATA may follow it at once.
 	a.endpoints[id] = e
@@ -712,4 +727,50 @@ func TestUpstreamAgentTokenAuth(t *testing.T) {
 	if got := up.dialsOK.Load(); got != 10 {
 		t.Errorf("token-authenticated agent dialled %d, want 10", got)
 	}
+}
+
+// An upstream-protocol agent that answers a second dial with the connect
+// ID of a tunnel that is open: the second dial fails and the first tunnel
+// goes on; once the agent leaves, the first tunnel ends too instead of
+// staying open with nothing behind it.
+func TestUpstreamAgentConnectIDInUse(t *testing.T) {
+	s := startServer(t)
+	up, err := connectUpstreamAgent(t, s.agentPort, upstreamTLS(t, s.pki, true), "upstream-1", "", "")
+	if err != nil {
+		t.Fatalf("upstream-style agent: %v", err)
+	}
+	up.mu.Lock()
+	up.reuseID = 7
+	up.mu.Unlock()
+	s.waitAgents(t, 1, startTimeout)
+	echo := startTCPBackend(t, "127.0.0.1", func(c net.Conn) { io.Copy(c, c) })
+	d := s.egressDialer(t).bounded()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	first, err := d(ctx, "tcp", echo.addr())
+	if err != nil {
+		t.Fatalf("first dial: %v", err)
+	}
+	defer first.Close()
+	if second, err := d(ctx, "tcp", echo.addr()); err == nil {
+		defer second.Close()
+		t.Error("a dial answered with the connect ID of an open tunnel succeeded")
+	} else {
+		t.Logf("second dial, answered with the first's connect ID: %v", err)
+	}
+	first.SetDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(first)
+	if err := echoOnce(first, br, "ping\n"); err != nil {
+		t.Errorf("the first tunnel after the second dial: %v", err)
+	}
+	first.SetDeadline(time.Now().Add(10 * time.Second))
+
+	up.stop()
+	s.waitAgents(t, 0, startTimeout)
+	start := time.Now()
+	if _, err := io.Copy(io.Discard, br); err != nil {
+		t.Fatalf("the first tunnel, %v after its agent left: %v (still open)", time.Since(start).Round(time.Millisecond), err)
+	}
+	t.Logf("the first tunnel ended %v after its agent left", time.Since(start).Round(time.Millisecond))
 }

@@ -76,7 +76,8 @@
 // front door), mode_mismatch.go (each door's answer to a client of the
 // other protocol), upload.go (a tunnel's upload), admission.go (an agent's
 // connection until it is admitted, the limits on it, and register, which
-// puts admitted agents of both kinds in the registry), dial.go (picking an
+// puts admitted agents of both kinds in the registry), replaced.go (logins
+// that replace a connection of their agent ID), dial.go (picking an
 // agent and opening a tunnel through it), upstream_agent.go (upstream's
 // gRPC agents), registry.go and registry_index.go (the agents by what a
 // strategy asks for), identity.go, quiet.go (the quiet close, for a
@@ -121,7 +122,7 @@
 // the destinations kept for a restart; tunnelGate.mu whether the agent
 // takes tunnels (its drain shuts it once none is open), and its tunnel
 // count goes up only under it. Leaf locks, under which nothing
-// else is taken: tunnelGate.mu, upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu,
+// else is taken: tunnelGate.mu, upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu, replacements.mu,
 // watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every
 // other shared field is immutable once published, atomic, or owned by

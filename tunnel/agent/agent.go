@@ -175,6 +175,11 @@ type Agent struct {
 	// kept is what the agent keeps for restarting servers: guarded by
 	// mu, but for its atomic count (agent_pause.go).
 	kept keptDests
+	// Guarded by mu: when a server replaced one of the agent's
+	// connections with another process's login of its ID (replaced),
+	// the back-off before the agent logs in again, and when it may.
+	replacedWait *backoff
+	loginAfter   time.Time
 
 	connWG sync.WaitGroup // goroutines serving connections; Run waits for them
 	linkWG sync.WaitGroup // goroutines the links start (Spawn: stream handlers, writers); Run waits for them
@@ -281,6 +286,7 @@ func New(cfg Config) (*Agent, error) {
 		idle:     make(chan struct{}, 1),
 	}
 	a.announced = 1
+	a.replacedWait = newBackoff(cfg.SyncInterval, cfg.SyncCap)
 	a.metrics = newAgentMetrics(cfg.Metrics, a)
 	return a, nil
 }

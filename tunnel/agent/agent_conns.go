@@ -86,7 +86,7 @@ func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
 func (a *Agent) seek(ctx context.Context, t target) {
 	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
 	dupes := 0
-	for ctx.Err() == nil {
+	for a.waitLogin(ctx) {
 		changed := a.changedChan()
 		if n, want := a.connected(); n >= want {
 			probe := a.cfg.SyncForever
@@ -149,7 +149,7 @@ func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
 // hold keeps one connection to a fixed address, redialling when it drops.
 func (a *Agent) hold(ctx context.Context, t target) {
 	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
-	for ctx.Err() == nil {
+	for a.waitLogin(ctx) {
 		l, err := a.dial(ctx, t)
 		var delay time.Duration
 		switch {
@@ -422,22 +422,63 @@ func (a *Agent) serveConn(l *connToServer) {
 			a.metrics.creditStalls.Told(a.log, cs, "server_id", l.id, "addr", l.addr)
 		},
 	}, nil)
+	replaced := false
 	if err != nil {
 		a.log.Debug("HTTP/2 set-up failed", "server_id", l.id, "addr", l.addr, "err", err)
 	} else {
 		l.link.Store(lk)
 		lk.Serve()
+		replaced = lk.PeerGoAwayDebug() == wire.GoAwayReplaced
 	}
 	l.conn.Close()
 	if brokeOff(l.conn) {
 		a.metrics.fromServerFailures.Inc()
 	}
 	a.mu.Lock()
+	_, ours := a.conns[l] // not taken out by startConn: no login of this process replaced it
 	delete(a.conns, l)
+	var wait time.Duration
+	if replaced && ours {
+		wait = a.replacedLocked(l)
+	}
 	a.recountLocked()
 	n, want := len(a.conns), a.maxCount
 	a.mu.Unlock()
-	a.log.Info("server connection closed", "server_id", l.id, "addr", l.addr, "reason", l.conn.CloseReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", n, want))
+	args := []any{"server_id", l.id, "addr", l.addr, "reason", l.conn.CloseReason(), "connected_for", time.Since(l.since).Round(time.Millisecond).String(), "servers", fmt.Sprintf("%d/%d", n, want)}
+	if wait > 0 {
+		a.log.Warn("server connection replaced by another agent's login with this agent ID (two processes share one ID and credential: a cloned node?)", append(args, "login_in", wait.Round(time.Millisecond).String())...)
+		return
+	}
+	a.log.Info("server connection closed", args...)
+}
+
+// replacedLocked is the agent's answer to a server that replaced l with
+// another process's login of the agent's ID (wire.GoAwayReplaced): two
+// processes that share an ID would otherwise replace each other as fast
+// as they can log in. It sets how long the agent waits before it logs in
+// again, on the reconnect back-off (SyncInterval growing to SyncCap, with
+// jitter), which starts again after a connection that lasted long enough
+// that the other process was not taking turns with it. The caller holds
+// a.mu.
+func (a *Agent) replacedLocked(l *connToServer) time.Duration {
+	if time.Since(l.since) > 2*a.cfg.SyncCap {
+		a.replacedWait.reset()
+	}
+	d := a.replacedWait.next()
+	a.loginAfter = time.Now().Add(d)
+	return d
+}
+
+// waitLogin waits until the agent may log in again after a replaced
+// connection (replacedLocked); false once ctx ended.
+func (a *Agent) waitLogin(ctx context.Context) bool {
+	a.mu.Lock()
+	d := time.Until(a.loginAfter)
+	a.mu.Unlock()
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	return kubeapi.Sleep(ctx, d)
 }
 
 // recountLocked adopts the largest count live servers announce (with no

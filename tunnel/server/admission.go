@@ -603,10 +603,14 @@ func (s *Server) startAgentLink(conn net.Conn, br *bufio.Reader, hello wire.Agen
 		stopControl()
 		a.endCredential()
 		s.agents.remove(a)
-		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.CloseReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+		if !a.quiet.Load() {
+			s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "reason", wc.CloseReason(), "connected_for", time.Since(a.since).Round(time.Millisecond).String(), "agents", s.agents.len())
+		}
 	})
 	s.goroutine(func() { s.watchControl(ctlCtx, a, link) })
-	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
+	if !a.quiet.Load() {
+		s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
+	}
 }
 
 // admit runs the cheap checks first and authentication last, so a duplicate
@@ -790,14 +794,40 @@ func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionSta
 		return err
 	}
 	if old != nil {
-		old.draining.Store(true)
+		// A connection that announced a drain or a restart expects its
+		// successor; any other was replaced (replaced.go).
+		announced := old.draining.Swap(true) || old.restarting.Load()
+		if !announced {
+			s.noteReplaced(a, old)
+		}
 		s.goroutine(func() {
+			if l := old.ourLink(); l != nil && !announced {
+				// Said before the drain, so the agent learns why: its
+				// GOAWAY write waits for no one but that agent.
+				l.SetGoAwayDebug(wire.GoAwayReplaced)
+				l.GoAwayNow()
+			}
 			ctx, cancel := context.WithTimeout(s.baseCtx, s.cfg.KeepAlive+s.cfg.PingTimeout)
 			defer cancel()
 			old.shutdown(ctx)
 		})
 	}
 	return nil
+}
+
+// noteReplaced counts a's login replacing old, a connection of its ID that
+// announced no drain or restart; in a run (replaced.go) neither's line is
+// logged, and the run is reported when due.
+func (s *Server) noteReplaced(a, old *agentConn) {
+	rep := s.replaced.note(a.id, time.Now())
+	if !rep.inRun {
+		return
+	}
+	a.quiet.Store(true)
+	old.quiet.Store(true)
+	if rep.report {
+		s.log.Warn("agent ID replaced over and over: two agent processes share this ID and credential (a cloned node?); each one replaced waits before it logs in again", "agent", a.id, "replaced", rep.count, "run_for", rep.runFor.Round(time.Millisecond).String())
+	}
 }
 
 // speaksGRPC tells upstream's gRPC agents from ours on the agent port.

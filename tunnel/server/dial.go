@@ -54,8 +54,11 @@ func failureReason(err error) string {
 // open picks an agent and opens t's CONNECT stream to t.addr through it.
 // It returns once the agent has dialled the destination, or with a
 // *StatusError. A dial that meets a connection that died before the agent
-// answered is retried on another agent: nothing was sent, so nothing is
-// lost.
+// answered is retried on another agent, within the same deadline: the
+// agent's side of a dial it may have begun ends with its connection, so
+// nothing is lost. A dial that waits on a quiet connection probes it
+// (dialProbe), so a connection that died silently is found while the
+// dial can still go elsewhere.
 func (s *Server) open(t *tunnel) error {
 	if q := s.queued.Load(); q > s.cfg.StalledBudget {
 		return wire.StatusErrorf(http.StatusServiceUnavailable, "server memory budget for stalled tunnels used up (%d MiB held for clients that do not read)", q>>20).WithReason(reasonStalledBudget)
@@ -165,6 +168,20 @@ func (s *Server) nodeRouteWhy(d dest) string {
 	return fmt.Sprintf("; node strategy: no agent bound to node %q (which owns %s) is connected", d.node, d.host)
 }
 
+// dialProbe is when a dial still unanswered probes its agent's
+// connection, and how long the probe's PING may go unanswered. The probe
+// does nothing when the connection read anything since the dial was sent
+// (an agent that is there and slow to dial); otherwise a connection that
+// answers the PING, or sends anything, within wait is there, and one that
+// does not is closed as dead and the dial retried on
+// another agent (open) with what is left of DialTimeout: after a fifth of
+// it (at most a second) and within half of it (at most PingTimeout), a
+// silently dead connection costs a dial at most 0.7 of DialTimeout. A
+// live connection answers a PING within a round trip.
+func (s *Server) dialProbe() (after, wait time.Duration) {
+	return min(time.Second, s.cfg.DialTimeout/5), min(s.cfg.PingTimeout, s.cfg.DialTimeout/2)
+}
+
 // roundTrip sends t's CONNECT stream to one agent and waits for its
 // answer; on success t is established through a. The request context
 // lives as long as the tunnel, so the dial deadline is a timer that
@@ -192,7 +209,16 @@ func (s *Server) roundTrip(t *tunnel, a *agentConn, deadline time.Time, token st
 	req = req.WithContext(ctx)
 	a.tunnels.Add(1)
 	s.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialReq)
+	var probe *time.Timer
+	if token == "" { // a resume has no other agent to go to
+		sent := time.Now()
+		after, wait := s.dialProbe()
+		probe = time.AfterFunc(after, func() { a.opener.probe(sent, wait) })
+	}
 	resp, err := a.opener.roundTrip(req)
+	if probe != nil {
+		probe.Stop()
+	}
 	timer.Stop()
 	up.cancelOnGone(nil)
 	if err != nil {

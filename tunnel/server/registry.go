@@ -69,6 +69,7 @@ type agentConn struct {
 	draining           atomic.Bool  // the agent announced a drain
 	restarting         atomic.Bool  // the agent announced a restart in place: its paused tunnels wait for its next link (agent_restart.go)
 	doubted            atomic.Bool  // its token's last review was negative: it takes no new tunnel (identity.go, reviewLink)
+	quiet              atomic.Bool  // its login or end is a replacement in a run (replaced.go): not logged one by one
 	bytesTo, bytesFrom atomic.Int64
 }
 
@@ -88,6 +89,10 @@ type tunnelOpener interface {
 	shutdown(ctx context.Context)
 	// close ends the connection and its tunnels at once.
 	close()
+	// probe asks the agent's connection for a sign of life when it has
+	// read nothing since since, and closes it unless one comes within
+	// wait (h2link.Probe).
+	probe(since time.Time, wait time.Duration)
 }
 
 // linkOpener opens our agent's tunnels: CONNECT streams on its link.
@@ -106,6 +111,8 @@ func (o linkOpener) shutdown(ctx context.Context) {
 }
 
 func (o linkOpener) close() { o.link.Close() }
+
+func (o linkOpener) probe(since time.Time, wait time.Duration) { o.link.Probe(since, wait) }
 
 // ourLink is our agent's link, for what only our agents speak beside
 // tunnels (the control stream, a tunnel's pause request); nil for an

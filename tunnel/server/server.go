@@ -146,6 +146,7 @@ type Server struct {
 	gate     *admission // agent-port connections before they are admitted; its own lock
 	identity *identityState
 	warnings *wire.LogLimiter // repeated warnings: one line per key per 10s; its own lock
+	replaced *replacements    // logins that replaced a connection of their ID (replaced.go); its own lock
 	nodeRank int              // index of StrategyNode in cfg.Strategies; -1 when it is off
 
 	// baseCtx is cancelled by Close, ending every tunnel and handshake.
@@ -227,6 +228,7 @@ func New(cfg Config) (*Server, error) {
 	s.gate = newAdmission(cfg.Metrics, cfg.MaxUnadmitted, cfg.MaxReviews)
 	s.identity = newIdentityState(cfg.Metrics)
 	s.warnings = wire.NewLogLimiter(10 * time.Second)
+	s.replaced = newReplacements(cfg.Metrics)
 	s.spareFD, _ = os.Open(os.DevNull)
 	s.goroutine(s.runHangups)
 	return s, nil

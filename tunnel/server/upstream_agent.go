@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -147,7 +148,7 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		s:       s,
 		link:    l,
 		out:     g,
-		pending: map[int64]chan grpcwire.Packet{},
+		pending: map[int64]chan dialAnswer{},
 		conns:   map[int64]*upstreamTunnel{},
 		done:    make(chan struct{}),
 		stop:    make(chan struct{}),
@@ -168,7 +169,9 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 	readDone := make(chan error, 1)
 	go func() { readDone <- ua.readLoop(r.Body) }()
 	// Logged once the agent is served.
-	s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
+	if !a.quiet.Load() {
+		s.log.Info("agent connected", append(a.claimedAttr(), "remote", remote, "protocol", "grpc", "identifiers", hello.Identifiers, "routed_by", ids.String(), "agents", s.agents.len())...)
+	}
 	var why error
 	select {
 	case why = <-readDone:
@@ -185,7 +188,9 @@ func (s *Server) serveUpstreamConnect(w http.ResponseWriter, r *http.Request, tl
 		}
 	}
 	g.finish(grpcOK, "")
-	s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "protocol", "grpc", "err", why, "agents", s.agents.len())
+	if !a.quiet.Load() {
+		s.log.Info("agent disconnected", "agent", a.id, "remote", remote, "protocol", "grpc", "err", why, "agents", s.agents.len())
+	}
 	return true
 }
 
@@ -203,10 +208,10 @@ type upstreamAgent struct {
 	stop  chan struct{} // closed, once by stopOnce, to end the stream: after a drain, or by close
 
 	mu       sync.Mutex
-	pending  map[int64]chan grpcwire.Packet // guarded by mu: dials waiting for DIAL_RSP, by random
-	conns    map[int64]*upstreamTunnel      // guarded by mu: open tunnels, by connect ID
-	closed   bool                           // guarded by mu
-	stopping bool                           // guarded by mu: shutting down, no new dials
+	pending  map[int64]chan dialAnswer // guarded by mu: dials waiting for DIAL_RSP, by random
+	conns    map[int64]*upstreamTunnel // guarded by mu: open tunnels, by connect ID
+	closed   bool                      // guarded by mu
+	stopping bool                      // guarded by mu: shutting down, no new dials
 	stopOnce sync.Once
 	wg       sync.WaitGroup // upload goroutines; close waits for them
 }
@@ -279,7 +284,7 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 			delete(ua.pending, p.Random)
 			ua.mu.Unlock()
 			if ch != nil {
-				ch <- grpcwire.Packet{Type: grpcwire.DialRsp, Random: p.Random, Error: "the agent closed the dial"}
+				ch <- dialAnswer{err: "the agent closed the dial"}
 			}
 		case grpcwire.Drain:
 			// Preferred last, its idle tunnels closed, as for our own agents.
@@ -289,33 +294,56 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 	}
 }
 
+// dialAnswered takes a DIAL_RSP. A connect ID names one tunnel for as long
+// as the agent holds it: an answer that names one in use (or none) fails
+// its dial and leaves the tunnel that holds the ID as it is, so every
+// tunnel stays in conns, and close ends them all. The agent is not told:
+// a CLOSE_REQ for that ID would end the other tunnel.
 func (ua *upstreamAgent) dialAnswered(p grpcwire.Packet) {
 	ua.mu.Lock()
 	ch := ua.pending[p.Random]
 	delete(ua.pending, p.Random)
-	var c *upstreamTunnel
-	if ch != nil && p.Error == "" {
+	_, inUse := ua.conns[p.ConnectID]
+	refused := ch != nil && p.Error == "" && (inUse || p.ConnectID == 0)
+	ans := dialAnswer{err: p.Error}
+	switch {
+	case ch == nil || p.Error != "":
+	case refused:
+		ans.err = fmt.Sprintf("the agent answered the dial with connect ID %d, which is not free (0, or a tunnel's that is open)", p.ConnectID)
+	case ua.closed:
+		// Its tunnels have all ended: no tunnel, and roundTrip fails.
+	default:
 		// Registered before the answer is delivered, so DATA that follows
 		// the DIAL_RSP at once has somewhere to go.
 		pr, pw := io.Pipe()
-		c = &upstreamTunnel{ua: ua, id: p.ConnectID, pr: pr, pw: pw}
-		ua.conns[p.ConnectID] = c
+		ans.c = &upstreamTunnel{ua: ua, id: p.ConnectID, pr: pr, pw: pw}
+		ua.conns[p.ConnectID] = ans.c
 	}
 	ua.mu.Unlock()
+	if refused {
+		ua.s.warnings.Log(ua.s.log, slog.LevelWarn, "connect ID "+ua.agent.id, "upstream agent answered a dial with a connect ID that is not free: the dial fails", "agent", ua.agent.id, "connect_id", p.ConnectID)
+	}
 	switch {
-	case ch == nil && p.Error == "" && p.ConnectID != 0:
+	case ch == nil && p.Error == "" && p.ConnectID != 0 && !inUse:
 		// The dial was given up (timeout, client gone): free the agent's side.
 		ua.out.send(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: p.ConnectID})
 	case ch != nil:
-		ch <- p
+		ch <- ans
 	}
+}
+
+// dialAnswer is what a dial waiting for its DIAL_RSP gets: its tunnel,
+// or why there is none.
+type dialAnswer struct {
+	c   *upstreamTunnel
+	err string
 }
 
 // roundTrip is the upstream-agent counterpart of an HTTP/2 CONNECT stream:
 // DIAL_REQ, wait for DIAL_RSP, then DATA both ways.
 func (ua *upstreamAgent) roundTrip(req *http.Request) (*http.Response, error) {
 	random := rand.Int64N(1<<62) + 1
-	ch := make(chan grpcwire.Packet, 1)
+	ch := make(chan dialAnswer, 1)
 	ua.mu.Lock()
 	if ua.closed {
 		ua.mu.Unlock()
@@ -327,22 +355,27 @@ func (ua *upstreamAgent) roundTrip(req *http.Request) (*http.Response, error) {
 		ua.forget(random)
 		return nil, fmt.Errorf("send DIAL_REQ: %w", err)
 	}
-	var rsp grpcwire.Packet
+	var ans dialAnswer
 	select {
-	case rsp = <-ch:
+	case ans = <-ch:
 	case <-req.Context().Done():
 		ua.forget(random)
-		ua.out.send(grpcwire.Packet{Type: grpcwire.DialCls, Random: random})
+		select {
+		case ans = <-ch: // answered meanwhile: its tunnel has no one to serve
+			if ans.c != nil {
+				ans.c.close(true)
+			}
+		default:
+			ua.out.send(grpcwire.Packet{Type: grpcwire.DialCls, Random: random})
+		}
 		return nil, req.Context().Err()
 	case <-ua.done:
 		return nil, errUpstreamGone
 	}
-	if rsp.Error != "" {
-		return &http.Response{StatusCode: http.StatusBadGateway, Body: io.NopCloser(strings.NewReader(rsp.Error))}, nil
+	if ans.err != "" {
+		return &http.Response{StatusCode: http.StatusBadGateway, Body: io.NopCloser(strings.NewReader(ans.err))}, nil
 	}
-	ua.mu.Lock()
-	c := ua.conns[rsp.ConnectID]
-	ua.mu.Unlock()
+	c := ans.c
 	if c == nil {
 		return nil, errUpstreamGone
 	}
@@ -353,6 +386,14 @@ func (ua *upstreamAgent) roundTrip(req *http.Request) (*http.Response, error) {
 		c.sendUpload()
 	}()
 	return &http.Response{StatusCode: http.StatusOK, Body: c}, nil
+}
+
+// probe asks the agent's connection for a sign of life (h2link.Probe);
+// its end ends the stream, and with it every dial waiting on it.
+func (ua *upstreamAgent) probe(since time.Time, wait time.Duration) {
+	if ua.link != nil {
+		ua.link.Probe(since, wait)
+	}
 }
 
 func (ua *upstreamAgent) forget(random int64) {
@@ -393,9 +434,7 @@ func (c *upstreamTunnel) Close() error {
 // closes its destination connection.
 func (c *upstreamTunnel) close(tellAgent bool) {
 	c.closeOnce.Do(func() {
-		c.ua.mu.Lock()
-		delete(c.ua.conns, c.id)
-		c.ua.mu.Unlock()
+		c.ua.forgetTunnel(c)
 		if tellAgent && !c.agentDone.Load() {
 			c.ua.out.send(grpcwire.Packet{Type: grpcwire.CloseReq, ConnectID: c.id})
 		}
@@ -407,12 +446,19 @@ func (c *upstreamTunnel) close(tellAgent bool) {
 	})
 }
 
+// forgetTunnel takes c out of conns, leaving its connect ID free.
+func (ua *upstreamAgent) forgetTunnel(c *upstreamTunnel) {
+	ua.mu.Lock()
+	if ua.conns[c.id] == c {
+		delete(ua.conns, c.id)
+	}
+	ua.mu.Unlock()
+}
+
 // endFromAgent is the agent's CLOSE_RSP: the destination is done.
 func (c *upstreamTunnel) endFromAgent(errText string) {
 	c.agentDone.Store(true)
-	c.ua.mu.Lock()
-	delete(c.ua.conns, c.id)
-	c.ua.mu.Unlock()
+	c.ua.forgetTunnel(c)
 	if errText != "" {
 		c.pw.CloseWithError(errors.New(errText))
 	} else {

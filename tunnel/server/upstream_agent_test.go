@@ -31,12 +31,14 @@ type fakeUpstreamAgent struct {
 	sendMu sync.Mutex
 	resp   *http.Response
 	cancel context.CancelFunc
+	leave  func() // ends the stream and the connection; again, nothing
 	wg     sync.WaitGroup
 
-	mu     sync.Mutex
-	conns  map[int64]net.Conn
-	nextID int64
-	dials  int
+	mu      sync.Mutex
+	conns   map[int64]net.Conn
+	nextID  int64
+	dials   int
+	reuseID int64 // when set, every dial is answered with this connect ID
 }
 
 func startFakeUpstreamAgent(t *testing.T, e *env, id, identifiers string) *fakeUpstreamAgent {
@@ -78,13 +80,16 @@ func startFakeUpstreamAgentALPN(t *testing.T, e *env, id, identifiers string, pr
 		t.Fatalf("response headers %v", resp.Header)
 	}
 	f := &fakeUpstreamAgent{t: t, send: pw, resp: resp, cancel: cancel, conns: map[int64]net.Conn{}}
-	f.wg.Add(1)
-	go f.loop()
-	t.Cleanup(func() {
+	f.leave = sync.OnceFunc(func() {
 		cancel()
 		pw.Close()
 		resp.Body.Close()
 		cc.Close()
+	})
+	f.wg.Add(1)
+	go f.loop()
+	t.Cleanup(func() {
+		f.leave()
 		f.mu.Lock()
 		for _, c := range f.conns {
 			c.Close()
@@ -125,10 +130,20 @@ func (f *fakeUpstreamAgent) loop() {
 			f.mu.Lock()
 			f.nextID++
 			id := f.nextID
-			f.conns[id] = c
 			f.dials++
+			reused := f.reuseID != 0 && f.conns[f.reuseID] != nil
+			if f.reuseID != 0 {
+				id = f.reuseID
+			}
+			if !reused {
+				f.conns[id] = c
+			}
 			f.mu.Unlock()
 			f.write(grpcwire.Packet{Type: grpcwire.DialRsp, Random: p.Random, ConnectID: id})
+			if reused {
+				c.Close() // the ID's first destination keeps it
+				continue
+			}
 			f.wg.Add(1)
 			go func() {
 				defer f.wg.Done()
@@ -325,5 +340,47 @@ func TestUpstreamAgentDrainClosesIdleTunnels(t *testing.T) {
 	}
 	if !agentDraining(e.srv, "upstream-1") {
 		t.Error("the server does not take the upstream agent for draining")
+	}
+}
+
+// An upstream agent that answers a second dial with the connect ID of a
+// tunnel that is open: the second dial fails (502) and the first tunnel
+// goes on; once the agent leaves, the first tunnel ends too, and no
+// handler waits on it.
+func TestUpstreamAgentConnectIDInUse(t *testing.T) {
+	tunneltest.CheckNoLeaks(t)
+	e := newEnv(t, nil)
+	up := startFakeUpstreamAgent(t, e, "upstream-1", "")
+	up.mu.Lock()
+	up.reuseID = 7
+	up.mu.Unlock()
+	e.WaitAgents(1)
+	echo := tunneltest.EchoServer(t)
+
+	first, br, resp := e.Connect(echo)
+	defer first.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("first dial: %s", resp.Status)
+	}
+	second, br2, resp := e.Connect(echo)
+	defer second.Close()
+	if resp.StatusCode != 502 {
+		t.Fatalf("second dial answered with the first's connect ID: %s, want 502", resp.Status)
+	}
+	body, _ := io.ReadAll(io.LimitReader(br2, 512))
+	if !strings.Contains(string(body), "connect ID 7") {
+		t.Fatalf("second dial answered with the first's connect ID: %s %q, want 502 naming the ID", resp.Status, body)
+	}
+	first.SetDeadline(time.Now().Add(10 * time.Second))
+	io.WriteString(first, "ping")
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(br, got); err != nil || string(got) != "ping" {
+		t.Fatalf("the first tunnel after the second dial: echo %q, %v", got, err)
+	}
+
+	up.leave()
+	e.WaitAgents(0)
+	if _, err := io.Copy(io.Discard, br); err != nil {
+		t.Fatalf("the first tunnel once its agent left: %v (still open)", err)
 	}
 }

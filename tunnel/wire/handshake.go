@@ -213,6 +213,13 @@ const (
 	MaxDrainIn = time.Hour
 )
 
+// GoAwayReplaced is the debug data of the GOAWAY with which a server ends
+// an agent's connection because another login of the same agent ID took
+// its place. An agent that did not make that login itself is one of two
+// processes sharing an ID (a cloned node): it waits, backing off, before
+// it logs in again (docs/agent.md#one-id-one-process).
+const GoAwayReplaced = "replaced by another connection of this agent ID"
+
 // OurHello is this agent's hello: it names every feature this package has.
 func OurHello(id, identifiers string, connected []string) AgentHello {
 	return AgentHello{ID: id, Identifiers: identifiers, Connected: connected, CanPause: true}

@@ -60,14 +60,16 @@ type Conn struct {
 	flushers    sync.WaitGroup              // flusher goroutines; the read loop waits for them
 	ctlOverflow atomic.Bool                 // the queue hit MaxQueuedControl: the read loop ends the connection
 
-	mu       sync.Mutex
-	sendQ    [2]sendQueue       // under mu: writers waiting for connection credit, by class (credit.go)
-	streams  map[uint32]*stream // under mu: streams not yet closed
-	closed   bool               // under mu
-	closeErr error              // under mu: why, once closed
-	goAway   bool               // under mu: no new streams; we or the peer said GOAWAY
-	retiring bool               // under mu: stream IDs ran out: see retire
-	idle     chan struct{}      // under mu: closed when goAway is set and no stream is left
+	mu        sync.Mutex
+	sendQ     [2]sendQueue       // under mu: writers waiting for connection credit, by class (credit.go)
+	streams   map[uint32]*stream // under mu: streams not yet closed
+	closed    bool               // under mu
+	closeErr  error              // under mu: why, once closed
+	goAway    bool               // under mu: no new streams; we or the peer said GOAWAY
+	retiring  bool               // under mu: stream IDs ran out: see retire
+	idle      chan struct{}      // under mu: closed when goAway is set and no stream is left
+	goAwayWhy []byte             // under mu: the debug data of this end's GOAWAY (SetGoAwayDebug)
+	peerWhy   string             // under mu: the debug data of the peer's GOAWAY (PeerGoAwayDebug)
 
 	peerMaxStreams uint32 // under mu: the peer's SETTINGS_MAX_CONCURRENT_STREAMS
 	// canTake is CanTakeNewRequest's answer, written under mu by
@@ -102,6 +104,8 @@ type Conn struct {
 	pingTimer  *time.Timer   // under mu once set; fires keepAliveTick
 	pingData   [8]byte       // under mu: the outstanding PING's payload
 	pingOut    bool          // under mu: a PING is outstanding
+	pingDue    time.Time     // under mu: when the outstanding PING's answer is due (see Probe)
+	probeSent  time.Time     // under mu: when Probe sent the outstanding PING; zero for a keepalive's
 	readerDone chan struct{} // closed when the read loop ended
 
 	// A freezable serving end (Config.Freezable, freeze.go); nil otherwise.
@@ -505,9 +509,9 @@ func (l *Conn) Shutdown(ctx context.Context) error {
 	l.goAway = true
 	l.capacityChangedLocked()
 	idle := l.idleChanLocked(0)
-	last := l.lastPeerID
+	last, why := l.lastPeerID, l.goAwayWhy
 	l.mu.Unlock()
-	l.writeControl(func(fr *http2.Framer) error { return fr.WriteGoAway(last, http2.ErrCodeNo, nil) })
+	l.writeControl(func(fr *http2.Framer) error { return fr.WriteGoAway(last, http2.ErrCodeNo, why) })
 	for {
 		var stall <-chan time.Time
 		var t *time.Timer
@@ -554,11 +558,11 @@ func (l *Conn) GoAwayNow() {
 	l.mu.Lock()
 	l.goAway = true
 	l.capacityChangedLocked()
-	last := l.lastPeerID
+	last, why := l.lastPeerID, l.goAwayWhy
 	l.mu.Unlock()
 	// Written here rather than queued: the caller closes the connection next.
 	l.lockWrite()
-	err := l.fr.WriteGoAway(last, http2.ErrCodeNo, nil)
+	err := l.fr.WriteGoAway(last, http2.ErrCodeNo, why)
 	l.unlockWrite()
 	if err != nil {
 		l.closeWith(fmt.Errorf("write: %w", err))
@@ -671,6 +675,18 @@ func (l *Conn) keepAliveTick() {
 		return
 	}
 	if l.pingOut {
+		if time.Now().Before(l.pingDue) {
+			// A Probe moved the deadline while this tick waited for mu:
+			// the timer fires again then.
+			l.mu.Unlock()
+			return
+		}
+		if l.probeAnswered() {
+			l.pingOut = false
+			l.pingTimer.Reset(l.cfg.KeepAlive)
+			l.mu.Unlock()
+			return
+		}
 		l.mu.Unlock()
 		l.closeWith(errPingTimeout)
 		return
@@ -683,6 +699,8 @@ func (l *Conn) keepAliveTick() {
 	l.pingOut = true
 	rand.Read(l.pingData[:])
 	data := l.pingData
+	l.pingDue = time.Now().Add(l.cfg.PingTimeout)
+	l.probeSent = time.Time{}
 	l.pingTimer.Reset(l.cfg.PingTimeout)
 	l.mu.Unlock()
 	l.writeControl(func(fr *http2.Framer) error { return fr.WritePing(false, data) })

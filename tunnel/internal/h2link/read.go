@@ -210,6 +210,7 @@ func (l *Conn) applySettings(f *http2.SettingsFrame) error {
 func (l *Conn) onGoAway(f *http2.GoAwayFrame) {
 	l.mu.Lock()
 	l.goAway = true
+	l.peerWhy = peerDebug(f.DebugData())
 	l.capacityChangedLocked()
 	// The last stream ID counts streams this end opened; on the serving
 	// end the peer opened them all, and they go on.
