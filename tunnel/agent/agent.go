@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/wire"
@@ -122,7 +123,7 @@ func (c *Config) setDefaults() {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Dialer == nil {
-		d := &net.Dialer{KeepAlive: 30 * time.Second}
+		d := &net.Dialer{KeepAlive: 30 * time.Second, Control: boundDestinationBuffers}
 		c.Dialer = d.DialContext
 	}
 	if c.ServerDialer == nil {
@@ -217,6 +218,31 @@ func streamCaps(limit uint64) (perConn, total uint32) {
 	}
 	t = min(t, 1<<20)
 	return uint32(t), uint32(t)
+}
+
+// destinationBuffer is the kernel buffer each way of a destination socket
+// (SO_SNDBUF and SO_RCVBUF; the kernel doubles it for its bookkeeping).
+// A tunnel's bytes already wait in its stream window on the way in, and
+// in its client's socket and the server's on the way out; the kernel's
+// buffers toward a destination only need to keep its path busy: the
+// 256 KiB the kernel makes of this
+// is a millisecond at 2 Gbit/s. Left to the kernel, they grow with the
+// traffic up to tcp_rmem and tcp_wmem (megabytes each), and a few
+// thousand tunnels whose destinations send faster than the link carries
+// their bytes (or read slower than the link brings them) fill the node's
+// TCP memory (tcp_mem): the kernel then drops segments of every
+// connection, the agent's link to the server among them, and the link's
+// retransmissions keep the tunnels from draining what filled it.
+const destinationBuffer = 128 << 10
+
+// boundDestinationBuffers sets a destination socket's kernel buffers to
+// destinationBuffer before it connects (the receive window's scale is
+// fixed at the handshake). A socket that refuses keeps the kernel's.
+func boundDestinationBuffers(network, address string, c syscall.RawConn) error {
+	return c.Control(func(fd uintptr) {
+		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, destinationBuffer)
+		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, destinationBuffer)
+	})
 }
 
 // descriptorLimit is the process's limit on open descriptors (Go raises

@@ -11,6 +11,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spinifex/konnectivity/tunnel/internal/tunneltest"
 
@@ -422,5 +425,43 @@ func TestDestinationPolicyOwnNode(t *testing.T) {
 	}
 	if !HasNodeRule("10.0.0.0/8, node") || HasNodeRule("10.0.0.0/8,nodes") {
 		t.Error("HasNodeRule")
+	}
+}
+
+// A destination socket's kernel buffers are bounded: thousands of tunnels
+// must not fill the node's TCP memory with buffers the kernel grows on its
+// own.
+func TestDestinationSocketsBounded(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() { c, _ := ln.Accept(); accepted <- c }()
+	var c Config
+	c.setDefaults()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := c.Dialer(ctx, "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if peer := <-accepted; peer != nil {
+		defer peer.Close()
+	}
+	raw, err := conn.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var snd, rcv int
+	raw.Control(func(fd uintptr) {
+		snd, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF)
+		rcv, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF)
+	})
+	// The kernel doubles a buffer it is given, for its bookkeeping.
+	if snd != 2*destinationBuffer || rcv != 2*destinationBuffer {
+		t.Errorf("destination socket buffers: send %d, receive %d; want %d each", snd, rcv, 2*destinationBuffer)
 	}
 }
