@@ -4,12 +4,12 @@ import (
 	"bytes"
 	"context"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 // TestMain lets the test binary serve as the benchmark's helper processes,
@@ -31,18 +31,7 @@ func TestScaleSmoke(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a server and helper processes; skipped with -short")
 	}
-	bin := os.Getenv("KONNECTIVITY_BIN")
-	if bin == "" {
-		bin = filepath.Join(t.TempDir(), "konnectivity")
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, ".")
-		cmd.Dir = filepath.Join("..", "..")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("build konnectivity from ../..: %v\n%s", err, out)
-		}
-	}
+	bin := benchproc.Binary(t)
 	t.Run("product agents", func(t *testing.T) {
 		// A small budget per helper: several simulators and echo processes.
 		out := runSmoke(t, bin, "--agents", "20", "--tunnels", "200", "--fds-per-helper", "150")

@@ -3,11 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/e2e/internal/benchproc"
 )
 
 // TestStressSmall is bench-stress's small form: 500 tunnels each moving
@@ -19,18 +18,7 @@ func TestStressSmall(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a server and an agent; skipped with -short")
 	}
-	bin := os.Getenv("KONNECTIVITY_BIN")
-	if bin == "" {
-		bin = filepath.Join(t.TempDir(), "konnectivity")
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, ".")
-		cmd.Dir = filepath.Join("..", "..")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("build konnectivity from ../..: %v\n%s", err, out)
-		}
-	}
+	bin := benchproc.Binary(t)
 	var stderr bytes.Buffer
 	cfg, err := parseFlags([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576",
 		"--shapes", "echo,download,upload", "--hogs", "1", "--hog-for", "10s", "--timeout", "3m"}, &stderr)
