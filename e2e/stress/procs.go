@@ -74,13 +74,14 @@ func start(ctx context.Context, im impl, dir string, tunnels int) (*pair, error)
 	if err != nil {
 		return nil, err
 	}
-	ports := make([]int, 3)
+	ports := make([]int, 5)
 	for i := range ports {
 		if ports[i], err = benchproc.FreePort(); err != nil {
 			return nil, err
 		}
 	}
-	agentPort, serverHealth, agentHealth := ports[0], ports[1], ports[2]
+	// Every port is named: upstream refuses 0 for its admin ports.
+	agentPort, serverHealth, agentHealth, serverAdmin, agentAdmin := ports[0], ports[1], ports[2], ports[3], ports[4]
 	p := &pair{sock: filepath.Join(dir, "konnectivity.sock")}
 	serverArgs := []string{
 		"--mode=http-connect",
@@ -94,7 +95,7 @@ func start(ctx context.Context, im impl, dir string, tunnels int) (*pair, error)
 		"--health-bind-address=127.0.0.1",
 		"--health-port=" + strconv.Itoa(serverHealth),
 		"--admin-bind-address=127.0.0.1",
-		"--admin-port=0",
+		"--admin-port=" + strconv.Itoa(serverAdmin),
 	}
 	agentArgs := []string{
 		"--proxy-server-host=127.0.0.1",
@@ -106,7 +107,7 @@ func start(ctx context.Context, im impl, dir string, tunnels int) (*pair, error)
 		"--health-server-host=127.0.0.1",
 		"--health-server-port=" + strconv.Itoa(agentHealth),
 		"--admin-bind-address=127.0.0.1",
-		"--admin-server-port=0",
+		"--admin-server-port=" + strconv.Itoa(agentAdmin),
 	}
 	serverBin, agentBin := im.bin, im.bin
 	if im.bin != "" {
