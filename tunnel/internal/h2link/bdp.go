@@ -26,8 +26,7 @@ import (
 //     it) is no such queue, nor is one during which this end sent bulk
 //     too: its round trip waited behind this end's own bytes, whose queue
 //     the peer's window governs;
-//   - a round trip that brought in two thirds of what bulk may have under
-//     the window (bulkShare) or more, with
+//   - a round trip that brought in two thirds of the window or more, with
 //     no queue (no longer than the shortest plus half the target) or at a
 //     new fastest speed: the window was the limit; it doubles (a long link
 //     reaches its speed in a few trips);
@@ -55,21 +54,6 @@ const (
 	rateHalfLife    = 500 * time.Millisecond
 	rateSample      = 256 << 10 // the least a trip carries for its speed to count
 )
-
-// No window is a trap. A bulk write leaves smallWrite of the connection
-// window to small ones (connAvailLocked), so a window-limited bulk sender
-// puts at most the window less smallWrite on the link in a round trip.
-// The window doubles after a trip that carried two thirds of that, not of
-// the window itself: at the floor the share is half the window, and a
-// window shrunk there (a busy machine's long round trips look like a
-// queue) could otherwise never grow again, the link crawling at a few
-// kilobytes a round trip for good. The floor itself must leave bulk a
-// share; the constant below does not compile otherwise.
-const _ = uint64(minConnWindow - smallWrite - 1)
-
-// bulkShare is what a window-limited bulk sender can have on the link
-// under a window of w.
-func bulkShare(w int64) int64 { return max(w-smallWrite, w/2) }
 
 // bdpPingData marks this end's measuring PING.
 var bdpPingData = [8]byte{'h', '2', 'l', 'i', 'n', 'k', 'b', 'w'}
@@ -149,7 +133,7 @@ func (l *Conn) bdpAckLocked(now time.Time) {
 	case rtt > limit && rate >= 0.75*b.maxRate && !twoWay:
 		// A queue at the link's full speed: of this end's making.
 		next = max(int64(rate*limit.Seconds()), cur/2)
-	case 3*b.bytes >= 2*bulkShare(cur) && (rtt <= b.minRTT+queueTarget/2 || sure && rate >= b.maxRate):
+	case 3*b.bytes >= 2*cur && (rtt <= b.minRTT+queueTarget/2 || sure && rate >= b.maxRate):
 		next = 2 * cur
 	}
 	l.setRecvTargetLocked(next)

@@ -20,31 +20,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// A connection window shrunk to its floor must grow again once the link
-// shows no queue: a window-limited bulk sender's trip has to carry the
-// two thirds of it that doubling asks for, after leaving small writes
-// their share (bdp.go, "No window is a trap").
-func TestSmallestConnWindowCanGrow(t *testing.T) {
-	// The sender: its peer once gave a large window (so bulk leaves small
-	// writes their share) and now gives the smallest.
-	snd := &Conn{sendPeak: startConnWindow, sendWindow: window{minConnWindow}}
-	share := snd.connAvailLocked(true)
-	if share <= 0 {
-		t.Fatalf("a bulk writer may take %d of the smallest window: it can never send", share)
-	}
-	// The receiver measures one trip of that share, with no queue.
-	rcv := &Conn{recvTarget: minConnWindow, cfg: Config{}.withDefaults()}
-	rcv.bdp.on = true
-	now := time.Now()
-	if !rcv.bdpDataLocked(share, now) {
-		t.Fatal("no measurement started")
-	}
-	rcv.bdpAckLocked(now.Add(time.Millisecond))
-	if rcv.recvTarget <= minConnWindow {
-		t.Errorf("a window at its floor (%d) stayed there after a trip that carried all a bulk writer may send (%d): it can never grow", minConnWindow, share)
-	}
-}
-
 // creditPeer is the serving end of a link as a test drives it: it answers
 // every stream 200 and gives connection credit only when told, in grants
 // of one frame, recording which stream each grant went to.
