@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"crypto/tls"
 	"fmt"
 	"io"
@@ -151,6 +152,20 @@ func TestAgentBoundsHostileServerStreams(t *testing.T) {
 	}
 	if fds >= limit {
 		t.Errorf("agent at its descriptor limit: %d of %d", fds, limit)
+	}
+	if hostile.ended.Load() != nil {
+		// The agent ended the hostile connection: its tunnels go as their
+		// handlers return, and then the real server's dials have room.
+		waitFor(t, 30*time.Second, "the agent has let the hostile connection's tunnels go", func() bool {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			c, err := s.egressDialer(t).bounded()(ctx, "tcp", echo.addr())
+			if err != nil {
+				return false
+			}
+			c.Close()
+			return true
+		})
 	}
 	for i := range 5 {
 		c := openEcho(t, s, echo)
