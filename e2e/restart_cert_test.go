@@ -43,15 +43,7 @@ func reissue(t *testing.T, p *pki, certPath, keyPath string, notBefore, notAfter
 
 func readPKCS8(t *testing.T, path string) any {
 	t.Helper()
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := pem.Decode(data)
-	if b == nil {
-		t.Fatalf("%s: no PEM", path)
-	}
-	k, err := x509.ParsePKCS8PrivateKey(b.Bytes)
+	k, err := x509.ParsePKCS8PrivateKey(readPEM(t, path))
 	if err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}

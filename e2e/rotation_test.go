@@ -70,7 +70,8 @@ func runCert(t *testing.T, args ...string) string {
 	return strings.TrimSpace(string(out))
 }
 
-func readCert(t *testing.T, path string) *x509.Certificate {
+// readPEM returns the DER of the first PEM block in path.
+func readPEM(t *testing.T, path string) []byte {
 	t.Helper()
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -80,7 +81,12 @@ func readCert(t *testing.T, path string) *x509.Certificate {
 	if b == nil {
 		t.Fatalf("%s: no PEM", path)
 	}
-	c, err := x509.ParseCertificate(b.Bytes)
+	return b.Bytes
+}
+
+func readCert(t *testing.T, path string) *x509.Certificate {
+	t.Helper()
+	c, err := x509.ParseCertificate(readPEM(t, path))
 	if err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
