@@ -139,11 +139,11 @@ func (t *tunnel) progress() { t.last.Store(time.Now().UnixNano()) }
 
 // runOnce starts im, opens every tunnel, then starts their bytes at one
 // moment, with the hogs beside them.
-func runOnce(ctx context.Context, cfg config, im impl, sh shape, dir string) (result, error) {
+func runOnce(ctx context.Context, cfg config, im impl, sh shape, listen func() (net.Listener, error), dir string) (result, error) {
 	res := result{impl: im.name, shape: sh, tunnels: cfg.tunnels,
 		windowBound: int64(cfg.tunnels) * streamWindow * sh.directions() * 2}
 	pat := newPattern()
-	dest, err := newDestination(sh, cfg.bytes, pat)
+	dest, err := newDestination(listen, sh, cfg.bytes, pat)
 	if err != nil {
 		return res, err
 	}
@@ -348,7 +348,7 @@ func (t *tunnel) receive(r io.Reader, start int, size int64, pat pattern, moved 
 	return nil
 }
 
-// destination is the loopback server behind the agent.
+// destination is the server behind the agent.
 type destination struct {
 	ln   net.Listener
 	wg   sync.WaitGroup
@@ -356,8 +356,8 @@ type destination struct {
 	open map[net.Conn]struct{} // under mu: closed by close
 }
 
-func newDestination(sh shape, size int64, pat pattern) (*destination, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+func newDestination(listen func() (net.Listener, error), sh shape, size int64, pat pattern) (*destination, error) {
+	ln, err := listen()
 	if err != nil {
 		return nil, err
 	}

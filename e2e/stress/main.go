@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -25,6 +26,7 @@ type config struct {
 	hogs    int           // CPU hogs beside the run
 	hogFor  time.Duration // how long the hogs run, from the moment the bytes start
 	timeout time.Duration // one shape's bound, from the moment the bytes start
+	dests   string        // where the destinations listen: "pod" (a namespace behind a veth) or "loopback"
 	runs    int           // runs of each shape and implementation
 	dir     string        // work directory (kept with --keep)
 	keep    bool
@@ -44,6 +46,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.hogFor, "hog-for", 40*time.Second, "how long the hogs run, from the moment the bytes start")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "bound on one run, from the moment the bytes start")
 	fs.IntVar(&c.runs, "runs", 1, "runs of each shape and implementation")
+	fs.StringVar(&c.dests, "destinations", "pod", "where the destinations listen: pod (a network namespace behind a veth of MTU 1500, as pods do; needs root) or loopback")
 	fs.BoolVar(&c.keep, "keep", false, "keep the work directory (certificates, logs)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -53,6 +56,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	}
 	if c.tunnels <= 0 || c.bytes <= 0 || c.runs <= 0 || c.hogs < 0 || c.timeout <= 0 {
 		return c, errors.New("--tunnels, --bytes, --runs and --timeout must be positive, --hogs not negative")
+	}
+	if c.dests != "pod" && c.dests != "loopback" {
+		return c, fmt.Errorf("--destinations %q: want pod or loopback", c.dests)
 	}
 	for _, s := range strings.Split(shapes, ",") {
 		sh, err := parseShape(strings.TrimSpace(s))
@@ -106,8 +112,17 @@ func run(ctx context.Context, cfg config, out io.Writer) (ok bool, err error) {
 		}
 		impls = append(impls, o)
 	}
-	fmt.Fprintf(out, "stress: %d tunnels x %d bytes, shapes %v, %d hogs for %s, %d run(s) each, %d CPUs\n",
-		cfg.tunnels, cfg.bytes, cfg.shapes, cfg.hogs, cfg.hogFor, cfg.runs, numCPU())
+	listen := func() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
+	if cfg.dests == "pod" {
+		pn, err := newPodNetwork(ctx)
+		if err != nil {
+			return false, err
+		}
+		defer pn.close()
+		listen = pn.listen
+	}
+	fmt.Fprintf(out, "stress: %d tunnels x %d bytes, shapes %v, %d hogs for %s, %d run(s) each, destinations on %s, %d CPUs\n",
+		cfg.tunnels, cfg.bytes, cfg.shapes, cfg.hogs, cfg.hogFor, cfg.runs, cfg.dests, numCPU())
 	var results []result
 	ok = true
 	for _, sh := range cfg.shapes {
@@ -116,7 +131,7 @@ func run(ctx context.Context, cfg config, out io.Writer) (ok bool, err error) {
 				if ctx.Err() != nil {
 					return false, ctx.Err()
 				}
-				res, err := runOnce(ctx, cfg, im, sh, filepath.Join(dir, fmt.Sprintf("%s-%s-%d", im.name, sh, r)))
+				res, err := runOnce(ctx, cfg, im, sh, listen, filepath.Join(dir, fmt.Sprintf("%s-%s-%d", im.name, sh, r)))
 				if err != nil {
 					return false, fmt.Errorf("%s %s run %d: %w", im.name, sh, r+1, err)
 				}

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -21,7 +23,7 @@ func TestStressSmall(t *testing.T) {
 	bin := benchproc.Binary(t)
 	var stderr bytes.Buffer
 	cfg, err := parseFlags([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576",
-		"--shapes", "echo,download,upload", "--hogs", "1", "--hog-for", "10s", "--timeout", "3m"}, &stderr)
+		"--shapes", "echo,download,upload", "--hogs", "1", "--hog-for", "10s", "--timeout", "3m", "--destinations", "loopback"}, &stderr)
 	if err != nil {
 		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
 	}
@@ -38,12 +40,47 @@ func TestStressSmall(t *testing.T) {
 	}
 }
 
+// TestStressPodNetwork runs the small form's one-way shapes with the
+// destinations where pods are, in a network namespace behind a veth: the
+// path whose sockets the agent sizes by a 1448-byte segment. It needs
+// root, as the namespace does.
+func TestStressPodNetwork(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a server and an agent; skipped with -short")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("a network namespace needs root")
+	}
+	bin := benchproc.Binary(t)
+	var stderr bytes.Buffer
+	cfg, err := parseFlags([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576",
+		"--shapes", "download,upload", "--timeout", "3m", "--destinations", "pod"}, &stderr)
+	if err != nil {
+		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	ok, err := run(ctx, cfg, &out)
+	t.Logf("\n%s", out.String())
+	if err != nil {
+		t.Fatalf("stress: %v", err)
+	}
+	if !ok {
+		t.Fatal("stress: a tunnel did not complete, or a byte was wrong")
+	}
+	if !strings.Contains(out.String(), "destinations on pod") {
+		t.Fatal("the run did not say where its destinations were")
+	}
+}
+
 func TestParseFlags(t *testing.T) {
 	var stderr bytes.Buffer
 	for _, args := range [][]string{
 		{},                               // no --bin
 		{"--bin", "x", "--tunnels", "0"}, // nothing to do
 		{"--bin", "x", "--shapes", "echo,sideways"}, // no such shape
+		{"--bin", "x", "--destinations", "moon"},    // no such place
 	} {
 		if _, err := parseFlags(args, &stderr); err == nil {
 			t.Errorf("parseFlags(%q): no error", args)

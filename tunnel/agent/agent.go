@@ -13,7 +13,6 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/spinifex/konnectivity/tunnel/wire"
@@ -123,8 +122,7 @@ func (c *Config) setDefaults() {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Dialer == nil {
-		d := &net.Dialer{KeepAlive: 30 * time.Second, Control: boundDestinationBuffers}
-		c.Dialer = d.DialContext
+		c.Dialer = dialDestination(&net.Dialer{KeepAlive: 30 * time.Second})
 	}
 	if c.ServerDialer == nil {
 		d := &net.Dialer{KeepAlive: 30 * time.Second}
@@ -220,28 +218,72 @@ func streamCaps(limit uint64) (perConn, total uint32) {
 	return uint32(t), uint32(t)
 }
 
-// destinationBuffer is the kernel buffer each way of a destination socket
-// (SO_SNDBUF and SO_RCVBUF; the kernel doubles it for its bookkeeping).
+// A destination socket's kernel buffers each way (SO_SNDBUF and
+// SO_RCVBUF; the kernel doubles what it is given, for its bookkeeping)
+// are sized by its path's segment size, once it is connected:
+// destinationSegments segments, and never under minDestinationBuffer.
+//
 // A tunnel's bytes already wait in its stream window on the way in, and
 // in its client's socket and the server's on the way out; the kernel's
-// buffers toward a destination only need to keep its path busy: the
-// 256 KiB the kernel makes of this
-// is a millisecond at 2 Gbit/s. Left to the kernel, they grow with the
-// traffic up to tcp_rmem and tcp_wmem (megabytes each), and a few
-// thousand tunnels whose destinations send faster than the link carries
-// their bytes (or read slower than the link brings them) fill the node's
-// TCP memory (tcp_mem): the kernel then drops segments of every
-// connection, the agent's link to the server among them, and the link's
-// retransmissions keep the tunnels from draining what filled it.
-const destinationBuffer = 128 << 10
+// buffers toward a destination only need to keep its path busy. A
+// destination is on the agent's node or one hop from it, tens of
+// microseconds away: on a pod network (MSS 1448) the 64 KiB the kernel
+// makes of minDestinationBuffer is 45 segments, 100 µs at 5 Gbit/s. A
+// destination reached through the loopback device (the kubelet at the
+// node's own address, a host-network pod) has 64 KiB segments, and a
+// buffer of fewer than a few of them waits a delayed ACK for each one
+// (40 ms): there the buffers hold four.
+//
+// The node's TCP memory (tcp_mem) is one pool for every socket on it: the
+// destinations' own, the agent's, and the agent's link to the server.
+// Left to the kernel, the agent's buffers grow with the traffic up to
+// tcp_rmem and tcp_wmem (megabytes each), and each byte they hold is one
+// the pool lacks; so does each kilobyte a larger fixed buffer adds over
+// thousands of tunnels (2,000 tunnels at 256 KiB hold 512 MB). Past the
+// pool's pressure mark the kernel drops segments of every connection, the
+// link among them, and its retransmissions keep the tunnels from draining
+// what filled the pool: tunnels then go seconds without a byte.
+// BENCHMARKS.md ("Under load") has the figures.
+const (
+	minDestinationBuffer = 32 << 10
+	destinationSegments  = 2
+)
 
-// boundDestinationBuffers sets a destination socket's kernel buffers to
-// destinationBuffer before it connects (the receive window's scale is
-// fixed at the handshake). A socket that refuses keeps the kernel's.
-func boundDestinationBuffers(network, address string, c syscall.RawConn) error {
-	return c.Control(func(fd uintptr) {
-		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, destinationBuffer)
-		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, destinationBuffer)
+// destinationBufferFor is the buffer a destination socket whose path
+// carries segments of mss bytes is given.
+func destinationBufferFor(mss int) int { return max(minDestinationBuffer, destinationSegments*mss) }
+
+// dialDestination dials a destination with d and sizes the connected
+// socket's buffers by its path's segment size.
+func dialDestination(d *net.Dialer) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		if tc, ok := c.(*net.TCPConn); ok {
+			sizeDestinationBuffers(tc)
+		}
+		return c, nil
+	}
+}
+
+// sizeDestinationBuffers sets a connected socket's buffers to
+// destinationBufferFor its segment size. A socket whose segment size
+// cannot be read keeps the kernel's buffers: still a working tunnel.
+func sizeDestinationBuffers(c *net.TCPConn) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return
+	}
+	raw.Control(func(fd uintptr) {
+		mss, err := unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_MAXSEG)
+		if err != nil || mss <= 0 {
+			return
+		}
+		n := destinationBufferFor(mss)
+		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, n)
+		unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, n)
 	})
 }
 

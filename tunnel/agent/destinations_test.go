@@ -428,9 +428,10 @@ func TestDestinationPolicyOwnNode(t *testing.T) {
 	}
 }
 
-// A destination socket's kernel buffers are bounded: thousands of tunnels
-// must not fill the node's TCP memory with buffers the kernel grows on its
-// own.
+// A destination socket's kernel buffers are bounded by its path's segment
+// size: thousands of tunnels must not fill the node's TCP memory with
+// buffers the kernel grows on its own, and a loopback path's 64 KiB
+// segments must still fit several to a buffer.
 func TestDestinationSocketsBounded(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -455,13 +456,23 @@ func TestDestinationSocketsBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var snd, rcv int
+	var snd, rcv, mss int
 	raw.Control(func(fd uintptr) {
 		snd, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF)
 		rcv, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF)
+		mss, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_MAXSEG)
 	})
 	// The kernel doubles a buffer it is given, for its bookkeeping.
-	if snd != 2*destinationBuffer || rcv != 2*destinationBuffer {
-		t.Errorf("destination socket buffers: send %d, receive %d; want %d each", snd, rcv, 2*destinationBuffer)
+	want := 2 * destinationBufferFor(mss)
+	if snd != want || rcv != want {
+		t.Errorf("destination socket buffers (MSS %d): send %d, receive %d; want %d each", mss, snd, rcv, want)
+	}
+	if snd < 4*mss {
+		t.Errorf("a loopback destination's send buffer holds %d bytes, under four %d-byte segments", snd, mss)
+	}
+	for _, c := range []struct{ mss, want int }{{1448, 32 << 10}, {8948, 32 << 10}, {65483, 130966}, {0, 32 << 10}} {
+		if got := destinationBufferFor(c.mss); got != c.want {
+			t.Errorf("destinationBufferFor(%d) = %d, want %d", c.mss, got, c.want)
+		}
 	}
 }
