@@ -187,17 +187,20 @@ bench-fairness: build
 # the longest time a tunnel went without progress (BENCHMARKS.md, "Under
 # load"). OTHER= runs the same against another build in the same run: a
 # directory holding upstream's proxy-server and proxy-agent, or the path of
-# another konnectivity binary. Not part of make test (its small form is).
+# another konnectivity binary. STRESS_DESTINATIONS is where the destinations
+# listen: pod (a network namespace behind a veth of MTU 1500, as a node's
+# pods; needs root) or loopback. Not part of make test (its small form is).
 STRESS_TUNNELS ?= 2000
 STRESS_BYTES   ?= 5242880
 STRESS_SHAPES  ?= echo,download,upload
 STRESS_HOGS    ?= 2
 STRESS_HOG_FOR ?= 40s
 STRESS_RUNS    ?= 1
+STRESS_DESTINATIONS ?= pod
 bench-stress: build
 	cd e2e && $(GO) run ./stress --bin $(CURDIR)/$(BIN) --tunnels $(STRESS_TUNNELS) --bytes $(STRESS_BYTES) \
 		--shapes $(STRESS_SHAPES) --hogs $(STRESS_HOGS) --hog-for $(STRESS_HOG_FOR) --runs $(STRESS_RUNS) \
-		$(if $(OTHER),--other $(abspath $(OTHER))) $(STRESSFLAGS)
+		--destinations $(STRESS_DESTINATIONS) $(if $(OTHER),--other $(abspath $(OTHER))) $(STRESSFLAGS)
 
 # A bounded mixed workload (short dials, long checksummed streams, server
 # SIGHUPs, agent churn) that fails on any lost byte or leak.
