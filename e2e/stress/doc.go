@@ -13,6 +13,11 @@
 //   - upload: the client writes --bytes, the destination reads and checks
 //     them, then answers with one byte.
 //
+// The destinations stand for pods: they listen in a network namespace of
+// their own behind a veth of MTU 1500 (--destinations=pod, the default;
+// it needs root), or on loopback (--destinations=loopback), whose 64 KiB
+// segments give every destination socket megabytes of kernel buffer.
+//
 // It prints, per shape and implementation: tunnels completed, errors,
 // wall time, bytes per second, peak RSS of both ends (VmHWM) beside the
 // bound the receive windows put on what they may hold, and the longest
