@@ -240,9 +240,9 @@ func streamCaps(limit uint64) (perConn, total uint32) {
 // tcp_rmem and tcp_wmem (megabytes each), and each byte they hold is one
 // the pool lacks; so does each kilobyte a larger fixed buffer adds over
 // thousands of tunnels (2,000 tunnels at 256 KiB hold 512 MB). Past the
-// pool's pressure mark the kernel drops segments of every connection, the
-// link among them, and its retransmissions keep the tunnels from draining
-// what filled the pool: tunnels then go seconds without a byte.
+// pool's pressure mark the kernel clamps every connection's window and
+// drops what does not fit, the link's too, and the link can no longer
+// drain what filled the pool: tunnels then go seconds without a byte.
 // BENCHMARKS.md ("Under load") has the figures.
 const (
 	minDestinationBuffer = 32 << 10
