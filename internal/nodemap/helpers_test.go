@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // fakeAPI serves Nodes, EndpointSlices and Pods the way kube-apiserver
@@ -59,14 +59,14 @@ func newFakeAPI(t *testing.T) *fakeAPI {
 	return f
 }
 
-func restConfigFor(t *testing.T, server string) *auth.RESTConfig {
+func restConfigFor(t *testing.T, server string) *kubeclient.Config {
 	t.Helper()
 	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: f\n  cluster: {server: %q}\nusers:\n- name: u\n  user: {token: secret-token}\ncontexts:\n- name: f\n  context: {cluster: f, user: u}\ncurrent-context: f\n", server)
 	path := filepath.Join(t.TempDir(), "kubeconfig")
 	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := auth.LoadKubeconfig(path, "")
+	cfg, err := kubeclient.LoadKubeconfig(path, "")
 	if err != nil {
 		t.Fatal(err)
 	}
