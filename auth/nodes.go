@@ -2,12 +2,12 @@ package auth
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
 	"net/url"
+	"slices"
 	"sync"
 	"time"
 
@@ -63,8 +63,9 @@ func NewNodeLookup(cfg *kubeclient.Config, timeout, ttl time.Duration) (*NodeLoo
 	return &NodeLookup{client: kubeclient.New(cfg), timeout: timeout, ttl: ttl, now: time.Now, cache: map[string]nodeEntry{}}, nil
 }
 
-// Addresses returns the node's addresses (every type the kubelet reports
-// that parses as an IP: InternalIP, ExternalIP). A node that does not exist
+// Addresses returns the node's addresses (every one the kubelet reports
+// that is an IP: InternalIP, ExternalIP, and a Hostname that is an IP,
+// as kubeapi.DecodeNode reads them). A node that does not exist
 // is a 403 Error; a failed lookup a 503 Error, which wraps
 // ErrNodesForbidden when the apiserver answered 403 (remembered for the
 // TTL, as answers are, so agents logging in meanwhile cost no call).
@@ -122,21 +123,15 @@ func (n *NodeLookup) get(ctx context.Context, node string) ([]netip.Addr, error)
 	if err != nil {
 		return nil, unavailable("node lookup request failed", err)
 	}
-	var obj struct {
-		Status struct {
-			Addresses []struct {
-				Type    string `json:"type"`
-				Address string `json:"address"`
-			} `json:"addresses"`
-		} `json:"status"`
+	obj, _, err := kubeapi.DecodeNode(data)
+	if err != nil {
+		return nil, unavailable("node lookup: undecodable response", err)
 	}
-	if err := json.Unmarshal(data, &obj); err != nil {
-		return nil, unavailable("node lookup: undecodable response", errors.New("invalid JSON"))
-	}
-	var addrs []netip.Addr
-	for _, a := range obj.Status.Addresses {
-		if ip, err := netip.ParseAddr(a.Address); err == nil {
-			addrs = append(addrs, ip.Unmap())
+	// A Hostname address that is an IP is one of the node's addresses too.
+	addrs := obj.Addresses
+	for _, h := range obj.Hostnames {
+		if ip, err := netip.ParseAddr(h); err == nil && !slices.Contains(addrs, ip.Unmap().WithZone("")) {
+			addrs = append(addrs, ip.Unmap().WithZone(""))
 		}
 	}
 	return addrs, nil

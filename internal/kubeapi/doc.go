@@ -2,9 +2,10 @@
 // API (auth, internal/lease, internal/nodemap, calling through
 // internal/kubeclient) share about the API's answers: how an answer other
 // than success becomes an *Error carrying the Status code, reason and
-// message, how one object read from an answer is bounded in size, and how
-// calls are spaced (Pace, Sleep, Jitter) so that a fleet of clients never
-// calls the apiserver in a tight loop or in step.
+// message, how one object read from an answer is bounded in size, what a
+// Node object says (DecodeNode, read the same way wherever a Node is
+// read), and how calls are spaced (Pace, Sleep, Jitter) so that a fleet of
+// clients never calls the apiserver in a tight loop or in step.
 //
 // Rules: a client never trusts the size of an answer, so an error body is
 // read up to MaxErrorBody and an object through a BoundedReader; an *Error

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
@@ -368,14 +369,14 @@ func (m Match) String() string {
 }
 
 // Node returns a copy of the named Node.
-func (t *Table) Node(name string) (Node, bool) {
+func (t *Table) Node(name string) (kubeapi.Node, bool) {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	n, ok := t.nodes[name]
 	if !ok {
-		return Node{}, false
+		return kubeapi.Node{}, false
 	}
-	return Node{
+	return kubeapi.Node{
 		Name:      n.Name,
 		Addresses: slices.Clone(n.Addresses),
 		Hostnames: slices.Clone(n.Hostnames),
