@@ -5,13 +5,14 @@
 // call through it, so the binary does not depend on client-go.
 //
 // Where and how (Config): the context of a kubeconfig (LoadKubeconfig), of
-// which only what a client of one apiserver needs is read (server, CA,
-// tls-server-name, proxy-url, client certificate, token, tokenFile), or
-// the pod's ServiceAccount (InClusterConfig). A tokenFile is read again
-// for every request, as the kubelet rotates projected tokens. What cannot
-// be honoured (exec plugins, auth providers, basic auth, impersonation) is
-// refused rather than calling the apiserver as somebody else, and no error
-// or formatted Config ever shows a token or key.
+// which only what a client of one apiserver needs is read (server, CA or
+// insecure-skip-tls-verify, tls-server-name, proxy-url, client
+// certificate, token, tokenFile), or the pod's ServiceAccount
+// (InClusterConfig). A tokenFile is read again for every request, as the
+// kubelet rotates projected tokens. What cannot be honoured (exec plugins,
+// auth providers, basic auth, impersonation) is refused rather than
+// calling the apiserver as somebody else, and no error or formatted Config
+// ever shows a token or key.
 //
 // One call (Client): the request carries JSON and the konnectivity
 // User-Agent; an answer other than a 2xx becomes a *kubeapi.Error (its
