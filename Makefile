@@ -137,7 +137,7 @@ FUZZTIME ?= 20s
 fuzz:
 	@for pkg in ./tunnel/wire/ ./tunnel/agent/ ./tunnel/server/ ./tunnel/internal/h2link/ ./tunnel/internal/grpcwire/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s $$pkg || exit 1; done; done
-	@for pkg in ./auth/ ./certs/ ./images/ociimage/ ./internal/lease/ ./internal/nodemap/ ./internal/proxydial/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
+	@for pkg in ./certs/ ./images/ociimage/ ./internal/kubeclient/ ./internal/lease/ ./internal/nodemap/ ./internal/proxydial/; do for target in $$($(GO) test -list 'Fuzz.*' $$pkg | grep ^Fuzz); do \
 		echo "== $$pkg $$target"; $(GO) test -run '^$$' -fuzz "^$$target$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done; done
 
 bench: build

@@ -14,9 +14,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 	"github.com/spinifex/konnectivity/internal/lease"
 	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/internal/promtext"
@@ -348,7 +348,7 @@ func (o *agentOptions) followOwnNode(rules *agent.DestinationRules) error {
 	if o.nodeName == "" {
 		return errors.New("the agent's node is not known: set --node-name or $NODE_NAME (spec.nodeName)")
 	}
-	rc, err := auth.LoadKubeconfig(o.kubeconfig, "")
+	rc, err := kubeclient.LoadKubeconfig(o.kubeconfig, "")
 	if err != nil {
 		return err
 	}
@@ -376,7 +376,7 @@ func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *agent.Agent
 		}
 		return func() {}
 	}
-	rc, err := auth.LoadKubeconfig(o.kubeconfig, "")
+	rc, err := kubeclient.LoadKubeconfig(o.kubeconfig, "")
 	if err != nil {
 		return fail(err)
 	}

@@ -11,9 +11,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 	"github.com/spinifex/konnectivity/internal/lease"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
@@ -145,7 +145,7 @@ func (o *agentOptions) check(log *slog.Logger) error {
 		}
 	}
 	if o.leases.count { // an agent that cannot count Leases goes on: a warning
-		rc, err := auth.LoadKubeconfig(o.kubeconfig, "")
+		rc, err := kubeclient.LoadKubeconfig(o.kubeconfig, "")
 		if err == nil {
 			_, err = lease.NewClient(rc, o.leaseNamespace)
 		}

@@ -23,6 +23,7 @@ import (
 	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/certs"
 	"github.com/spinifex/konnectivity/internal/daemon"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 	"github.com/spinifex/konnectivity/internal/lease"
 	"github.com/spinifex/konnectivity/internal/nodemap"
 	"github.com/spinifex/konnectivity/internal/promtext"
@@ -735,11 +736,11 @@ func tokenPrincipal(id auth.Identity, account string) server.Principal {
 
 // restConfig is how the server reaches kube-apiserver (TokenReview,
 // Leases): --kubeconfig, else the pod's ServiceAccount.
-func (o *serverOptions) restConfig() (*auth.RESTConfig, error) {
+func (o *serverOptions) restConfig() (*kubeclient.Config, error) {
 	if o.kubeconfig != "" {
-		return auth.LoadKubeconfig(o.kubeconfig, o.kubeCtx)
+		return kubeclient.LoadKubeconfig(o.kubeconfig, o.kubeCtx)
 	}
-	return auth.InClusterConfig()
+	return kubeclient.InClusterConfig()
 }
 
 // nodeMap follows the apiserver's Nodes and EndpointSlices (and Pods with

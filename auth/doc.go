@@ -13,10 +13,11 @@
 // Results are cached briefly, keyed by the token's SHA-256, never beyond the
 // token's own expiry. Token values never appear in errors.
 //
-// Talking to the apiserver needs only a small part of a kubeconfig
-// (LoadKubeconfig) or the in-cluster ServiceAccount
-// (InClusterConfig); this package reads those itself so the binary does not
-// depend on client-go.
+// Node binding: a token bound to a pod names its node, and NodeLookup
+// reads that Node's addresses, so that an agent's ipv4=/ipv6= identifiers
+// can be checked against the node its token was issued for. Both calls go
+// to the apiserver through internal/kubeclient, with the Config the
+// server was given.
 //
 // Frontend socket guard: the Unix socket that kube-apiserver connects to is
 // the door into every cluster network the agents can reach. Besides file

@@ -25,6 +25,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // sampleToken is checked for in every error message the tests produce.
@@ -122,19 +124,17 @@ type fakeAPIServer struct {
 	hangs    atomic.Int64 // requests held by "hang"
 	hungUp   atomic.Int64 // of those, ended by the client cancelling its request
 
-	mu         sync.Mutex
-	tokens     map[string]identity
-	nodes      map[string]any                 // GET /api/v1/nodes/<name> answers, by name
-	extras     map[string]map[string][]string // status.user.extra (node and pod claims), by token
-	wantBearer string                         // if set, the request must carry this bearer token
-	mode       string                         // "", "500", "hang", "garbage", "override"
-	override   func(req reviewRequest) (int, any)
-	release    chan struct{} // closed to end "hang"
+	mu       sync.Mutex
+	tokens   map[string]identity
+	nodes    map[string]any                 // GET /api/v1/nodes/<name> answers, by name
+	extras   map[string]map[string][]string // status.user.extra (node and pod claims), by token
+	mode     string                         // "", "500", "hang", "garbage", "override"
+	override func(req reviewRequest) (int, any)
+	release  chan struct{} // closed to end "hang"
 }
 
 type fakeOpts struct {
 	requireClientCert bool
-	dnsOnly           bool // serving cert without IP SAN, only kubernetes.test
 }
 
 func newFakeAPIServer(t *testing.T, o fakeOpts) *fakeAPIServer {
@@ -142,11 +142,7 @@ func newFakeAPIServer(t *testing.T, o fakeOpts) *fakeAPIServer {
 	f := &fakeAPIServer{t: t, tokens: map[string]identity{}, release: make(chan struct{})}
 	serverCA := newTestCA(t, "fake-apiserver-ca")
 	f.caPEM = serverCA.pem
-	var ips []net.IP
-	if !o.dnsOnly {
-		ips = []net.IP{net.IPv4(127, 0, 0, 1)}
-	}
-	sc, sk := serverCA.issue(t, "kube-apiserver", true, []string{"kubernetes.test"}, ips)
+	sc, sk := serverCA.issue(t, "kube-apiserver", true, []string{"kubernetes.test"}, []net.IP{net.IPv4(127, 0, 0, 1)})
 	serving, err := tls.X509KeyPair(sc, sk)
 	if err != nil {
 		t.Fatal(err)
@@ -199,7 +195,7 @@ func (f *fakeAPIServer) addToken(token string, id identity) {
 func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 	f.requests.Add(1)
 	f.mu.Lock()
-	mode, release, override, wantBearer := f.mode, f.release, f.override, f.wantBearer
+	mode, release, override := f.mode, f.release, f.override
 	f.mu.Unlock()
 
 	if name, ok := strings.CutPrefix(r.URL.Path, "/api/v1/nodes/"); ok && r.Method == http.MethodGet {
@@ -212,10 +208,6 @@ func (f *fakeAPIServer) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	if r.Header.Get("Content-Type") != "application/json" {
 		http.Error(w, "bad content type", http.StatusUnsupportedMediaType)
-		return
-	}
-	if wantBearer != "" && r.Header.Get("Authorization") != "Bearer "+wantBearer {
-		http.Error(w, `{"kind":"Status","message":"Unauthorized"}`, http.StatusUnauthorized)
 		return
 	}
 	var req reviewRequest
@@ -459,10 +451,7 @@ func listenUnix(t *testing.T, path string) *net.UnixListener {
 func newReviewSetup(t *testing.T, opts ReviewOptions) (*fakeAPIServer, *TokenReviewer) {
 	t.Helper()
 	f := newFakeAPIServer(t, fakeOpts{requireClientCert: true})
-	cfg, err := ParseKubeconfig([]byte(f.kubeconfigInline()), t.TempDir(), "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := loadConfig(t, f.kubeconfigInline())
 	if opts.Audience == "" {
 		opts.Audience = testAudience
 	}
@@ -516,14 +505,17 @@ func peerHelper(sock string) int {
 	return 0
 }
 
-// ParseKubeconfig is LoadKubeconfig for bytes already read; dir is the folder
-// that relative file names are resolved against.
-func ParseKubeconfig(data []byte, dir, context string) (*RESTConfig, error) {
-	cfg, err := parseKubeconfig(data, dir, context, readRegularFile)
+// loadConfig is the Config of the kubeconfig kubeconfig, loaded as
+// --kubeconfig loads it.
+func loadConfig(t testing.TB, kubeconfig string) *kubeclient.Config {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	writeFile(t, path, []byte(kubeconfig))
+	cfg, err := kubeclient.LoadKubeconfig(path, "")
 	if err != nil {
-		return nil, fmt.Errorf("kubeconfig: %w", err)
+		t.Fatal(err)
 	}
-	return cfg, nil
+	return cfg
 }
 
 // Authenticate accepts bearerToken if the apiserver says it is a valid token

@@ -65,10 +65,7 @@ func TestReviewBoundIdentity(t *testing.T) {
 
 func TestNodeLookup(t *testing.T) {
 	f := newFakeAPIServer(t, fakeOpts{requireClientCert: true})
-	cfg, err := ParseKubeconfig([]byte(f.kubeconfigInline()), t.TempDir(), "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := loadConfig(t, f.kubeconfigInline())
 	n, err := NewNodeLookup(cfg, time.Second, time.Minute)
 	if err != nil {
 		t.Fatal(err)

@@ -2,16 +2,17 @@ package auth
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/netip"
 	"net/url"
-	"strings"
+	"slices"
 	"sync"
 	"time"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 const (
@@ -31,8 +32,7 @@ var ErrNodesForbidden = errors.New("the apiserver forbids this server to get nod
 // against the node its token was issued for. The server's identity needs
 // "get" on nodes. It is safe for concurrent use.
 type NodeLookup struct {
-	client  *http.Client
-	server  string
+	client  *kubeclient.Client
 	timeout time.Duration
 	ttl     time.Duration
 	now     func() time.Time
@@ -50,7 +50,7 @@ type nodeEntry struct {
 // NewNodeLookup returns a lookup through the apiserver described by cfg.
 // Answers are reused for ttl (default one minute); timeout bounds one call
 // (default 5s).
-func NewNodeLookup(cfg *RESTConfig, timeout, ttl time.Duration) (*NodeLookup, error) {
+func NewNodeLookup(cfg *kubeclient.Config, timeout, ttl time.Duration) (*NodeLookup, error) {
 	if cfg == nil {
 		return nil, errors.New("node lookup: no apiserver config")
 	}
@@ -60,11 +60,12 @@ func NewNodeLookup(cfg *RESTConfig, timeout, ttl time.Duration) (*NodeLookup, er
 	if ttl <= 0 {
 		ttl = defaultNodeTTL
 	}
-	return &NodeLookup{client: cfg.HTTPClient(), server: cfg.Server(), timeout: timeout, ttl: ttl, now: time.Now, cache: map[string]nodeEntry{}}, nil
+	return &NodeLookup{client: kubeclient.New(cfg), timeout: timeout, ttl: ttl, now: time.Now, cache: map[string]nodeEntry{}}, nil
 }
 
-// Addresses returns the node's addresses (every type the kubelet reports
-// that parses as an IP: InternalIP, ExternalIP). A node that does not exist
+// Addresses returns the node's addresses (every one the kubelet reports
+// that is an IP: InternalIP, ExternalIP, and a Hostname that is an IP,
+// as kubeapi.DecodeNode reads them). A node that does not exist
 // is a 403 Error; a failed lookup a 503 Error, which wraps
 // ErrNodesForbidden when the apiserver answered 403 (remembered for the
 // TTL, as answers are, so agents logging in meanwhile cost no call).
@@ -107,45 +108,30 @@ func (n *NodeLookup) Addresses(ctx context.Context, node string) ([]netip.Addr, 
 }
 
 func (n *NodeLookup) get(ctx context.Context, node string) ([]netip.Addr, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, n.server+nodeLookupPrefix+url.PathEscape(node), nil)
-	if err != nil {
-		return nil, unavailable("node lookup", err)
+	data, err := n.client.Call(ctx, http.MethodGet, nodeLookupPrefix+url.PathEscape(node), nil, maxNodeBody)
+	if e, ok := errors.AsType[*kubeapi.Error](err); ok {
+		reason := "node lookup: apiserver answered " + statusLine(e.Code)
+		switch e.Code {
+		case http.StatusNotFound:
+			return nil, forbidden("node %q does not exist", node)
+		case http.StatusForbidden:
+			// The server may not read nodes: our RBAC, not the agent's claim.
+			return nil, unavailable(reason, fmt.Errorf("%w: %s", ErrNodesForbidden, oneLine(string(e.Body))))
+		}
+		return nil, unavailable(reason, errors.New(oneLine(string(e.Body))))
 	}
-	req.Header.Set("Accept", "application/json")
-	resp, err := n.client.Do(req)
 	if err != nil {
 		return nil, unavailable("node lookup request failed", err)
 	}
-	defer resp.Body.Close()
-	data, err := io.ReadAll(io.LimitReader(resp.Body, maxNodeBody))
+	obj, _, err := kubeapi.DecodeNode(data)
 	if err != nil {
-		return nil, unavailable("node lookup: read response", err)
+		return nil, unavailable("node lookup: undecodable response", err)
 	}
-	switch resp.StatusCode {
-	case http.StatusOK:
-	case http.StatusNotFound:
-		return nil, forbidden("node %q does not exist", node)
-	case http.StatusForbidden:
-		// The server may not read nodes: our RBAC, not the agent's claim.
-		return nil, unavailable(fmt.Sprintf("node lookup: apiserver answered %s", resp.Status), fmt.Errorf("%w: %s", ErrNodesForbidden, clip(strings.Join(strings.Fields(string(data)), " "), 256)))
-	default:
-		return nil, unavailable(fmt.Sprintf("node lookup: apiserver answered %s", resp.Status), errors.New(clip(strings.Join(strings.Fields(string(data)), " "), 256)))
-	}
-	var obj struct {
-		Status struct {
-			Addresses []struct {
-				Type    string `json:"type"`
-				Address string `json:"address"`
-			} `json:"addresses"`
-		} `json:"status"`
-	}
-	if err := json.Unmarshal(data, &obj); err != nil {
-		return nil, unavailable("node lookup: undecodable response", errors.New("invalid JSON"))
-	}
-	var addrs []netip.Addr
-	for _, a := range obj.Status.Addresses {
-		if ip, err := netip.ParseAddr(a.Address); err == nil {
-			addrs = append(addrs, ip.Unmap())
+	// A Hostname address that is an IP is one of the node's addresses too.
+	addrs := obj.Addresses
+	for _, h := range obj.Hostnames {
+		if ip, err := netip.ParseAddr(h); err == nil && !slices.Contains(addrs, ip.Unmap().WithZone("")) {
+			addrs = append(addrs, ip.Unmap().WithZone(""))
 		}
 	}
 	return addrs, nil

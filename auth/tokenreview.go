@@ -1,7 +1,6 @@
 package auth
 
 import (
-	"bytes"
 	"container/list"
 	"context"
 	"crypto/sha256"
@@ -9,12 +8,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 const (
@@ -114,8 +115,7 @@ type ReviewOptions struct {
 // TokenReviewer authenticates agent bearer tokens with the kube-apiserver's
 // TokenReview API. It is safe for concurrent use.
 type TokenReviewer struct {
-	client     *http.Client
-	url        string
+	client     *kubeclient.Client
 	audience   string
 	username   string
 	timeout    time.Duration
@@ -154,7 +154,7 @@ type flight struct {
 
 // NewTokenReviewer returns a reviewer that calls the apiserver described by
 // cfg.
-func NewTokenReviewer(cfg *RESTConfig, opts ReviewOptions) (*TokenReviewer, error) {
+func NewTokenReviewer(cfg *kubeclient.Config, opts ReviewOptions) (*TokenReviewer, error) {
 	if cfg == nil {
 		return nil, errors.New("token reviewer: no apiserver config")
 	}
@@ -165,8 +165,7 @@ func NewTokenReviewer(cfg *RESTConfig, opts ReviewOptions) (*TokenReviewer, erro
 		return nil, errors.New("token reviewer: agent namespace and service account must not contain ':'")
 	}
 	r := &TokenReviewer{
-		client:     cfg.HTTPClient(),
-		url:        cfg.Server() + tokenReviewPath,
+		client:     kubeclient.New(cfg),
 		audience:   opts.Audience,
 		username:   "system:serviceaccount:" + opts.Namespace + ":" + opts.ServiceAccount,
 		timeout:    opts.Timeout,
@@ -384,25 +383,14 @@ func (r *TokenReviewer) review(ctx context.Context, token string) (Identity, err
 	if err != nil {
 		return Identity{}, unavailable("tokenreview", err)
 	}
-	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, r.url, bytes.NewReader(body))
-	if err != nil {
-		return Identity{}, unavailable("tokenreview", err)
-	}
-	httpReq.Header.Set("Content-Type", "application/json")
-	httpReq.Header.Set("Accept", "application/json")
-	resp, err := r.client.Do(httpReq)
-	if err != nil {
-		return Identity{}, unavailable("tokenreview request failed", redactErr(err, token))
-	}
-	defer resp.Body.Close()
-	data, err := io.ReadAll(io.LimitReader(resp.Body, maxReviewBody))
-	if err != nil {
-		return Identity{}, unavailable("tokenreview: read response", redactErr(err, token))
-	}
-	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusCreated {
+	data, err := r.client.Call(ctx, http.MethodPost, tokenReviewPath, body, maxReviewBody)
+	if e, ok := errors.AsType[*kubeapi.Error](err); ok {
 		// E.g. 403 when the server's own identity may not create
 		// tokenreviews: our problem, not the agent's, hence 503.
-		return Identity{}, unavailable("tokenreview: apiserver answered "+resp.Status, errors.New(snippet(data, token)))
+		return Identity{}, unavailable("tokenreview: apiserver answered "+statusLine(e.Code), errors.New(snippet(e.Body, token)))
+	}
+	if err != nil {
+		return Identity{}, unavailable("tokenreview request failed", redactErr(err, token))
 	}
 	var out tokenReview
 	if err := json.Unmarshal(data, &out); err != nil {
@@ -477,9 +465,17 @@ func tokenExpiry(token string) time.Time {
 // snippet makes apiserver-provided text safe to put in an error: bounded,
 // one line, and without the token should the apiserver echo it.
 func snippet(data []byte, token string) string {
-	s := strings.ReplaceAll(string(data), token, "[redacted]")
-	s = strings.Join(strings.Fields(s), " ")
-	return clip(s, 256)
+	return oneLine(strings.ReplaceAll(string(data), token, "[redacted]"))
+}
+
+// oneLine is apiserver-provided text as one line of at most 256 bytes.
+func oneLine(s string) string {
+	return clip(strings.Join(strings.Fields(s), " "), 256)
+}
+
+// statusLine is an HTTP status as a status line shows it: "403 Forbidden".
+func statusLine(code int) string {
+	return strconv.Itoa(code) + " " + http.StatusText(code)
 }
 
 func clip(s string, n int) string {

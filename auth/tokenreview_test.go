@@ -103,10 +103,7 @@ func TestAuthenticateChecksStatus(t *testing.T) {
 
 func TestAuthenticateNoAudience(t *testing.T) {
 	f := newFakeAPIServer(t, fakeOpts{requireClientCert: true})
-	cfg, err := ParseKubeconfig([]byte(f.kubeconfigInline()), "", "")
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := loadConfig(t, f.kubeconfigInline())
 	r, err := NewTokenReviewer(cfg, ReviewOptions{Namespace: testNS, ServiceAccount: testSA})
 	if err != nil {
 		t.Fatal(err)
@@ -168,10 +165,7 @@ func TestAuthenticateUnavailable(t *testing.T) {
 	})
 
 	t.Run("apiserver down", func(t *testing.T) {
-		cfg, err := ParseKubeconfig([]byte(f.kubeconfigInline()), "", "")
-		if err != nil {
-			t.Fatal(err)
-		}
+		cfg := loadConfig(t, f.kubeconfigInline())
 		f.srv.Close()
 		r2, err := NewTokenReviewer(cfg, ReviewOptions{Namespace: testNS, ServiceAccount: testSA, Timeout: time.Second})
 		if err != nil {
@@ -381,7 +375,7 @@ func TestAuthenticateConcurrent(t *testing.T) {
 }
 
 func TestNewTokenReviewerValidates(t *testing.T) {
-	cfg := &RESTConfig{server: "https://127.0.0.1:1", readFile: readRegularFile}
+	cfg := loadConfig(t, "current-context: c\ncontexts: [{name: c, context: {cluster: k}}]\nclusters: [{name: k, cluster: {server: \"https://127.0.0.1:1\"}}]\n")
 	for _, o := range []ReviewOptions{
 		{Namespace: testNS},
 		{ServiceAccount: testSA},
@@ -509,5 +503,43 @@ func TestUnsureRefusalNotCached(t *testing.T) {
 	r.Authenticate(ctx, "other-token")
 	if n := f.requests.Load(); n != 3 {
 		t.Fatalf("apiserver saw %d reviews, want 3 (the plain refusal cached)", n)
+	}
+}
+
+// The token must not show up in any error, whatever fails in a review.
+func TestTokenNeverInErrors(t *testing.T) {
+	f, r := newReviewSetup(t, ReviewOptions{Timeout: 200 * time.Millisecond, CacheTTL: -1})
+	ctx := context.Background()
+	var errs []error
+	for _, mode := range []string{"", "500", "garbage", "hang"} {
+		f.setMode(mode)
+		errs = append(errs, r.Authenticate(ctx, sampleToken))
+	}
+	f.setOverride(func(reviewRequest) (int, any) {
+		return http.StatusForbidden, map[string]any{"message": "token " + sampleToken + " refused"}
+	})
+	errs = append(errs, r.Authenticate(ctx, sampleToken))
+	f.setOverride(func(reviewRequest) (int, any) {
+		return http.StatusCreated, map[string]any{"status": map[string]any{"error": "invalid: " + sampleToken}}
+	})
+	errs = append(errs, r.Authenticate(ctx, sampleToken))
+	f.setOverride(func(reviewRequest) (int, any) {
+		return http.StatusCreated, map[string]any{"status": map[string]any{"authenticated": true, "user": map[string]any{"username": sampleToken}, "audiences": []string{testAudience}}}
+	})
+	errs = append(errs, r.Authenticate(ctx, sampleToken))
+	errs = append(errs, r.Authenticate(ctx, sampleToken+" x"))
+	for i, err := range errs {
+		if err == nil {
+			if i == 0 {
+				continue // the unknown-token review fails with a plain 401
+			}
+			t.Errorf("case %d: no error", i)
+			continue
+		}
+		noToken(t, err)
+		// Even a fragment (the signature part) must not leak.
+		if strings.Contains(err.Error(), sampleToken[strings.LastIndexByte(sampleToken, '.')+1:]) {
+			t.Errorf("case %d leaks part of the token: %v", i, err)
+		}
 	}
 }

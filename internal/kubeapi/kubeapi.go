@@ -1,8 +1,6 @@
 package kubeapi
 
 import (
-	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -26,6 +24,10 @@ type Error struct {
 	Code    int
 	Reason  string
 	Message string
+	// Body is the answer as it was read (at most MaxErrorBody bytes), for
+	// a caller that shows what an answer other than a Status said once it
+	// took out what must not be shown; Error never prints it.
+	Body []byte
 }
 
 func (e *Error) Error() string {
@@ -124,36 +126,6 @@ func reasonFor(code int) string {
 		return "InternalError"
 	}
 	return "Unknown"
-}
-
-// Do sends one request to the apiserver with client and returns the
-// answer of a 2xx, whose body the caller closes. A JSON body is sent when
-// body is not nil. Any other answer is read up to MaxErrorBody, closed and
-// returned as an *Error.
-func Do(ctx context.Context, client *http.Client, method, url string, body []byte) (*http.Response, error) {
-	var rd io.Reader
-	if body != nil {
-		rd = bytes.NewReader(body)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, url, rd)
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Accept", "application/json")
-	req.Header.Set("User-Agent", "konnectivity")
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		data, _ := io.ReadAll(io.LimitReader(resp.Body, MaxErrorBody))
-		resp.Body.Close()
-		return nil, DecodeStatus(resp.StatusCode, data)
-	}
-	return resp, nil
 }
 
 // TooLargeError is what a BoundedReader returns once an object took more

@@ -12,8 +12,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // Bounds on what the apiserver may send: a Lease is a few hundred bytes, so
@@ -26,15 +26,15 @@ const (
 
 // Client reads and writes Leases in one namespace.
 type Client struct {
-	http      *http.Client
-	base      string // .../namespaces/<ns>/leases
+	api       *kubeclient.Client
+	base      string // the path of the namespace's Leases: .../namespaces/<ns>/leases
 	namespace string
 }
 
 // NewClient returns a client for the Leases of namespace on the apiserver
 // cfg describes. Credentials come from cfg on every request (a token file is
 // re-read, so a rotated ServiceAccount token is used).
-func NewClient(cfg *auth.RESTConfig, namespace string) (*Client, error) {
+func NewClient(cfg *kubeclient.Config, namespace string) (*Client, error) {
 	if cfg == nil {
 		return nil, errors.New("lease client: no apiserver config")
 	}
@@ -42,8 +42,8 @@ func NewClient(cfg *auth.RESTConfig, namespace string) (*Client, error) {
 		return nil, err
 	}
 	return &Client{
-		http:      cfg.HTTPClient(),
-		base:      cfg.Server() + "/apis/coordination.k8s.io/v1/namespaces/" + namespace + "/leases",
+		api:       kubeclient.New(cfg),
+		base:      "/apis/coordination.k8s.io/v1/namespaces/" + namespace + "/leases",
 		namespace: namespace,
 	}, nil
 }
@@ -53,27 +53,19 @@ func (c *Client) Namespace() string { return c.namespace }
 
 // do sends one request and returns the body of a 2xx answer, read up to
 // limit bytes; any other answer is a *kubeapi.Error.
-func (c *Client) do(ctx context.Context, method, u string, body []byte, limit int64) ([]byte, error) {
-	resp, err := kubeapi.Do(ctx, c.http, method, u, body)
+func (c *Client) do(ctx context.Context, method, path string, body []byte, limit int64) ([]byte, error) {
+	data, err := c.api.Call(ctx, method, path, body, limit)
 	if err != nil {
 		return nil, fmt.Errorf("%s leases: %w", method, err)
-	}
-	defer resp.Body.Close()
-	data, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
-	if err != nil {
-		return nil, fmt.Errorf("%s leases: read answer: %w", method, err)
-	}
-	if int64(len(data)) > limit {
-		return nil, fmt.Errorf("%s leases: answer larger than %d bytes", method, limit)
 	}
 	return data, nil
 }
 
-func (c *Client) objectURL(name string) string { return c.base + "/" + url.PathEscape(name) }
+func (c *Client) objectPath(name string) string { return c.base + "/" + url.PathEscape(name) }
 
 // Get returns the named Lease.
 func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
-	data, err := c.do(ctx, http.MethodGet, c.objectURL(name), nil, maxObjectSize)
+	data, err := c.do(ctx, http.MethodGet, c.objectPath(name), nil, maxObjectSize)
 	if err != nil {
 		return nil, err
 	}
@@ -88,17 +80,17 @@ func (c *Client) Create(ctx context.Context, l *Lease) (*Lease, error) {
 // Update replaces l; it fails with 409 Conflict when the stored Lease is no
 // longer at l.ResourceVersion.
 func (c *Client) Update(ctx context.Context, l *Lease) (*Lease, error) {
-	return c.write(ctx, http.MethodPut, c.objectURL(l.Name), l)
+	return c.write(ctx, http.MethodPut, c.objectPath(l.Name), l)
 }
 
-// write sends l with method to u and returns the Lease the apiserver
+// write sends l with method to path and returns the Lease the apiserver
 // stored.
-func (c *Client) write(ctx context.Context, method, u string, l *Lease) (*Lease, error) {
+func (c *Client) write(ctx context.Context, method, path string, l *Lease) (*Lease, error) {
 	body, err := l.encode()
 	if err != nil {
 		return nil, err
 	}
-	data, err := c.do(ctx, method, u, body, maxObjectSize)
+	data, err := c.do(ctx, method, path, body, maxObjectSize)
 	if err != nil {
 		return nil, err
 	}
@@ -117,7 +109,7 @@ func (c *Client) Delete(ctx context.Context, name, resourceVersion string) error
 			"preconditions": map[string]string{"resourceVersion": resourceVersion},
 		})
 	}
-	_, err := c.do(ctx, http.MethodDelete, c.objectURL(name), body, maxObjectSize)
+	_, err := c.do(ctx, http.MethodDelete, c.objectPath(name), body, maxObjectSize)
 	return err
 }
 
@@ -128,11 +120,11 @@ func (c *Client) List(ctx context.Context, selector string) ([]*Lease, string, e
 	if selector != "" {
 		q.Set("labelSelector", selector)
 	}
-	u := c.base
+	path := c.base
 	if len(q) > 0 {
-		u += "?" + q.Encode()
+		path += "?" + q.Encode()
 	}
-	data, err := c.do(ctx, http.MethodGet, u, nil, maxListSize)
+	data, err := c.do(ctx, http.MethodGet, path, nil, maxListSize)
 	if err != nil {
 		return nil, "", err
 	}
@@ -184,7 +176,7 @@ func (c *Client) Watch(ctx context.Context, selector, resourceVersion string, ti
 	// The apiserver ends the watch at timeout; the client deadline is a
 	// backstop against one that never does.
 	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
-	resp, err := kubeapi.Do(wctx, c.http, http.MethodGet, c.base+"?"+q.Encode(), nil)
+	resp, err := c.api.Do(wctx, http.MethodGet, c.base+"?"+q.Encode(), nil)
 	if err != nil {
 		cancel()
 		return nil, nil, fmt.Errorf("watch leases: %w", err)

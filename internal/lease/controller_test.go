@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 	"github.com/spinifex/konnectivity/internal/promtext"
 )
 
@@ -325,7 +325,7 @@ func TestClientErrors(t *testing.T) {
 	}
 }
 
-func client0(t *testing.T, f *fakeAPI) *auth.RESTConfig {
+func client0(t *testing.T, f *fakeAPI) *kubeclient.Config {
 	tokenFile := filepath.Join(t.TempDir(), "token")
 	writeToken(t, tokenFile, "token-1")
 	return f.restConfig(t, tokenFile)

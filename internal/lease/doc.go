@@ -12,11 +12,11 @@
 // (renewTime + leaseDurationSeconds in the future) whenever that number
 // changes, including when a Lease simply runs out.
 //
-// The package speaks the Kubernetes REST API itself (Client: get, create,
-// update, delete, list, watch of Leases in one namespace, JSON only) on top
-// of auth.RESTConfig, so the binary does not depend on client-go. Every
-// answer is bounded in size; API errors keep the status code and reason the
-// apiserver sent, which the lease metrics are labelled with.
+// The package speaks the Lease API itself (Client: get, create, update,
+// delete, list, watch of Leases in one namespace, JSON only) through
+// internal/kubeclient. Every answer is bounded in size; API errors keep
+// the status code and reason the apiserver sent, which the lease metrics
+// are labelled with.
 //
 // Nothing here is on the data path: a Lease that cannot be written or read
 // is logged once per change of state and retried; tunnels are unaffected.

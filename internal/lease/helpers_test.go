@@ -16,7 +16,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // fakeAPI is an apiserver that speaks the coordination.k8s.io/v1 Lease API
@@ -64,7 +64,7 @@ func newFakeAPI(t *testing.T, token string) *fakeAPI {
 
 // kubeconfig writes a kubeconfig for f that reads its token from tokenFile
 // and returns the loaded config.
-func (f *fakeAPI) restConfig(t *testing.T, tokenFile string) *auth.RESTConfig {
+func (f *fakeAPI) restConfig(t *testing.T, tokenFile string) *kubeclient.Config {
 	t.Helper()
 	dir := t.TempDir()
 	ca := filepath.Join(dir, "ca.crt")
@@ -88,7 +88,7 @@ current-context: fake
 	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := auth.LoadKubeconfig(path, "")
+	cfg, err := kubeclient.LoadKubeconfig(path, "")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,6 +6,8 @@ import (
 	"runtime"
 	"sync/atomic"
 	"testing"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 const (
@@ -28,7 +30,7 @@ func benchPodAddr(i int) netip.Addr {
 func buildBenchTable() *Table {
 	tb := NewTable()
 	for i := range benchNodes {
-		tb.setNode(&Node{
+		tb.setNode(&kubeapi.Node{
 			Name: benchNodeName(i),
 			Addresses: []netip.Addr{
 				netip.AddrFrom4([4]byte{172, 20, byte(i / 256), byte(i % 256)}),

@@ -12,26 +12,27 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // client lists and watches one kind of object.
 type client struct {
-	http          *http.Client
-	base          string // apiserver URL, no trailing slash
+	api           *kubeclient.Client
 	kind          kindID
 	fieldSelector string
 	page          int // items asked for per list page
 }
 
-func (c *client) url(q url.Values) string {
+// path is the collection's path with the query q.
+func (c *client) path(q url.Values) string {
 	if c.fieldSelector != "" {
 		q.Set("fieldSelector", c.fieldSelector)
 	}
-	return c.base + c.kind.path() + "?" + q.Encode()
+	return c.kind.path() + "?" + q.Encode()
 }
 
-func (c *client) get(ctx context.Context, u string) (*http.Response, error) {
-	return kubeapi.Do(ctx, c.http, http.MethodGet, u, nil)
+func (c *client) get(ctx context.Context, path string) (*http.Response, error) {
+	return c.api.Do(ctx, http.MethodGet, path, nil)
 }
 
 // listPage reads one page of the collection, handing each item to each,
@@ -42,7 +43,7 @@ func (c *client) listPage(ctx context.Context, cont string, each func([]byte) er
 	if cont != "" {
 		q.Set("continue", cont)
 	}
-	resp, err := c.get(ctx, c.url(q))
+	resp, err := c.get(ctx, c.path(q))
 	if err != nil {
 		return listHead{}, fmt.Errorf("list %s: %w", c.kind, err)
 	}
@@ -62,7 +63,7 @@ func (c *client) watch(ctx context.Context, rv string, timeout time.Duration) (*
 	q.Set("allowWatchBookmarks", "true")
 	q.Set("resourceVersion", rv)
 	q.Set("timeoutSeconds", strconv.Itoa(int(timeout/time.Second)))
-	resp, err := c.get(ctx, c.url(q))
+	resp, err := c.get(ctx, c.path(q))
 	if err != nil {
 		return nil, fmt.Errorf("watch %s: %w", c.kind, err)
 	}

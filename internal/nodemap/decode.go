@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
-	"strings"
 
 	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
@@ -62,8 +61,8 @@ func (k kindID) source() source {
 type record struct {
 	key    string // name (Nodes) or namespace/name
 	rv     string
-	node   *Node   // kindNodes
-	claims []claim // kindSlices, kindPods
+	node   *kubeapi.Node // kindNodes
+	claims []claim       // kindSlices, kindPods
 }
 
 type metaJSON struct {
@@ -95,67 +94,11 @@ func (k kindID) decode(data []byte) (record, error) {
 }
 
 func decodeNode(data []byte) (record, error) {
-	var n struct {
-		Metadata metaJSON `json:"metadata"`
-		Spec     struct {
-			PodCIDR  string   `json:"podCIDR"`
-			PodCIDRs []string `json:"podCIDRs"`
-		} `json:"spec"`
-		Status struct {
-			Addresses []struct {
-				Type    string `json:"type"`
-				Address string `json:"address"`
-			} `json:"addresses"`
-		} `json:"status"`
+	n, rv, err := kubeapi.DecodeNode(data)
+	if err != nil {
+		return record{}, err
 	}
-	if err := json.Unmarshal(data, &n); err != nil {
-		return record{}, fmt.Errorf("decode Node: %w", err)
-	}
-	key, err := n.Metadata.key()
-	if err != nil || n.Metadata.Namespace != "" {
-		return record{}, errors.New("decode Node: no valid metadata.name")
-	}
-	node := &Node{Name: key}
-	for _, a := range n.Status.Addresses {
-		if len(node.Addresses)+len(node.Hostnames) >= maxNodeAddrs {
-			break
-		}
-		switch a.Type {
-		case "InternalIP", "ExternalIP":
-			if ip, err := netip.ParseAddr(a.Address); err == nil {
-				node.Addresses = appendNew(node.Addresses, ip.Unmap().WithZone(""))
-			}
-		case "Hostname":
-			if h := strings.ToLower(strings.TrimSuffix(a.Address, ".")); h != "" && len(h) <= 253 {
-				node.Hostnames = appendNew(node.Hostnames, h)
-			}
-		}
-	}
-	cidrs := n.Spec.PodCIDRs
-	if len(cidrs) == 0 && n.Spec.PodCIDR != "" {
-		cidrs = []string{n.Spec.PodCIDR}
-	}
-	for _, c := range cidrs {
-		if len(node.PodCIDRs) >= maxPodCIDRs {
-			break
-		}
-		if p, err := netip.ParsePrefix(c); err == nil {
-			if p.Addr().Is4In6() {
-				continue // a CIDR the apiserver would not accept
-			}
-			node.PodCIDRs = appendNew(node.PodCIDRs, p.Masked())
-		}
-	}
-	return record{key: key, rv: n.Metadata.ResourceVersion, node: node}, nil
-}
-
-func appendNew[T comparable](s []T, v T) []T {
-	for _, x := range s {
-		if x == v {
-			return s
-		}
-	}
-	return append(s, v)
+	return record{key: n.Name, rv: rv, node: n}, nil
 }
 
 func decodeSlice(data []byte) (record, error) {
@@ -230,7 +173,7 @@ func decodePod(data []byte) (record, error) {
 		ips = append(ips, p.Status.PodIP)
 	}
 	for _, s := range ips {
-		if len(r.claims) >= maxPodCIDRs {
+		if len(r.claims) >= maxPodIPs {
 			break
 		}
 		if ip, err := netip.ParseAddr(s); err == nil {

@@ -37,7 +37,7 @@ func FuzzDecode(f *testing.F) {
 				keys = append(keys, r.key)
 				if k == kindNodes {
 					n := r.node
-					if len(n.Addresses)+len(n.Hostnames) > maxNodeAddrs || len(n.PodCIDRs) > maxPodCIDRs {
+					if len(n.Addresses)+len(n.Hostnames) > kubeapi.MaxNodeAddrs || len(n.PodCIDRs) > kubeapi.MaxPodCIDRs {
 						t.Fatalf("node over bounds: %+v", n)
 					}
 					tb.setNode(n)

@@ -18,7 +18,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // fakeAPI serves Nodes, EndpointSlices and Pods the way kube-apiserver
@@ -59,14 +60,14 @@ func newFakeAPI(t *testing.T) *fakeAPI {
 	return f
 }
 
-func restConfigFor(t *testing.T, server string) *auth.RESTConfig {
+func restConfigFor(t *testing.T, server string) *kubeclient.Config {
 	t.Helper()
 	kc := fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: f\n  cluster: {server: %q}\nusers:\n- name: u\n  user: {token: secret-token}\ncontexts:\n- name: f\n  context: {cluster: f, user: u}\ncurrent-context: f\n", server)
 	path := filepath.Join(t.TempDir(), "kubeconfig")
 	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := auth.LoadKubeconfig(path, "")
+	cfg, err := kubeclient.LoadKubeconfig(path, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -368,14 +369,14 @@ func (m Match) String() string {
 }
 
 // Node returns a copy of the named Node.
-func (t *Table) Node(name string) (Node, bool) {
+func (t *Table) Node(name string) (kubeapi.Node, bool) {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	n, ok := t.nodes[name]
 	if !ok {
-		return Node{}, false
+		return kubeapi.Node{}, false
 	}
-	return Node{
+	return kubeapi.Node{
 		Name:      n.Name,
 		Addresses: slices.Clone(n.Addresses),
 		Hostnames: slices.Clone(n.Hostnames),

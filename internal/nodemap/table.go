@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strings"
 	"sync"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
 // Bounds on the table, far above what Kubernetes supports (5,000 nodes,
@@ -13,9 +15,8 @@ import (
 const (
 	maxNodes         = 20000
 	maxPodAddrs      = 500000
-	maxNodeAddrs     = 32   // status.addresses kept per Node
-	maxPodCIDRs      = 8    // spec.podCIDRs kept per Node
 	maxClaimsPerItem = 2000 // pod addresses kept per EndpointSlice or Pod
+	maxPodIPs        = 8    // status.podIPs kept per Pod
 )
 
 // Match says how a lookup found its node.
@@ -28,14 +29,6 @@ const (
 	PodAddress        // an address an EndpointSlice or Pod places on the node
 	PodCIDR           // inside one of the Node's spec.podCIDRs (longest prefix)
 )
-
-// Node is what the table keeps of one Node object.
-type Node struct {
-	Name      string
-	Addresses []netip.Addr   // InternalIP and ExternalIP addresses
-	Hostnames []string       // Hostname addresses, lower case, no trailing dot
-	PodCIDRs  []netip.Prefix // spec.podCIDRs (or spec.podCIDR), masked
-}
 
 // source is a kind of object that places pod addresses on nodes.
 type source uint8
@@ -135,7 +128,7 @@ func (o *owners) remove(node string) (empty bool) {
 type Table struct {
 	mu sync.RWMutex // guards every field below; no other lock is taken while it is held
 
-	nodes  map[string]*Node               // by name
+	nodes  map[string]*kubeapi.Node       // by name
 	addrs  map[netip.Addr][]string        // node address → nodes listing it (more than one: ambiguous, no route)
 	hosts  map[string][]string            // Hostname address → nodes listing it
 	cidrs  map[netip.Prefix][]string      // pod CIDR → nodes (more than one: ambiguous, no route)
@@ -148,7 +141,7 @@ type Table struct {
 // NewTable returns an empty table.
 func NewTable() *Table {
 	t := &Table{
-		nodes: map[string]*Node{},
+		nodes: map[string]*kubeapi.Node{},
 		addrs: map[netip.Addr][]string{},
 		hosts: map[string][]string{},
 		cidrs: map[netip.Prefix][]string{},
@@ -219,7 +212,7 @@ func (t *Table) Size() (nodes, podAddrs int) {
 }
 
 // setNode adds or replaces a Node; false means the table is full.
-func (t *Table) setNode(n *Node) bool {
+func (t *Table) setNode(n *kubeapi.Node) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	old := t.nodes[n.Name]
@@ -258,7 +251,7 @@ func (t *Table) deleteNode(name string) {
 }
 
 // unindexNode removes n's addresses and CIDRs; t.mu is held.
-func (t *Table) unindexNode(n *Node) {
+func (t *Table) unindexNode(n *kubeapi.Node) {
 	for _, a := range n.Addresses {
 		dropName(t.addrs, a, n.Name)
 	}

@@ -10,8 +10,8 @@ import (
 	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
-func node(name string, addrs []string, cidrs ...string) *Node {
-	n := &Node{Name: name}
+func node(name string, addrs []string, cidrs ...string) *kubeapi.Node {
+	n := &kubeapi.Node{Name: name}
 	for _, a := range addrs {
 		if ip, err := netip.ParseAddr(a); err == nil {
 			n.Addresses = append(n.Addresses, ip)

@@ -13,13 +13,13 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/spinifex/konnectivity/auth"
 	"github.com/spinifex/konnectivity/internal/kubeapi"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 )
 
 // Config says what a Watcher follows.
 type Config struct {
-	REST *auth.RESTConfig
+	REST *kubeclient.Config
 
 	// Node, when set, narrows the Watcher to one node: its Node object and
 	// the Pods placed on it (an agent's view of its own node). Empty: every
@@ -50,7 +50,7 @@ type Watcher struct {
 	cfg   Config
 	table *Table
 	log   *slog.Logger
-	http  *http.Client // shared by the followers; its idle connections end with Run
+	api   *kubeclient.Client // shared by the followers; its idle connections end with Run
 	kinds []*follower
 }
 
@@ -87,12 +87,12 @@ func New(cfg Config) (*Watcher, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	httpc := cfg.REST.HTTPClient()
-	w := &Watcher{cfg: cfg, table: NewTable(), log: cfg.Logger, http: httpc}
+	api := kubeclient.New(cfg.REST)
+	w := &Watcher{cfg: cfg, table: NewTable(), log: cfg.Logger, api: api}
 	add := func(k kindID, selector string) {
 		w.kinds = append(w.kinds, &follower{
 			w:      w,
-			c:      client{http: httpc, base: cfg.REST.Server(), kind: k, fieldSelector: selector, page: listPage},
+			c:      client{api: api, kind: k, fieldSelector: selector, page: listPage},
 			log:    w.log.With("kind", k.String()),
 			minGap: min(time.Second, cfg.MinBackoff),
 		})
@@ -146,7 +146,7 @@ func (w *Watcher) Run(ctx context.Context) {
 		wg.Go(func() { f.run(ctx) })
 	}
 	wg.Wait()
-	w.http.CloseIdleConnections()
+	w.api.CloseIdleConnections()
 }
 
 func (f *follower) run(ctx context.Context) {

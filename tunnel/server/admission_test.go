@@ -28,6 +28,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 
 	"github.com/spinifex/konnectivity/auth"
+	"github.com/spinifex/konnectivity/internal/kubeclient"
 	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/internal/grpcwire"
 )
@@ -147,7 +148,7 @@ func (f *fakeReviews) reviewer(t *testing.T) *auth.TokenReviewer {
 	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	rc, err := auth.LoadKubeconfig(path, "")
+	rc, err := kubeclient.LoadKubeconfig(path, "")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,29 +1,25 @@
-package auth
+package kubeclient
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
+
+	"github.com/spinifex/konnectivity/internal/kubeapi"
 )
 
-// probe authenticates sampleToken through cfg against f.
-func probe(t *testing.T, f *fakeAPIServer, cfg *RESTConfig) error {
+// probe calls f through a Client of cfg: nil when f took the call.
+func probe(t *testing.T, f *fakeAPIServer, cfg *Config) error {
 	t.Helper()
-	f.addToken(sampleToken, identity{agentUser, []string{testAudience}})
-	r, err := NewTokenReviewer(cfg, ReviewOptions{Audience: testAudience, Namespace: testNS, ServiceAccount: testSA, CacheTTL: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r.Authenticate(testCtx(t), sampleToken)
+	_, err := New(cfg).Call(testCtx(t), http.MethodGet, "/api", nil, 1<<20)
+	return err
 }
 
-func load(t *testing.T, dir, yaml, context string) *RESTConfig {
+func load(t *testing.T, dir, yaml, context string) *Config {
 	t.Helper()
 	path := filepath.Join(dir, "kubeconfig")
 	writeFile(t, path, []byte(yaml))
@@ -123,8 +119,8 @@ func TestKubeconfigToken(t *testing.T) {
 	f.mu.Lock()
 	f.wantBearer = "another"
 	f.mu.Unlock()
-	if err := probe(t, f, cfg); StatusOf(err) != http.StatusServiceUnavailable {
-		t.Fatalf("wrong apiserver credentials: got %v, want 503", err)
+	if err := probe(t, f, cfg); !kubeapi.IsCode(err, http.StatusUnauthorized) {
+		t.Fatalf("wrong apiserver credentials: got %v, want 401", err)
 	}
 }
 
@@ -147,8 +143,8 @@ func TestKubeconfigTokenFileReread(t *testing.T) {
 	}
 	os.Remove(filepath.Join(dir, "secrets", "token"))
 	err := probe(t, f, cfg)
-	if StatusOf(err) != http.StatusServiceUnavailable || !strings.Contains(err.Error(), "tokenFile") {
-		t.Fatalf("missing token file: got %v, want 503 naming tokenFile", err)
+	if err == nil || !strings.Contains(err.Error(), "tokenFile") {
+		t.Fatalf("missing token file: got %v, want an error naming tokenFile", err)
 	}
 }
 
@@ -161,8 +157,8 @@ func TestKubeconfigContextSelection(t *testing.T) {
 	y = strings.Replace(y, "current-context: main", "current-context: other", 1)
 	dir := t.TempDir()
 	// current-context has no client certificate: the apiserver refuses it.
-	if err := probe(t, f, load(t, dir, y, "")); StatusOf(err) != http.StatusServiceUnavailable {
-		t.Fatalf("current-context: got %v, want 503 (no client cert)", err)
+	if err := probe(t, f, load(t, dir, y, "")); err == nil {
+		t.Fatalf("current-context: got %v, want a refusal (no client cert)", err)
 	}
 	if err := probe(t, f, load(t, dir, y, "main")); err != nil {
 		t.Fatalf("--context main: %v", err)
@@ -181,8 +177,8 @@ func TestKubeconfigInsecureSkipVerify(t *testing.T) {
 	// Without a CA and without the flag the system roots are used: refused.
 	y = strings.Replace(y, "insecure-skip-tls-verify: true", "insecure-skip-tls-verify: false", 1)
 	err := probe(t, f, load(t, t.TempDir(), y, ""))
-	if StatusOf(err) != http.StatusServiceUnavailable || !strings.Contains(err.Error(), "certificate") {
-		t.Fatalf("got %v, want a 503 certificate error", err)
+	if err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("got %v, want a certificate error", err)
 	}
 }
 
@@ -190,8 +186,8 @@ func TestKubeconfigTLSServerName(t *testing.T) {
 	f := newFakeAPIServer(t, fakeOpts{requireClientCert: true, dnsOnly: true})
 	y := f.kubeconfigInline()
 	err := probe(t, f, load(t, t.TempDir(), y, ""))
-	if StatusOf(err) != http.StatusServiceUnavailable || !strings.Contains(err.Error(), "127.0.0.1") {
-		t.Fatalf("without tls-server-name: got %v, want a 503 name mismatch", err)
+	if err == nil || !strings.Contains(err.Error(), "127.0.0.1") {
+		t.Fatalf("without tls-server-name: got %v, want a name mismatch", err)
 	}
 	y = strings.Replace(y, "    server: ", "    tls-server-name: kubernetes.test\n    server: ", 1)
 	if err := probe(t, f, load(t, t.TempDir(), y, "")); err != nil {
@@ -451,30 +447,10 @@ func TestKubeconfigJSON(t *testing.T) {
 	}
 }
 
-// The token must not show up in any error or formatted value, whatever fails.
-func TestTokenNeverInErrors(t *testing.T) {
-	f, r := newReviewSetup(t, ReviewOptions{Timeout: 200 * time.Millisecond, CacheTTL: -1})
-	ctx := context.Background()
-	var errs []error
-	for _, mode := range []string{"", "500", "garbage", "hang"} {
-		f.setMode(mode)
-		errs = append(errs, r.Authenticate(ctx, sampleToken))
-	}
-	f.setOverride(func(reviewRequest) (int, any) {
-		return http.StatusForbidden, map[string]any{"message": "token " + sampleToken + " refused"}
-	})
-	errs = append(errs, r.Authenticate(ctx, sampleToken))
-	f.setOverride(func(reviewRequest) (int, any) {
-		return http.StatusCreated, map[string]any{"status": map[string]any{"error": "invalid: " + sampleToken}}
-	})
-	errs = append(errs, r.Authenticate(ctx, sampleToken))
-	f.setOverride(func(reviewRequest) (int, any) {
-		return http.StatusCreated, map[string]any{"status": map[string]any{"authenticated": true, "user": map[string]any{"username": sampleToken}, "audiences": []string{testAudience}}}
-	})
-	errs = append(errs, r.Authenticate(ctx, sampleToken))
-	errs = append(errs, r.Authenticate(ctx, sampleToken+" x"))
-	// Kubeconfigs with the token in them, failing elsewhere.
-	for _, y := range []string{
+// The token must not show up in any error of a kubeconfig that has it
+// and fails elsewhere.
+func TestTokenNeverInKubeconfigErrors(t *testing.T) {
+	for i, y := range []string{
 		"current-context: c\ncontexts: [{name: c, context: {cluster: k, user: u}}]\nclusters: [{name: k, cluster: {server: 'ftp://x'}}]\nusers: [{name: u, user: {token: " + sampleToken + "}}]\n",
 		"current-context: c\ncontexts: [{name: c, context: {cluster: k, user: u}}]\nclusters: [{name: k, cluster: {server: 'https://x'}}]\nusers: [{name: u, user: {token: " + sampleToken + ", client-key-data: '!'}}]\n",
 		"current-context: c\nusers: [{name: u, user: {token: " + sampleToken + "}}]\nusers: []\n",
@@ -482,13 +458,7 @@ func TestTokenNeverInErrors(t *testing.T) {
 		"clusters: [{name: k, cluster: {insecure-skip-tls-verify: " + sampleToken + "}}]\ncurrent-context: c\ncontexts: [{name: c, context: {cluster: k}}]\n",
 	} {
 		_, err := ParseKubeconfig([]byte(y), "", "")
-		errs = append(errs, err)
-	}
-	for i, err := range errs {
 		if err == nil {
-			if i == 0 {
-				continue // the unknown-token review fails with a plain 401
-			}
 			t.Errorf("case %d: no error", i)
 			continue
 		}

@@ -1,4 +1,4 @@
-package auth
+package kubeclient
 
 import (
 	"fmt"
@@ -83,7 +83,7 @@ users: [{name: u, user: {client-certificate: client.crt, client-key: ./client.ke
 		if strings.Contains(cfg.String(), sampleToken) {
 			t.Fatalf("String() leaks token")
 		}
-		if cfg.HTTPClient() == nil {
+		if cfg.httpClient() == nil {
 			t.Fatal("no client")
 		}
 	})
