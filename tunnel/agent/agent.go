@@ -47,9 +47,9 @@ type Config struct {
 	Identifiers string // upstream --agent-identifiers syntax, sent as is
 
 	// TLS returns the client TLS configuration for a new connection to a
-	// server whose certificate should carry serverName. It is called for
-	// every connection, so a rotated CA or client certificate on disk is
-	// picked up. Nil means plain TCP, for tests only.
+	// server whose certificate should carry serverName; required. It is
+	// called for every connection, so a rotated CA or client certificate
+	// on disk is picked up.
 	TLS func(serverName string) (*tls.Config, error)
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
@@ -194,7 +194,6 @@ type Stats struct {
 	// count the caps, the drain (shutIfIdle), the metric and the status
 	// read.
 	Tunnels                    atomic.Int64
-	DialsOK, DialsFailed       atomic.Int64
 	BytesToDest, BytesFromDest atomic.Int64
 }
 
@@ -338,6 +337,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if len(cfg.ServerAddrs) == 0 {
 		return nil, fmt.Errorf("no server address")
+	}
+	if cfg.TLS == nil {
+		return nil, errors.New("agent.Config.TLS is required: servers are reached over TLS")
 	}
 	for _, addr := range cfg.ServerAddrs {
 		if _, _, err := net.SplitHostPort(addr); err != nil {
@@ -649,7 +651,6 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 	dest, err := a.dialDestination(dctx, addr)
 	cancel()
 	if err != nil {
-		a.Stats.DialsFailed.Add(1)
 		if r.Context().Err() != nil {
 			a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialCls) // the server gave the dial up (RST_STREAM)
 		}
@@ -671,7 +672,6 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		return nil
 	}
 	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
-	a.Stats.DialsOK.Add(1)
 	return dest
 }
 

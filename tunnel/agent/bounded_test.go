@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"io"
 	"math"
@@ -268,6 +269,7 @@ func TestGRPCAnnouncedDataMessageBounded(t *testing.T) {
 // handshake deadline, holding at most the bound.
 func TestAgentBoundsHandshakeAnswerHead(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)
+	p := tunneltest.NewPKI(t)
 	for _, tc := range []struct{ name, start, repeat string }{
 		{"endless header lines", "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + wire.UpgradeToken + "\r\n", "X-Pad: " + strings.Repeat("a", 100) + "\r\n"},
 		{"one endless line", "HTTP/1.1 101 Switching Protocols\r\nX-Pad: ", strings.Repeat("a", 1000)},
@@ -276,7 +278,12 @@ func TestAgentBoundsHandshakeAnswerHead(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var sent atomic.Int64
 			startBytes, repeatBytes := []byte(tc.start), []byte(tc.repeat)
-			addr := tunneltest.ServeTCP(t, func(c net.Conn) {
+			addr := tunneltest.ServeTCP(t, func(raw net.Conn) {
+				c := tls.Server(raw, p.ServerTLS())
+				c.SetDeadline(time.Now().Add(10 * time.Second))
+				if c.Handshake() != nil {
+					return
+				}
 				br := bufio.NewReader(c)
 				for { // the agent's request head
 					line, err := br.ReadString('\n')
@@ -295,7 +302,7 @@ func TestAgentBoundsHandshakeAnswerHead(t *testing.T) {
 					sent.Add(int64(n))
 				}
 			})
-			a, err := New(Config{ServerAddrs: []string{addr}, ID: "a1"})
+			a, err := New(Config{ServerAddrs: []string{addr}, ID: "a1", TLS: p.AgentTLS})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -469,25 +469,21 @@ func (s *Server) refuseUnadmitted(raw net.Conn, queued int, stalled bool) {
 func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	remote := raw.RemoteAddr().String()
 	defer pc.release()
-	conn := raw
-	var tlsState tls.ConnectionState
 	deadline := time.Now().Add(s.cfg.HeaderTimeout)
 	raw.SetDeadline(deadline)
-	if s.cfg.AgentTLS != nil {
-		tc := wire.TlsServer(raw, s.cfg.AgentTLS)
-		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
-		err := tc.HandshakeContext(ctx)
-		cancel()
-		if err != nil {
-			s.Stats.AgentsRefused.Add(1)
-			raw.Close()
-			// Debug: load-balancer health checks look exactly like this.
-			s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
-			return
-		}
-		tlsState = tc.ConnectionState()
-		conn = tc
+	tc := wire.TlsServer(raw, s.cfg.AgentTLS)
+	ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+	err := tc.HandshakeContext(ctx)
+	cancel()
+	if err != nil {
+		s.Stats.AgentsRefused.Add(1)
+		raw.Close()
+		// Debug: load-balancer health checks look exactly like this.
+		s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
+		return
 	}
+	tlsState := tc.ConnectionState()
+	var conn net.Conn = tc
 	lim := &wire.HeadLimiter{R: conn, Remaining: wire.MaxHandshakeHead, Limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
 	if speaksGRPC(tlsState, br) {

@@ -784,7 +784,7 @@ func TestAgentDrainClosesKeepAliveBeforeItsCut(t *testing.T) {
 	<-draining.Done
 	drained := time.Since(began)
 	okBefore := posts.ok.Load()
-	waitUntil("calls through the other agent", func() bool { return other.Stats.DialsOK.Load() > 0 && posts.ok.Load() > okBefore+20 })
+	waitUntil("calls through the other agent", func() bool { return other.dialsOK() > 0 && posts.ok.Load() > okBefore+20 })
 	posts.stop()
 
 	t.Logf("agent drained in %v of its %v; %d tunnels closed at a quiet moment; %d calls ok, %d failed",

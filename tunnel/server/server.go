@@ -33,9 +33,9 @@ type Config struct {
 	ID    string // announced to agents; required
 	Count int    // how many server replicas agents should reach
 
-	// AgentTLS is used for the agent listener. It should verify client
-	// certificates if mTLS is wanted (VerifyClientCertIfGiven lets token
-	// agents in too). Nil means plain TCP, for tests only.
+	// AgentTLS is used for the agent listener; required. It should verify
+	// client certificates if mTLS is wanted (VerifyClientCertIfGiven lets
+	// token agents in too).
 	AgentTLS *tls.Config
 	// AuthenticateAgent decides whether an agent may connect. It runs after
 	// cheap checks (duplicate server, malformed hello); a *StatusError sets
@@ -206,9 +206,10 @@ func New(cfg Config) (*Server, error) {
 	if nodeRank >= 0 && cfg.NodeOf == nil {
 		return nil, errors.New("the node proxy strategy needs ServerConfig.NodeOf")
 	}
-	if cfg.AgentTLS != nil {
-		cfg.AgentTLS = withH2(cfg.AgentTLS)
+	if cfg.AgentTLS == nil {
+		return nil, errors.New("server.Config.AgentTLS is required: agents connect over TLS")
 	}
+	cfg.AgentTLS = withH2(cfg.AgentTLS)
 	ctx, cancel := context.WithCancel(context.Background())
 	leaving, stopLeaving := context.WithCancel(ctx)
 	s := &Server{
