@@ -123,7 +123,7 @@
 // takes tunnels (its drain shuts it once none is open), and its tunnel
 // count goes up only under it. Leaf locks, under which nothing
 // else is taken: tunnelGate.mu, upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu, replacements.mu,
-// watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
+// wire.WatchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every
 // other shared field is immutable once published, atomic, or owned by
 // one goroutine, as its comment says.

@@ -147,7 +147,7 @@ func (c *Config) setDefaults() {
 // Locks (tunnel/doc.go, "Locks"): mu, then a link's, then gate.mu, a
 // leaf; a connToServer's fields are immutable or atomic.
 type Agent struct {
-	// Immutable after NewAgent.
+	// Immutable after New.
 	cfg      Config
 	log      *slog.Logger
 	metrics  *agentMetrics
@@ -688,7 +688,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	// Each read from the destination is sent as one DATA Packet.
 	to := a.countingWriter(w)
 	if rc := wire.RawSocket(dest); rc != nil {
-		n, downErr = wire.CopyFromSocket(to, rc, flush) // not through copyStream: one frame less parked
+		n, downErr = wire.CopyFromSocket(to, rc, flush) // not through wire.CopyStream: one frame less parked
 	} else {
 		n, downErr = wire.CopyStream(to, dest, flush)
 	}

@@ -49,7 +49,7 @@ type connToServer struct {
 	tunnels   atomic.Int64  // open tunnels on this connection (MaxStreams), counted with Stats.Tunnels (takeTunnel)
 	token     string        // the token presented at login; read-only
 	// agentRestart: the server named featureAgentRestart, so a restart in
-	// place announces itself to it (controlRestartIn); read-only.
+	// place announces itself to it (wire.ControlRestartIn); read-only.
 	agentRestart bool
 }
 

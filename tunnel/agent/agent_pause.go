@@ -205,7 +205,7 @@ func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
 // that its reading of dest returned with n bytes sent. Without a pause of
 // this tunnel it is false. With one, it says where it stopped and waits
 // for servePause's decision: true means the destination is now kept for a
-// resume, and carry must let its stream go (pausedEnd). Apart from carry,
+// resume, and carry must let its stream go (keptEnd). Apart from carry,
 // whose frame stays on parked stacks; it looks for the tunnel only while
 // some pause is in progress.
 //

@@ -268,7 +268,7 @@ func dialAddr(ip netip.Addr) netip.Addr {
 
 // Check returns nil when ip:port may be dialled, else the reason it may
 // not. The address that may be dialled is dialAddr(ip). A nil policy
-// allows everything; an agent always has one (see AgentConfig).
+// allows everything; an agent always has one (see Config.Destinations).
 func (p *DestinationPolicy) Check(ip netip.Addr, port int) error {
 	if p == nil {
 		return nil

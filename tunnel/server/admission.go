@@ -45,7 +45,7 @@ import (
 //     drops SYNs, which peers retry only after seconds), are waiting
 //     connections accepted to be closed at once, before their TLS
 //     handshake, told in one plain-text 503 when to come back
-//     (hdrRetryAfterMs): an agent is not left in the backlog for most of
+//     (wire.HdrRetryAfterMs): an agent is not left in the backlog for most of
 //     its dial timeout, nor to TCP's back-off;
 //   - work: one login per connection (a refused login ends the
 //     connection), and at most MaxReviews calls of AuthenticateAgent in
@@ -55,7 +55,7 @@ import (
 // A review that could not be done (apiserver unreachable, timeout) answers
 // the peer "authentication unavailable"; the cause goes to the log only.
 
-// Defaults for ServerConfig.MaxUnadmitted and MaxReviews.
+// Defaults for Config.MaxUnadmitted and MaxReviews.
 const (
 	defaultMaxUnadmitted = 64
 	defaultMaxReviews    = 32
@@ -673,7 +673,7 @@ type controlWatch struct {
 	s     *Server
 	a     *agentConn
 	body  io.ReadCloser
-	line  []byte        // a line begun and not ended, at most maxControlLine
+	line  []byte        // a line begun and not ended, at most wire.MaxControlLine
 	cutIn time.Duration // when the agent says it cuts what is left of a drain
 }
 

@@ -138,7 +138,7 @@ func (c *Config) setDefaults() {
 // Locks, in the order they may be taken (tunnel/doc.go, "Locks"): mu, then
 // the registry's (agents.mu), then an agent's link; the rest are leaves.
 type Server struct {
-	// Immutable after NewServer.
+	// Immutable after New.
 	cfg      Config
 	log      *slog.Logger
 	agents   *registry // its own lock: see registry
@@ -204,7 +204,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	nodeRank := slices.Index(cfg.Strategies, StrategyNode)
 	if nodeRank >= 0 && cfg.NodeOf == nil {
-		return nil, errors.New("the node proxy strategy needs ServerConfig.NodeOf")
+		return nil, errors.New("the node proxy strategy needs server.Config.NodeOf")
 	}
 	if cfg.AgentTLS == nil {
 		return nil, errors.New("server.Config.AgentTLS is required: agents connect over TLS")

@@ -346,7 +346,7 @@ func TestStalledTunnelDoesNotBlockOthers(t *testing.T) {
 	})
 	stop := make(chan struct{})
 	sink := tunneltest.ServeTCP(t, func(c net.Conn) { <-stop }) // never reads
-	t.Cleanup(func() { close(stop) })                           // runs before serveTCP's cleanup
+	t.Cleanup(func() { close(stop) })                           // runs before ServeTCP's cleanup
 	echo := tunneltest.EchoServer(t)
 
 	stalledReader, _, resp := e.Connect(firehose) // we never read it

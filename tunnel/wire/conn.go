@@ -111,7 +111,7 @@ func IsTemporaryAccept(err error) bool {
 		errors.Is(err, unix.ECONNABORTED) || errors.Is(err, unix.EINTR)
 }
 
-// TlsClient and tlsServer wrap raw in TLS whose records leave in one
+// TlsClient and TlsServer wrap raw in TLS whose records leave in one
 // system call per write (see h2link.Batcher).
 func TlsClient(raw net.Conn, cfg *tls.Config) *h2link.BatchedTLS { return h2link.TLSClient(raw, cfg) }
 

@@ -16,7 +16,7 @@ type StatusError struct {
 	Code   int
 	Msg    string
 	Reason string // for dial failures: the metric label (no_agent, backend_dial_timeout, ...)
-	// RetryAfter is when the agent port said to come back (hdrRetryAfterMs);
+	// RetryAfter is when the agent port said to come back (HdrRetryAfterMs);
 	// zero when it did not say.
 	RetryAfter time.Duration
 }
