@@ -73,7 +73,7 @@ type Config struct {
 	// MaxStreams bounds the tunnels one server connection may open at
 	// once, MaxStreamsTotal those of all server connections together:
 	// past either a CONNECT is answered 503 naming the flag (the
-	// connection's HTTP/2 stream limit leaves room for each tunnel's pause
+	// connection's HTTP/2 stream limit has room for each tunnel's pause
 	// request). Each tunnel takes a descriptor, and one more while it is
 	// kept for a restarting server, so the defaults come from the
 	// descriptor limit (streamCaps): a server, however hostile, cannot
@@ -197,7 +197,7 @@ type Stats struct {
 	BytesToDest, BytesFromDest atomic.Int64
 }
 
-// Descriptors kept aside from tunnels: server connections, listeners,
+// Descriptors reserved apart from tunnels: server connections, listeners,
 // DNS, logs and the rest of the process.
 const reservedDescriptors = 256
 
@@ -445,7 +445,7 @@ type tunnelGate struct {
 // waitIdle waits until no tunnel is open and, but for a restart, no
 // destination is kept, or until deadline, and shuts the gate: no stream
 // is taken after the drain. A destination kept for a restarting server
-// is still a tunnel: the server's next image carries it on through the
+// is still a tunnel: the server's next image resumes it through the
 // connection the agent keeps redialling meanwhile. On the agent's own
 // restart it goes to the agent's next image instead (KeptForNextImage).
 func (a *Agent) waitIdle(deadline time.Time, restart bool) {
@@ -644,7 +644,7 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		return nil
 	}
 	if dest, handled := a.takeKeptFor(w, r); handled {
-		return dest // a tunnel a restarting server's next image carries on
+		return dest // a tunnel a restarting server's next image resumes
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)

@@ -92,7 +92,7 @@ type pausedDest struct {
 // this connection: once the bytes the server sent have reached the
 // destination, the agent stops reading the destination, sends what it
 // read, keeps the connection under the server's token and answers with the
-// bytes it sent. Any other answer leaves the tunnel as it was, or (a
+// bytes it sent. Any other answer changes nothing, or (a
 // download stuck on a server that does not read) ends it.
 func (a *Agent) servePause(l *connToServer, w http.ResponseWriter, r *http.Request) {
 	id, err1 := strconv.ParseUint(r.Header.Get(wire.HdrPauseStream), 10, 31)
@@ -297,7 +297,7 @@ func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 	return true
 }
 
-// dropKeptLocked counts one kept destination gone; a.mu is held.
+// dropKeptLocked counts one kept destination gone. The caller holds a.mu.
 func (a *Agent) dropKeptLocked() {
 	a.kept.count--
 	if a.kept.count == 0 {

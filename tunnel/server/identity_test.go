@@ -467,7 +467,7 @@ func findAgent(e *env, id string) *agentConn {
 
 // TestControlLines: lines of the control stream are whole however the
 // stream splits them, a line may be as long as wire.MaxControlLine and no
-// longer, and nothing is held between lines.
+// longer, and nothing is buffered between lines.
 func TestControlLines(t *testing.T) {
 	stream := "drain\ntoken " + strings.Repeat("x", 1000) + "\n" + strings.Repeat("y", wire.MaxControlLine-1) + "\n"
 	for _, chunk := range []int{1, 7, 512, len(stream)} {

@@ -39,7 +39,7 @@ type upload struct {
 	// in each counter that is set; set before start, read after it.
 	packets wire.PacketCounter
 	closes  wire.PacketCounter // the client's clean end of sending (EOF)
-	sender  wire.PacketWriter  // SendTo's counting writer, kept here so it costs no allocation
+	sender  wire.PacketWriter  // SendTo's counting writer, stored here so it costs no allocation
 	act     *wire.Activity     // the tunnel's; reads from the client stamp it
 
 	// goneMu (a leaf lock) guards onGone: the dial attempt's cancel while
@@ -282,7 +282,7 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 }
 
 // SendTo sends the upload to w until the client's end, for the link: from
-// the socket without a buffer held while it is quiet when the client is a
+// the socket without a buffer while it is quiet when the client is a
 // plain socket (sendBuffered, then wire.CopyFromSocket straight from here:
 // see "Parked stacks" in doc.go), else through wire.CopyStream. It returns
 // nil at the client's clean end.

@@ -141,7 +141,7 @@ func DefaultDuration(d *time.Duration, v time.Duration) {
 }
 
 // DupSocket returns a second connection on c's socket (a plain TCP or Unix
-// socket), with close-on-exec set: closing either leaves the other working.
+// socket), with close-on-exec set: the other works on when either is closed.
 func DupSocket(c net.Conn) (net.Conn, error) {
 	f, err := DupSocketFile(c)
 	if err != nil {

@@ -116,7 +116,7 @@ func ReadConnect(br *bufio.Reader) (string, error) {
 		return "", StatusErrorf(http.StatusBadRequest, "protocol %s not supported", req.Proto)
 	}
 	// For CONNECT, net/http takes the authority-form request target as
-	// req.Host and leaves URL.Host equal to it; a Host header does not change it.
+	// req.Host, and URL.Host stays equal to it; a Host header does not change it.
 	addr := req.URL.Host
 	if addr == "" {
 		addr = req.RequestURI
