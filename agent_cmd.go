@@ -158,7 +158,7 @@ func (o *agentOptions) complete(cf *commandFlags) error {
 	// ones, ours offers its own after them: HTTP/1.1, which it speaks until
 	// the Upgrade. A server that knows none of the given ones settles on
 	// it (Go's servers, which offer h2, accept an http/1.1 client without
-	// ALPN), so the flag carried over from upstream's manifests never
+	// ALPN), so the flag upstream's manifests still pass never
 	// stops an agent from connecting.
 	if o.alpnProtos = splitList(o.alpnProto); len(o.alpnProtos) > 0 && !slices.Contains(o.alpnProtos, "http/1.1") {
 		o.alpnProtos = append(o.alpnProtos, "http/1.1")
@@ -334,7 +334,7 @@ func (o *agentOptions) run(ctx context.Context, log *slog.Logger) error {
 			stop()
 			return daemon.Hand("kept destinations", a.KeptForNextImage(), func(h *agent.KeptDest) net.Conn { return h.Socket })
 		},
-		Keep:         func() map[string]any { return map[string]any{warnedState: o.warned.keep()} },
+		State:        func() map[string]any { return map[string]any{warnedState: o.warned.handed()} },
 		MemoryReady:  func() bool { ok, _ := a.ReadyAll(); return ok },
 		Metrics:      metrics,
 		MetricPrefix: "konnectivity_network_proxy_agent_",
@@ -360,7 +360,7 @@ func (o *agentOptions) followOwnNode(rules *agent.DestinationRules) error {
 	return nil
 }
 
-// startLeaseCounter counts the server Leases and hands the count to the
+// startLeaseCounter counts the server Leases and gives the count to the
 // agent until ctx ends; stop waits for it. An agent that cannot reach the
 // apiserver warns once and goes on with the count the servers announce.
 func (o *agentOptions) startLeaseCounter(ctx context.Context, agent *agent.Agent, metrics *promtext.Registry, log *slog.Logger) (stop func()) {

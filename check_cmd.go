@@ -174,7 +174,7 @@ func clientPairValid(pairs []tls.Certificate) error {
 		return nil
 	}
 	leaf := pairs[0].Leaf
-	if leaf == nil { // GODEBUG=x509keypairleaf=0 leaves Leaf unset
+	if leaf == nil { // GODEBUG=x509keypairleaf=0 does not set Leaf
 		var err error
 		if leaf, err = x509.ParseCertificate(pairs[0].Certificate[0]); err != nil {
 			return err

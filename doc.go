@@ -10,7 +10,7 @@
 // This package is the commands and their flags: flags.go (upstream's
 // names and klog's), TLS and authentication set-up, and the wiring of
 // each command. The long-running commands run under internal/daemon
-// (listeners kept across the self-restart, health and admin services,
+// (listeners handed across the self-restart, health and admin services,
 // memory upkeep, signals); the work itself lives in tunnel (the data
 // path), auth and certs. This package holds no data-path logic.
 package main

@@ -244,7 +244,7 @@ func runDaemon(name string, cf *commandFlags, warned *onceWarnings, args []strin
 		}
 		return 2
 	}
-	warned.hold(cf.warnings)
+	warned.delay(cf.warnings)
 	cf.warnings = nil
 	ctx, stop := daemon.SignalContext(log)
 	defer stop()

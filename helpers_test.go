@@ -40,7 +40,7 @@ func freePort(t *testing.T) string {
 	return ""
 }
 
-// givenPorts remembers the ports freePort handed out.
+// givenPorts remembers the ports freePort gave out.
 var givenPorts sync.Map
 
 func httpStatus(url string) int {

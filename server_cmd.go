@@ -147,7 +147,7 @@ func newServerFlags() (*serverOptions, *commandFlags) {
 	f.DurationVar(&o.headerTimeout, "frontend-header-timeout", 10*time.Second, "bound on reading a CONNECT request head, and on an agent-port connection from accept to admission (TLS, login, review)")
 	f.IntVar(&o.maxUnadmitted, "max-unadmitted-agent-connections", 64, "agent-port connections that may wait for admission at once; past it new ones are closed at once")
 	f.IntVar(&o.maxAgentsPerCred, "max-agent-connections-per-credential", 32, "agent connections (each with its own agent ID) one certificate or token may hold from one address; past it a login is refused 429; 0 no bound")
-	f.IntVar(&o.reservedFDs, "reserved-file-descriptors", 0, "file descriptors agent connections may never take, kept for the front door and the health and admin ports; 0 a quarter of the descriptor limit, at most 1024; -1 none")
+	f.IntVar(&o.reservedFDs, "reserved-file-descriptors", 0, "file descriptors agent connections may never take, reserved for the front door and the health and admin ports; 0 a quarter of the descriptor limit, at most 1024; -1 none")
 	f.IntVar(&o.maxAgentReviews, "max-concurrent-agent-reviews", 32, "agent credential checks (TokenReview) in flight at once; more wait, within the header timeout")
 	f.Int64Var(&o.stalledBudgetMiB, "stalled-tunnel-memory-budget", 1024, "MiB the server may hold, in all, of what agents sent for clients that do not read it yet (each tunnel up to its 1 MiB window); past it new dials get 503")
 	f.DurationVar(&o.gracefulShutdown, "graceful-shutdown-timeout", 15*time.Second, "on SIGTERM, how long open tunnels may finish")
@@ -369,12 +369,12 @@ func (o *serverOptions) run(ctx context.Context, log *slog.Logger) error {
 			}
 			return nil
 		},
-		Keep: func() map[string]any {
-			keep := map[string]any{warnedState: o.warned.keep()}
+		State: func() map[string]any {
+			state := map[string]any{warnedState: o.warned.handed()}
 			if o.reviewer != nil {
-				keep[reviewedTokens] = o.reviewer.Reviewed()
+				state[reviewedTokens] = o.reviewer.Reviewed()
 			}
-			return keep
+			return state
 		},
 		Drain: func(trigger string) []daemon.Handed {
 			log.Info("restarting in place: draining tunnels", "trigger", trigger, "grace", o.restartGrace.String(), "agents", srv.AgentCount())

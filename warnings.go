@@ -8,7 +8,7 @@ import (
 	"sync"
 )
 
-// warnedState names, in the state a restart hands over (Work.Keep), the
+// warnedState names, in the state a restart hands over (Work.State), the
 // one-time warnings the process has logged.
 const warnedState = "warned"
 
@@ -17,28 +17,28 @@ const warnedState = "warned"
 // arguments) and on first occurrence (identity binding off). A
 // self-restart hands the keys of those logged to the next image, which
 // logs only the others, so a SIGHUP never repeats them. The start
-// warnings wait (hold) until the process knows what its previous image
+// warnings wait (delay) until the process knows what its previous image
 // logged (start). Safe for concurrent use.
 type onceWarnings struct {
-	mu     sync.Mutex
-	warned map[string]bool // keys logged in this process's lifetime; guarded by mu
-	held   []startWarning  // start warnings until start; guarded by mu
+	mu      sync.Mutex
+	warned  map[string]bool // keys logged in this process's lifetime; guarded by mu
+	delayed []startWarning  // start warnings until start; guarded by mu
 }
 
 func newOnceWarnings() *onceWarnings {
 	return &onceWarnings{warned: map[string]bool{}}
 }
 
-// hold keeps start warnings until start.
-func (w *onceWarnings) hold(ws []startWarning) {
+// delay saves start warnings until start.
+func (w *onceWarnings) delay(ws []startWarning) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.held = append(w.held, ws...)
+	w.delayed = append(w.delayed, ws...)
 }
 
 // start takes the keys a previous image handed over (data, from
-// daemon.InheritedState; nil on a first start) and logs the held start
-// warnings not among them.
+// daemon.InheritedState; nil on a first start) and logs the delayed
+// start warnings not among them.
 func (w *onceWarnings) start(data json.RawMessage, log *slog.Logger) {
 	var inherited []string
 	if data != nil {
@@ -50,10 +50,10 @@ func (w *onceWarnings) start(data json.RawMessage, log *slog.Logger) {
 	for _, k := range inherited {
 		w.warned[k] = true
 	}
-	held := w.held
-	w.held = nil
+	delayed := w.delayed
+	w.delayed = nil
 	w.mu.Unlock()
-	for _, sw := range held {
+	for _, sw := range delayed {
 		if w.first(sw.key()) {
 			log.Warn(sw.msg, sw.args...)
 		}
@@ -72,8 +72,8 @@ func (w *onceWarnings) first(key string) bool {
 	return true
 }
 
-// keep is what a restart hands the next image.
-func (w *onceWarnings) keep() []string {
+// handed is what a restart hands the next image.
+func (w *onceWarnings) handed() []string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	keys := make([]string, 0, len(w.warned))

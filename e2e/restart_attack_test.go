@@ -281,14 +281,14 @@ func idleGRPCPeer(t *testing.T, sock string) (goAway chan struct{}) {
 	return goAway
 }
 
-// TestRestartNotHeldByIdlePeers: nothing a peer has not asked for holds a
-// restart. One idle gRPC connection (preface, no stream); a silent TCP
+// TestRestartNotDelayedByIdlePeers: nothing a peer has not asked for
+// delays a restart. One idle gRPC connection (preface, no stream); a silent TCP
 // peer on the mTLS front door and a Unix-socket peer with half a CONNECT
 // head: every tunnel is handed over, the restart takes about what it
 // takes without them, the idle gRPC connection gets GOAWAY, and the
 // Unix-socket peer, handed to the next image as it is, finishes its head
 // there and gets its tunnel.
-func TestRestartNotHeldByIdlePeers(t *testing.T) {
+func TestRestartNotDelayedByIdlePeers(t *testing.T) {
 	t.Run("grpc-idle-connection", func(t *testing.T) {
 		s := startServerBin(t, copyExecutable(t, t.TempDir()), frontendUDS, "--mode=grpc", "--restart-grace=10s")
 		s.startAgent(t, "a1", "", "--sync-interval=100ms", "--sync-interval-cap=200ms")

@@ -29,13 +29,21 @@
 //     side of it is its front;
 //   - handover: a restart's move of open tunnels to the next image of
 //     the server's process, each stopped at a byte-exact point in both
-//     directions and carried on there on a new stream; an agent's restart
+//     directions and resumed there on a new stream; an agent's restart
 //     in place moves its tunnels the same way to the agent's next image,
 //     the client's side staying in the server;
+//   - handed (over, on, in): what a restart moves to the next image of
+//     the process, a socket or a paused tunnel (daemon.Hand,
+//     daemon.Handed, tunnel.handed), seen from either image; anything
+//     else is given (the write lock's turns, a pacer's moments, a DATA
+//     payload to its reader);
 //   - quiet close: a drain's close of a tunnel its client is not using
 //     (quiet.go), which the client takes for a server closing an idle
 //     keep-alive connection and dials again; a cut is a tunnel's end at a
 //     drain's deadline, whatever it carries then;
+//   - carry: move a tunnel's bytes (or a line, a header) from one side
+//     to the other: (*Agent).carry, carryGRPC, carryDirect; a tunnel that
+//     goes on after a restart is resumed, never carried on;
 //   - carrier: the goroutine that carries one direction of a gRPC front
 //     door call while bytes move, started by the source when it has
 //     bytes and gone once it is quiet (tunnel.go);
@@ -46,10 +54,21 @@
 //   - held: a paused tunnel that no goroutine serves, in the table until
 //     its agent logs in again (or, unasked, until the handover that took
 //     it passes it on): a state of the tunnel on the server, like every
-//     other;
+//     other (`held` in konnectivity status). Nothing else is held: a lock
+//     is taken, and a function that needs it says the caller holds it; a
+//     gRPC call whose handler returned outlives it (h2link.Outlive); an
+//     agent redials each fixed address (the agent's status key "held" and
+//     the header Konnectivity-Held-Servers, which peers and tools read,
+//     count its server connections);
 //   - kept: a paused tunnel's destination connection on the agent, open
 //     under the server's resume token until a resume takes it or its time
 //     is up, or passed to the agent's next image (Agent.KeptForNextImage);
+//     what else stays is saved, stored or reserved;
+//   - leave: go away: a server or an agent shutting down or restarting
+//     (Server.leaving), a tunnel out of the table (Server.leave), a client
+//     that hung up, a frame out of the process; what is left of a time or
+//     a budget is what remains of it (the drain's log key left). What is
+//     not closed or changed stays; it is never left;
 //   - credit stall: a link's tunnels waiting for flow-control credit that
 //     does not come, or credit a link owes its peer and does not return
 //     (h2link's stall.go); not a stalled link (a peer that does not read:
@@ -123,7 +142,7 @@
 // takes tunnels (its drain shuts it once none is open), and its tunnel
 // count goes up only under it. Leaf locks, under which nothing
 // else is taken: tunnelGate.mu, upstreamAgent.mu, connCredential.mu, pendingConn.mu, upload.goneMu, replacements.mu,
-// watchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
+// wire.WatchedConn's, wire.LogLimiter's and promtext's registry lock; nothing
 // registers a metric under Server.mu, registry.mu or Agent.mu. Every
 // other shared field is immutable once published, atomic, or owned by
 // one goroutine, as its comment says.

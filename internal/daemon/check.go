@@ -24,7 +24,7 @@ import (
 // checkTimeout bounds the next image's configuration check.
 const checkTimeout = 10 * time.Second
 
-// maxCheckOutput bounds what the check may print that is kept.
+// maxCheckOutput bounds what the check may print that is saved.
 const maxCheckOutput = 16 << 10
 
 // CheckExitCertificate is the exit status of a command's check when its

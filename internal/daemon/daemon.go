@@ -14,7 +14,7 @@ import (
 )
 
 // Daemon is the skeleton the long-running commands (server and agent)
-// share: listeners kept across a self-restart, the health and admin
+// share: listeners handed across a self-restart, the health and admin
 // services, memory upkeep, and the loop that ends either in a graceful stop
 // or in a re-execution in place. The command owns what it serves; the
 // daemon owns when it stops.
@@ -106,17 +106,17 @@ type Work struct {
 	// Done reported cause (ended), and returns the command's error.
 	Shutdown func(ended bool, cause error) error
 	// Drain stops the command before a restart, within its restart grace,
-	// and releases what the next image must not find held. It returns the
-	// sockets it hands the next image (the server's paused tunnels, the
-	// agent's held destinations: Hand), if any; the next image reads them
+	// and releases what the next image must not find in use. It returns
+	// the sockets it hands the next image (the server's paused tunnels, the
+	// agent's kept destinations: Hand), if any; the next image reads them
 	// with Inherit.
 	Drain func(trigger string) []Handed
-	// Keep, if set, is called after Drain: what the command hands the
+	// State, if set, is called after Drain: what the command hands the
 	// next image besides sockets, by name, each written as JSON; the next
 	// image reads it with InheritedState.
-	Keep func() map[string]any
-	// Exited, if set, removes what an exit (not a restart) must not leave
-	// behind; it runs after Shutdown, and after a drain that a stop signal
+	State func() map[string]any
+	// Exited, if set, removes what must not outlast an exit (not a
+	// restart); it runs after Shutdown, and after a drain that a stop signal
 	// interrupted.
 	Exited func()
 	// MemoryReady tells when the command has settled, so that the pages
@@ -176,8 +176,8 @@ func (d *Daemon) Run(ctx context.Context, w Work) error {
 				return nil
 			}
 			var state map[string]any
-			if w.Keep != nil {
-				state = w.Keep()
+			if w.State != nil {
+				state = w.State()
 			}
 			env := append([]string{plan.listeners}, plan.files.write(handed, state, d.log)...)
 			// Only a failed exec returns; the supervisor's respawn takes over.

@@ -8,7 +8,7 @@
 //     inode and a port never closes (ListenUnix makes a socket with its
 //     final mode from the start); the sockets the command hands over
 //     (the server's paused tunnels, the agent's kept destinations) travel
-//     the same way, each as the descriptor already held, with an entry
+//     the same way, each as the descriptor the process already has, with an entry
 //     the command wrote (handover.go: Hand, Inherit);
 //   - a restart is refused before anything stops unless the next image
 //     would start: its executable, its configuration checked by that
@@ -30,7 +30,7 @@
 //     so that a reader that stops or goes away costs lines, never the
 //     process (logqueue.go).
 //
-// It leaves to its callers what they serve and how they stop: the command
+// What they serve and how they stop is its callers' choice: the command
 // opens its listeners through Listen, says in Work how to shut down, drain
 // and clean up, and gives the readiness checks, the metrics registry and
 // the status that the services show. It reads no flags and knows nothing of

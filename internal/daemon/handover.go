@@ -63,7 +63,7 @@ type handedEntry struct {
 
 // stateEnv names a memory file, inherited across exec, with what the
 // command hands the next image besides sockets, by name: {"name": value}
-// (Work.Keep, InheritedState).
+// (Work.State, InheritedState).
 const stateEnv = "KONNECTIVITY_INHERITED_STATE"
 
 // memFile is a memory file the next image inherits. It is made before
@@ -148,7 +148,7 @@ func (f *nextImageFiles) write(handed []Handed, state map[string]any, log *slog.
 
 // writeSockets lets each handed socket's descriptor cross the exec,
 // writes the list and returns the environment entries that name it. A
-// socket whose descriptor cannot be kept is closed and counted lost
+// socket whose descriptor cannot cross the exec is closed and counted lost
 // alone; only a list that cannot be written loses all.
 func (l *memFile) writeSockets(handed []Handed, log *slog.Logger) []string {
 	if len(handed) == 0 {
@@ -158,7 +158,7 @@ func (l *memFile) writeSockets(handed []Handed, log *slog.Logger) []string {
 	list := make([]handedEntry, 0, len(handed))
 	lost := 0
 	for _, h := range handed {
-		entry, err := keepAcrossExec(h)
+		entry, err := crossExec(h)
 		if err != nil {
 			lost++
 			log.Warn(h.What+": socket not handed to the next image; closed", "err", err)
@@ -187,9 +187,9 @@ func (l *memFile) writeSockets(handed []Handed, log *slog.Logger) []string {
 	return []string{entry}
 }
 
-// keepAcrossExec clears close-on-exec on h's own descriptor and returns
+// crossExec clears close-on-exec on h's own descriptor and returns
 // its entry.
-func keepAcrossExec(h Handed) (handedEntry, error) {
+func crossExec(h Handed) (handedEntry, error) {
 	sc, ok := h.Socket.(syscall.Conn)
 	if !ok {
 		return handedEntry{}, errors.New("not a plain socket")
@@ -278,7 +278,7 @@ func Inherit[T any](what string, setConn func(*T, net.Conn), log *slog.Logger) [
 }
 
 // InheritedState reads (and clears) the state a previous image handed
-// over (Work.Keep), by name; nil when there is none. Call it once.
+// over (Work.State), by name; nil when there is none. Call it once.
 func InheritedState(log *slog.Logger) map[string]json.RawMessage {
 	spec, ok := os.LookupEnv(stateEnv)
 	os.Unsetenv(stateEnv)

@@ -22,7 +22,7 @@ import (
 //     that finds the queue full (logQueueBytes) is dropped and counted
 //     (…_log_lines_dropped_total);
 //   - one goroutine writes the queue out, each write only once the
-//     descriptor can take it (writeFD), so a reader that stopped holds up
+//     descriptor can take it (writeFD), so a reader that stopped stalls
 //     that goroutine alone, which can still be stopped;
 //   - a write the reader is gone for (EPIPE) drops its line: Go raises
 //     SIGPIPE, and ends the process, only for its own writes to

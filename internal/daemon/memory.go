@@ -97,7 +97,7 @@ func releaseWhenReady(ctx context.Context, ready func() bool, log *slog.Logger) 
 // Returning memory after a burst: the Go runtime keeps freed heap for
 // reuse and gives it back to the OS only once a garbage collection has
 // found it free, and an idle daemon allocates too little to start one:
-// left alone, a thousand concurrent tunnels leave a server holding 150 MiB
+// untrimmed, a thousand concurrent tunnels make a server hold 150 MiB
 // for minutes after they close. Every trimInterval the daemon compares what it
 // holds with what it needs and, past its slack (slackFor), collects and
 // returns the rest (debug.FreeOSMemory); it does the same once a burst of new tunnels
@@ -153,7 +153,7 @@ func (t *trimmer) check() {
 		runtime.GC()
 		debug.FreeOSMemory()
 		after := readHeap()
-		t.log.Debug("returned free memory to the OS", "held_before_bytes", now.held, "held_after_bytes", after.held)
+		t.log.Debug("returned free memory to the OS", "held_before_bytes", now.heap, "held_after_bytes", after.heap)
 		t.since, now = newTrimState(after), after
 	}
 	t.last = now
@@ -161,16 +161,16 @@ func (t *trimmer) check() {
 
 // trimState is what the trimmer remembers of its last trim.
 type trimState struct {
-	held uint64 // what the heap held right after it
+	heap uint64 // the heap's bytes right after it (heapSample.heap)
 	// The fewest and the most goroutines seen since: tunnels opened or
 	// closed since are the difference, whatever collections ran meanwhile
-	// (one in the middle of a burst leaves the tunnels opened after it
-	// unshrunk).
+	// (one in the middle of a burst does not shrink the tunnels opened
+	// after it).
 	fewestGoroutines, mostGoroutines uint64
 }
 
 func newTrimState(s heapSample) trimState {
-	return trimState{held: s.held, fewestGoroutines: s.goroutines, mostGoroutines: s.goroutines}
+	return trimState{heap: s.heap, fewestGoroutines: s.goroutines, mostGoroutines: s.goroutines}
 }
 
 func (t *trimState) observe(s heapSample) {
@@ -200,9 +200,9 @@ func shouldTrim(now, last heapSample, since trimState) bool {
 		return false
 	}
 	if now.gcCycles != last.gcCycles {
-		return now.held > 2*now.live+slackFor(now.live)
+		return now.heap > 2*now.live+slackFor(now.live)
 	}
-	return now.held > since.held+slackFor(now.live) ||
+	return now.heap > since.heap+slackFor(now.live) ||
 		now.goroutines >= since.fewestGoroutines+trimGoroutines ||
 		now.goroutines+trimGoroutines <= since.mostGoroutines
 }
@@ -211,7 +211,7 @@ func shouldTrim(now, last heapSample, since trimState) bool {
 // with live bytes live at the last collection: trimSlack, or a quarter of
 // live when that is more. A trim's two collections cost in proportion to
 // the live heap (marking it, and every goroutine's stack), so a large one
-// is trimmed only for garbage in proportion: with 50,000 gRPC tunnels held
+// is trimmed only for garbage in proportion: with 50,000 gRPC tunnels open
 // (400 MiB live, 160,000 goroutines) a trim takes about a second of CPU,
 // and with a fixed 16 MiB slack a steady trickle of dials set one off at
 // every check.
@@ -225,7 +225,7 @@ const trimGoroutines = 512
 // heapSample is the memory the runtime holds for the heap and goroutine
 // stacks (not yet returned to the OS), and what the last collection found live.
 type heapSample struct {
-	held, live, gcCycles uint64
+	heap, live, gcCycles uint64
 	goroutines           uint64
 }
 
@@ -246,5 +246,5 @@ func readHeap() heapSample {
 		}
 		return s[i].Value.Uint64()
 	}
-	return heapSample{held: v(0) + v(1) + v(2) + v(3), live: v(4), gcCycles: v(5), goroutines: v(6)}
+	return heapSample{heap: v(0) + v(1) + v(2) + v(3), live: v(4), gcCycles: v(5), goroutines: v(6)}
 }

@@ -19,18 +19,18 @@ func TestShouldTrim(t *testing.T) {
 		since trimState
 		want  bool
 	}{
-		{"fresh collection, heap near its goal", heapSample{held: 40 * mib, live: 20 * mib, gcCycles: 5}, trimState{held: 4 * mib}, false},
-		{"fresh collection, far more held than the goal", heapSample{held: 120 * mib, live: 10 * mib, gcCycles: 5}, trimState{held: 4 * mib}, true},
-		{"no collection, grown since the last trim", heapSample{held: 150 * mib, live: 140 * mib, gcCycles: 4}, trimState{held: 5 * mib}, true},
-		{"no collection, no growth since the last trim", heapSample{held: 40 * mib, live: 35 * mib, gcCycles: 4}, trimState{held: 38 * mib}, false},
-		{"no collection, a large live heap grown by a tenth", heapSample{held: 456 * mib, live: 416 * mib, gcCycles: 4, goroutines: 160000}, trimState{held: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, false},
-		{"no collection, a large live heap grown by a half", heapSample{held: 624 * mib, live: 416 * mib, gcCycles: 4, goroutines: 160000}, trimState{held: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, true},
-		{"fresh collection, a large live heap near its goal", heapSample{held: 900 * mib, live: 416 * mib, gcCycles: 5, goroutines: 160000}, trimState{held: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, false},
-		{"small idle daemon", heapSample{held: 6 * mib, live: 2 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 4 * mib, fewestGoroutines: 18, mostGoroutines: 22}, false},
-		{"quiet, 1000 tunnels opened since the last trim", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 4, goroutines: 1020}, trimState{held: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, true},
-		{"quiet, a few tunnels opened since the last trim", heapSample{held: 8 * mib, live: 4 * mib, gcCycles: 4, goroutines: 120}, trimState{held: 6 * mib, fewestGoroutines: 20, mostGoroutines: 120}, false},
-		{"1000 tunnels opened, a collection ran: not quiet yet", heapSample{held: 30 * mib, live: 20 * mib, gcCycles: 5, goroutines: 1020}, trimState{held: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, false},
-		{"quiet, 10,000 tunnels closed since the last trim", heapSample{held: 100 * mib, live: 90 * mib, gcCycles: 4, goroutines: 20}, trimState{held: 100 * mib, fewestGoroutines: 20, mostGoroutines: 10020}, true},
+		{"fresh collection, heap near its goal", heapSample{heap: 40 * mib, live: 20 * mib, gcCycles: 5}, trimState{heap: 4 * mib}, false},
+		{"fresh collection, far more held than the goal", heapSample{heap: 120 * mib, live: 10 * mib, gcCycles: 5}, trimState{heap: 4 * mib}, true},
+		{"no collection, grown since the last trim", heapSample{heap: 150 * mib, live: 140 * mib, gcCycles: 4}, trimState{heap: 5 * mib}, true},
+		{"no collection, no growth since the last trim", heapSample{heap: 40 * mib, live: 35 * mib, gcCycles: 4}, trimState{heap: 38 * mib}, false},
+		{"no collection, a large live heap grown by a tenth", heapSample{heap: 456 * mib, live: 416 * mib, gcCycles: 4, goroutines: 160000}, trimState{heap: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, false},
+		{"no collection, a large live heap grown by a half", heapSample{heap: 624 * mib, live: 416 * mib, gcCycles: 4, goroutines: 160000}, trimState{heap: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, true},
+		{"fresh collection, a large live heap near its goal", heapSample{heap: 900 * mib, live: 416 * mib, gcCycles: 5, goroutines: 160000}, trimState{heap: 416 * mib, fewestGoroutines: 160000, mostGoroutines: 160000}, false},
+		{"small idle daemon", heapSample{heap: 6 * mib, live: 2 * mib, gcCycles: 4, goroutines: 20}, trimState{heap: 4 * mib, fewestGoroutines: 18, mostGoroutines: 22}, false},
+		{"quiet, 1000 tunnels opened since the last trim", heapSample{heap: 30 * mib, live: 20 * mib, gcCycles: 4, goroutines: 1020}, trimState{heap: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, true},
+		{"quiet, a few tunnels opened since the last trim", heapSample{heap: 8 * mib, live: 4 * mib, gcCycles: 4, goroutines: 120}, trimState{heap: 6 * mib, fewestGoroutines: 20, mostGoroutines: 120}, false},
+		{"1000 tunnels opened, a collection ran: not quiet yet", heapSample{heap: 30 * mib, live: 20 * mib, gcCycles: 5, goroutines: 1020}, trimState{heap: 25 * mib, fewestGoroutines: 20, mostGoroutines: 1020}, false},
+		{"quiet, 10,000 tunnels closed since the last trim", heapSample{heap: 100 * mib, live: 90 * mib, gcCycles: 4, goroutines: 20}, trimState{heap: 100 * mib, fewestGoroutines: 20, mostGoroutines: 10020}, true},
 	}
 	for _, c := range cases {
 		last := quiet
@@ -63,12 +63,12 @@ func TestTrimMemoryReturnsABurst(t *testing.T) {
 		burst[i] = make([]byte, 1<<20)
 		burst[i][0] = 1 // touch it, as a copy buffer would be
 	}
-	peak := readHeap().held
+	peak := readHeap().heap
 	runtime.KeepAlive(burst)
 
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		held := readHeap().held
+		held := readHeap().heap
 		if held+32<<20 < peak {
 			t.Logf("held %d MiB at the peak, %d MiB after the trim", peak>>20, held>>20)
 			return

@@ -116,7 +116,7 @@ func sameAddr(have net.Addr, network, want string) bool {
 
 // handOver duplicates every open listener's descriptor without
 // close-on-exec and returns the environment entry that names them. It must
-// run before the listeners are closed; a Unix socket's path is kept.
+// run before the listeners are closed; a Unix socket's path stays.
 //
 // The duplicates are raw descriptors, not *os.File: File().Fd() would put
 // the shared socket into blocking mode (stalling this process's own accept
@@ -143,7 +143,7 @@ func (ls *listenerSet) handOver() (string, error) {
 		dup := -1
 		var dupErr error
 		if err := rc.Control(func(fd uintptr) {
-			dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD, 3) // F_DUPFD leaves close-on-exec clear
+			dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD, 3) // F_DUPFD does not set close-on-exec
 		}); err != nil {
 			return fail(fmt.Errorf("listener %s: %w", nl.name, err))
 		}

@@ -23,7 +23,7 @@ const socketProbeTimeout = time.Second
 // A socket already at path is taken over only when nothing listens on it:
 // with replace set, a connect probes it and the path is removed only when
 // the kernel refuses the connect (no process holds the socket). A socket
-// that accepts, or whose state the probe cannot tell, is left alone and
+// that accepts, or whose state the probe cannot tell, is not touched and
 // refused with an error naming the process that listens on it when the
 // kernel says (SO_PEERCRED). Any other file at path is never removed.
 //
@@ -112,7 +112,7 @@ func probeSocket(path string) (live string, err error) {
 
 // SocketFile is the path of a Unix socket this process listens on, as it
 // was when the process bound or adopted it: device, inode and change time,
-// since a file system hands a removed file's inode number to the next one.
+// since a file system gives a removed file's inode number to the next one.
 type SocketFile struct {
 	path     string
 	dev, ino uint64

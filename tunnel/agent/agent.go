@@ -47,10 +47,15 @@ type Config struct {
 	Identifiers string // upstream --agent-identifiers syntax, sent as is
 
 	// TLS returns the client TLS configuration for a new connection to a
-	// server whose certificate should carry serverName. It is called for
-	// every connection, so a rotated CA or client certificate on disk is
-	// picked up. Nil means plain TCP, for tests only.
+	// server whose certificate should carry serverName; required unless
+	// PlainForTest. It is called for every connection, so a rotated CA or
+	// client certificate on disk is picked up.
 	TLS func(serverName string) (*tls.Config, error)
+	// PlainForTest speaks to servers over plain TCP, without TLS: only for
+	// tests that measure what the agent itself does with a server's bytes,
+	// which a TLS handshake's allocations would blur. The product never
+	// sets it.
+	PlainForTest bool
 	// Token returns the bearer token to present, read again on every
 	// connect (projected tokens rotate). Nil means no token.
 	Token func() (string, error)
@@ -73,7 +78,7 @@ type Config struct {
 	// MaxStreams bounds the tunnels one server connection may open at
 	// once, MaxStreamsTotal those of all server connections together:
 	// past either a CONNECT is answered 503 naming the flag (the
-	// connection's HTTP/2 stream limit leaves room for each tunnel's pause
+	// connection's HTTP/2 stream limit has room for each tunnel's pause
 	// request). Each tunnel takes a descriptor, and one more while it is
 	// kept for a restarting server, so the defaults come from the
 	// descriptor limit (streamCaps): a server, however hostile, cannot
@@ -147,7 +152,7 @@ func (c *Config) setDefaults() {
 // Locks (tunnel/doc.go, "Locks"): mu, then a link's, then gate.mu, a
 // leaf; a connToServer's fields are immutable or atomic.
 type Agent struct {
-	// Immutable after NewAgent.
+	// Immutable after New.
 	cfg      Config
 	log      *slog.Logger
 	metrics  *agentMetrics
@@ -194,11 +199,10 @@ type Stats struct {
 	// count the caps, the drain (shutIfIdle), the metric and the status
 	// read.
 	Tunnels                    atomic.Int64
-	DialsOK, DialsFailed       atomic.Int64
 	BytesToDest, BytesFromDest atomic.Int64
 }
 
-// Descriptors kept aside from tunnels: server connections, listeners,
+// Descriptors reserved apart from tunnels: server connections, listeners,
 // DNS, logs and the rest of the process.
 const reservedDescriptors = 256
 
@@ -339,6 +343,9 @@ func New(cfg Config) (*Agent, error) {
 	if len(cfg.ServerAddrs) == 0 {
 		return nil, fmt.Errorf("no server address")
 	}
+	if cfg.TLS == nil && !cfg.PlainForTest {
+		return nil, errors.New("agent.Config.TLS is required: servers are reached over TLS")
+	}
 	for _, addr := range cfg.ServerAddrs {
 		if _, _, err := net.SplitHostPort(addr); err != nil {
 			return nil, fmt.Errorf("server address %q: %w", addr, err)
@@ -443,7 +450,7 @@ type tunnelGate struct {
 // waitIdle waits until no tunnel is open and, but for a restart, no
 // destination is kept, or until deadline, and shuts the gate: no stream
 // is taken after the drain. A destination kept for a restarting server
-// is still a tunnel: the server's next image carries it on through the
+// is still a tunnel: the server's next image resumes it through the
 // connection the agent keeps redialling meanwhile. On the agent's own
 // restart it goes to the agent's next image instead (KeptForNextImage).
 func (a *Agent) waitIdle(deadline time.Time, restart bool) {
@@ -642,14 +649,13 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		return nil
 	}
 	if dest, handled := a.takeKeptFor(w, r); handled {
-		return dest // a tunnel a restarting server's next image carries on
+		return dest // a tunnel a restarting server's next image resumes
 	}
 	dialStart := time.Now()
 	dctx, cancel := context.WithTimeout(r.Context(), a.cfg.DialTimeout)
 	dest, err := a.dialDestination(dctx, addr)
 	cancel()
 	if err != nil {
-		a.Stats.DialsFailed.Add(1)
 		if r.Context().Err() != nil {
 			a.metrics.packets.Inc(wire.SegToAgent, grpcwire.DialCls) // the server gave the dial up (RST_STREAM)
 		}
@@ -671,7 +677,6 @@ func (a *Agent) openDestination(w http.ResponseWriter, r *http.Request) net.Conn
 		return nil
 	}
 	a.metrics.dialDuration.ObserveDuration(time.Since(dialStart))
-	a.Stats.DialsOK.Add(1)
 	return dest
 }
 
@@ -688,7 +693,7 @@ func (a *Agent) carry(w http.ResponseWriter, r *http.Request, dest net.Conn) {
 	// Each read from the destination is sent as one DATA Packet.
 	to := a.countingWriter(w)
 	if rc := wire.RawSocket(dest); rc != nil {
-		n, downErr = wire.CopyFromSocket(to, rc, flush) // not through copyStream: one frame less parked
+		n, downErr = wire.CopyFromSocket(to, rc, flush) // not through wire.CopyStream: one frame less parked
 	} else {
 		n, downErr = wire.CopyStream(to, dest, flush)
 	}

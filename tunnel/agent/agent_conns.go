@@ -49,15 +49,15 @@ type connToServer struct {
 	tunnels   atomic.Int64  // open tunnels on this connection (MaxStreams), counted with Stats.Tunnels (takeTunnel)
 	token     string        // the token presented at login; read-only
 	// agentRestart: the server named featureAgentRestart, so a restart in
-	// place announces itself to it (controlRestartIn); read-only.
+	// place announces itself to it (wire.ControlRestartIn); read-only.
 	agentRestart bool
 }
 
 func (l *connToServer) sendDrain() { l.drainOnce.Do(func() { close(l.drain) }) }
 
 // startManagers starts one goroutine per configured address: a seeker for
-// a single (load-balanced) address, a holder for each of several fixed
-// addresses, a resolver that runs holders when DNS expansion is on.
+// a single (load-balanced) address, a redialer for each of several fixed
+// addresses, a resolver that runs redialers when DNS expansion is on.
 func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
 	var wg sync.WaitGroup
 	run := func(f func()) {
@@ -73,7 +73,7 @@ func (a *Agent) startManagers(ctx context.Context) *sync.WaitGroup {
 		case len(a.cfg.ServerAddrs) == 1 && !a.cfg.ExpandDNS:
 			run(func() { a.seek(ctx, t) })
 		default:
-			run(func() { a.hold(ctx, t) })
+			run(func() { a.redial(ctx, t) })
 		}
 	}
 	return &wg
@@ -146,8 +146,9 @@ func (a *Agent) failureDelay(t target, err error, b *backoff) time.Duration {
 	return delay
 }
 
-// hold keeps one connection to a fixed address, redialling when it drops.
-func (a *Agent) hold(ctx context.Context, t target) {
+// redial keeps one connection to a fixed address, dialling it again when
+// it drops.
+func (a *Agent) redial(ctx context.Context, t target) {
 	b := newBackoff(a.cfg.SyncInterval, a.cfg.SyncCap)
 	for a.waitLogin(ctx) {
 		l, err := a.dial(ctx, t)
@@ -181,10 +182,10 @@ func (a *Agent) hold(ctx context.Context, t target) {
 // expand resolves host to all its addresses and holds a connection to each,
 // re-resolving every SyncCap so replaced servers are followed.
 func (a *Agent) expand(ctx context.Context, host, port string) {
-	holders := map[string]context.CancelFunc{}
+	redialers := map[string]context.CancelFunc{}
 	var wg sync.WaitGroup
 	defer func() {
-		for _, stop := range holders {
+		for _, stop := range redialers {
 			stop()
 		}
 		wg.Wait()
@@ -204,18 +205,18 @@ func (a *Agent) expand(ctx context.Context, host, port string) {
 			for _, ip := range addrs {
 				addr := net.JoinHostPort(ip.Unmap().String(), port)
 				seen[addr] = true
-				if holders[addr] != nil {
+				if redialers[addr] != nil {
 					continue
 				}
 				hctx, stop := context.WithCancel(ctx)
-				holders[addr] = stop
+				redialers[addr] = stop
 				wg.Add(1)
-				go func() { defer wg.Done(); a.hold(hctx, target{addr: addr, serverName: host}) }()
+				go func() { defer wg.Done(); a.redial(hctx, target{addr: addr, serverName: host}) }()
 			}
-			for addr, stop := range holders {
+			for addr, stop := range redialers {
 				if !seen[addr] {
 					stop() // its link, if any, ends when the server goes
-					delete(holders, addr)
+					delete(redialers, addr)
 				}
 			}
 		}
@@ -256,7 +257,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*connToServer, error) {
 		return nil, fmt.Errorf("dial server %s: %w", t.addr, err)
 	}
 	conn := raw
-	if a.cfg.TLS != nil {
+	if !a.cfg.PlainForTest {
 		tcfg, err := a.cfg.TLS(t.serverName)
 		if err != nil {
 			raw.Close()
@@ -320,7 +321,7 @@ func (a *Agent) dial(ctx context.Context, t target) (*connToServer, error) {
 // startConn registers l and serves it in a goroutine the agent owns. It
 // returns false (and closes l) when the agent is shutting down, unless it
 // still holds destinations for a restarting server: its next image
-// carries them on through this connection, which announces the drain at
+// resumes them through this connection, which announces the drain at
 // once. An agent restarting in place takes no new connection: what it
 // holds goes to its own next image.
 func (a *Agent) startConn(l *connToServer) bool {

@@ -26,7 +26,7 @@ func TestAgentCountSources(t *testing.T) {
 		{"max: leases without connections", CountMax, nil, 3, 3},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			a, err := New(Config{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a", CountSource: tc.source})
+			a, err := New(Config{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a", CountSource: tc.source, TLS: neverTLS})
 			if err != nil {
 				t.Fatal(err)
 			}

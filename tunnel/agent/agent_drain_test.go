@@ -115,10 +115,10 @@ func TestAgentDrainTakesNoStreamOnceIdle(t *testing.T) {
 	if ans.resp.StatusCode != http.StatusOK {
 		t.Fatalf("the dial: %s", ans.resp.Status)
 	}
-	if n := a1.Stats.DialsOK.Load(); n != 0 {
+	if n := dialsOK(t, a1.Agent); n != 0 {
 		t.Errorf("the draining agent dialled %d destinations after its drain had ended, want 0", n)
 	}
-	if n := a2.Stats.DialsOK.Load(); n != 1 {
+	if n := dialsOK(t, a2.Agent); n != 1 {
 		t.Errorf("the next agent dialled %d destinations, want 1 (the dial the draining agent refused)", n)
 	}
 	b := make([]byte, 1)

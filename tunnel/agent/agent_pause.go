@@ -92,7 +92,7 @@ type pausedDest struct {
 // this connection: once the bytes the server sent have reached the
 // destination, the agent stops reading the destination, sends what it
 // read, keeps the connection under the server's token and answers with the
-// bytes it sent. Any other answer leaves the tunnel as it was, or (a
+// bytes it sent. Any other answer changes nothing, or (a
 // download stuck on a server that does not read) ends it.
 func (a *Agent) servePause(l *connToServer, w http.ResponseWriter, r *http.Request) {
 	id, err1 := strconv.ParseUint(r.Header.Get(wire.HdrPauseStream), 10, 31)
@@ -205,7 +205,7 @@ func waitDelivered(r *http.Request, up *h2link.Delivery, sent int64) error {
 // that its reading of dest returned with n bytes sent. Without a pause of
 // this tunnel it is false. With one, it says where it stopped and waits
 // for servePause's decision: true means the destination is now kept for a
-// resume, and carry must let its stream go (pausedEnd). Apart from carry,
+// resume, and carry must let its stream go (keptEnd). Apart from carry,
 // whose frame stays on parked stacks; it looks for the tunnel only while
 // some pause is in progress.
 //
@@ -297,7 +297,7 @@ func (a *Agent) takePausedIf(token string, p *pausedDest) bool {
 	return true
 }
 
-// dropKeptLocked counts one kept destination gone; a.mu is held.
+// dropKeptLocked counts one kept destination gone. The caller holds a.mu.
 func (a *Agent) dropKeptLocked() {
 	a.kept.count--
 	if a.kept.count == 0 {

@@ -35,7 +35,7 @@ func TestAgentRestartOnlyToServersThatSaySo(t *testing.T) {
 		agentRestart bool
 		want         string
 	}{{true, wire.ControlRestartIn + " "}, {false, wire.ControlDrainIn + " "}} {
-		a, err := New(Config{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a1"})
+		a, err := New(Config{ServerAddrs: []string{"127.0.0.1:1"}, ID: "a1", TLS: neverTLS})
 		if err != nil {
 			t.Fatal(err)
 		}

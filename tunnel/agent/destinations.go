@@ -61,15 +61,15 @@ func HasNodeRule(allow string) bool {
 }
 
 func withoutNodeKeyword(allow string) (rest string, found bool) {
-	var kept []string
+	var others []string
 	for _, item := range strings.Split(allow, ",") {
 		if strings.TrimSpace(item) == nodeKeyword {
 			found = true
 			continue
 		}
-		kept = append(kept, item)
+		others = append(others, item)
 	}
-	return strings.Join(kept, ","), found
+	return strings.Join(others, ","), found
 }
 
 type destRule struct {
@@ -80,7 +80,7 @@ type destRule struct {
 }
 
 // builtinDenied are refused unless an Open rule names them. Instance
-// metadata and credential services hand out cloud credentials: reaching
+// metadata and credential services give out cloud credentials: reaching
 // them through the tunnel would turn egress into a credential leak. The
 // link-local ranges hold most of them (AWS, GCE, Azure, OpenStack and
 // Oracle metadata at 169.254.169.254, ECS task metadata at 169.254.170.2,
@@ -251,7 +251,7 @@ func (r destRule) matches(ip netip.Addr, port int) bool {
 
 // dialAddr is the address a dial of ip reaches, the one the policy checks:
 // IPv4-mapped addresses unmapped, an unspecified address as the loopback
-// address of its family (what Linux connects it to). A zone is kept, so a
+// address of its family (what Linux connects it to). A zone stays, so a
 // zoned address stays visible to Check.
 func dialAddr(ip netip.Addr) netip.Addr {
 	if ip.Zone() == "" {
@@ -268,7 +268,7 @@ func dialAddr(ip netip.Addr) netip.Addr {
 
 // Check returns nil when ip:port may be dialled, else the reason it may
 // not. The address that may be dialled is dialAddr(ip). A nil policy
-// allows everything; an agent always has one (see AgentConfig).
+// allows everything; an agent always has one (see Config.Destinations).
 func (p *DestinationPolicy) Check(ip netip.Addr, port int) error {
 	if p == nil {
 		return nil

@@ -270,7 +270,7 @@ func TestDestinationFormsThroughTunnel(t *testing.T) {
 	if asked := guard.take(); len(asked) > 0 {
 		t.Fatalf("refused destinations reached the dialler: %v", asked)
 	}
-	if n := a.Stats.DialsOK.Load(); n != 0 {
+	if n := dialsOK(t, a.Agent); n != 0 {
 		t.Fatalf("%d refused destinations were dialled", n)
 	}
 

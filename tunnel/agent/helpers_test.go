@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"crypto/tls"
+	"errors"
 	"testing"
 	"time"
 
@@ -87,6 +89,18 @@ func startAgentWith(t testing.TB, p *tunneltest.PKI, addrs []string, id, identif
 		before(a)
 	}
 	return &testAgent{Agent: a, Running: tunneltest.RunAgent(t, a.Run)}
+}
+
+// neverTLS is the TLS of an agent a test builds but never connects.
+func neverTLS(string) (*tls.Config, error) {
+	return nil, errors.New("this test's agent connects to no server")
+}
+
+// dialsOK is the agent's count of destination dials that succeeded, as
+// its metrics show it: dial_duration_seconds observes each of them.
+func dialsOK(t testing.TB, a *Agent) int64 {
+	t.Helper()
+	return int64(tunneltest.Metric(t, a.cfg.Metrics, agentPrefix+"dial_duration_seconds_count"))
 }
 
 // newEchoEnv is a server with one agent and an echo destination, whose

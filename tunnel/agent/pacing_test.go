@@ -13,7 +13,7 @@ import (
 )
 
 // A connection refused at the unadmitted limit is told when to come back,
-// and the agent's dial reads it; successive refusals are handed later and
+// and the agent's dial reads it; successive refusals are given later and
 // later moments, so a fleet's retries are spread, not bunched.
 func TestBusyRefusalSaysWhenToComeBack(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)

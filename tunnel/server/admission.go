@@ -45,7 +45,7 @@ import (
 //     drops SYNs, which peers retry only after seconds), are waiting
 //     connections accepted to be closed at once, before their TLS
 //     handshake, told in one plain-text 503 when to come back
-//     (hdrRetryAfterMs): an agent is not left in the backlog for most of
+//     (wire.HdrRetryAfterMs): an agent does not wait in the backlog for most of
 //     its dial timeout, nor to TCP's back-off;
 //   - work: one login per connection (a refused login ends the
 //     connection), and at most MaxReviews calls of AuthenticateAgent in
@@ -55,7 +55,7 @@ import (
 // A review that could not be done (apiserver unreachable, timeout) answers
 // the peer "authentication unavailable"; the cause goes to the log only.
 
-// Defaults for ServerConfig.MaxUnadmitted and MaxReviews.
+// Defaults for Config.MaxUnadmitted and MaxReviews.
 const (
 	defaultMaxUnadmitted = 64
 	defaultMaxReviews    = 32
@@ -183,7 +183,7 @@ func backlogOf(ln net.Listener) func() (queued, limit int) {
 }
 
 // nearlyFullAt is the length at which a backlog that may hold limit is
-// nearly full: all but a sixteenth (at least one), which leaves room for
+// nearly full: all but a sixteenth (at least one), which is room for
 // the connections that arrive between two readings (backlogPoll) of a
 // fleet connecting at once, while refusing none that the backlog can hold.
 func nearlyFullAt(limit int) int { return limit - max(limit/16, 1) }
@@ -201,62 +201,63 @@ func (a *admission) leave() {
 }
 
 // pacer spaces the retries of connections refused at the unadmitted limit.
-// While slots move, one frees about every hold/max (hold: how long an
-// admitted connection waited, a moving average; max connections wait at
-// once), and with it a place in the listen backlog.
+// While slots move, one frees about every slotTime/max (slotTime: how
+// long an admitted connection waited, a moving average; max connections
+// wait at once), and with it a place in the listen backlog.
 //
 // A refusal at a nearly full backlog needs a place in the backlog, not
 // its turn: whenever it comes back it queues at the tail. So the refused
-// are handed moments one slot's time apart from now (roomAfter), the rate
+// are given moments one slot's time apart from now (roomAfter), the rate
 // at which places free: none comes back to a backlog still full (to be
-// refused again), and none is kept away while the server has nothing left
+// refused again), and none is turned away while the server has nothing left
 // to admit. An estimate taken early in a fleet's reconnect errs slow
 // (the peers' own handshakes compete for CPU then), which only spaces
 // them a little wider.
 //
 // A refusal because the slots stalled (every waiting connection is slow)
-// is handed moments half a slot's time apart, after half the time the
+// is given moments half a slot's time apart, after half the time the
 // connections queued ahead of it take to be admitted, but no later than
 // ahead (a quarter of the header timeout): the rate that estimate rests
 // on is stale, and a refused agent that comes back too early waits in the
-// backlog, while one that comes back too late leaves the server idle
+// backlog, while one that comes back too late lets the server idle
 // (retryAfter). A leaf lock.
 type pacer struct {
-	mu   sync.Mutex
-	hold time.Duration // guarded by mu: moving average, accept to admission
-	next time.Time     // guarded by mu: the last moment handed out
+	mu       sync.Mutex
+	slotTime time.Duration // guarded by mu: moving average, accept to admission
+	next     time.Time     // guarded by mu: the last moment given out
 }
 
 // admitted records how long an admitted connection waited.
 func (p *pacer) admitted(waited time.Duration) {
 	p.mu.Lock()
-	if p.hold == 0 {
-		p.hold = waited
+	if p.slotTime == 0 {
+		p.slotTime = waited
 	} else {
-		p.hold += (waited - p.hold) / 8
+		p.slotTime += (waited - p.slotTime) / 8
 	}
 	p.mu.Unlock()
 }
 
-// roomAfter hands a connection refused at a nearly full backlog the next
-// moment to come back: one slot's time after the last one handed out.
+// roomAfter gives a connection refused at a nearly full backlog the next
+// moment to come back: one slot's time after the last one given out.
 func (p *pacer) roomAfter(now time.Time, slots int64) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.handLocked(now, p.holdLocked()/time.Duration(max(slots, 1)), 0)
+	return p.giveLocked(now, p.slotTimeLocked()/time.Duration(max(slots, 1)), 0)
 }
 
-// holdLocked is hold, or a handshake's worth before anything was admitted.
-func (p *pacer) holdLocked() time.Duration {
-	if p.hold == 0 {
+// slotTimeLocked is slotTime, or a handshake's worth before anything was
+// admitted.
+func (p *pacer) slotTimeLocked() time.Duration {
+	if p.slotTime == 0 {
 		return 100 * time.Millisecond
 	}
-	return p.hold
+	return p.slotTime
 }
 
-// handLocked hands the moment step after the later of the last one and
+// giveLocked gives the moment step after the later of the last one and
 // now+lead, within the bounds.
-func (p *pacer) handLocked(now time.Time, step, lead time.Duration) time.Duration {
+func (p *pacer) giveLocked(now time.Time, step, lead time.Duration) time.Duration {
 	p.next = maxTime(p.next, now.Add(lead)).Add(step)
 	if d := p.next.Sub(now); d > wire.MaxRetryAfter {
 		p.next = now.Add(wire.MaxRetryAfter)
@@ -264,14 +265,14 @@ func (p *pacer) handLocked(now time.Time, step, lead time.Duration) time.Duratio
 	return min(max(p.next.Sub(now), wire.MinRetryAfter), wire.MaxRetryAfter)
 }
 
-// retryAfter hands a connection refused because the slots stalled the
+// retryAfter gives a connection refused because the slots stalled the
 // next moment to come back, with queued connections waiting in the listen
 // backlog ahead of it, whom it waits for at most ahead.
 func (p *pacer) retryAfter(now time.Time, slots int64, queued int, ahead time.Duration) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	step := p.holdLocked() / time.Duration(2*max(slots, 1))
-	return p.handLocked(now, step, min(time.Duration(queued)*step, ahead))
+	step := p.slotTimeLocked() / time.Duration(2*max(slots, 1))
+	return p.giveLocked(now, step, min(time.Duration(queued)*step, ahead))
 }
 
 func maxTime(a, b time.Time) time.Time {
@@ -469,25 +470,21 @@ func (s *Server) refuseUnadmitted(raw net.Conn, queued int, stalled bool) {
 func (s *Server) serveAgentConn(raw net.Conn, pc *pendingConn) {
 	remote := raw.RemoteAddr().String()
 	defer pc.release()
-	conn := raw
-	var tlsState tls.ConnectionState
 	deadline := time.Now().Add(s.cfg.HeaderTimeout)
 	raw.SetDeadline(deadline)
-	if s.cfg.AgentTLS != nil {
-		tc := wire.TlsServer(raw, s.cfg.AgentTLS)
-		ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
-		err := tc.HandshakeContext(ctx)
-		cancel()
-		if err != nil {
-			s.Stats.AgentsRefused.Add(1)
-			raw.Close()
-			// Debug: load-balancer health checks look exactly like this.
-			s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
-			return
-		}
-		tlsState = tc.ConnectionState()
-		conn = tc
+	tc := wire.TlsServer(raw, s.cfg.AgentTLS)
+	ctx, cancel := context.WithDeadline(s.baseCtx, deadline)
+	err := tc.HandshakeContext(ctx)
+	cancel()
+	if err != nil {
+		s.Stats.AgentsRefused.Add(1)
+		raw.Close()
+		// Debug: load-balancer health checks look exactly like this.
+		s.log.Debug("agent TLS handshake failed", "remote", remote, "err", err)
+		return
 	}
+	tlsState := tc.ConnectionState()
+	var conn net.Conn = tc
 	lim := &wire.HeadLimiter{R: conn, Remaining: wire.MaxHandshakeHead, Limited: true}
 	br := bufio.NewReaderSize(lim, 4096)
 	if speaksGRPC(tlsState, br) {
@@ -646,9 +643,9 @@ func (s *Server) admit(ctx context.Context, h *wire.AgentHello, tlsState tls.Con
 	if err != nil {
 		return Principal{}, wire.Identifiers{}, err
 	}
-	if held, ok := s.agents.credRoom(credKey(p, remote), h.ID, s.cfg.MaxAgentsPerCredential); !ok {
+	if open, ok := s.agents.credRoom(credKey(p, remote), h.ID, s.cfg.MaxAgentsPerCredential); !ok {
 		s.metrics.agentsRefusedCred.Inc()
-		return Principal{}, wire.Identifiers{}, credBoundError(held, remote)
+		return Principal{}, wire.Identifiers{}, credBoundError(open, remote)
 	}
 	return p, ids, nil
 }
@@ -677,7 +674,7 @@ type controlWatch struct {
 	s     *Server
 	a     *agentConn
 	body  io.ReadCloser
-	line  []byte        // a line begun and not ended, at most maxControlLine
+	line  []byte        // a line begun and not ended, at most wire.MaxControlLine
 	cutIn time.Duration // when the agent says it cuts what is left of a drain
 }
 
@@ -721,7 +718,7 @@ func (w *controlWatch) take(p []byte, each func(line string)) error {
 		}
 	}
 	if len(w.line) == 0 {
-		w.line = nil // nothing held while the agent is quiet
+		w.line = nil // no buffer while the agent is quiet
 	}
 	return nil
 }
@@ -763,19 +760,19 @@ func (s *Server) controlLine(a *agentConn, line string, cutIn *time.Duration) {
 // The shutting check and the claim are one step under Server.mu: Shutdown
 // and Close set shutting under it and then find the agents to close in
 // the registry, so an agent claimed after that would be closed by no one,
-// and its link would hold Close (and a restart) until the agent left.
+// and its link would delay Close (and a restart) until the agent left.
 var (
 	errIDTaken   = errors.New("its ID was taken by another credential during the login")
 	errAgentLate = errors.New("the server began shutting down during the login")
 	errCredBound = errors.New("the credential holds as many agent connections from its address as --max-agent-connections-per-credential allows")
 )
 
-// credBoundError refuses a login over MaxAgentsPerCredential (429). The
+// credBoundError refuses a login over Config.MaxAgentsPerCredential (429). The
 // login checks the bound early, before the link is set up; the claim
 // checks it again under the registry's lock, so that logins racing past
 // the early check cannot add up to more than the bound.
-func credBoundError(held int, remote string) *wire.StatusError {
-	return wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", held, hostOf(remote))
+func credBoundError(open int, remote string) *wire.StatusError {
+	return wire.StatusErrorf(http.StatusTooManyRequests, "this credential already holds %d agent connections from %s, the bound per credential and address (--max-agent-connections-per-credential)", open, hostOf(remote))
 }
 
 func (s *Server) register(a *agentConn, token string, tlsState tls.ConnectionState) error {

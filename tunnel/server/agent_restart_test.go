@@ -260,7 +260,7 @@ func TestAgentRestartKeptPassedOn(t *testing.T) {
 
 // TestAgentRestartTokenUnknown: a next image that holds nothing (what it
 // was handed was lost) refuses the resumes; each tunnel is closed, logged
-// and counted failed, and the server carries on.
+// and counted failed, and the server goes on.
 func TestAgentRestartTokenUnknown(t *testing.T) {
 	tunneltest.CheckNoLeaks(t)
 	e := newEnv(t, nil)

@@ -61,7 +61,7 @@ func failureReason(err error) string {
 // dial can still go elsewhere.
 func (s *Server) open(t *tunnel) error {
 	if q := s.queued.Load(); q > s.cfg.StalledBudget {
-		return wire.StatusErrorf(http.StatusServiceUnavailable, "server memory budget for stalled tunnels used up (%d MiB held for clients that do not read)", q>>20).WithReason(reasonStalledBudget)
+		return wire.StatusErrorf(http.StatusServiceUnavailable, "server memory budget for stalled tunnels used up (%d MiB queued for clients that do not read)", q>>20).WithReason(reasonStalledBudget)
 	}
 	start := time.Now()
 	s.metrics.pending.Add(1)

@@ -58,8 +58,8 @@ func (f *httpFront) closeSocket() { f.conn.Close() }
 
 // serveFrontendConn answers one CONNECT request and, on success, carries
 // the connection's bytes to and from an agent stream until both sides are
-// done or the tunnel moves to the next image; or it carries on a tunnel
-// the previous image handed on (t.handed). pd is the dial's count as
+// done or the tunnel moves to the next image; or it resumes a tunnel the
+// previous image handed on (t.handed). pd is the dial's count as
 // pending, from the head's end until the tunnel is open, where a drain or
 // a restart finds it.
 func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
@@ -96,7 +96,7 @@ func (s *Server) serveFrontendConn(t *tunnel, pd *pendingDial) {
 // it on. On failure it answers the error itself and returns false. It
 // returns before the tunnel parks: see "Parked stacks" in doc.go.
 func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) bool {
-	if ok, carried := s.hand.handedIn(t, conn); carried {
+	if ok, resumed := s.hand.handedIn(t, conn); resumed {
 		return ok
 	}
 	headDeadline := time.Now().Add(s.cfg.HeaderTimeout)
@@ -112,7 +112,7 @@ func (s *Server) openFrontendTunnel(t *tunnel, conn net.Conn, pd *pendingDial) b
 	if !s.hand.headRead(t, pd, conn, lim.Seen) {
 		return false
 	}
-	// The head's own bytes, kept while the dial may still move to the next
+	// The head's own bytes, saved while the dial may still move to the next
 	// image (dialWaiting); bytes read past it are in br.
 	head := lim.Seen[:max(0, len(lim.Seen)-br.Buffered())]
 	if lim.Replay == 0 {
@@ -276,6 +276,6 @@ const maxConnectHead = 16 << 10
 // headReaders recycles the 4 KiB readers of CONNECT heads, one per dial
 // for a head of about fifty bytes. A reader goes back only from the path
 // where nothing else can still hold it (the upload has drained it after the
-// client was told 200); readers of dials that failed are left to the
+// client was told 200); readers of dials that failed go to the
 // collector.
 var headReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4096) }}

@@ -58,14 +58,14 @@ type grpcConn struct {
 	pend    *pendingDial // its first dial's count as pending (konnectivity-client dials one per connection)
 	refused error        // why the peer was refused, if it was
 
-	calls     atomic.Int32 // calls whose handler runs; a connection with more than one is not handed over
-	kept      atomic.Bool  // the socket went to a handover (grpcFront.pause): closeSocket leaves it open
-	goingAway sync.Once
+	calls      atomic.Int32 // calls whose handler runs; a connection with more than one is not handed over
+	handedOver atomic.Bool  // the socket went to a handover (grpcFront.pause): closeSocket does not close it
+	goingAway  sync.Once
 }
 
-// closeSocket closes the connection's socket unless a handover kept it.
+// closeSocket closes the connection's socket unless it was handed over.
 func (c *grpcConn) closeSocket() {
-	if !c.kept.Load() {
+	if !c.handedOver.Load() {
 		c.socket.Close()
 	}
 }
@@ -138,7 +138,7 @@ func (c *grpcConn) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	c.calls.Add(1)
 	err := c.s.serveGRPCStream(c, w, r)
-	if err == errLeftToWaiter {
+	if err == errWaiterEnds {
 		return // the call's waiter ends it (waitGRPC)
 	}
 	c.callDone(err == errHandedOn, false)
@@ -278,12 +278,12 @@ func (g *grpcStream) finish(code int, msg string) {
 var errDialCancelled = errors.New("dial cancelled by the client (DIAL_CLS)")
 
 // errHandedOn: the call's tunnel went to the next image of the process;
-// its stream is left open for the link to move with it (handover.go).
+// its stream stays open for the link to move with it (handover.go).
 var errHandedOn = errors.New("tunnel handed to the next image")
 
-// errLeftToWaiter: the call is carried on after its handler returns, and its
-// waiter ends it (waitGRPC); the handler leaves everything to it.
-var errLeftToWaiter = errors.New("call left to its waiter")
+// errWaiterEnds: the call goes on after its handler returns, and its
+// waiter ends it (waitGRPC); the handler does nothing more.
+var errWaiterEnds = errors.New("the call's waiter ends it")
 
 // serveGRPCStream runs one /ProxyService/Proxy call on link l over the
 // frontend socket conn: DIAL_REQ, DIAL_RSP, then DATA both ways until
@@ -308,10 +308,10 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 		return nil
 	}
 	s.metrics.grpcConns.Add(1)
-	held := false // the call goes on after the handler returns: its waiter ends it
+	outlives := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {
-		if !held {
-			s.grpcCallLeft()
+		if !outlives {
+			s.grpcCallEnded()
 		}
 	}()
 
@@ -355,7 +355,7 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 		return nil
 	}
 	defer func() {
-		if !held {
+		if !outlives {
 			s.leave(t)
 		}
 	}()
@@ -363,8 +363,8 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 	f.g.flush()
 	code, msg, err := s.proxyGRPC(t, req, buf)
 	switch err {
-	case errLeftToWaiter:
-		held = true
+	case errWaiterEnds:
+		outlives = true
 		return err
 	case errHandedOn:
 		h2link.Detach(w)
@@ -374,15 +374,15 @@ func (s *Server) serveGRPCStream(c *grpcConn, w http.ResponseWriter, r *http.Req
 	return nil
 }
 
-// grpcCallLeft counts a call of the front door as ended.
-func (s *Server) grpcCallLeft() {
+// grpcCallEnded counts a call of the front door as ended.
+func (s *Server) grpcCallEnded() {
 	s.metrics.grpcConns.Add(-1)
 }
 
 // grpcFront is the client's side of a tunnel on the gRPC front door: one
 // call on a connection.
 type grpcFront struct {
-	// Immutable once the tunnel is carried.
+	// Immutable once the tunnel carries bytes.
 	conn      *grpcConn
 	ctx       context.Context // the call's
 	g         *grpcStream
@@ -390,7 +390,7 @@ type grpcFront struct {
 	in        *grpcUploadReader
 	quiet     *quietReader // what in reads the call's body through, when it parks
 	connectID int64
-	end       func() // h2link.Hold's: the handler's return, made by the waiter
+	end       func() // h2link.Outlive's: the handler's return, made by the waiter
 	// events carries what ends the call, each kind sent once: the
 	// download's end (grpcDownEnded, by its last carrier), the drain's
 	// (grpcDrained, by closeQuiet) and CLOSE_REQ (grpcCloseReq, by the
@@ -522,10 +522,10 @@ func (s *Server) initGRPCUpload(t *tunnel, buf, partial []byte) {
 
 // carryGRPC carries an established call's tunnel until either side
 // closes, a drain ends it at a quiet moment, or it moves to the next
-// image. On our agents' links it returns errLeftToWaiter once the tunnel is open:
+// image. On our agents' links it returns errWaiterEnds once the tunnel is open:
 // the handler returns, and a waiter of its own, on a fresh goroutine
 // whose stack nothing grew, waits for the call's end (waitGRPC). The
-// handler's stack, which the dial grew, is then not held by an idle call.
+// handler's stack, which the dial grew, is then not pinned by an idle call.
 func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	f := t.front.(*grpcFront)
 	// A draining server ends a quiet tunnel as the destination closing
@@ -557,12 +557,12 @@ func (s *Server) carryGRPC(t *tunnel) (int, string, error) {
 	f.downCarrier.wake()
 	f.upCarrier.wake()
 	s.hand.opened(t)
-	if f.end = h2link.Hold(f.g.w); f.end == nil {
+	if f.end = h2link.Outlive(f.g.w); f.end == nil {
 		ev, err := awaitGRPC(f)
 		return s.endGRPC(t, ev, err)
 	}
 	s.goroutine(func() { s.waitGRPC(t) })
-	return 0, "", errLeftToWaiter
+	return 0, "", errWaiterEnds
 }
 
 // grpcEvent is what ends a call (awaitGRPC).
@@ -592,19 +592,19 @@ func awaitGRPC(f *grpcFront) (grpcEvent, error) {
 	}
 }
 
-// waitGRPC is a held call's waiter (see carryGRPC): it waits for the
+// waitGRPC is an outliving call's waiter (see carryGRPC): it waits for the
 // call's end, then ends the call as its handler would have.
 func (s *Server) waitGRPC(t *tunnel) {
 	ev, err := awaitGRPC(t.front.(*grpcFront))
-	s.endHeldGRPC(t, ev, err)
+	s.endOutlivingGRPC(t, ev, err)
 }
 
-// endHeldGRPC ends a held call after ev: what the returns of carryGRPC,
+// endOutlivingGRPC ends an outliving call after ev: what the returns of carryGRPC,
 // of serveGRPCStream (or resumeGRPCCall) and of the handler would have
 // done. Apart from waitGRPC, whose frame stays on parked stacks.
 //
 //go:noinline
-func (s *Server) endHeldGRPC(t *tunnel, ev grpcEvent, downErr error) {
+func (s *Server) endOutlivingGRPC(t *tunnel, ev grpcEvent, downErr error) {
 	f := t.front.(*grpcFront)
 	code, msg, err := s.endGRPC(t, ev, downErr)
 	if err == errHandedOn {
@@ -613,7 +613,7 @@ func (s *Server) endHeldGRPC(t *tunnel, ev grpcEvent, downErr error) {
 		f.g.finish(code, msg)
 	}
 	s.leave(t)
-	s.grpcCallLeft()
+	s.grpcCallEnded()
 	f.conn.callDone(err == errHandedOn, f.resumed)
 	f.end()
 }

@@ -171,7 +171,7 @@ func TestBlackholedAgentDropped(t *testing.T) {
 	s.WaitAgents(1)
 	t.Logf("blackholed agent dropped after %s (keepalive 100ms + ping timeout 300ms)", time.Since(start))
 	echo := tunneltest.EchoServer(t)
-	before := good.Stats.DialsOK.Load()
+	before := good.dialsOK()
 	for range 10 {
 		conn, _, resp := s.Connect(echo)
 		conn.Close()
@@ -179,7 +179,7 @@ func TestBlackholedAgentDropped(t *testing.T) {
 			t.Fatal(resp.Status)
 		}
 	}
-	if good.Stats.DialsOK.Load() != before+10 {
+	if good.dialsOK() != before+10 {
 		t.Fatal("dials did not go to the remaining agent")
 	}
 }
@@ -262,7 +262,7 @@ func TestAgentDrainPrefersOthers(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	before := draining.Stats.DialsOK.Load()
+	before := draining.dialsOK()
 	for range 10 {
 		conn, _, resp := e.Connect(echo)
 		conn.Close()
@@ -270,8 +270,8 @@ func TestAgentDrainPrefersOthers(t *testing.T) {
 			t.Fatal(resp.Status)
 		}
 	}
-	if draining.Stats.DialsOK.Load() != before || other.Stats.DialsOK.Load() < 10 {
-		t.Fatalf("dials went to the draining agent: draining=%d other=%d", draining.Stats.DialsOK.Load()-before, other.Stats.DialsOK.Load())
+	if draining.dialsOK() != before || other.dialsOK() < 10 {
+		t.Fatalf("dials went to the draining agent: draining=%d other=%d", draining.dialsOK()-before, other.dialsOK())
 	}
 	held.Close()
 	<-draining.Done

@@ -3,7 +3,7 @@ package server
 // The format that crosses execve: what a restart hands the next image with
 // each socket, as JSON (docs/restart.md). The envelope that carries it
 // (the list of descriptors and entries, the memory file named in the
-// environment) is internal/daemon's (handover.go there); an agent's held
+// environment) is internal/daemon's (handover.go there); an agent's kept
 // destination is the agent package's KeptDest; a frozen HTTP/2 connection
 // is h2link.Frozen.
 

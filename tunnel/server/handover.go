@@ -52,7 +52,7 @@ func (s *Server) HandOver(ctx context.Context) ([]*PausedTunnel, error) {
 //     each tunnel on its own, and the pauses of an agent's restart are
 //     collected. HandOver returns what the steps gathered (out).
 
-// beginLocked is the first step. Server.mu is held.
+// beginLocked is the first step. The caller holds Server.mu.
 func (h *handover) beginLocked() {
 	h.active = true
 	h.takeUnaskedLocked()

@@ -11,9 +11,9 @@ import (
 // swapped:
 //
 //  1. The agent tells each server that named featureAgentRestart that it
-//     restarts (controlRestartIn), then that it drains.
+//     restarts (wire.ControlRestartIn), then that it drains.
 //  2. The server pauses every tunnel on that agent's link that can move
-//     without loss, exactly as for its own restart (pausePath, byte-exact
+//     without loss, exactly as for its own restart (wire.PausePath, byte-exact
 //     in both directions), but keeps the client's side here: the paused
 //     tunnel waits for the agent's next image as a tunnel a previous image
 //     of the server handed over waits for its agent (held in
@@ -38,7 +38,7 @@ import (
 // (agentLeaving). The agent's half is in agent_restart.go.
 
 // errAgentRestarting is an agent's refusal of a resume while it restarts
-// in place (hdrAgentRestarting): the resume waits for the agent's next
+// in place (wire.HdrAgentRestarting): the resume waits for the agent's next
 // image, at most maxAgentRestarts times in a row.
 var errAgentRestarting = errors.New("agent restarting in place")
 

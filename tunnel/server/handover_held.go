@@ -14,7 +14,7 @@ import (
 // client's head to passing: its goroutine, woken by leaving
 // (interruptUnasked), passes it on as it is (passUnasked). Called in the
 // same critical section that sets shutting, so each connection either
-// asked before (pending, waited for) or is taken here. Server.mu is held.
+// asked before (pending, waited for) or is taken here. The caller holds Server.mu.
 func (h *handover) takeUnaskedLocked() {
 	s := h.s
 	for t := range s.tunnels {
@@ -69,7 +69,7 @@ func (h *handover) takeHeld(unasked bool) []*PausedTunnel {
 	return h.takeHeldLocked(unasked)
 }
 
-// takeHeldLocked is takeHeld. Server.mu is held.
+// takeHeldLocked is takeHeld. The caller holds Server.mu.
 func (h *handover) takeHeldLocked(unasked bool) []*PausedTunnel {
 	s := h.s
 	var out []*PausedTunnel
@@ -84,7 +84,7 @@ func (h *handover) takeHeldLocked(unasked bool) []*PausedTunnel {
 
 // holdLocked puts p, a paused tunnel that waits for its agent to log in
 // again, in the table held, and returns its entry, which no goroutine
-// serves. Server.mu is held.
+// serves. The caller holds Server.mu.
 func (h *handover) holdLocked(p *PausedTunnel) *tunnel {
 	s := h.s
 	t := &tunnel{front: heldFront{}, handed: p, state: tunnelHeld}
@@ -93,7 +93,7 @@ func (h *handover) holdLocked(p *PausedTunnel) *tunnel {
 }
 
 // dropHeldLocked closes a held tunnel's socket and takes it off the
-// table: the server closes without a next image. Server.mu is held.
+// table: the server closes without a next image. The caller holds Server.mu.
 func (h *handover) dropHeldLocked(t *tunnel) {
 	p := t.handed
 	p.Socket.Close()

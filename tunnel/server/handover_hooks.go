@@ -19,7 +19,7 @@ import (
 //     before a previous image passed it on);
 //   - a dial in flight that no agent took yet: dialWaiting;
 //   - a tunnel just opened, whose agent may be restarting: opened;
-//   - a tunnel a previous image handed over, carried on: handedIn.
+//   - a tunnel a previous image handed over, resumed: handedIn.
 //
 // Everything else a restart does to a front door's tunnel goes through
 // the front interface (pausable, pause: handover_pause.go).
@@ -70,8 +70,8 @@ func (h *handover) asked(t *tunnel, pd *pendingDial) bool {
 
 // passUnasked passes t, taken by a handover before its client asked for
 // anything (passing), on to the next image with the bytes read from it:
-// a plain socket is left held, for the handover to collect (its goroutine
-// leaves it open: leave); a TLS one is closed (its handshake cannot
+// a plain socket moves to held, for the handover to collect (its goroutine
+// does not close it: leave); a TLS one is closed (its handshake cannot
 // move), which loses nothing its client asked for.
 func (h *handover) passUnasked(t *tunnel, conn net.Conn, seen []byte) {
 	s := h.s
@@ -110,11 +110,11 @@ func (h *handover) dialWaiting(t *tunnel, conn net.Conn, head []byte, br *bufio.
 	return true
 }
 
-// handedIn carries on t when it is a tunnel a previous image paused
-// (carried): it opens the stream that carries it on through its agent;
-// on failure it logs and returns false, and the client's connection is
-// closed. Any other tunnel is not carried.
-func (h *handover) handedIn(t *tunnel, conn net.Conn) (ok, carried bool) {
+// handedIn resumes t when it is a tunnel a previous image paused
+// (resumed): it opens the stream that carries its bytes through its
+// agent; on failure it logs and returns false, and the client's
+// connection is closed. Any other tunnel is not resumed.
+func (h *handover) handedIn(t *tunnel, conn net.Conn) (ok, resumed bool) {
 	if t.handed == nil || t.handed.Unasked {
 		return false, false
 	}
@@ -123,7 +123,7 @@ func (h *handover) handedIn(t *tunnel, conn net.Conn) (ok, carried bool) {
 	br.Reset(conn)
 	s.initFrontendUpload(t, conn, br)
 	t.addr = t.handed.Addr
-	t.act.CarryQuiet(t.handed.Quiet)
+	t.act.InheritQuiet(t.handed.Quiet)
 	return h.resumeStream(t) == nil && t.move(tunnelOpen), true
 }
 

@@ -114,7 +114,7 @@ func (f *httpFront) pausable(t *tunnel) bool {
 
 // pause pauses an HTTP CONNECT tunnel (steps 1 to 4 of docs/restart.md). On failure
 // the tunnel is closed. The socket itself goes on: once paused, the
-// tunnel's goroutine leaves it open (leave).
+// tunnel's goroutine does not close it (leave).
 func (f *httpFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err error) {
 	defer func() {
 		if err != nil {
@@ -156,13 +156,13 @@ func (f *grpcFront) pausable(t *tunnel) bool {
 // tunnel, with the client's HTTP/2 connection stopped at a frame boundary
 // (step 1), and frozen once the call let its stream go (step 4).
 //
-// The socket goes on as it is: the connection's goroutine leaves it open
-// once kept (grpcConn.closeSocket).
+// The socket goes on as it is: the connection's goroutine does not close
+// it once it is handed over (grpcConn.closeSocket).
 func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err error) {
 	link := f.conn.link
 	defer func() {
 		if err != nil {
-			f.conn.kept.Store(false)
+			f.conn.handedOver.Store(false)
 			link.Close() // the call ends with the connection, as a drain's deadline would end it
 			f.conn.socket.Close()
 		}
@@ -195,7 +195,7 @@ func (f *grpcFront) pause(ctx context.Context, t *tunnel) (p *PausedTunnel, err 
 	if err := link.WaitAtRest(ctx); err != nil {
 		return nil, err
 	}
-	f.conn.kept.Store(true) // before the freeze ends the connection's goroutine
+	f.conn.handedOver.Store(true) // before the freeze ends the connection's goroutine
 	frozen, err := link.Freeze()
 	if err != nil {
 		return nil, err

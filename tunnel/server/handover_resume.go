@@ -17,16 +17,16 @@ import (
 	"github.com/spinifex/konnectivity/tunnel/internal/h2link"
 )
 
-// Resume carries on tunnels a previous image of this process paused: each
-// waits for its agent to log in again (up to resumeWait) and continues on
-// a new stream. Call it once the agent listener serves. A tunnel that
+// Resume takes up the tunnels a previous image of this process paused:
+// each waits for its agent to log in again (up to resumeWait) and
+// continues on a new stream. Call it once the agent listener serves. A tunnel that
 // cannot resume is closed, and logged.
 //
 // A tunnel waiting for its agent is held in the table: a restart that
 // comes meanwhile passes it on to the next image as it is (takeHeld). From
 // the agent's return until the tunnel is where a handover can pause it
 // again, it counts as pending (Server.pending), as an accepted dial does,
-// so that a restart waits for it rather than leaving it to the drain.
+// so that a restart waits for it rather than letting the drain close it.
 //
 // An Unasked connection is served at once, as a new one.
 func (s *Server) Resume(paused []*PausedTunnel) {
@@ -54,7 +54,7 @@ func (s *Server) Resume(paused []*PausedTunnel) {
 func (h *handover) resumeUnasked(p *PausedTunnel) {
 	s := h.s
 	c := p.Socket
-	c.SetDeadline(time.Time{}) // a pause may have left one
+	c.SetDeadline(time.Time{}) // a pause may have set one
 	t := newHTTPTunnel(c)
 	t.state, t.handed = tunnelReading, p
 	pd := &pendingDial{s: s}
@@ -62,7 +62,7 @@ func (h *handover) resumeUnasked(p *PausedTunnel) {
 	s.serveFrontendConn(t, pd)
 }
 
-// resumeTunnel waits for the agent of ht, a held tunnel, and carries it on
+// resumeTunnel waits for the agent of ht, a held tunnel, and resumes it
 // as a new tunnel once the agent is back.
 func (h *handover) resumeTunnel(ht *tunnel) {
 	s := h.s
@@ -75,7 +75,7 @@ func (h *handover) resumeTunnel(ht *tunnel) {
 		s.mu.Unlock()
 		return
 	}
-	ht.moveLocked(tunnelClosed) // the tunnel that carries it on enters below
+	ht.moveLocked(tunnelClosed) // the tunnel that resumes it enters below
 	if a != nil {
 		s.pending.Add(1) // under mu: a shutdown either waits for it or saw it waiting
 	}
@@ -89,7 +89,7 @@ func (h *handover) resumeTunnel(ht *tunnel) {
 	pd.v.Store(dialCounted)
 	defer pd.release()
 	c := p.Socket
-	c.SetDeadline(time.Time{}) // a pause may have left one
+	c.SetDeadline(time.Time{}) // a pause may have set one
 	if p.GRPC != nil {
 		h.resumeGRPC(c, p, pd)
 		return
@@ -128,7 +128,7 @@ func (h *handover) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 		if h.resumeGRPCCall(c, w, r, p) == errHandedOn {
 			h2link.Detach(w)
 		}
-		// errLeftToWaiter: the call's waiter ends it (waitGRPC)
+		// errWaiterEnds: the call's waiter ends it (waitGRPC)
 	}
 	h2conn := grpcLinkConn(conn)
 	l, err := h2link.ResumeServer(h2conn, s.grpcLinkConfig(conn, h2conn, 0), p.GRPC.Link, c, resumed)
@@ -140,7 +140,7 @@ func (h *handover) resumeGRPC(conn net.Conn, p *PausedTunnel, pd *pendingDial) {
 	l.Serve()
 }
 
-// resumeGRPCCall carries on a paused gRPC call: what DIAL_RSP set up is
+// resumeGRPCCall resumes a paused gRPC call: what DIAL_RSP set up is
 // rebuilt, the agent is asked for the kept destination, and the tunnel is
 // carried as proxyGRPC carries it. If the tunnel cannot resume, the client
 // is told as when the destination breaks (CLOSE_RSP with the error).
@@ -148,23 +148,23 @@ func (h *handover) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Re
 	s := h.s
 	c.calls.Add(1)
 	s.metrics.grpcConns.Add(1)
-	held := false // the call goes on after the handler returns: its waiter ends it
+	outlives := false // the call goes on after the handler returns: its waiter ends it
 	defer func() {
-		if !held {
-			s.grpcCallLeft()
+		if !outlives {
+			s.grpcCallEnded()
 			c.callDone(false, true)
 		}
 	}()
 	t := newGRPCTunnel(c, w, r)
 	f := t.front.(*grpcFront)
 	f.connectID, t.addr, t.handed, f.resumed = p.GRPC.ConnectID, p.Addr, p, true
-	t.act.CarryQuiet(p.Quiet)
+	t.act.InheritQuiet(p.Quiet)
 	if !s.enter(t) {
 		c.pend.release()
 		return nil
 	}
 	defer func() {
-		if !held {
+		if !outlives {
 			s.leave(t)
 		}
 	}()
@@ -177,8 +177,8 @@ func (h *handover) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Re
 	}
 	code, msg, err := s.carryGRPC(t)
 	switch err {
-	case errLeftToWaiter:
-		held = true
+	case errWaiterEnds:
+		outlives = true
 		return err
 	case errHandedOn:
 		return err
@@ -187,7 +187,7 @@ func (h *handover) resumeGRPCCall(c *grpcConn, w http.ResponseWriter, r *http.Re
 	return nil
 }
 
-// resumeStream opens the stream that carries t.handed on through its
+// resumeStream opens the stream that carries t.handed's bytes through its
 // agent, which resumeTunnel saw back; a failure is logged and counted, and
 // the upload released.
 func (h *handover) resumeStream(t *tunnel) error {

@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spinifex/konnectivity/internal/promtext"
 	"github.com/spinifex/konnectivity/tunnel/agent"
 	"github.com/spinifex/konnectivity/tunnel/internal/tunneltest"
 )
@@ -44,6 +45,15 @@ func newEnvOn(t testing.TB, p *tunneltest.PKI, agentAddr string, mutate func(*Co
 type testAgent struct {
 	*agent.Agent
 	*tunneltest.Running
+	t       testing.TB
+	metrics *promtext.Registry // the agent's
+}
+
+// dialsOK is the agent's count of destination dials that succeeded, as
+// its metrics show it: dial_duration_seconds observes each of them.
+func (a *testAgent) dialsOK() int64 {
+	a.t.Helper()
+	return int64(tunneltest.Metric(a.t, a.metrics, "konnectivity_network_proxy_agent_dial_duration_seconds_count"))
 }
 
 func (e *env) startAgent(id, identifiers string, mutate func(*agent.Config)) *testAgent {
@@ -73,6 +83,9 @@ func startAgentWith(t testing.TB, p *tunneltest.PKI, addrs []string, id, identif
 	if mutate != nil {
 		mutate(&cfg)
 	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = promtext.NewRegistry()
+	}
 	a, err := agent.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +93,7 @@ func startAgentWith(t testing.TB, p *tunneltest.PKI, addrs []string, id, identif
 	if before != nil {
 		before(a)
 	}
-	return &testAgent{Agent: a, Running: tunneltest.RunAgent(t, a.Run)}
+	return &testAgent{Agent: a, Running: tunneltest.RunAgent(t, a.Run), t: t, metrics: cfg.Metrics}
 }
 
 // newEchoEnv is a server with one agent and an echo destination, whose

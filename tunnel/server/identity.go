@@ -257,7 +257,7 @@ func (s *Server) checkIdentity(ctx context.Context, p Principal, id string, ids 
 	if (len(ids.CIDRs) > 0 || ids.DefaultRoute) && !s.trustedForRoutes(p, id) {
 		return id, ids, s.identityRefused(identityRouteUntrusted, "cidr= and default-route identifiers are accepted only from agents listed in --route-agents (agent %q is not)", id)
 	}
-	if s.agents.heldByOther(id, p.Credential) {
+	if s.agents.connectedWithOther(id, p.Credential) {
 		return id, ids, s.identityRefused(identityInUse, "agent ID %q is connected with another credential", id)
 	}
 	return id, ids, nil
@@ -386,7 +386,7 @@ func (s *Server) doubtGrace() time.Duration {
 
 // scheduleReviewLocked arms the next review: after the recheck interval,
 // or just after the token expires, or when a doubt's grace ends, if that
-// is sooner. a.cred.mu is held.
+// is sooner. The caller holds a.cred.mu.
 func (s *Server) scheduleReviewLocked(a *agentConn) {
 	if a.cred.ended {
 		return
@@ -515,7 +515,7 @@ func (s *Server) newToken(a *agentConn, token string) {
 }
 
 // trustAgainLocked ends a doubt: a review of the link's token passed, so
-// the agent takes dials again. a.cred.mu is held.
+// the agent takes dials again. The caller holds a.cred.mu.
 func (s *Server) trustAgainLocked(a *agentConn) {
 	if a.cred.doubted.IsZero() {
 		return

@@ -69,7 +69,7 @@ func (f *fakeTokens) revoke(token string) {
 	delete(f.tokens, token)
 }
 
-// identify is a ServerConfig.IdentifyAgent that maps tokens the way
+// identify is a Config.IdentifyAgent that maps tokens the way
 // server_cmd maps a TokenReview's answer.
 func (f *fakeTokens) identify(ctx context.Context, c AgentCredentials) (Principal, error) {
 	if c.Token == "" && len(c.TLS.VerifiedChains) > 0 {
@@ -466,8 +466,8 @@ func findAgent(e *env, id string) *agentConn {
 }
 
 // TestControlLines: lines of the control stream are whole however the
-// stream splits them, a line may be as long as maxControlLine and no
-// longer, and nothing is held between lines.
+// stream splits them, a line may be as long as wire.MaxControlLine and no
+// longer, and nothing is buffered between lines.
 func TestControlLines(t *testing.T) {
 	stream := "drain\ntoken " + strings.Repeat("x", 1000) + "\n" + strings.Repeat("y", wire.MaxControlLine-1) + "\n"
 	for _, chunk := range []int{1, 7, 512, len(stream)} {

@@ -17,7 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The pacer hands out moments spaced by half the time a slot takes to
+// The pacer gives out moments spaced by half the time a slot takes to
 // free, within the bounds.
 func TestPacerSpacesRetries(t *testing.T) {
 	var p pacer
@@ -47,7 +47,7 @@ func TestPacerSpacesRetries(t *testing.T) {
 
 // Refusals at a nearly full backlog come back one slot's time apart from
 // now, the rate at which places in the backlog free, whatever is queued.
-func TestPacerHandsRoomAtTheSlotRate(t *testing.T) {
+func TestPacerGivesRoomAtTheSlotRate(t *testing.T) {
 	var p pacer
 	p.admitted(640 * time.Millisecond) // 64 slots: one frees every 10 ms
 	now := time.Now()
@@ -227,7 +227,7 @@ func TestNearlyFullBacklogRefuses(t *testing.T) {
 		t.Fatalf("the oldest waiting connection got %s, retry after %s; want 503 with a moment to come back", resp.Status, r)
 	}
 	srv.gate.pace.mu.Lock()
-	slot := srv.gate.pace.holdLocked() / limit
+	slot := srv.gate.pace.slotTimeLocked() / limit
 	srv.gate.pace.mu.Unlock()
 	if r > max(slot, wire.MinRetryAfter) {
 		t.Errorf("told to come back in %s, want one slot's time (%s): a place in the backlog, not the queue's turn", r, slot)

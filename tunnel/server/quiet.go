@@ -58,7 +58,7 @@ import (
 // --drain-timeout, on the control stream before the drain), less a tenth
 // for the line's way here; an agent that does not say (upstream's, an
 // older one) is taken to cut after agentDrainAssumed, the default. A busy
-// tunnel is left to the agent, which cuts it at its --drain-timeout.
+// tunnel is the agent's to cut, at its --drain-timeout.
 const (
 	drainQuietLong    = 500 * time.Millisecond
 	drainQuietShare   = 4 // quietNeeded is the time left/drainQuietShare

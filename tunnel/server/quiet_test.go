@@ -52,8 +52,8 @@ func TestActivityOrder(t *testing.T) {
 }
 
 // TestActivityQuietAcrossHandover: the quiet a paused tunnel had is
-// carried to its resumed self, and a tunnel whose client spoke last
-// carries none.
+// inherited by its resumed self, and a tunnel whose client spoke last
+// has none.
 func TestActivityQuietAcrossHandover(t *testing.T) {
 	var a wire.Activity
 	a.Down()
@@ -63,7 +63,7 @@ func TestActivityQuietAcrossHandover(t *testing.T) {
 		t.Fatalf("quiet for %v, want at least 1s", q)
 	}
 	var b wire.Activity
-	b.CarryQuiet(q)
+	b.InheritQuiet(q)
 	if got := b.QuietFor(); got < q || b.V.Load()&1 != 1 {
 		t.Fatalf("resumed: quiet for %v (v %b), want at least %v and last toward the client", got, b.V.Load(), q)
 	}
@@ -72,7 +72,7 @@ func TestActivityQuietAcrossHandover(t *testing.T) {
 		t.Fatalf("after a read from the client: quiet for %v, want 0", q)
 	}
 	var c wire.Activity
-	c.CarryQuiet(0)
+	c.InheritQuiet(0)
 	if c.V.Load() != 0 || c.QuietFor() != 0 {
 		t.Fatal("a tunnel paused while not quiet resumed as quiet")
 	}
@@ -784,7 +784,7 @@ func TestAgentDrainClosesKeepAliveBeforeItsCut(t *testing.T) {
 	<-draining.Done
 	drained := time.Since(began)
 	okBefore := posts.ok.Load()
-	waitUntil("calls through the other agent", func() bool { return other.Stats.DialsOK.Load() > 0 && posts.ok.Load() > okBefore+20 })
+	waitUntil("calls through the other agent", func() bool { return other.dialsOK() > 0 && posts.ok.Load() > okBefore+20 })
 	posts.stop()
 
 	t.Logf("agent drained in %v of its %v; %d tunnels closed at a quiet moment; %d calls ok, %d failed",

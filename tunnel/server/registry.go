@@ -179,22 +179,22 @@ func credKey(p Principal, remote string) string { return p.Credential + "@" + ho
 // credRoom reports whether one more agent with key may register under max
 // (0: no bound); a login that replaces the connection of its ID with the
 // same key takes no more room.
-func (r *registry) credRoom(key, id string, max int) (held int, ok bool) {
+func (r *registry) credRoom(key, id string, max int) (open int, ok bool) {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	return r.credRoomLocked(key, id, max)
 }
 
-// credRoomLocked is credRoom under r.mu, held by the caller.
-func (r *registry) credRoomLocked(key, id string, max int) (held int, ok bool) {
+// credRoomLocked is credRoom; the caller holds r.mu.
+func (r *registry) credRoomLocked(key, id string, max int) (open int, ok bool) {
 	if max <= 0 {
 		return 0, true
 	}
-	held = r.perCred[key]
+	open = r.perCred[key]
 	if old := r.agents[id]; old != nil && old.credKey == key {
-		held--
+		open--
 	}
-	return held, held < max
+	return open, open < max
 }
 
 // addLocked registers a, returning the connection it replaces (same
@@ -257,7 +257,7 @@ func (r *registry) remove(a *agentConn) {
 	}
 }
 
-// uncountLocked takes a out of perCred; r.mu is held.
+// uncountLocked takes a out of perCred. The caller holds r.mu.
 func (r *registry) uncountLocked(a *agentConn) {
 	if r.perCred[a.credKey]--; r.perCred[a.credKey] <= 0 {
 		delete(r.perCred, a.credKey)
@@ -343,9 +343,9 @@ func hostOf(addr string) string {
 	return host
 }
 
-// heldByOther reports whether id is connected with a credential other
+// connectedWithOther reports whether id is connected with a credential other
 // than cred.
-func (r *registry) heldByOther(id, cred string) bool {
+func (r *registry) connectedWithOther(id, cred string) bool {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	old := r.agents[id]

@@ -65,7 +65,8 @@ func (s *agentSet) remove(a *agentConn) {
 }
 
 // hostKey is the form of a host name both the index and a dial's lookup
-// use: matchHost's comparison, without a trailing dot.
+// use: in lower case (as ParseIdentifiers keeps host=), without a trailing
+// dot.
 func hostKey(h string) string { return strings.TrimSuffix(h, ".") }
 
 // keys returns the distinct index keys of one agent, so that an identifier
@@ -161,7 +162,7 @@ func removeKeyed[K comparable](m map[K][]*agentConn, k K, a *agentConn) (emptied
 
 // chooseHost is the destHost strategy: an agent that names host exactly
 // (host= or ipv4=/ipv6=) before one whose cidr= contains it, live before
-// draining, as matchHost ranks them. A CIDR lookup costs one map probe per
+// draining. A CIDR lookup costs one map probe per
 // prefix length in use, not one per agent.
 func (idx *agentIndex) chooseHost(c *chooser, host string) *agentConn {
 	var exact []*agentConn

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/spinifex/konnectivity/tunnel/wire"
@@ -17,6 +18,40 @@ func indexedAgent(id, ids, node string) *agentConn {
 		panic(err)
 	}
 	return &agentConn{id: id, ids: parsed, node: node, opener: &upstreamAgent{}}
+}
+
+// Ranks of matchHost: an exact host or address beats a CIDR that contains
+// the address.
+const (
+	noMatch = iota
+	cidrMatch
+	exactMatch
+)
+
+// matchHost says how well ids name the host part of a dial address, by
+// visiting each identifier: the rule the index's destHost lookup keeps.
+func matchHost(ids wire.Identifiers, host string) int {
+	if addr, err := netip.ParseAddr(host); err == nil {
+		addr = addr.Unmap()
+		for _, a := range ids.Addrs {
+			if a.Unmap() == addr {
+				return exactMatch
+			}
+		}
+		for _, p := range ids.CIDRs {
+			if p.Contains(addr) {
+				return cidrMatch
+			}
+		}
+		return noMatch
+	}
+	host = strings.ToLower(strings.TrimSuffix(host, "."))
+	for _, h := range ids.Hosts {
+		if strings.TrimSuffix(h, ".") == host {
+			return exactMatch
+		}
+	}
+	return noMatch
 }
 
 // bestByScan is the choice every strategy defines, found by visiting every
@@ -39,7 +74,7 @@ func bestByScan(r *registry, d dest, strategies []Strategy, maxStreams int64, ex
 					rank = 1
 				}
 			case StrategyDestHost:
-				rank = int(a.ids.MatchHost(d.host))
+				rank = matchHost(a.ids, d.host)
 			case StrategyNode:
 				if d.node != "" && a.node == d.node {
 					rank = 1

@@ -33,9 +33,9 @@ type Config struct {
 	ID    string // announced to agents; required
 	Count int    // how many server replicas agents should reach
 
-	// AgentTLS is used for the agent listener. It should verify client
-	// certificates if mTLS is wanted (VerifyClientCertIfGiven lets token
-	// agents in too). Nil means plain TCP, for tests only.
+	// AgentTLS is used for the agent listener; required. It should verify
+	// client certificates if mTLS is wanted (VerifyClientCertIfGiven lets
+	// token agents in too).
 	AgentTLS *tls.Config
 	// AuthenticateAgent decides whether an agent may connect. It runs after
 	// cheap checks (duplicate server, malformed hello); a *StatusError sets
@@ -58,7 +58,7 @@ type Config struct {
 	// that node. loaded is false until the server has read the apiserver's
 	// view once, so a refusal can tell "no node owns it" from "not known
 	// yet". Required when Strategies holds StrategyNode. It is called for
-	// every dial, with no lock of the server held.
+	// every dial, under no lock of the server.
 	NodeOf func(host string) (node string, loaded bool)
 
 	AgentWait          time.Duration // how long a dial waits for an agent to appear (default 5s)
@@ -138,7 +138,7 @@ func (c *Config) setDefaults() {
 // Locks, in the order they may be taken (tunnel/doc.go, "Locks"): mu, then
 // the registry's (agents.mu), then an agent's link; the rest are leaves.
 type Server struct {
-	// Immutable after NewServer.
+	// Immutable after New.
 	cfg      Config
 	log      *slog.Logger
 	agents   *registry // its own lock: see registry
@@ -168,7 +168,7 @@ type Server struct {
 	// before anything was asked) until they are resumed, passed on or
 	// dropped; guarded by mu, as is each tunnel's state.
 	tunnels   map[*tunnel]struct{}
-	inState   [numTunnelStates]int // guarded by mu: how many of tunnels are in each state; kept by moveLocked
+	inState   [numTunnelStates]int // guarded by mu: how many of tunnels are in each state; counted by moveLocked
 	grpcConns int                  // guarded by mu: open gRPC front door connections (enterGRPCConn)
 	emptied   chan struct{}        // guarded by mu: closed when both are empty but for held tunnels (waitTunnels)
 	// hand is the restart handover (handover.go): its state is guarded
@@ -204,11 +204,12 @@ func New(cfg Config) (*Server, error) {
 	}
 	nodeRank := slices.Index(cfg.Strategies, StrategyNode)
 	if nodeRank >= 0 && cfg.NodeOf == nil {
-		return nil, errors.New("the node proxy strategy needs ServerConfig.NodeOf")
+		return nil, errors.New("the node proxy strategy needs server.Config.NodeOf")
 	}
-	if cfg.AgentTLS != nil {
-		cfg.AgentTLS = withH2(cfg.AgentTLS)
+	if cfg.AgentTLS == nil {
+		return nil, errors.New("server.Config.AgentTLS is required: agents connect over TLS")
 	}
+	cfg.AgentTLS = withH2(cfg.AgentTLS)
 	ctx, cancel := context.WithCancel(context.Background())
 	leaving, stopLeaving := context.WithCancel(ctx)
 	s := &Server{
@@ -360,7 +361,7 @@ func (s *Server) serve(ln net.Listener, frontDoor bool, handle func(c net.Conn))
 		}
 		tempDelay = 0
 		if frontDoor {
-			s.keepSpare()
+			s.retakeSpare()
 		}
 		if !frontDoor && s.cfg.MaxAgentConns > 0 && s.agents.len()+s.cfg.MaxUnadmitted >= s.cfg.MaxAgentConns {
 			s.goroutine(func() { s.refuseForDescriptors(c) })
@@ -449,7 +450,7 @@ func (s *Server) waitPending(ctx context.Context) {
 }
 
 // acceptWithSpare is the front door's accept when the process is out of
-// file descriptors: it gives up the spare descriptor kept for this and
+// file descriptors: it gives up the spare descriptor reserved for this and
 // accepts. The kernel refuses an accept for want of a descriptor before it
 // looks for a connection, so the accept may wait for the next client,
 // long after the shortage: the refusal is decided once a connection is
@@ -491,14 +492,14 @@ func (s *Server) acceptWithSpare(ln net.Listener) (c net.Conn, ok bool) {
 	}
 	c.Close()
 	s.warnings.Log(s.log, slog.LevelWarn, "emfile", "out of file descriptors: refusing frontend connections with 503", "addr", ln.Addr().String())
-	s.keepSpare()
+	s.retakeSpare()
 	return nil, true
 }
 
-// keepSpare takes the spare descriptor back once descriptors are free
+// retakeSpare takes the spare descriptor back once descriptors are free
 // again, if a refusal could not (it was taken meanwhile): the next
 // descriptor storm is answered as the last one was.
-func (s *Server) keepSpare() {
+func (s *Server) retakeSpare() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.spareFD == nil && !s.closed {
@@ -513,7 +514,7 @@ func (s *Server) refuseForDescriptors(c net.Conn) {
 	s.Stats.AgentsRefused.Add(1)
 	s.metrics.agentsRefusedFD.Inc()
 	refuseBusy(c, agentFDRetry)
-	s.warnings.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is kept for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
+	s.warnings.Log(s.log, slog.LevelWarn, "agent descriptors", "agent connection refused: agents hold the descriptors they may (the rest is reserved for the front door, health and admin ports)", "remote", c.RemoteAddr().String(), "limit", s.cfg.MaxAgentConns)
 }
 
 // agentFDRetry is when an agent refused for descriptors is told to come back.

@@ -42,8 +42,8 @@ func newServerMetrics(m *promtext.Registry, s *Server) *serverMetrics {
 		pending:           m.Gauge(serverPrefix+"pending_backend_dials", "Dials waiting for an agent's answer.", nil),
 		resets:            m.Counter(serverPrefix+"stream_resets_total", "Tunnels that ended with an abort (RST_STREAM) instead of a clean close.", nil),
 		panics:            m.Counter(serverPrefix+"panics_total", "Panics recovered in per-connection goroutines (each ended one connection).", nil),
-		agentsRefusedCred: m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (MaxAgentsPerCredential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "per_credential"),
-		agentsRefusedFD:   m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (MaxAgentsPerCredential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "descriptors"),
+		agentsRefusedCred: m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (--max-agent-connections-per-credential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "per_credential"),
+		agentsRefusedFD:   m.Counter(serverPrefix+"agent_connection_limit_refusals_total", "Agent logins and connections refused by a bound, by limit: per_credential (--max-agent-connections-per-credential from one address) or descriptors (the agents hold the descriptors they may).", []string{"limit"}, "descriptors"),
 		failures:          map[string]*promtext.Counter{},
 	}
 	m.GaugeFunc(serverPrefix+"stalled_tunnel_bytes", "Bytes the agents sent that wait in the server for clients that do not read them yet; past --stalled-tunnel-memory-budget new dials are refused (dial_failure_count{reason=\"stalled_budget\"}).", nil, nil,

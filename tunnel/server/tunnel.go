@@ -30,8 +30,8 @@ type tunnel struct {
 	body   io.ReadCloser      // the stream's answer: the agent's bytes
 	cancel context.CancelFunc // ends the stream (RST_STREAM while it is open)
 	since  time.Time          // when the agent answered
-	// handed is the paused tunnel this one carries on (a previous image
-	// paused it) or, held, the one it waits to carry on or pass on: set
+	// handed is the paused tunnel this one resumes (a previous image
+	// paused it) or, held, the one it waits to resume or pass on: set
 	// before the tunnel enters the table, or with its move to held under
 	// Server.mu; read-only while it is held.
 	handed *PausedTunnel
@@ -94,14 +94,14 @@ func (st tunnelState) String() string { return tunnelStateNames[st] }
 // A handover also passes on, as they are, connections still reading their
 // head (reading to passing): nothing was asked for, so there is nothing to
 // stop; and dials still waiting for an agent (dialing to passing): no agent
-// was asked. Their goroutine duplicates the socket and leaves the tunnel
-// held (passing to held, handed Unasked) for the handover to collect
+// was asked. Their goroutine duplicates the socket and moves the tunnel
+// to held (passing to held, handed Unasked) for the handover to collect
 // (collectUnasked).
 //
 // A held tunnel is a paused one no goroutine serves: besides those, a
 // tunnel a previous image handed over (Resume) or that its agent's restart
 // in place paused here (waitForAgent) enters the table held until its
-// agent logs in again; the tunnel that carries it on then enters as a new
+// agent logs in again; the tunnel that resumes it then enters as a new
 // one, and a handover meanwhile passes it on as it is.
 var tunnelMoves = [numTunnelStates][]tunnelState{
 	tunnelDialing:  {tunnelOpen, tunnelPassing, tunnelClosed},
@@ -121,7 +121,7 @@ var tunnelMoves = [numTunnelStates][]tunnelState{
 var shownStates = []tunnelState{tunnelOpen, tunnelDraining, tunnelPausing, tunnelPaused, tunnelPassing, tunnelHeld}
 
 // moveLocked moves t to next if tunnelMoves allows it, and reports whether
-// it did; a tunnel that closes leaves the table. Server.mu is held.
+// it did; a tunnel that closes leaves the table. The caller holds Server.mu.
 func (t *tunnel) moveLocked(next tunnelState) bool {
 	for _, ok := range tunnelMoves[t.state] {
 		if ok == next {
@@ -157,7 +157,7 @@ func (s *Server) enter(t *tunnel) bool {
 	return true
 }
 
-// enterLocked puts t in the table in the state it has. Server.mu is held.
+// enterLocked puts t in the table in the state it has. The caller holds Server.mu.
 func (s *Server) enterLocked(t *tunnel) {
 	t.s = s
 	s.tunnels[t] = struct{}{}
@@ -165,9 +165,9 @@ func (s *Server) enterLocked(t *tunnel) {
 }
 
 // leave ends t's time in the table: the goroutine serving it returns. A
-// tunnel it left held stays, served by none, until it is passed on or
-// dropped. handedOn reports a tunnel paused or held: its socket went to
-// a handover, and its goroutine leaves it open.
+// held tunnel stays, served by none, until it is passed on or dropped.
+// handedOn reports a tunnel paused or held: its socket went to a
+// handover, and its goroutine does not close it.
 func (s *Server) leave(t *tunnel) (handedOn bool) {
 	s.mu.Lock()
 	handedOn = t.state == tunnelPaused || t.state == tunnelHeld
@@ -178,7 +178,7 @@ func (s *Server) leave(t *tunnel) (handedOn bool) {
 	return handedOn
 }
 
-// leftLocked takes a closed tunnel off the table. Server.mu is held.
+// leftLocked takes a closed tunnel off the table. The caller holds Server.mu.
 func (s *Server) leftLocked(t *tunnel) {
 	delete(s.tunnels, t)
 	s.emptiedLocked()
@@ -208,12 +208,12 @@ func (s *Server) leaveGRPCConn() {
 // emptyLocked reports whether no tunnel but held ones and no gRPC
 // connection is left: a drain does not wait for a held tunnel, which no
 // goroutine serves (a handover passes it on first, Close drops it).
-// Server.mu is held.
+// The caller holds Server.mu.
 func (s *Server) emptyLocked() bool {
 	return len(s.tunnels) == s.inState[tunnelHeld] && s.grpcConns == 0
 }
 
-// emptiedLocked wakes waitTunnels once emptyLocked. Server.mu is held.
+// emptiedLocked wakes waitTunnels once emptyLocked. The caller holds Server.mu.
 func (s *Server) emptiedLocked() {
 	if s.emptyLocked() && s.emptied != nil {
 		close(s.emptied)

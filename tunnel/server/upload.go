@@ -39,7 +39,7 @@ type upload struct {
 	// in each counter that is set; set before start, read after it.
 	packets wire.PacketCounter
 	closes  wire.PacketCounter // the client's clean end of sending (EOF)
-	sender  wire.PacketWriter  // sendFromSocket's counting writer, kept here so it costs no allocation
+	sender  wire.PacketWriter  // SendTo's counting writer, stored here so it costs no allocation
 	act     *wire.Activity     // the tunnel's; reads from the client stamp it
 
 	// goneMu (a leaf lock) guards onGone: the dial attempt's cancel while
@@ -250,12 +250,11 @@ func (b *uploadBody) Close() error {
 	return nil
 }
 
-// sendBuffered and sendFromSocket send the upload to w until the client's
-// end, without a buffer of the caller's: first what the head's reader
-// still holds, then straight from the socket with a buffer taken only
-// while bytes are there (see copyFromSocket), so a quiet tunnel holds
-// neither. They need u.raw; sendFromSocket returns nil at the client's
-// clean end.
+// sendBuffered sends to w what the head's reader still holds, the first
+// part of SendTo's upload from a plain socket, without a buffer of the
+// caller's; the rest goes straight from the socket with a buffer taken
+// only while bytes are there (wire.CopyFromSocket), so a quiet tunnel
+// holds neither.
 func (b *uploadBody) sendBuffered(w io.Writer) error {
 	if err := b.ready(); err != nil {
 		return err
@@ -283,9 +282,10 @@ func (b *uploadBody) sendBuffered(w io.Writer) error {
 }
 
 // SendTo sends the upload to w until the client's end, for the link: from
-// the socket without a buffer held while it is quiet when the client is a
-// plain socket (sendBuffered, then copyFromSocket straight from here: see
-// "Parked stacks" in doc.go), else through copyStream.
+// the socket without a buffer while it is quiet when the client is a
+// plain socket (sendBuffered, then wire.CopyFromSocket straight from here:
+// see "Parked stacks" in doc.go), else through wire.CopyStream. It returns
+// nil at the client's clean end.
 func (b *uploadBody) SendTo(w io.Writer) error {
 	if b.u.raw == nil && b.u.parks {
 		return b.sendParking(w)

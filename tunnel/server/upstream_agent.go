@@ -296,7 +296,7 @@ func (ua *upstreamAgent) readLoop(body io.Reader) error {
 
 // dialAnswered takes a DIAL_RSP. A connect ID names one tunnel for as long
 // as the agent holds it: an answer that names one in use (or none) fails
-// its dial and leaves the tunnel that holds the ID as it is, so every
+// its dial and does not touch the tunnel that holds the ID, so every
 // tunnel stays in conns, and close ends them all. The agent is not told:
 // a CLOSE_REQ for that ID would end the other tunnel.
 func (ua *upstreamAgent) dialAnswered(p grpcwire.Packet) {
@@ -446,7 +446,7 @@ func (c *upstreamTunnel) close(tellAgent bool) {
 	})
 }
 
-// forgetTunnel takes c out of conns, leaving its connect ID free.
+// forgetTunnel takes c out of conns, freeing its connect ID.
 func (ua *upstreamAgent) forgetTunnel(c *upstreamTunnel) {
 	ua.mu.Lock()
 	if ua.conns[c.id] == c {

@@ -214,8 +214,8 @@ func TestUpstreamAgentBesideOurs(t *testing.T) {
 		roundTrip(net.JoinHostPort("localhost", port), "x") // ours (host identifier)
 		_ = i
 	}
-	if up.dialCount() != 5 || ours.Stats.DialsOK.Load() != 5 {
-		t.Fatalf("routing: upstream %d, ours %d, want 5/5", up.dialCount(), ours.Stats.DialsOK.Load())
+	if up.dialCount() != 5 || ours.dialsOK() != 5 {
+		t.Fatalf("routing: upstream %d, ours %d, want 5/5", up.dialCount(), ours.dialsOK())
 	}
 	// A failed dial through the upstream agent carries its error text.
 	ours.Stop()
@@ -309,8 +309,8 @@ func TestAgentPortExtraALPN(t *testing.T) {
 			t.Fatalf("%s: echo %q %v", host, got, err)
 		}
 	}
-	if up.dialCount() != 1 || ours.Stats.DialsOK.Load() != 1 {
-		t.Fatalf("routing: upstream %d, ours %d, want 1/1", up.dialCount(), ours.Stats.DialsOK.Load())
+	if up.dialCount() != 1 || ours.dialsOK() != 1 {
+		t.Fatalf("routing: upstream %d, ours %d, want 1/1", up.dialCount(), ours.dialsOK())
 	}
 }
 

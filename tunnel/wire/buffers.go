@@ -41,7 +41,7 @@ func CopyStream(dst io.Writer, src io.Reader, flush func()) (written int64, err 
 	return copyBuffered(dst, src, flush)
 }
 
-// copyBuffered is copyStream for any other source: through a pooled buffer
+// copyBuffered is CopyStream for any other source: through a pooled buffer
 // that grows while reads fill it. Its own function: its frame is not on
 // the parked path of a socket's tunnel (see "Parked stacks" in doc.go).
 func copyBuffered(dst io.Writer, src io.Reader, flush func()) (written int64, err error) {
@@ -94,7 +94,7 @@ func FlusherOf(w http.ResponseWriter) func() {
 // CopyFromSocket; nil for anything else (TLS, pipes, HTTP bodies).
 func RawSocket(r io.Reader) syscall.RawConn { return h2link.RawSocket(r) }
 
-// CopyFromSocket is copyStream for a socket source. It takes a buffer only
+// CopyFromSocket is CopyStream for a socket source. It takes a buffer only
 // once the socket has bytes: a read that would block puts the buffer back
 // before it waits, so a quiet tunnel holds none. It makes the same system
 // calls as net.Conn.Read (a read, and on EAGAIN a wait in the poller).

@@ -111,7 +111,7 @@ func IsTemporaryAccept(err error) bool {
 		errors.Is(err, unix.ECONNABORTED) || errors.Is(err, unix.EINTR)
 }
 
-// TlsClient and tlsServer wrap raw in TLS whose records leave in one
+// TlsClient and TlsServer wrap raw in TLS whose records leave in one
 // system call per write (see h2link.Batcher).
 func TlsClient(raw net.Conn, cfg *tls.Config) *h2link.BatchedTLS { return h2link.TLSClient(raw, cfg) }
 
@@ -141,7 +141,7 @@ func DefaultDuration(d *time.Duration, v time.Duration) {
 }
 
 // DupSocket returns a second connection on c's socket (a plain TCP or Unix
-// socket), with close-on-exec set: closing either leaves the other working.
+// socket), with close-on-exec set: the other works on when either is closed.
 func DupSocket(c net.Conn) (net.Conn, error) {
 	f, err := DupSocketFile(c)
 	if err != nil {

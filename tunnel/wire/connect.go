@@ -16,7 +16,7 @@ type StatusError struct {
 	Code   int
 	Msg    string
 	Reason string // for dial failures: the metric label (no_agent, backend_dial_timeout, ...)
-	// RetryAfter is when the agent port said to come back (hdrRetryAfterMs);
+	// RetryAfter is when the agent port said to come back (HdrRetryAfterMs);
 	// zero when it did not say.
 	RetryAfter time.Duration
 }
@@ -116,7 +116,7 @@ func ReadConnect(br *bufio.Reader) (string, error) {
 		return "", StatusErrorf(http.StatusBadRequest, "protocol %s not supported", req.Proto)
 	}
 	// For CONNECT, net/http takes the authority-form request target as
-	// req.Host and leaves URL.Host equal to it; a Host header does not change it.
+	// req.Host, and URL.Host stays equal to it; a Host header does not change it.
 	addr := req.URL.Host
 	if addr == "" {
 		addr = req.RequestURI

@@ -75,8 +75,10 @@ func FuzzParseIdentifiers(f *testing.F) {
 		if !sameIdentifiers(ids, again) {
 			t.Fatalf("round trip changed %q: %+v vs %+v", in, ids, again)
 		}
+		// A dial's lookup lowers the host it asks for (the server's
+		// agent index): a host kept in another form matches nothing.
 		for _, h := range ids.Hosts {
-			if ids.MatchHost(h) != exactMatch {
+			if h != strings.ToLower(h) {
 				t.Fatalf("host %q does not match itself", h)
 			}
 		}

@@ -21,9 +21,9 @@ const (
 	HdrServerID         = "Konnectivity-Server-Id"
 	HdrServerCount      = "Konnectivity-Server-Count"
 	hdrFeatures         = "Konnectivity-Agent-Features"  // what the agent can do beyond tunnels, comma-separated
-	featurePause        = "pause"                        // it answers pausePath and resumes paused tunnels (handover.go)
+	featurePause        = "pause"                        // it answers PausePath and resumes paused tunnels (handover.go)
 	hdrServerFeatures   = "Konnectivity-Server-Features" // what the server can do beyond tunnels, comma-separated
-	// featureAgentRestart: the server understands controlRestartIn, pausing
+	// featureAgentRestart: the server understands ControlRestartIn, pausing
 	// the agent's tunnels for its next image (agent_restart.go).
 	featureAgentRestart = "agent-restart"
 	MaxHandshakeHead    = 16 << 10
@@ -44,7 +44,7 @@ const (
 	MaxRetryAfter = 2 * time.Minute
 )
 
-// RetryAfterHeader reads hdrRetryAfterMs, within its bounds; 0 if absent.
+// RetryAfterHeader reads HdrRetryAfterMs, within its bounds; 0 if absent.
 func RetryAfterHeader(h http.Header) time.Duration {
 	ms, err := strconv.ParseInt(h.Get(HdrRetryAfterMs), 10, 64)
 	if err != nil || ms <= 0 {

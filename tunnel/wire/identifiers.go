@@ -145,40 +145,6 @@ func (ids Identifiers) String() string {
 	return v.Encode()
 }
 
-// destMatch says how well these identifiers name the host part of a dial
-// address: an exact host or address beats a CIDR that contains the address.
-type destMatch int
-
-const (
-	noMatch destMatch = iota
-	cidrMatch
-	exactMatch
-)
-
-func (ids Identifiers) MatchHost(host string) destMatch {
-	if addr, err := netip.ParseAddr(host); err == nil {
-		addr = addr.Unmap()
-		for _, a := range ids.Addrs {
-			if a.Unmap() == addr {
-				return exactMatch
-			}
-		}
-		for _, p := range ids.CIDRs {
-			if p.Contains(addr) {
-				return cidrMatch
-			}
-		}
-		return noMatch
-	}
-	host = strings.ToLower(strings.TrimSuffix(host, "."))
-	for _, h := range ids.Hosts {
-		if strings.TrimSuffix(h, ".") == host {
-			return exactMatch
-		}
-	}
-	return noMatch
-}
-
 // SplitDialAddress validates a CONNECT target: host:port with a numeric port
 // in 1..65535 and a non-empty host.
 func SplitDialAddress(addr string) (host string, err error) {

@@ -199,10 +199,10 @@ func (a *Activity) QuietFor() time.Duration {
 	return max(time.Duration(Clock()-at), 1)
 }
 
-// CarryQuiet counts the quiet a previous image of the process saw on the
+// InheritQuiet counts the quiet a previous image of the process saw on the
 // tunnel (PausedTunnel.Quiet) as already passed: the tunnel is quiet for d.
 // Called before the tunnel carries bytes.
-func (a *Activity) CarryQuiet(d time.Duration) {
+func (a *Activity) InheritQuiet(d time.Duration) {
 	if d > 0 {
 		a.At.Store(Clock() - int64(d))
 		a.V.Store(1)

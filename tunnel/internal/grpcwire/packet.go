@@ -223,7 +223,7 @@ func eachField(b []byte, f func(num int, wt int, v uint64, data []byte) error) e
 	return nil
 }
 
-// Append encodes p. Zero values are left out, as proto3 does.
+// Append encodes p. Zero values are omitted, as proto3 does.
 func Append(dst []byte, p Packet) []byte {
 	if p.Type != 0 {
 		dst = appendVarintField(dst, fieldType, uint64(p.Type))
@@ -358,8 +358,8 @@ func NewMessageReader(buf []byte, limit int) *MessageReader {
 }
 
 // Next returns the next message, which aliases the reader's buffer until
-// the following call. A read error leaves the message's bytes read so far
-// in place; io.EOF before any byte of a message is returned as is, in the
+// the following call. After a read error the message's bytes read so far
+// stay in place; io.EOF before any byte of a message is returned as is, in the
 // middle of one as io.ErrUnexpectedEOF.
 func (m *MessageReader) Next(r io.Reader) ([]byte, error) {
 	for {

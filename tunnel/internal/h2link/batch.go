@@ -15,7 +15,7 @@ import (
 type Batcher struct {
 	net.Conn
 
-	mu    sync.Mutex    // guards depth, buf and spent; held while a batch is written, so a concurrent writer cannot overtake it
+	mu    sync.Mutex    // guards depth, buf and spent; taken while a batch is written, so a concurrent writer cannot overtake it
 	depth int           // nested begin calls not yet ended
 	buf   *[]byte       // nil outside a batch
 	spent time.Duration // the time the current or last batch's system calls took: the link's part of a write

@@ -15,7 +15,7 @@ import (
 //
 // The connection window bounds the bytes on their way: its credit goes
 // back as frames arrive, not as they are read, so it is what the link
-// holds in flight and in its queues. It is kept near what the link needs
+// holds in flight and in its queues. It stays near what the link needs
 // to stay full, plus queueTarget of queue:
 //   - a round trip longer than the shortest seen plus the target, at the
 //     link's full speed (at least three quarters of the fastest it went
@@ -30,7 +30,7 @@ import (
 //     no queue (no longer than the shortest plus half the target) or at a
 //     new fastest speed: the window was the limit; it doubles (a long link
 //     reaches its speed in a few trips);
-//   - anything else leaves it as it is.
+//   - anything else changes nothing.
 //
 // A smaller window is given back by returning less credit, never by
 // taking any back (RFC 9113 §6.9). A stream's window is twice what the

@@ -65,7 +65,7 @@ func (b *Body) Read(p []byte) (int, error) {
 }
 
 // WriteTo writes what the peer sends to w as it arrives, straight from the
-// received chunks: no copy buffer, and none held while the stream is quiet.
+// received chunks: no copy buffer, and none taken while the stream is quiet.
 // It returns nil at the stream's clean end.
 func (b *Body) WriteTo(w io.Writer) (int64, error) {
 	st := b.st

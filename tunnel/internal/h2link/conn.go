@@ -26,10 +26,10 @@ import (
 // (NewServer), which runs a handler for each stream the peer opens.
 //
 // Lock order, outermost first: wmu, mu, a stream's rmu, ctlMu. wmu is a
-// writeLock, handed over in turn (sched.go); its own lock and the
-// Batcher's are leaves, the Batcher's taken only inside a write, under wmu. No lock is held across a read from the connection; only wmu is
-// held across a write to it. The read loop takes no lock that is held
-// across a write (wmu), so a peer that does not read cannot stall it:
+// writeLock, given in turn (sched.go); its own lock and the
+// Batcher's are leaves, the Batcher's taken only inside a write, under wmu. No read from the connection runs under a lock; a write to it runs
+// under wmu alone. The read loop takes no lock a write runs
+// under (wmu), so a peer that does not read cannot stall it:
 // the frames it must answer with go through the control queue.
 type Conn struct {
 	// Immutable after the constructor.
@@ -49,7 +49,7 @@ type Conn struct {
 	// fr reads on the read loop only; it writes under wmu.
 	fr *http2.Framer
 
-	wmu  writeLock      // held for every frame written, and across a header block's encoding (sched.go, wlock.go)
+	wmu  writeLock      // taken for every frame written, and across a header block's encoding (sched.go, wlock.go)
 	henc *hpack.Encoder // under wmu
 	hbuf bytes.Buffer   // under wmu: the header block being encoded
 
@@ -191,7 +191,7 @@ func NewServer(conn net.Conn, cfg Config, handler http.Handler) (*Conn, error) {
 
 func newConn(conn net.Conn, cfg Config, serving bool) *Conn {
 	cfg = cfg.withDefaults()
-	cfg.Prelude = nil // sent once by NewClient, not kept for the link's life
+	cfg.Prelude = nil // sent once by NewClient, not stored for the link's life
 	l := &Conn{
 		conn:           conn,
 		cfg:            cfg,
@@ -352,7 +352,7 @@ func (l *Conn) flushControlWLocked() error {
 // writeControl queues a control frame (SETTINGS ACK, PING, WINDOW_UPDATE,
 // RST_STREAM, GOAWAY) and returns at once. It never writes itself: its
 // callers are the read loop, which must not wait for a write that waits
-// for the peer to read, and holders of a stream's rmu. A flusher
+// for the peer to read, and callers under a stream's rmu. A flusher
 // goroutine, one at a time, sends the queue unless a data writer holding
 // wmu sends it first. A queue past Config.MaxQueuedControl means a peer
 // that makes this end answer but does not read: the connection is closed.
@@ -487,7 +487,7 @@ func (l *Conn) CanTakeNewRequest() bool { return l.canTake.Load() && !l.Stalled(
 // for longer than Config.StallAfter: the peer does not read. The write
 // deadline (KeepAlive + PingTimeout) closes such a connection.
 func (l *Conn) Stalled() bool {
-	return l.cfg.StallAfter > 0 && l.wmu.heldFor(time.Now()) > l.cfg.StallAfter
+	return l.cfg.StallAfter > 0 && l.wmu.takenFor(time.Now()) > l.cfg.StallAfter
 }
 
 // capacityChangedLocked recomputes canTake; every change to closed, goAway,
@@ -516,7 +516,7 @@ func (l *Conn) Shutdown(ctx context.Context) error {
 		var stall <-chan time.Time
 		var t *time.Timer
 		if l.cfg.StallAfter > 0 {
-			left := l.cfg.StallAfter - l.wmu.heldFor(time.Now())
+			left := l.cfg.StallAfter - l.wmu.takenFor(time.Now())
 			if left <= 0 {
 				return ErrStalled
 			}
@@ -541,11 +541,11 @@ func (l *Conn) Shutdown(ctx context.Context) error {
 }
 
 // idleChanLocked makes the channel closed once no stream is left (but
-// leaving streams still open); the caller holds mu.
-func (l *Conn) idleChanLocked(leaving int) chan struct{} {
+// stillOpen streams); the caller holds mu.
+func (l *Conn) idleChanLocked(stillOpen int) chan struct{} {
 	if l.idle == nil {
 		l.idle = make(chan struct{})
-		if len(l.streams) == leaving {
+		if len(l.streams) == stillOpen {
 			close(l.idle)
 		}
 	}
@@ -649,7 +649,7 @@ func (l *Conn) closeWith(err error) {
 	// connection's Close (its close_notify waits for the writer): release
 	// it first.
 	l.conn.SetWriteDeadline(time.Now())
-	if l.batch != nil && l.wmu.heldFor(time.Now()) > 0 {
+	if l.batch != nil && l.wmu.takenFor(time.Now()) > 0 {
 		// A write was under way: the socket's buffer is likely full, and
 		// TLS's close_notify would wait up to 5 s for a peer that does not
 		// read. The socket under TLS goes first, so it fails at once.

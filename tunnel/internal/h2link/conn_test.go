@@ -621,7 +621,7 @@ func stallLink(t *testing.T, l *Conn, a *fakeAgent) {
 	t.Helper()
 	a.conn.SetDeadline(time.Time{})
 	deadline := time.Now().Add(10 * time.Second)
-	for n := 0; l.wmu.heldFor(time.Now()) < 50*time.Millisecond; n++ {
+	for n := 0; l.wmu.takenFor(time.Now()) < 50*time.Millisecond; n++ {
 		if time.Now().After(deadline) {
 			t.Fatalf("the link's writer did not block after %d PINGs", n)
 		}

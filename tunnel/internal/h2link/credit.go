@@ -5,7 +5,7 @@ package h2link
 // connection window at once; which of them goes next is decided here, in
 // the order they asked, never by which goroutine the scheduler runs first.
 //
-// The rules, each kept under Conn.mu:
+// The rules, each enforced under Conn.mu:
 //
 //   - A stream's writer waits on its own sendCond, for one of two things.
 //     With no credit of its own stream (sendWindow empty) it waits outside
@@ -15,7 +15,7 @@ package h2link
 //     connection's ahead of it, it waits in the connection's send queue.
 //   - The send queue is first come, first served, in two classes: small
 //     writes (at most smallWrite, which may spend the share bulk writes
-//     leave them: connAvailLocked) ahead of bulk ones. A writer takes
+//     spare for them: connAvailLocked) ahead of bulk ones. A writer takes
 //     connection credit only from the head of its class's queue, or when
 //     its class has no queue; a bulk writer also lets every small one go
 //     first. A writer that took credit and has more to send asks again at

@@ -3,7 +3,7 @@
 // copies and one system call per write.
 //
 // The one idea: whoever has bytes writes the frame itself, under one
-// lock, in one system call; the read loop hands a DATA payload straight to
+// lock, in one system call; the read loop gives a DATA payload straight to
 // the stream's reader, or to its socket (sink.go). x/net's Transport parks
 // a goroutine per stream holding a 64 KiB scratch buffer, and its Server
 // passes every frame through its serve loop goroutine; neither fits a
@@ -16,7 +16,7 @@
 //     queue is bounded (Config.MaxQueuedControl) and a peer that fills it
 //     without reading is dropped with ENHANCE_YOUR_CALM.
 //   - Every frame write is one call on the connection.
-//   - Writers take turns (sched.go): the write lock is handed over in
+//   - Writers take turns (sched.go): the write lock is given in
 //     the order writers asked, control frames, header blocks and small
 //     writes ahead of bulk turns; a bulk turn writes what the link sends
 //     in about 2 ms, and the TCP socket's unsent bytes are bounded to a
@@ -33,7 +33,7 @@
 //   - Flow-control windows are the window type (flow.go), bounded at
 //     2^31-1 as the RFC says; an overflow is a FLOW_CONTROL_ERROR of the
 //     stream or the connection.
-//   - Send credit is handed out in order (credit.go): a writer waits on
+//   - Send credit is given out in order (credit.go): a writer waits on
 //     its own stream's condition, for its stream's credit or in the
 //     connection's first-come queue for the connection's, and whoever
 //     changes what the first in line may take wakes it, so no credit sits
@@ -48,8 +48,8 @@
 //     lock guards it or which goroutine owns it. A method whose name ends
 //     in Locked expects its caller to hold Conn.mu; RLocked, the stream's
 //     rmu; WLocked, Conn.wmu.
-//   - Conn.wmu is a writeLock (wlock.go): its holders only write, so one
-//     held longer than Config.StallAfter is a peer that does not read.
+//   - Conn.wmu is a writeLock (wlock.go): its owners only write, so one
+//     that has it longer than Config.StallAfter is a peer that does not read.
 //     Such a connection takes no new stream; RoundTrip waits for the lock
 //     no longer than its context, and gives up on a stalled connection
 //     with ErrStalled (the peer saw nothing: try elsewhere). The write
@@ -79,5 +79,5 @@
 // unprocessed (REFUSED_STREAM), chooses each stream's handler in
 // Config.Take. A reader that holds no goroutine
 // while a stream is quiet asks (*Body).Notify to be told when it has
-// bytes; a handler whose response outlives it calls Hold.
+// bytes; a handler whose response outlives it calls Outlive.
 package h2link

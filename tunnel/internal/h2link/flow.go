@@ -15,7 +15,7 @@ func (w *window) avail() int64 { return w.n }
 func (w *window) take(n int64) { w.n -= n }
 
 // add grows the window by n and reports whether it stayed within 2^31-1;
-// a window past it is left unchanged.
+// a window past it stays unchanged.
 func (w *window) add(n int64) bool {
 	if w.n+n > maxWindow {
 		return false

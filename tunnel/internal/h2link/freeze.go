@@ -39,7 +39,7 @@ var ErrNotAtRest = errors.New("freeze: a stream is not at rest")
 // Freezable reports whether the connection was made with Config.Freezable.
 func (l *Conn) Freezable() bool { return l.fread != nil }
 
-// maxFrozenHeaders bounds the header blocks kept for a freeze; a
+// maxFrozenHeaders bounds the header blocks saved for a freeze; a
 // connection whose peer sent more cannot be frozen.
 const maxFrozenHeaders = 64 << 10
 
@@ -210,7 +210,7 @@ func (l *Conn) readStopped() bool {
 	}
 }
 
-// Detach, called by a handler before it returns, leaves its stream open
+// Detach, called by a handler before it returns, lets its stream stay open
 // and unanswered-for: no END_STREAM, no reset. The stream is then Freeze's.
 func Detach(w http.ResponseWriter) {
 	if rw, ok := w.(*responseWriter); ok {
@@ -221,7 +221,7 @@ func Detach(w http.ResponseWriter) {
 // Freeze ends this end's part in a connection whose read loop stopped
 // (StopReading) and whose handlers returned detached: the queued control
 // frames are sent, nothing is written afterwards, and the state returned
-// rebuilds the connection elsewhere (ResumeServer). The socket is left
+// rebuilds the connection elsewhere (ResumeServer). The socket stays
 // open; the caller hands it on and closes its own descriptor.
 func (l *Conn) Freeze() (*Frozen, error) {
 	if !l.readStopped() {
@@ -236,7 +236,7 @@ func (l *Conn) Freeze() (*Frozen, error) {
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	// The last control frames go out, and no more are queued. On an
-	// error the connection is left to the caller's Close.
+	// error the connection is the caller's to Close.
 	l.ctlMu.Lock()
 	q := l.ctlQueue
 	l.ctlQueue, l.ctlClosed = nil, true
@@ -262,7 +262,7 @@ func (l *Conn) Freeze() (*Frozen, error) {
 		f.Streams = append(f.Streams, FrozenStream{ID: st.id, SendWindow: st.sendWindow.avail(), RecvWindow: st.recvWindow.avail(), Unacked: st.unacked, RecvSize: st.recvSize})
 		st.rmu.Unlock()
 	}
-	// From here this end is done with the connection, but leaves it be.
+	// From here this end is done with the connection, but does not close it.
 	l.closed = true
 	l.capacityChangedLocked()
 	l.closeErr = ErrClosed
@@ -320,7 +320,7 @@ func (l *Conn) WaitAtRest(ctx context.Context) error {
 }
 
 // restChangedLocked wakes WaitAtRest, if it waits: a handler returned or a
-// stream left. l.mu is held.
+// stream left. The caller holds l.mu.
 func (l *Conn) restChangedLocked() {
 	if l.rest != nil {
 		close(l.rest)
@@ -419,7 +419,7 @@ func (l *Conn) runResumed(st *stream, w *responseWriter, req *http.Request, serv
 			recover()
 			st.reset(http2.ErrCodeInternal, ErrStreamReset)
 			st.handlerDone()
-		case !w.held:
+		case !w.outlives:
 			w.end()
 		}
 	}()

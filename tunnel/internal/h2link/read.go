@@ -271,7 +271,7 @@ func (l *Conn) onRSTStream(f *http2.RSTStreamFrame) error {
 // the same write, so a link whose streams are read as they arrive sends
 // no update of its own for the connection. Alone, it goes back once a
 // quarter of the window is pending (refillAt): the connection window
-// bounds the bytes in flight (bdp.go), and a quarter held back is what
+// bounds the bytes in flight (bdp.go), and a quarter not yet returned is what
 // the window's doubling makes up for; a finer share costs a system call
 // at each end for every few DATA frames of a fast link.
 func refillAt(target int32) int64 { return max(int64(target)/4, 1) }

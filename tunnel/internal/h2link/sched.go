@@ -14,7 +14,7 @@ import (
 // who writes next: that order is the order frames leave in, so it is what
 // a small write waits behind on a slow link.
 //
-//   - Turns are handed over, never taken: a writer that finds the lock held
+//   - Turns are given, never taken: a writer that finds the lock taken
 //     waits in a queue and is given the lock by the one before it, so a
 //     writer cannot be overtaken by one that came later.
 //   - Two queues. A control frame, a header block, or a DATA write of at
@@ -26,7 +26,7 @@ import (
 //     about turnTime, measured from how long turns take to write (pace).
 //     On a fast link a turn is two frames, one system call; on a slow one
 //     it is one small frame, so the turn in progress is short too.
-//   - The kernel's queue of unsent bytes is kept to one turn
+//   - The kernel's queue of unsent bytes is bounded to one turn
 //     (TCP_NOTSENT_LOWAT on the socket), so bytes leave in the order the
 //     lock gave, not behind what a socket buffer already holds.
 //
@@ -48,15 +48,15 @@ const (
 // writes first. Its own mu is a leaf.
 type writeLock struct {
 	mu     sync.Mutex
-	held   bool          // under mu
+	taken  bool          // under mu
 	urgent []*turnWaiter // under mu: control frames, header blocks, small writes, oldest first
 	bulk   []*turnWaiter // under mu: bulk turns, oldest first
-	// since is when the holder got the lock (unix nanoseconds), 0 while it
-	// is free; written under mu, read by anyone (heldFor, wlock.go).
+	// since is when the owner got the lock (unix nanoseconds), 0 while it
+	// is free; written under mu, read by anyone (takenFor, wlock.go).
 	since atomic.Int64
 }
 
-// turnWaiter is one writer waiting: the lock is handed to it on ready.
+// turnWaiter is one writer waiting: the lock is given to it on ready.
 type turnWaiter struct{ ready chan struct{} }
 
 // turnWaiters is immutable after init (a sync.Pool is safe for concurrent use).
@@ -70,8 +70,8 @@ func (w *writeLock) Lock() { w.lock(false) }
 // turn, after the bulk turns waiting too.
 func (w *writeLock) lock(bulk bool) {
 	w.mu.Lock()
-	if !w.held {
-		w.held = true
+	if !w.taken {
+		w.taken = true
 		w.since.Store(time.Now().UnixNano())
 		w.mu.Unlock()
 		return
@@ -83,11 +83,11 @@ func (w *writeLock) lock(bulk bool) {
 		w.urgent = append(w.urgent, t)
 	}
 	w.mu.Unlock()
-	<-t.ready // the holder handed the lock over
+	<-t.ready // the owner gave it the lock
 	turnWaiters.Put(t)
 }
 
-// Unlock hands the lock to the next writer: the oldest urgent one, else
+// Unlock gives the lock to the next writer: the oldest urgent one, else
 // the oldest bulk turn; or frees it.
 func (w *writeLock) Unlock() {
 	w.mu.Lock()
@@ -98,7 +98,7 @@ func (w *writeLock) Unlock() {
 	case len(w.bulk) > 0:
 		next, w.bulk = pop(w.bulk)
 	default:
-		w.held = false
+		w.taken = false
 	}
 	if next != nil {
 		w.since.Store(time.Now().UnixNano())
@@ -122,7 +122,7 @@ func pop(q []*turnWaiter) (*turnWaiter, []*turnWaiter) {
 }
 
 // connAvailLocked is the connection send window a write may take: a
-// bulk write leaves smallWrite of it to small ones, so that they need not
+// bulk write spares smallWrite of it for small ones, so that they need not
 // wait for credit behind bulk streams, when the peer's window is large
 // enough to spare it. The caller holds mu.
 func (l *Conn) connAvailLocked(bulk bool) int64 {

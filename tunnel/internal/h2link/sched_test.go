@@ -155,8 +155,8 @@ func TestWriteLockServesSmallWritesFirst(t *testing.T) {
 	if !slices.Equal(order, want) {
 		t.Fatalf("turns went %v, want %v", order, want)
 	}
-	if w.held || w.urgent != nil || w.bulk != nil {
-		t.Fatalf("after the last turn: held %v, %d urgent, %d bulk waiting; want a free lock holding no queue", w.held, len(w.urgent), len(w.bulk))
+	if w.taken || w.urgent != nil || w.bulk != nil {
+		t.Fatalf("after the last turn: taken %v, %d urgent, %d bulk waiting; want a free lock holding no queue", w.taken, len(w.urgent), len(w.bulk))
 	}
 }
 
@@ -313,8 +313,8 @@ func TestTwoWayTripIsNoQueue(t *testing.T) {
 }
 
 // TestWriteLockGiveUp: a waiter with a deadline leaves the queue when it
-// ends, and the holders after it are served in order; one handed the
-// lock as it gave up passes it on.
+// ends, and the waiters after it are served in order; one given the
+// lock as it gave up gives it to the next.
 func TestWriteLockGiveUp(t *testing.T) {
 	var w writeLock
 	w.Lock()
@@ -323,8 +323,8 @@ func TestWriteLockGiveUp(t *testing.T) {
 	if err := w.lockContext(ctx, 0); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("lockContext on a held lock: %v, want the deadline", err)
 	}
-	if w.heldFor(time.Now()) <= 0 {
-		t.Fatal("held lock reports no holder")
+	if w.takenFor(time.Now()) <= 0 {
+		t.Fatal("a taken lock reports no owner")
 	}
 	got := make(chan struct{})
 	go func() { w.Lock(); close(got) }()
@@ -341,8 +341,8 @@ func TestWriteLockGiveUp(t *testing.T) {
 		t.Fatalf("lockContext with a stall bound: %v, want ErrStalled", err)
 	}
 	w.Unlock()
-	if w.heldFor(time.Now()) != 0 {
-		t.Fatal("a free lock reports a holder")
+	if w.takenFor(time.Now()) != 0 {
+		t.Fatal("a free lock reports an owner")
 	}
 	if err := w.lockContext(context.Background(), time.Second); err != nil {
 		t.Fatalf("lockContext on a free lock: %v", err)
@@ -354,14 +354,14 @@ func TestWriteLockGiveUp(t *testing.T) {
 	w.mu.Lock()
 	w.urgent = append(w.urgent, tw)
 	w.mu.Unlock()
-	w.Unlock() // hands it to tw
+	w.Unlock() // gives it to tw
 	if err := w.giveUp(tw, context.Canceled); !errors.Is(err, context.Canceled) {
 		t.Fatal(err)
 	}
 	ctx2, cancel2 := context.WithTimeout(context.Background(), time.Second)
 	defer cancel2()
 	if err := w.lockContext(ctx2, 0); err != nil {
-		t.Fatalf("the lock was lost by a waiter that gave up as it was handed it: %v", err)
+		t.Fatalf("the lock was lost by a waiter that gave up as it was given it: %v", err)
 	}
 	w.Unlock()
 }

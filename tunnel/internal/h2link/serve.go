@@ -183,7 +183,7 @@ func (l *Conn) runHandler(h http.Handler, st *stream, req *http.Request) {
 			st.handlerDone()
 			return
 		}
-		if !w.held {
+		if !w.outlives {
 			w.end()
 		}
 	}()
@@ -200,7 +200,7 @@ func (w *responseWriter) end() {
 	w.st.handlerDone()
 }
 
-// Hold, called by a handler, lets its response outlive the handler's
+// Outlive, called by a handler, lets its response outlive the handler's
 // goroutine, so that a long call need not keep a goroutine with the
 // stack its start grew: when the handler returns nothing happens, and
 // the returned end, called once from any goroutine, does what the return
@@ -209,12 +209,12 @@ func (w *responseWriter) end() {
 // MaxConcurrentStreams. The ResponseWriter goes with end: whoever calls
 // end owns it from the handler's return. nil for a ResponseWriter that is
 // not the link's: that handler must not return before it is done.
-func Hold(w http.ResponseWriter) (end func()) {
+func Outlive(w http.ResponseWriter) (end func()) {
 	rw, ok := w.(*responseWriter)
 	if !ok {
 		return nil // not ours: the handler must stay
 	}
-	rw.held = true
+	rw.outlives = true
 	return rw.end
 }
 
@@ -246,15 +246,15 @@ func (st *stream) handlerDone() {
 //
 // The header map is made on the first Header and, once the head went
 // out, keeps only the trailers set so far: a long response (a gRPC call
-// held for hours) holds no map for a head it sent at its start. A handler
+// open for hours) holds no map for a head it sent at its start. A handler
 // calls Header again for each trailer it sets after the head.
 type responseWriter struct {
 	st          *stream
 	header      http.Header // nil until Header is called
 	status      int         // set by WriteHeader
 	headersSent bool        // the head has gone out
-	detached    bool        // Detach: the stream is left open for Freeze
-	held        bool        // Hold: the handler's return does not end the response
+	detached    bool        // Detach: the stream stays open for Freeze
+	outlives    bool        // Outlive: the handler's return does not end the response
 	err         error
 }
 

@@ -523,21 +523,21 @@ func TestServeResetsAfterAnswerAreFree(t *testing.T) {
 // counted as its own; the body's Notify tells of each change a Read would
 // see (bytes, END_STREAM) once, from the link, with no goroutine waiting;
 // end finishes the response as the handler's return would have.
-func TestServeHoldAndNotify(t *testing.T) {
+func TestServeOutliveAndNotify(t *testing.T) {
 	checkNoLeaks(t)
-	type heldCall struct {
+	type outlivingCall struct {
 		end  func()
 		body *Body
 	}
-	held := make(chan heldCall, 1)
+	calls := make(chan outlivingCall, 1)
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		end := Hold(w)
+		end := Outlive(w)
 		w.(http.Flusher).Flush()
-		held <- heldCall{end, r.Body.(*Body)}
+		calls <- outlivingCall{end, r.Body.(*Body)}
 	})
 	l, c := servingPair(t, Config{}, h)
 	c.request(1, false)
-	hc := <-held
+	hc := <-calls
 	c.until("the answer's HEADERS", func(f http2.Frame) bool { return f.Header().Type == http2.FrameHeaders })
 	counted := func() int {
 		l.mu.Lock()
@@ -567,7 +567,7 @@ func TestServeHoldAndNotify(t *testing.T) {
 		t.Fatalf("Read after END_STREAM: %d %v, want io.EOF", n, err)
 	}
 	if got := counted(); got != 1 {
-		t.Fatalf("%d streams counted while the response is held, want 1", got)
+		t.Fatalf("%d streams counted while the response outlives its handler, want 1", got)
 	}
 	select {
 	case <-woken:
@@ -585,7 +585,7 @@ func TestServeHoldAndNotify(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	if got := counted(); got != 0 {
-		t.Fatalf("%d streams counted once the held response ended, want 0", got)
+		t.Fatalf("%d streams counted once the outliving response ended, want 0", got)
 	}
 }
 

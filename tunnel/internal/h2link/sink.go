@@ -148,7 +148,7 @@ type socketSink struct {
 // DeliverTo or WriteTo makes (n > 0 bytes, one or more DATA payloads in
 // one system call), in order, as the write returns: a count of writes, or
 // a stamp of the stream's last activity. Set it before either starts. f
-// runs with the stream's lock held, from the read loop or a writer, so it
+// runs under the stream's lock, from the read loop or a writer, so it
 // must be a few atomic operations and never block.
 func (b *Body) OnWrite(f func(n int)) {
 	b.st.rmu.Lock()
@@ -233,7 +233,7 @@ func (st *stream) endSink(err error) {
 	s.d.complete(s.after(err))
 }
 
-// writeToSinkRLocked is the read loop's attempt to hand data straight to the
+// writeToSinkRLocked is the read loop's attempt to give data straight to the
 // socket: one non-blocking write, and only while nothing is queued and no
 // writer is busy (bytes must stay in order). It returns how much the
 // socket took; a failed socket ends the delivery.

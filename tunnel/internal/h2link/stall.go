@@ -242,7 +242,7 @@ func (l *Conn) checkCredit(now time.Time) []CreditStall {
 
 // owedRLocked checks the stream for credit owed: its window spent while
 // nothing is queued, on a stream still receiving. It reports a stall the
-// first time the condition has held for bound. The caller holds rmu.
+// first time the condition has been true for bound. The caller holds rmu.
 func (st *stream) owedRLocked(now time.Time, bound time.Duration) (CreditStall, bool) {
 	if st.recvWindow.avail() > 0 || st.queued > 0 || st.eof || st.recvErr != nil || st.readerGone {
 		st.owedSince, st.owedTold = 0, false

@@ -149,7 +149,7 @@ type upload interface {
 // RoundTrip, through (*Body).SendUpload once it has the answer, on the
 // goroutine it has anyway, rather than on one more per stream that waits
 // through the dial. Only such an upload may park: its SendTo returns
-// ErrUploadParked once its source is quiet, leaving the stream open, and
+// ErrUploadParked once its source is quiet, with the stream still open, and
 // its owner calls SendUpload again when the source has bytes.
 type callerSends interface{ CallerSends() bool }
 
@@ -172,7 +172,7 @@ func (l *Conn) RoundTrip(req *http.Request) (*http.Response, error) {
 	noBody := req.Body == nil
 
 	// The dial's deadline bounds the wait for the write lock too; a lock
-	// held by a write that does not drain sends the dial elsewhere.
+	// taken by a write that does not drain sends the dial elsewhere.
 	if err := l.wmu.lockContext(ctx, l.cfg.StallAfter); err != nil {
 		return nil, err
 	}
@@ -372,7 +372,7 @@ func (st *stream) writeData(p []byte, end bool) error {
 
 // --- both ends ---
 
-// receive queues a DATA payload for the reader, or hands it straight to
+// receive queues a DATA payload for the reader, or gives it straight to
 // the stream's socket (see sink.go).
 func (st *stream) receive(data []byte, flow int64) error {
 	st.rmu.Lock()
@@ -468,7 +468,7 @@ func (st *stream) readableRLocked() bool {
 }
 
 // queuedRLocked counts n bytes more (fewer, when negative) queued in the
-// stream, and in Config.Queued. rmu is held.
+// stream, and in Config.Queued. The caller holds rmu.
 func (st *stream) queuedRLocked(n int64) {
 	st.queued += n
 	if q := st.l.cfg.Queued; q != nil {
@@ -476,7 +476,7 @@ func (st *stream) queuedRLocked(n int64) {
 	}
 }
 
-// dropQueueRLocked lets go of what is queued, unread. rmu is held.
+// dropQueueRLocked lets go of what is queued, unread. The caller holds rmu.
 func (st *stream) dropQueueRLocked() {
 	dropped := -st.head
 	for _, c := range st.queue {

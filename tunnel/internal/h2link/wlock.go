@@ -13,9 +13,9 @@ import (
 // the stream, so the caller may try elsewhere.
 var ErrStalled = errors.New("connection stalled: its writes have not drained")
 
-// heldFor is how long the write lock's holder has had it; 0 while free.
-// Holders only write, so a lock held long is a write that does not drain.
-func (w *writeLock) heldFor(now time.Time) time.Duration {
+// takenFor is how long the write lock's owner has had it; 0 while free.
+// Owners only write, so a lock taken long is a write that does not drain.
+func (w *writeLock) takenFor(now time.Time) time.Duration {
 	s := w.since.Load()
 	if s == 0 {
 		return 0
@@ -25,18 +25,18 @@ func (w *writeLock) heldFor(now time.Time) time.Duration {
 
 // lockContext is Lock (an urgent turn: a header block) for a caller with
 // a deadline: it stops waiting when ctx ends (its error), or, when stall
-// is positive, once one holder has had the lock longer than stall
+// is positive, once one owner has had the lock longer than stall
 // (ErrStalled). A waiter that gives up leaves the queue; one that was
-// handed the lock meanwhile passes it on.
+// given the lock meanwhile gives it to the next.
 func (w *writeLock) lockContext(ctx context.Context, stall time.Duration) error {
 	w.mu.Lock()
-	if !w.held {
-		w.held = true
+	if !w.taken {
+		w.taken = true
 		w.since.Store(time.Now().UnixNano())
 		w.mu.Unlock()
 		return nil
 	}
-	if stall > 0 && w.heldFor(time.Now()) > stall {
+	if stall > 0 && w.takenFor(time.Now()) > stall {
 		w.mu.Unlock()
 		return ErrStalled
 	}
@@ -47,7 +47,7 @@ func (w *writeLock) lockContext(ctx context.Context, stall time.Duration) error 
 		var wake <-chan time.Time
 		var timer *time.Timer
 		if stall > 0 {
-			left := stall - w.heldFor(time.Now())
+			left := stall - w.takenFor(time.Now())
 			if left <= 0 {
 				return w.giveUp(t, ErrStalled)
 			}
@@ -67,13 +67,13 @@ func (w *writeLock) lockContext(ctx context.Context, stall time.Duration) error 
 			}
 			return w.giveUp(t, ctx.Err())
 		case <-wake:
-			// Look again: the holder may have changed meanwhile.
+			// Look again: the owner may have changed meanwhile.
 		}
 	}
 }
 
 // giveUp takes waiter t out of the queue and returns err; if the lock was
-// handed to t meanwhile, t passes it on.
+// given to t meanwhile, t gives it to the next.
 func (w *writeLock) giveUp(t *turnWaiter, err error) error {
 	w.mu.Lock()
 	if i := slices.Index(w.urgent, t); i >= 0 {
