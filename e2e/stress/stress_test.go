@@ -17,27 +17,7 @@ import (
 // fails only when a tunnel does not complete or a byte is wrong, never on
 // timing: the figures are printed, not asserted.
 func TestStressSmall(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a server and an agent; skipped with -short")
-	}
-	bin := benchproc.Binary(t)
-	var stderr bytes.Buffer
-	cfg, err := parseFlags([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576",
-		"--shapes", "echo,download,upload", "--hogs", "1", "--hog-for", "10s", "--timeout", "3m", "--destinations", "loopback"}, &stderr)
-	if err != nil {
-		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	ok, err := run(ctx, cfg, &out)
-	t.Logf("\n%s", out.String())
-	if err != nil {
-		t.Fatalf("stress: %v", err)
-	}
-	if !ok {
-		t.Fatal("stress: a tunnel did not complete, or a byte was wrong")
-	}
+	runSmall(t, "--shapes", "echo,download,upload", "--hogs", "1", "--hog-for", "10s", "--destinations", "loopback")
 }
 
 // TestStressPodNetwork runs the small form's one-way shapes with the
@@ -45,16 +25,27 @@ func TestStressSmall(t *testing.T) {
 // path whose sockets the agent sizes by a 1448-byte segment. It needs
 // root, as the namespace does.
 func TestStressPodNetwork(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a server and an agent; skipped with -short")
-	}
 	if os.Geteuid() != 0 {
 		t.Skip("a network namespace needs root")
 	}
+	out := runSmall(t, "--shapes", "download,upload", "--destinations", "pod")
+	if !strings.Contains(out, "destinations on pod") {
+		t.Fatal("the run did not say where its destinations were")
+	}
+}
+
+// runSmall runs 500 tunnels of 1 MiB each with args against
+// $KONNECTIVITY_BIN (or a binary built from ../.. as `make build` does),
+// and returns what it printed. It fails only when a tunnel does not
+// complete or a byte is wrong, never on timing.
+func runSmall(t *testing.T, args ...string) string {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts a server and an agent; skipped with -short")
+	}
 	bin := benchproc.Binary(t)
 	var stderr bytes.Buffer
-	cfg, err := parseFlags([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576",
-		"--shapes", "download,upload", "--timeout", "3m", "--destinations", "pod"}, &stderr)
+	cfg, err := parseFlags(append([]string{"--bin", bin, "--tunnels", "500", "--bytes", "1048576", "--timeout", "3m"}, args...), &stderr)
 	if err != nil {
 		t.Fatalf("parse flags: %v\n%s", err, stderr.String())
 	}
@@ -69,9 +60,7 @@ func TestStressPodNetwork(t *testing.T) {
 	if !ok {
 		t.Fatal("stress: a tunnel did not complete, or a byte was wrong")
 	}
-	if !strings.Contains(out.String(), "destinations on pod") {
-		t.Fatal("the run did not say where its destinations were")
-	}
+	return out.String()
 }
 
 func TestParseFlags(t *testing.T) {
