@@ -2,19 +2,13 @@ package auth
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/base64"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"io"
 	"log"
-	"math/big"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -27,75 +21,11 @@ import (
 	"time"
 
 	"github.com/spinifex/konnectivity/internal/kubeclient"
+	"github.com/spinifex/konnectivity/internal/testpki"
 )
 
 // sampleToken is checked for in every error message the tests produce.
 const sampleToken = "eyJhbGciOiJSUzI1NiJ9.c2FtcGxlLXNlY3JldC10b2tlbg.U0VDUkVULVNJR05BVFVSRS1kby1ub3QtbGVhaw"
-
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pem  []byte
-}
-
-func newTestCA(t testing.TB, cn string) *testCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: cn},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
-}
-
-// issue returns a PEM cert and key signed by ca.
-func (ca *testCA) issue(t testing.TB, cn string, server bool, dns []string, ips []net.IP) (certPEM, keyPEM []byte) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	usage := x509.ExtKeyUsageClientAuth
-	if server {
-		usage = x509.ExtKeyUsageServerAuth
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(time.Now().UnixNano()),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
-		DNSNames:     dns,
-		IPAddresses:  ips,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
-}
 
 // identity is what the fake apiserver knows about a token.
 type identity struct {
@@ -117,7 +47,7 @@ type fakeAPIServer struct {
 	t        *testing.T
 	srv      *httptest.Server
 	caPEM    []byte // CA of the serving cert
-	clientCA *testCA
+	clientCA *testpki.CA
 	certPEM  []byte // a client cert the server accepts
 	keyPEM   []byte
 	requests atomic.Int64
@@ -140,22 +70,22 @@ type fakeOpts struct {
 func newFakeAPIServer(t *testing.T, o fakeOpts) *fakeAPIServer {
 	t.Helper()
 	f := &fakeAPIServer{t: t, tokens: map[string]identity{}, release: make(chan struct{})}
-	serverCA := newTestCA(t, "fake-apiserver-ca")
-	f.caPEM = serverCA.pem
-	sc, sk := serverCA.issue(t, "kube-apiserver", true, []string{"kubernetes.test"}, []net.IP{net.IPv4(127, 0, 0, 1)})
+	serverCA := testpki.NewCA(t, "fake-apiserver-ca")
+	f.caPEM = serverCA.PEM
+	sc, sk := serverCA.Issue(t, "kube-apiserver", true, []string{"kubernetes.test"}, []net.IP{net.IPv4(127, 0, 0, 1)})
 	serving, err := tls.X509KeyPair(sc, sk)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.clientCA = newTestCA(t, "fake-client-ca")
-	f.certPEM, f.keyPEM = f.clientCA.issue(t, "system:konnectivity-server", false, nil, nil)
+	f.clientCA = testpki.NewCA(t, "fake-client-ca")
+	f.certPEM, f.keyPEM = f.clientCA.Issue(t, "system:konnectivity-server", false, nil, nil)
 
 	f.srv = httptest.NewUnstartedServer(http.HandlerFunc(f.serve))
 	f.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // refused handshakes are expected
 	f.srv.TLS = &tls.Config{Certificates: []tls.Certificate{serving}, MinVersion: tls.VersionTLS12}
 	if o.requireClientCert {
 		pool := x509.NewCertPool()
-		pool.AddCert(f.clientCA.cert)
+		pool.AddCert(f.clientCA.Cert)
 		f.srv.TLS.ClientCAs = pool
 		f.srv.TLS.ClientAuth = tls.RequireAndVerifyClientCert
 	}

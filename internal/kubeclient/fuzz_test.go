@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/spinifex/konnectivity/internal/testpki"
 )
 
 // FuzzLoadKubeconfig feeds arbitrary bytes and context names to the
@@ -13,9 +15,9 @@ import (
 // and whatever it accepts must be usable.
 func FuzzLoadKubeconfig(f *testing.F) {
 	dir := f.TempDir()
-	ca := newTestCA(f, "fuzz-ca")
-	cert, key := ca.issue(f, "fuzz-client", false, nil, nil)
-	writeFile(f, filepath.Join(dir, "ca.crt"), ca.pem)
+	ca := testpki.NewCA(f, "fuzz-ca")
+	cert, key := ca.Issue(f, "fuzz-client", false, nil, nil)
+	writeFile(f, filepath.Join(dir, "ca.crt"), ca.PEM)
 	writeFile(f, filepath.Join(dir, "client.crt"), cert)
 	writeFile(f, filepath.Join(dir, "client.key"), key)
 	writeFile(f, filepath.Join(dir, "token"), []byte(sampleToken))
@@ -34,7 +36,7 @@ contexts:
 users:
 - name: u
   user: {client-certificate-data: %s, client-key-data: %s, token: %s}
-`, b64(ca.pem), b64(cert), b64(key), sampleToken)
+`, b64(ca.PEM), b64(cert), b64(key), sampleToken)
 	files := `current-context: a
 clusters: [{name: k, cluster: {server: "10.0.0.1:6443", certificate-authority: ca.crt}}, {name: k2, cluster: {server: "http://h", insecure-skip-tls-verify: true}}]
 contexts: [{name: a, context: {cluster: k, user: u}}, {name: b, context: {cluster: k2, user: v}}]

@@ -289,7 +289,7 @@ func TestMalformedKubeconfigs(t *testing.T) {
 	writeFile(t, filepath.Join(dir, "notpem"), []byte("hello"))
 	writeFile(t, filepath.Join(dir, "empty"), nil)
 	ca, cert, key := b64(f.caPEM), b64(f.certPEM), b64(f.keyPEM)
-	_, otherKey := f.clientCA.issue(t, "other", false, nil, nil)
+	_, otherKey := f.clientCA.Issue(t, "other", false, nil, nil)
 
 	kc := func(cluster, user string) string {
 		return fmt.Sprintf(`current-context: foo
